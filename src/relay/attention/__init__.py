@@ -1,0 +1,36 @@
+"""Attention backends: `torch` (CPU and reference), `triton` and `flashinfer` (CUDA)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from relay.attention.base import BACKENDS, AttentionBackend, StepMeta, register_backend
+
+# Modules that register backends; imported on demand so a CPU install never imports GPU code.
+_MODULES = {"torch": "relay.attention.torch_native", "triton": "relay.attention.triton_backend",
+            "flashinfer": "relay.attention.flashinfer_backend"}
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`auto` picks flashinfer on CUDA when it is installed, else triton on CUDA, else torch."""
+    if name != "auto":
+        if name not in _MODULES:
+            raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_MODULES)} or auto")
+        if name != "torch" and device.type != "cuda":
+            raise ValueError(f"attention backend {name!r} needs a CUDA device")
+        return name
+    if device.type != "cuda":
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+
+
+def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    name = resolve_backend_name(name, device)
+    if name not in BACKENDS:
+        importlib.import_module(_MODULES[name])
+    return BACKENDS[name](**kwargs)
+
+
+__all__ = ["AttentionBackend", "StepMeta", "register_backend", "create_backend", "resolve_backend_name"]

@@ -1,0 +1,112 @@
+"""Attention in plain torch ops over the paged KV cache: the CPU backend and the reference.
+
+Decoding requests are attended together: their keys are gathered into one padded
+[batch, max_len] block and scored with batched matmuls (GQA handled by viewing the query
+heads of each kv head as rows, so keys are never repeated). On this CPU that beats bf16
+SDPA for single-token queries by 3-5x. Prompt chunks go through SDPA one request at a
+time, reading the cache as a view when the request's pages are consecutive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from relay.attention.base import AttentionBackend, StepMeta, register_backend
+
+
+@dataclass
+class _Prefill:
+    row: int  # first query row in the step's flattened tokens
+    num_new: int
+    keys: slice | torch.Tensor  # the request's KV slots, as a slice when consecutive
+    mask: torch.Tensor | None  # [num_new, seq_len] bool, None = plain causal from 0
+
+
+def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int) -> np.ndarray:
+    """[num_reqs, max_len] KV slot of each token; slot 0 (scratch) past each length."""
+    width = max(len(p) for p in page_tables)
+    table = np.zeros((len(page_tables), width), dtype=np.int64)
+    for i, pages in enumerate(page_tables):
+        table[i, :len(pages)] = pages
+    slots = (table[:, :, None] * page_size + np.arange(page_size)).reshape(len(page_tables), -1)
+    max_len = max(lengths)
+    slots = slots[:, :max_len]
+    slots[np.arange(max_len)[None, :] >= np.asarray(lengths)[:, None]] = 0
+    return slots
+
+
+@register_backend("torch")
+class TorchNativeBackend(AttentionBackend):
+    def plan(self, meta: StepMeta) -> None:
+        device = self.kv.k[0].device
+        self.out_slots = meta.out_slots
+        seq_lens = meta.seq_lens
+        dec = [i for i, e in enumerate(meta.extend_lens) if e == 1]
+        starts = np.concatenate([[0], np.cumsum(meta.extend_lens)[:-1]]).tolist()
+        self.dec_rows = None
+        self.has_decode = bool(dec)
+        if dec:
+            all_decode = len(dec) == len(meta.extend_lens)
+            self.dec_rows = None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
+            lens = [seq_lens[i] for i in dec]
+            slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
+            self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
+            self.dec_shape = slots.shape
+            self.dec_mask = None
+            if min(lens) != max(lens):
+                pad = np.arange(slots.shape[1])[None, :] >= np.asarray(lens)[:, None]
+                mask = torch.zeros(slots.shape, dtype=torch.float32)
+                mask[torch.from_numpy(pad)] = float("-inf")
+                self.dec_mask = mask.to(device)[:, None, None, :]
+        self.prefills = [self._plan_prefill(meta, i, starts[i], seq_lens[i], device)
+                         for i, e in enumerate(meta.extend_lens) if e > 1]
+
+    def _plan_prefill(self, meta: StepMeta, i: int, row: int, seq_len: int, device) -> _Prefill:
+        pages = meta.page_tables[i]
+        ps = self.kv.page_size
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            keys: slice | torch.Tensor = slice(pages[0] * ps, pages[0] * ps + seq_len)
+        else:
+            keys = torch.from_numpy(page_slots([pages], [seq_len], ps)[0]).to(device)
+        n, prefix = meta.extend_lens[i], meta.prefix_lens[i]
+        mask = None
+        if prefix:
+            q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+        return _Prefill(row, n, keys, mask)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        self.kv.write(layer, self.out_slots, k, v)
+        if self.has_decode and self.dec_rows is None:  # a pure decode step
+            return self._decode(q, layer).view(q.shape[0], -1)
+        out = torch.empty_like(q)
+        if self.has_decode:
+            out[self.dec_rows] = self._decode(q[self.dec_rows], layer)
+        for p in self.prefills:
+            out[p.row:p.row + p.num_new] = self._prefill(q[p.row:p.row + p.num_new], p, layer)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        b, max_len = self.dec_shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        keys = self.kv.k[layer][self.dec_slots].view(b, max_len, hkv, d)
+        values = self.kv.v[layer][self.dec_slots].view(b, max_len, hkv, d)
+        qg = q.view(b, hkv, group, d)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [b, hkv, group, len]
+        if self.dec_mask is not None:
+            scores = scores + self.dec_mask
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values.transpose(1, 2)).view(b, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, p: _Prefill, layer: int) -> torch.Tensor:
+        keys = self.kv.k[layer][p.keys]
+        values = self.kv.v[layer][p.keys]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=p.mask, is_causal=p.mask is None,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,141 @@
+"""Engine and model configuration.
+
+`EngineConfig` is what a user sets (the offline `Engine(**config)` and the server's
+flags map onto it one to one); `ModelConfig` is what a checkpoint's config.json says.
+Both are plain dataclasses so they travel between processes as msgpack maps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy", "dummy-null")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | None = None  # HF directory or .gguf file; None = the default model
+    tokenizer_path: str | None = None  # defaults to the model's own tokenizer
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU has it, else float32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    tp_size: int = 1
+    page_size: int = 16
+    kv_cache_gb: float | None = None  # KV budget; wins over mem_fraction_static
+    mem_fraction_static: float | None = None  # of free memory after weights
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 512  # token budget of one forward step (decodes + prefill chunks)
+    max_queued_requests: int = 4096  # beyond this the server answers 503
+    disable_radix_cache: bool = False
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+    attention_backend: str = "auto"
+    num_threads: int | None = None  # torch threads per rank; default: cores // tp_size
+    seed: int = 0
+    load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    enable_torch_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError("kv_cache_gb must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type", ""), "")])[0]
+        heads = cfg["num_attention_heads"]
+        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=dict(scaling) if scaling else None,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = cls.from_hf_dict(json.load(f))
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            extra = [eos] if isinstance(eos, int) else list(eos or [])
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(extra))
+        return cfg
+
+    def kv_bytes_per_token(self, itemsize: int, tp_size: int = 1) -> int:
+        """KV bytes one token takes on the busiest rank (kv heads may split unevenly)."""
+        kv_heads = max(1, -(-self.num_kv_heads // tp_size))
+        return 2 * self.num_layers * kv_heads * self.head_dim * itemsize
+
+
+_ARCH_BY_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}

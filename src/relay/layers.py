@@ -1,0 +1,131 @@
+"""Building blocks of the decoder models: norms, rotary embedding, parallel linear layers.
+
+Linear layers hold one shard of the full weight; the loader copies each checkpoint tensor's
+slice in through `weight_loader`-style helpers on the model. Column-parallel layers split
+the output features (no communication); row-parallel ones split the input features and
+all-reduce the partial sums.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relay.distributed import TPGroup, split_evenly
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, like the reference implementations, so bf16 stays stable.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W a [out, in] shard; `reduce` all-reduces the result (row-parallel)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp: TPGroup | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.tp = tp  # set for row-parallel layers only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_reduce(y) if self.tp is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding (and, tied or not, LM head) whose vocabulary rows are split over ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
+        self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
+        self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary float32 logits on every rank."""
+        return self.tp.all_gather_last_dim(F.linear(h, self.weight).float(), self.shard_sizes)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half) with the HF scaling variants Llama/Qwen use."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        attention_factor = 1.0
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+        elif kind not in ("default", None):
+            raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token tables, gathered once per step and shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_len = s.get("original_max_position_embeddings", 4096)
+    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+    extrapolation = 1 - ramp.clamp(0, 1)
+    inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, mscale

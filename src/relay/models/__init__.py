@@ -1,0 +1,19 @@
+"""Model registry: config.json's `architectures[0]` -> the class that implements it."""
+from __future__ import annotations
+
+from torch import nn
+
+from relay.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; Relay runs {sorted(MODELS)}") from None

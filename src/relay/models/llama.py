@@ -1,0 +1,156 @@
+"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama, Mistral), Qwen2, Qwen3.
+
+The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
+before the rotary embedding. q/k/v and gate/up are fused into one GEMM each.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relay.attention.base import AttentionBackend
+from relay.config import ModelConfig
+from relay.distributed import TPGroup, head_partition, split_evenly
+from relay.layers import Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        self.shard = head_partition(mc.num_heads, mc.num_kv_heads, tp.size, tp.rank)
+        self.layer_id = layer_id
+        self.head_dim = d = mc.head_dim
+        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = Linear(mc.hidden_size, sum(self.sizes), mc.attention_bias, dtype)
+        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, False, dtype, tp)
+        self.qk_norm = mc.qk_norm
+        if mc.qk_norm:
+            self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attn.forward(q, k, v, self.layer_id))
+
+
+class MLP(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.inter = split_evenly(mc.intermediate_size, tp.size, tp.rank)[1]
+        self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
+        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.self_attn = Attention(mc, tp, dtype, layer_id)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.mlp = MLP(mc, tp, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = mc
+        self.tp = tp
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(mc, tp, dtype, i) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
+                        else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
+        self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    # ---- checkpoint loading -------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each rank's slice of HF-named checkpoint tensors into the fused parameters."""
+        loaded: set[str] = set()
+        for name, w in weights:
+            target = self._load_one(name, w)
+            if target:
+                loaded.add(target)
+        expected = {n for n, _ in self.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+    def _load_one(self, name: str, w: torch.Tensor) -> str | None:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return None
+            module = self.embed_tokens if name.startswith("embed") else self.lm_head
+            n = module.weight.shape[0]
+            module.weight.copy_(w[module.start:module.start + n])
+            return name
+        if name == "norm.weight":
+            self.norm.weight.copy_(w)
+            return name
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if m is None:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        layer, part, kind = self.layers[int(m.group(1))], m.group(2), m.group(3)
+        prefix = f"layers.{m.group(1)}."
+        attn, mlp, d = layer.self_attn, layer.mlp, self.config.head_dim
+        sh = attn.shard
+        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            which = part[-6]
+            start, count, offset = {
+                "q": (sh.q_start, sh.q_count, 0),
+                "k": (sh.kv_start, sh.kv_count, attn.sizes[0]),
+                "v": (sh.kv_start, sh.kv_count, attn.sizes[0] + attn.sizes[1]),
+            }[which]
+            dest = getattr(attn.qkv_proj, kind)
+            dest[offset:offset + count * d].copy_(w[start * d:(start + count) * d])
+            return prefix + f"self_attn.qkv_proj.{kind}"
+        if part == "self_attn.o_proj":
+            attn.o_proj.weight.copy_(w[:, sh.q_start * d:(sh.q_start + sh.q_count) * d])
+            return prefix + "self_attn.o_proj.weight"
+        if part in ("mlp.gate_proj", "mlp.up_proj"):
+            start, n = split_evenly(w.shape[0], self.tp.size, self.tp.rank)
+            offset = 0 if part == "mlp.gate_proj" else n
+            mlp.gate_up_proj.weight[offset:offset + n].copy_(w[start:start + n])
+            return prefix + "mlp.gate_up_proj.weight"
+        if part == "mlp.down_proj":
+            start, n = split_evenly(w.shape[1], self.tp.size, self.tp.rank)
+            mlp.down_proj.weight.copy_(w[:, start:start + n])
+            return prefix + "mlp.down_proj.weight"
+        module = layer.get_submodule(part)  # input/post-attention norms, q/k norms
+        module.weight.copy_(w)
+        return prefix + part + ".weight"

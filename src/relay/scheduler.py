@@ -1,0 +1,431 @@
+"""Continuous-batching scheduler policy: what runs in the next forward step.
+
+Every step packs (1) one token for each running request that is decoding, (2) the next
+chunk of requests whose prompt is partly computed, and (3) newly admitted requests, in
+priority order, until the step's token budget is spent. KV pages come from the radix
+cache's allocator; when they run out, the lowest-priority, newest request is retracted
+(its computed KV goes to the prefix cache) and recomputed later. Pure Python: no tensors.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from relay.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.config import EngineConfig
+from relay.kv_allocator import PageAllocator
+from relay.radix_cache import RadixCache
+from relay.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FINISHED, RUNNING, WAITING, Req,
+                           TokenEvent)
+
+logger = logging.getLogger(__name__)
+
+# A waiting request is held back for a step when it shares at least this many uncached
+# tokens with a request whose prefill is in flight: next step it reuses that KV instead.
+SHARED_PREFIX_DEFER_TOKENS = 32
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (its prompt does not fit the context or the KV pool)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_total_tokens: int
+    kv_free_tokens: int
+    kv_locked_tokens: int  # pages running requests hold (privately or through the tree)
+    kv_cached_tokens: int  # pages only the prefix cache holds (evictable)
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    num_retractions_total: int
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens_total / max(1, self.prompt_tokens_total)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
+                 eos_token_ids: list[int]):
+        self.cfg = config
+        self.page_size = config.page_size
+        self.context_len = context_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.cache = RadixCache(self.allocator, disabled=config.disable_radix_cache)
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}  # every request not yet finished
+        self._waiting: list[tuple[int, int, Req]] = []  # heap of (-priority, seq, req)
+        self._num_waiting = 0
+        self._seq = itertools.count()
+        self._step = 0
+        self._inflight: dict[int, list[Req]] = {}
+        self._free_sids: list[int] = []
+        self._next_sid = 0
+        self._released_sids: list[int] = []
+        self._prompt_tokens_total = 0
+        self._cached_tokens_total = 0
+        self._retractions_total = 0
+
+    # ---- requests in and out ----------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a request; raises RequestRejected if it could never run."""
+        if req.rid in self.reqs:
+            raise RequestRejected("rid", f"request id {req.rid!r} is already in use")
+        if not req.prompt_ids:
+            raise RequestRejected("prompt", "the prompt is empty")
+        if len(req.prompt_ids) >= self.context_len:
+            raise RequestRejected("prompt", f"the prompt has {len(req.prompt_ids)} tokens; the context "
+                                            f"holds {self.context_len} including at least one generated token")
+        need = self._pages_for(len(req.prompt_ids) + 1)
+        if need > self.allocator.capacity:
+            raise RequestRejected("prompt", f"the prompt needs {need * self.page_size} KV tokens; the pool "
+                                            f"holds {self.allocator.capacity * self.page_size}")
+        req.seq = next(self._seq)
+        self.reqs[req.rid] = req
+        self._push_waiting(req)
+
+    def abort(self, rid: str) -> TokenEvent | None:
+        """End a request wherever it is, freeing its KV; None if it is unknown or done."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        return self._finish(req, FINISH_ABORT)
+
+    def finish(self, rid: str, reason: str, matched_stop: int | str | None = None) -> TokenEvent | None:
+        """End a request for a reason found outside the scheduler (a stop string)."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        req.matched_stop = matched_stop
+        return self._finish(req, reason)
+
+    def fail_all(self, error: str) -> list[TokenEvent]:
+        return [self._finish(req, FINISH_ABORT, error) for req in list(self.reqs.values())]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self._num_waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    # ---- the step -------------------------------------------------------------------
+    def schedule(self) -> BatchInput | None:
+        """Decide the next forward step; None if there is nothing to run."""
+        budget = self.cfg.chunked_prefill_size
+        self._preempt_for_waiting(budget)
+        batch: list[tuple[Req, int]] = []
+        scheduled: set[int] = set()
+        by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
+        # Decodes first (one token each, in rank order so retraction victims are never
+        # already in the batch), then prompt chunks of running requests.
+        for req in [r for r in by_rank if not r.in_prefill] + [r for r in by_rank if r.in_prefill]:
+            if req.status != RUNNING or budget <= 0:
+                continue  # retracted to make room for a request ranked above it
+            n = min(req.seq_len - req.kv_len, budget)
+            if self._reserve_or_retract(req, req.kv_len + n, scheduled):
+                batch.append((req, n))
+                scheduled.add(id(req))
+                budget -= n
+        self._admit(batch, budget)
+        if not batch:
+            return None
+        return self._build_batch(batch)
+
+    def process_output(self, batch: BatchInput, out: BatchOutput) -> list[TokenEvent]:
+        """Apply a finished step: append sampled tokens, finish requests, share new prefixes."""
+        reqs = self._inflight.pop(batch.step)
+        if out.error is not None:
+            return [self._finish(r, FINISH_ABORT, out.error) for r in reqs if not r.finished]
+        events: list[TokenEvent] = []
+        j = 0
+        for i, req in enumerate(reqs):
+            token = None
+            if batch.sample[i]:
+                token, j = out.next_token_ids[j], j + 1
+            if req.status != RUNNING:
+                continue  # aborted or retracted while the step ran
+            req.kv_len += batch.extend_lens[i]
+            self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
+            if token is not None:
+                events.append(self._append_token(req, token, out, j - 1))
+        return events
+
+    # ---- admission ------------------------------------------------------------------
+    def _admit(self, batch: list[tuple[Req, int]], budget: int) -> None:
+        held_back: list[Req] = []
+        headroom = self._decode_headroom()
+        while budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            req = self._pop_waiting()
+            if req is None:
+                break
+            self._match(req)
+            n = min(req.seq_len - req.kv_len, budget)
+            defer = self._shares_inflight_prefix(req)
+            if defer or not self._reserve(req, req.kv_len + n, headroom):
+                self._unmatch(req)
+                held_back.append(req)
+                if defer:
+                    continue
+                break  # out of memory: nothing ranked below it goes first
+            self._start(req)
+            batch.append((req, n))
+            budget -= n
+        for req in held_back:
+            self._push_waiting(req)
+
+    def _preempt_for_waiting(self, budget: int) -> None:
+        """Retract lower-priority running requests a waiting one needs room (or a slot) from."""
+        top = self._peek_waiting()
+        while top is not None and self.running:
+            victim = self._lowest_ranked_running(set())
+            if victim.priority >= top.priority:
+                return
+            need = self._pages_for(min(top.seq_len, budget))
+            has_room = self.allocator.num_free + self.cache.evictable_pages >= need
+            if has_room and len(self.running) < self.cfg.max_running_requests:
+                return
+            self._retract(victim)
+
+    def _match(self, req: Req) -> None:
+        """Lock the longest cached prefix of a waiting request and adopt its pages."""
+        # Match at most seq_len - 1 tokens: the last one is always computed, since its
+        # logits give the next token.
+        pages, node = self.cache.match_prefix(req.token_slice(0, req.seq_len - 1))
+        self.cache.lock(node)
+        req.pages, req.last_node = list(pages), node
+        req.kv_len = req.tree_len = len(pages) * self.page_size
+
+    def _unmatch(self, req: Req) -> None:
+        self.allocator.free(req.pages[req.tree_len // self.page_size:])
+        self.cache.unlock(req.last_node)
+        req.pages, req.last_node, req.kv_len, req.tree_len = [], None, 0, 0
+
+    def _start(self, req: Req) -> None:
+        if req.sid < 0:
+            req.sid = self._free_sids.pop() if self._free_sids else self._take_new_sid()
+        if req.queue_time is None:  # first start, not a restart after retraction
+            req.queue_time = time.monotonic() - req.arrival_time
+            req.cached_tokens = req.kv_len
+            self._prompt_tokens_total += len(req.prompt_ids)
+            self._cached_tokens_total += req.kv_len
+        req.status = RUNNING
+        self.running.append(req)
+
+    def _take_new_sid(self) -> int:
+        self._next_sid += 1
+        return self._next_sid - 1
+
+    def _shares_inflight_prefix(self, req: Req) -> bool:
+        """True if a request whose prompt is being computed will soon cache req's next tokens."""
+        if self.cache.disabled:
+            return False
+        lo = req.kv_len
+        hi = lo + SHARED_PREFIX_DEFER_TOKENS
+        if req.seq_len - 1 < hi:
+            return False
+        want = req.token_slice(lo, hi)
+        return any(other.in_prefill and other.token_slice(lo, hi) == want for other in self.running)
+
+    def _decode_headroom(self) -> int:
+        """Pages to keep free so every decoding request can grow by one page next step."""
+        return sum(1 for r in self.running if not r.in_prefill)
+
+    # ---- memory -----------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve(self, req: Req, num_tokens: int, headroom: int = 0) -> bool:
+        need = self._pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.allocator.num_free + self.cache.evictable_pages - need < headroom:
+            return False
+        pages = self.cache.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _reserve_or_retract(self, req: Req, num_tokens: int, scheduled: set[int]) -> bool:
+        """Reserve KV for a running request, retracting lower-ranked unscheduled ones if needed."""
+        if self._pages_for(num_tokens) > self.allocator.capacity:
+            self._finish(req, FINISH_LENGTH)  # it alone fills the pool: stop, don't thrash
+            return False
+        while not self._reserve(req, num_tokens):
+            victim = self._lowest_ranked_running(scheduled) or req
+            self._retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _lowest_ranked_running(self, exclude: set[int]) -> Req | None:
+        candidates = [r for r in self.running if id(r) not in exclude]
+        return min(candidates, key=lambda r: (r.priority, -r.seq)) if candidates else None
+
+    def _retract(self, req: Req) -> None:
+        logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
+        self._release_kv(req)
+        self.running.remove(req)
+        req.status = WAITING
+        req.num_retractions += 1
+        self._retractions_total += 1
+        self._push_waiting(req)
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Hand the request's computed whole pages to the radix tree and lock them there."""
+        n = req.kv_len - req.kv_len % self.page_size
+        if self.cache.disabled or n <= req.tree_len:
+            return
+        tokens = req.token_slice(0, n)
+        held = self.cache.insert(tokens, req.pages[:n // self.page_size])
+        if held > req.tree_len:  # someone cached the same tokens meanwhile: use theirs
+            self.allocator.free(req.pages[req.tree_len // self.page_size:held // self.page_size])
+        pages, node = self.cache.match_prefix(tokens)
+        req.pages[:len(pages)] = pages
+        self.cache.lock(node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.tree_len = node, n
+
+    def _release_kv(self, req: Req) -> None:
+        if req.last_node is None:
+            return
+        self._cache_prefix(req)
+        self.allocator.free(req.pages[req.tree_len // self.page_size:])
+        self.cache.unlock(req.last_node)
+        req.pages, req.last_node, req.kv_len, req.tree_len = [], None, 0, 0
+
+    # ---- finishing --------------------------------------------------------------------
+    def _append_token(self, req: Req, token: int, out: BatchOutput, j: int) -> TokenEvent:
+        req.output_ids.append(token)
+        logprob = top = None
+        if req.params.logprobs and out.logprobs is not None:
+            logprob = out.logprobs[j]
+            req.logprobs.append(logprob)
+            if req.params.top_logprobs and out.top_logprobs is not None:
+                top = out.top_logprobs[j]
+                req.top_logprobs.append(top)
+        reason, stop = self._finish_reason(req, token)
+        if reason is None:
+            return TokenEvent(req.rid, token, logprob=logprob, top_logprobs=top)
+        req.matched_stop = stop
+        event = self._finish(req, reason)
+        event.token_id, event.logprob, event.top_logprobs = token, logprob, top
+        return event
+
+    def _finish_reason(self, req: Req, token: int) -> tuple[str | None, int | None]:
+        p, n = req.params, len(req.output_ids)
+        if n >= p.min_new_tokens and (token in p.stop_token_ids
+                                      or (not p.ignore_eos and token in self.eos_token_ids)):
+            return FINISH_STOP, token
+        if n >= p.max_new_tokens or req.seq_len >= self.context_len:
+            return FINISH_LENGTH, None
+        return None, None
+
+    def _finish(self, req: Req, reason: str, error: str | None = None) -> TokenEvent:
+        req.finish_reason, req.error = reason, error
+        if req.status == RUNNING:
+            self._release_kv(req)
+            self.running.remove(req)
+        elif req.status == WAITING:
+            self._num_waiting -= 1  # its heap entry is dropped when it surfaces
+        req.status = FINISHED
+        if req.sid >= 0:
+            self._released_sids.append(req.sid)
+            self._free_sids.append(req.sid)
+        del self.reqs[req.rid]
+        return TokenEvent(req.rid, None, reason, req.matched_stop, prompt_tokens=len(req.prompt_ids),
+                          completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                          error=error)
+
+    # ---- waiting queue ----------------------------------------------------------------
+    def _push_waiting(self, req: Req) -> None:
+        heapq.heappush(self._waiting, (-req.priority, req.seq, req))
+        self._num_waiting += 1
+
+    def _pop_waiting(self) -> Req | None:
+        req = self._peek_waiting()
+        if req is not None:
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+        return req
+
+    def _peek_waiting(self) -> Req | None:
+        while self._waiting and self._waiting[0][2].status != WAITING:
+            heapq.heappop(self._waiting)  # finished while it waited
+        return self._waiting[0][2] if self._waiting else None
+
+    # ---- the batch message ------------------------------------------------------------
+    def _build_batch(self, batch: list[tuple[Req, int]]) -> BatchInput:
+        self._step += 1
+        input_ids: list[int] = []
+        specs = []
+        for req, n in batch:
+            input_ids.extend(req.token_slice(req.kv_len, req.kv_len + n))
+            if not req.spec_sent:
+                specs.append(self._spec(req))
+                req.spec_sent = True
+        released, self._released_sids = self._released_sids, []
+        self._inflight[self._step] = [req for req, _ in batch]
+        return BatchInput(
+            step=self._step,
+            sids=[req.sid for req, _ in batch],
+            input_ids=input_ids,
+            prefix_lens=[req.kv_len for req, _ in batch],
+            extend_lens=[n for _, n in batch],
+            page_tables=[req.pages[:self._pages_for(req.kv_len + n)] for req, n in batch],
+            sample=[req.kv_len + n == req.seq_len for req, n in batch],
+            output_lens=[len(req.output_ids) for req, _ in batch],
+            new_specs=specs,
+            released_sids=released,
+        )
+
+    def _spec(self, req: Req) -> SamplingSpec:
+        p = req.params
+        stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        prompt = req.prompt_ids if p.repetition_penalty != 1.0 else []
+        return SamplingSpec(req.sid, p, stops, prompt)
+
+    # ---- introspection ----------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        ps = self.page_size
+        private = sum(len(r.pages) - r.tree_len // ps for r in self.running)
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self._num_waiting,
+            kv_total_tokens=self.allocator.capacity * ps,
+            kv_free_tokens=self.allocator.num_free * ps,
+            kv_locked_tokens=(private + self.cache.locked_pages) * ps,
+            kv_cached_tokens=self.cache.evictable_pages * ps,
+            prompt_tokens_total=self._prompt_tokens_total,
+            cached_prompt_tokens_total=self._cached_tokens_total,
+            num_retractions_total=self._retractions_total,
+        )
+
+    def check(self) -> None:
+        """Every page is free, privately held by one running request, or in the tree (locked
+        or evictable), exactly once. Raises AssertionError otherwise."""
+        ps = self.page_size
+        tree = self.cache.check()
+        tree_set = set(tree)
+        private: list[int] = []
+        for req in self.running:
+            shared = req.pages[:req.tree_len // ps]
+            assert set(shared) <= tree_set, f"request {req.rid} maps pages the tree lacks"
+            private.extend(req.pages[req.tree_len // ps:])
+        every = tree + private + self.allocator.free_pages()
+        assert len(every) == len(set(every)), "a KV page is owned twice"
+        assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"
+        if not self.running:
+            assert self.cache.locked_pages == 0, "locked pages with no running request"

@@ -1,0 +1,95 @@
+"""Tokenizer loading, chat templates, and incremental (streaming) detokenization.
+
+`DecodeStream` turns a request's generated token ids into text deltas: UTF-8 safe across
+token boundaries (a character split over tokens is held until complete), stop strings
+applied, and text that might be the start of a stop string held back until it is not.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from relay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Prompt tokens kept as left context so the first output token decodes with the right
+# leading space (SentencePiece-style tokenizers drop it at the start of a text).
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self.raw = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: no Python layers
+        self.vocab_size = len(self.hf)
+        self.eos_token_id = self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        out = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          **kwargs)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.raw is not None:
+            return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class DecodeStream:
+    """Incremental detokenization of one request's output."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.tok = tokenizer
+        self.skip_special = params.skip_special_tokens
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # all output text decoded so far (cut at a stop string, if one hit)
+        self.sent = 0  # characters of text already handed out
+        self.stopped: str | None = None
+
+    def add(self, token_ids: list[int], finished: bool) -> str:
+        """Feed new tokens; returns the text that may be shown now. Once a stop string is
+        found, `stopped` names it and later tokens are ignored."""
+        if self.stopped is None:
+            for t in token_ids:
+                self.ids.append(t)
+                delta = self._decode_tail()
+                if delta and self._append(delta):
+                    break
+        end = len(self.text) if (finished or self.stopped is not None) else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def _decode_tail(self) -> str:
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def _append(self, delta: str) -> bool:
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hits = [(i, stop) for stop in self.stops if (i := self.text.find(stop, start)) != -1]
+        if not hits:
+            return False
+        i, stop = min(hits)
+        self.text = self.text[:i + len(stop)] if self.include_stop else self.text[:i]
+        self.stopped = stop
+        return True
