@@ -77,12 +77,14 @@ class BatchStrOut:
     token_ids: list[list[int]]
     finish_reasons: list[str | None]
     matched_stops: list[Any]
-    logprobs: list[list[float] | None]
-    top_logprobs: list[Any]
+    # Per request, None unless it asked for logprobs: one entry per new token,
+    # [token_id, token_text, logprob, top] with top None or a list of [token_id, token_text, logprob].
+    logprobs: list[list[list[Any]] | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
     errors: list[str | None]
+    queue_times: list[float | None] = field(default_factory=list)
 
 
 @dataclass

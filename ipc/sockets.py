@@ -75,3 +75,12 @@ class AsyncPull:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# Socket file names inside the private ipc directory (who binds: see launch.serve).
+HTTP, TOKENIZER, SCHEDULER, RUNNER_RESULT, DETOKENIZER, LAUNCHER = (
+    "http", "tokenizer", "sched", "sched_result", "detok", "launcher")
+
+
+def runner_inbox(rank: int) -> str:
+    return f"tp{rank}"

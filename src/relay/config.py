@@ -39,6 +39,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     enable_torch_compile: bool = False
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

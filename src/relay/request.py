@@ -35,6 +35,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    first_token_time: float | None = None  # time.monotonic() when the first token came out
     num_retractions: int = 0
 
     @property
@@ -76,4 +77,5 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    queue_time: float | None = None
     error: str | None = None

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+# max_new_tokens meaning "as many as the context allows" (OpenAI chat without max_tokens);
+# the tokenizer replaces it with the room the prompt leaves.
+UNTIL_CONTEXT = 2**31 - 1
 
 
 class InvalidParam(ValueError):

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
@@ -55,8 +56,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None):
         self.cfg = config
+        self.on_finish = on_finish  # e.g. the server's per-request log line
         self.page_size = config.page_size
         self.context_len = context_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -192,11 +194,22 @@ class Scheduler:
             victim = self._lowest_ranked_running(set())
             if victim.priority >= top.priority:
                 return
-            need = self._pages_for(min(top.seq_len, budget))
-            has_room = self.allocator.num_free + self.cache.evictable_pages >= need
-            if has_room and len(self.running) < self.cfg.max_running_requests:
+            if len(self.running) < self.cfg.max_running_requests and self._fits(top, budget):
                 return
             self._retract(victim)
+
+    def _fits(self, req: Req, budget: int) -> bool:
+        """Whether _admit would find room for a waiting request's first chunk now.
+
+        The same test _admit makes (cached prefix matched, decode headroom kept): a looser
+        one lets a high-priority request wait, neither admitted nor preempting, until the
+        lower-priority requests in its way finish on their own."""
+        self._match(req)
+        n = min(req.seq_len - req.kv_len, budget)
+        need = self._pages_for(req.kv_len + n) - len(req.pages)
+        room = self.allocator.num_free + self.cache.evictable_pages - need >= self._decode_headroom()
+        self._unmatch(req)
+        return room
 
     def _match(self, req: Req) -> None:
         """Lock the longest cached prefix of a waiting request and adopt its pages."""
@@ -309,6 +322,8 @@ class Scheduler:
     # ---- finishing --------------------------------------------------------------------
     def _append_token(self, req: Req, token: int, out: BatchOutput, j: int) -> TokenEvent:
         req.output_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         logprob = top = None
         if req.params.logprobs and out.logprobs is not None:
             logprob = out.logprobs[j]
@@ -317,8 +332,10 @@ class Scheduler:
                 top = out.top_logprobs[j]
                 req.top_logprobs.append(top)
         reason, stop = self._finish_reason(req, token)
-        if reason is None:
-            return TokenEvent(req.rid, token, logprob=logprob, top_logprobs=top)
+        if reason is None:  # counts ride along: a stop string may end it in the detokenizer
+            return TokenEvent(req.rid, token, logprob=logprob, top_logprobs=top,
+                              prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                              cached_tokens=req.cached_tokens)
         req.matched_stop = stop
         event = self._finish(req, reason)
         event.token_id, event.logprob, event.top_logprobs = token, logprob, top
@@ -329,7 +346,11 @@ class Scheduler:
         if n >= p.min_new_tokens and (token in p.stop_token_ids
                                       or (not p.ignore_eos and token in self.eos_token_ids)):
             return FINISH_STOP, token
-        if n >= p.max_new_tokens or req.seq_len >= self.context_len:
+        # The next step needs KV for all seq_len tokens. A request that alone would outgrow
+        # the pool ends here, where its event reaches the caller (schedule() has no way to
+        # report a finish), and never sits retracted with more KV than the pool holds.
+        if (n >= p.max_new_tokens or req.seq_len >= self.context_len
+                or self._pages_for(req.seq_len) > self.allocator.capacity):
             return FINISH_LENGTH, None
         return None, None
 
@@ -345,9 +366,11 @@ class Scheduler:
             self._released_sids.append(req.sid)
             self._free_sids.append(req.sid)
         del self.reqs[req.rid]
+        if self.on_finish is not None:
+            self.on_finish(req)
         return TokenEvent(req.rid, None, reason, req.matched_stop, prompt_tokens=len(req.prompt_ids),
                           completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-                          error=error)
+                          queue_time=req.queue_time, error=error)
 
     # ---- waiting queue ----------------------------------------------------------------
     def _push_waiting(self, req: Req) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from relay.sampling_params import SamplingParams
+from relay.sampling_params import UNTIL_CONTEXT, InvalidParam, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,49 @@ class Tokenizer:
         if self.raw is not None:
             return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class PromptPreparer:
+    """Tokenizes a request and checks it against the vocabulary and the context length.
+
+    Raises InvalidParam naming the API field at fault (prompt, messages, max_tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer, context_len: int):
+        self.tok = tokenizer
+        self.context_len = context_len
+
+    def prompt_ids(self, text: str | None = None, input_ids: list[int] | None = None,
+                   messages: list[dict[str, Any]] | None = None, chat_kwargs: dict[str, Any] | None = None
+                   ) -> list[int]:
+        field = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            try:
+                ids = self.tok.apply_chat_template(messages, **(chat_kwargs or {}))
+            except Exception as e:  # a template that fails on these messages is the request's fault
+                raise InvalidParam(field, f"the chat template failed on these messages: {e}") from None
+        elif input_ids is not None:
+            ids = list(input_ids)
+            bad = [t for t in ids if not 0 <= t < self.tok.vocab_size]
+            if bad:
+                raise InvalidParam(field, f"token id {bad[0]} is outside the vocabulary [0, {self.tok.vocab_size})")
+        else:
+            ids = self.tok.encode(text or "")
+        if not ids:
+            raise InvalidParam(field, "the prompt is empty")
+        if len(ids) >= self.context_len:
+            raise InvalidParam(field, f"the prompt has {len(ids)} tokens; this model's context is "
+                                      f"{self.context_len} tokens, output included")
+        return ids
+
+    def fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.context_len - prompt_len
+        if params.max_new_tokens == UNTIL_CONTEXT:
+            params.max_new_tokens = room
+        elif params.max_new_tokens > room:
+            raise InvalidParam("max_tokens", f"max_tokens {params.max_new_tokens} plus the prompt's {prompt_len} "
+                                             f"tokens exceed this model's context of {self.context_len}")
+        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        return params
 
 
 class DecodeStream:

@@ -1,0 +1,1 @@
+"""Wiring: `python -m launch.serve` starts and supervises Relay's processes."""

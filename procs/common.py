@@ -1,0 +1,94 @@
+"""What every child process does first: name itself, die with its parent, read its args."""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from relay.config import EngineConfig
+
+ARGS_ENV = "RELAY_PROC_ARGS"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ProcArgs:
+    """Everything a child needs, passed as JSON in its environment (no pickle)."""
+    name: str  # the process title is relay::<name>
+    ipc_dir: str
+    model_dir: str
+    config: dict[str, Any]
+    index: int = 0  # TP rank, or tokenizer worker number
+    parent_pid: int = 0
+    log_level: str = "INFO"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_dict(self.config)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "ProcArgs":
+        return cls(**json.loads(os.environ[ARGS_ENV]))
+
+
+def set_title(title: str) -> None:
+    """`relay::sched` etc.: what `ps`, `pgrep -f` and py-spy users look for."""
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM us when the launcher dies, so no child is orphaned."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)  # the launcher died before we could register
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"[%(asctime)s {name}] %(levelname)s %(name)s: %(message)s")
+
+
+def announce_ready(ctx, ipc_dir: str, msg) -> None:
+    """Tell the launcher we are up; waits (briefly) until the message has left."""
+    from ipc.sockets import LAUNCHER, endpoint, push, send
+    import zmq
+
+    sock = push(ctx, endpoint(ipc_dir, LAUNCHER))
+    sock.setsockopt(zmq.LINGER, 10_000)  # unlike the data sockets: don't drop it on close
+    send(sock, msg)
+    sock.close()
+
+
+def child_main(body: Callable[[ProcArgs], None]) -> None:
+    """Run a child process body; on a crash print the traceback and exit non-zero."""
+    args = ProcArgs.from_env()
+    set_title(f"relay::{args.name}")
+    die_with_parent(args.parent_pid)
+    setup_logging(args.log_level, args.name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    try:
+        body(args)
+    except KeyboardInterrupt:
+        pass
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

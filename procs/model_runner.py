@@ -1,0 +1,74 @@
+"""relay::tp<rank>: one model-runner process per tensor-parallel rank.
+
+Every rank receives every step from the scheduler and runs it; rank 0 (which samples)
+sends the result back. `--load-format dummy-null` swaps in the null runner, which answers
+without a model so benchmarks can measure the rest of the pipeline.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from ipc.codec import decode
+from ipc.messages import Ready
+from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
+from procs.common import ProcArgs, announce_ready, child_main
+from relay.batch import BatchOutput
+from relay.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_runner(args: ProcArgs, mc: ModelConfig):
+    cfg = args.engine_config
+    if cfg.load_format == "dummy-null":
+        from relay.null_runner import NullModelRunner
+        return NullModelRunner(cfg, mc)
+    import torch
+
+    from relay.distributed import TPGroup
+    from relay.model_runner import ModelRunner, pick_device
+
+    device = pick_device(cfg.device)
+    if device.type == "cuda":  # one GPU per rank
+        device = torch.device("cuda", args.index)
+        cfg.device = str(device)
+    rendezvous = f"file://{os.path.join(args.ipc_dir, 'tp_rendezvous')}"
+    tp = TPGroup.init(args.index, cfg.tp_size, rendezvous, device)
+    return ModelRunner(cfg, args.model_dir, mc, tp)
+
+
+def main(args: ProcArgs) -> None:
+    from relay.engine import eos_ids
+    from relay.tokenizer import Tokenizer
+
+    mc = ModelConfig.from_dir(args.model_dir)
+    runner = build_runner(args, mc)
+    ctx = zmq.Context()
+    inbox = pull(ctx, endpoint(args.ipc_dir, runner_inbox(args.index)), bind=False)
+    leader = args.index == 0
+    info = {"num_pages": runner.num_pages, "context_len": runner.context_len, "page_size": runner.page_size}
+    if leader:
+        tok = Tokenizer(args.engine_config.tokenizer_path or args.model_dir)
+        info["eos_token_ids"] = eos_ids(mc, tok)
+        info["max_total_tokens"] = (runner.num_pages - 1) * runner.page_size
+        results = push(ctx, endpoint(args.ipc_dir, RUNNER_RESULT))
+        send(results, Ready("tp0", info=info))
+    announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
+    while True:
+        batch = decode(inbox.recv())
+        try:
+            out = runner.forward(batch)
+        except Exception as e:
+            if args.engine_config.tp_size > 1:
+                raise  # the ranks' collectives are out of step now: let the launcher stop the server
+            logger.exception("step %d failed", batch.step)
+            out = BatchOutput(batch.step, [], error=f"model step failed: {type(e).__name__}: {e}")
+        if leader:
+            send(results, out)
+
+
+if __name__ == "__main__":
+    child_main(main)

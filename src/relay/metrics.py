@@ -1,0 +1,147 @@
+"""Prometheus metrics of the HTTP process, served at /metrics.
+
+Each ServerMetrics owns its own CollectorRegistry rather than prometheus_client's global
+one, so several servers (or tests) in one process never collide on metric names. Names
+carry a `relay:` prefix, mirroring SGLang's `sglang:` ones, so dashboards port over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# 1 ms .. 60 s: a CPU-served token can take tens of ms, a queued long prompt tens of seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                   0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+# A label value per finish reason the engine produces; anything else is folded into "other"
+# so a caller bug cannot blow up the series count.
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+
+
+class TokenTiming(NamedTuple):
+    """What one delta of `count` tokens means for the latency histograms."""
+    first_token: float | None  # seconds from arrival to the first token, on the first delta only
+    inter_token: float | None  # seconds since the previous delta, on later deltas
+    count: int  # tokens that gap covers
+
+
+@dataclass
+class RequestTimer:
+    """Per-request clock that turns token arrivals into TTFT and inter-token gaps.
+
+    Times are whatever clock the caller uses consistently (time.monotonic() or time.time()).
+    """
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def on_tokens(self, now: float, n: int) -> TokenTiming:
+        if n <= 0:
+            return TokenTiming(None, None, 0)
+        if self.first_token is None:
+            # Tokens batched with the first one arrived together; no gap is known for them.
+            self.first_token = self.last_token = now
+            return TokenTiming(now - self.arrival, None, 0)
+        gap = now - (self.last_token if self.last_token is not None else self.first_token)
+        self.last_token = now
+        return TokenTiming(None, gap, n)
+
+    def e2e(self, now: float) -> float:
+        return now - self.arrival
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("relay:time_to_first_token_seconds", "Time from request arrival to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("relay:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("relay:e2e_request_latency_seconds", "Time from request arrival to its end.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("relay:queue_time_seconds", "Time a request waited before its first prefill.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("relay:prompt_tokens_total", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("relay:generation_tokens_total", "Output tokens generated.", registry=r)
+        self.cached_tokens = Counter("relay:cached_tokens_total", "Prompt tokens served from the prefix cache.",
+                                     registry=r)
+        self.requests = Counter("relay:requests_total", "Finished requests, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.num_running = Gauge("relay:num_running_reqs", "Requests in the running batch.", registry=r)
+        self.num_waiting = Gauge("relay:num_waiting_reqs", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("relay:kv_usage_ratio", "Share of KV cache held by running requests.", registry=r)
+        self.kv_used = Gauge("relay:kv_used_tokens", "KV cache tokens held by running requests.", registry=r)
+        self.hit_rate = Gauge("relay:prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache.",
+                              registry=r)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        """`seconds` since the previous delta, which carried `count` tokens: observe the
+        per-token gap `count` times so the histogram stays per token however the
+        detokenizer batches its deltas."""
+        if count <= 0:
+            return
+        gap = seconds / count
+        for _ in range(count):
+            self.itl.observe(gap)
+
+    def on_tokens(self, timer: RequestTimer, now: float, n: int) -> None:
+        """Advance `timer` by a delta of n tokens and record what it implies."""
+        timing = timer.on_tokens(now, n)
+        if timing.first_token is not None:
+            self.observe_first_token(timing.first_token)
+        if timing.inter_token is not None:
+            self.observe_inter_token(timing.inter_token, timing.count)
+
+    def observe_finish(self, e2e: float, queue_time: float | None, prompt_tokens: int, completion_tokens: int,
+                       cached_tokens: int, finish_reason: str | None) -> None:
+        self.e2e.observe(e2e)
+        if queue_time is not None:
+            self.queue.observe(queue_time)
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generation_tokens.inc(max(0, completion_tokens))
+        self.cached_tokens.inc(max(0, cached_tokens))
+        reason = finish_reason if finish_reason in FINISH_REASONS else "other"
+        self.requests.labels(finish_reason=reason).inc()
+
+    def set_scheduler_stats(self, d: dict[str, Any]) -> None:
+        """Update gauges from a scheduler stats dict (SchedulerStats fields); absent keys
+        leave their gauge as it was."""
+        for key, gauge in (("num_running", self.num_running), ("num_waiting", self.num_waiting)):
+            if key in d:
+                gauge.set(d[key])
+        used = _kv_used(d)
+        if used is not None:
+            self.kv_used.set(used)
+            total = d.get("kv_total_tokens") or 0
+            self.kv_usage.set(used / total if total > 0 else 0.0)
+        rate = _hit_rate(d)
+        if rate is not None:
+            self.hit_rate.set(rate)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _kv_used(d: dict[str, Any]) -> float | None:
+    # "Used" is what running requests hold; evictable prefix-cache pages are free for the
+    # taking, so counting them would show a full cache on an idle server.
+    if "kv_locked_tokens" in d:
+        return d["kv_locked_tokens"]
+    if "kv_total_tokens" in d and "kv_free_tokens" in d:
+        return d["kv_total_tokens"] - d["kv_free_tokens"] - d.get("kv_cached_tokens", 0)
+    return None
+
+
+def _hit_rate(d: dict[str, Any]) -> float | None:
+    if "cache_hit_rate" in d:
+        return d["cache_hit_rate"]
+    # dataclasses.asdict(SchedulerStats) drops the cache_hit_rate property; rebuild it.
+    if "prompt_tokens_total" in d and "cached_prompt_tokens_total" in d:
+        return d["cached_prompt_tokens_total"] / max(1, d["prompt_tokens_total"])
+    return None

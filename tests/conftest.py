@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random-weight models saved like HF checkpoints, and the default model."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+TINY_VOCAB = 1024
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.3, eos_token_id=TINY_VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "llama3":  # Llama 3's rope scaling; tied embeddings like the small Llama 3.2s
+        return LlamaConfig(**{**common, "tie_word_embeddings": True},
+                           rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                            "rope_theta": 500000.0})
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 32})
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from relay.model_files import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """A factory: arch name -> directory with a random-weight model and a tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            torch.manual_seed(0)
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+            model.save_pretrained(path)
+            for name in os.listdir(default_model_dir):  # any tokenizer will do: prompts are token ids
+                if name.startswith("tokenizer") or name.endswith(".jinja"):
+                    shutil.copy(os.path.join(default_model_dir, name), path)
+            made[arch] = path
+        return made[arch]
+
+    return make

@@ -1,0 +1,93 @@
+"""Greedy output equals transformers' `generate`, token for token, in float32.
+
+For the default model (SmolLM2-135M) and tiny random-weight Llama, Llama-3-rope, Qwen2 and
+Qwen3 models: a batch of prompts of different lengths; the same batch again, now served
+from the prefix cache; and once more with a KV pool so small that requests are retracted
+and recomputed.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from relay import Engine, SamplingParams
+
+NEW_TOKENS = 16
+
+
+def reference(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # compare full-length outputs
+    model.generation_config.pad_token_id = 0
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, vocab - 2) for _ in range(24)]
+    prompts = []
+    for i, n in enumerate(lengths):
+        body = [rng.randrange(2, vocab - 2) for _ in range(n)]
+        prompts.append(shared[:n // 2] + body[n // 2:] if i % 2 else body)  # some share a prefix
+    return prompts
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def check_three_ways(model_dir: str, prompts: list[list[int]], small_kv_gb: float, **engine_kw) -> None:
+    expected = reference(model_dir, prompts, NEW_TOKENS)
+    engine = Engine(model_dir, dtype="float32", **engine_kw)
+    first = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in first] == expected
+    assert all(o.finish_reason == "length" for o in first)
+
+    again = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in again] == expected
+    page = engine.config.page_size
+    for o, p in zip(again, prompts):
+        assert 0 < o.cached_tokens < len(p) or len(p) <= page, "second run must hit the prefix cache"
+    engine.check()
+    assert engine.scheduler.stats().kv_locked_tokens == 0
+
+    tight = Engine(model_dir, dtype="float32", **{**engine_kw, "kv_cache_gb": small_kv_gb})
+    squeezed = tight.generate(prompts, GREEDY)
+    assert [o.token_ids for o in squeezed] == expected
+    assert tight.scheduler.stats().num_retractions_total > 0, "the small pool must force preemption"
+    tight.check()
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
+def test_tiny_models_match_transformers(tiny_model_dir, arch):
+    from tests.conftest import TINY_VOCAB
+
+    prompts = random_prompts(TINY_VOCAB, [3, 5, 8, 13, 17, 24, 31, 40, 57, 64])
+    # 2 layers x 2 kv heads x head_dim x 2 (k, v) x 4 bytes per token; ~40 pages of 4 tokens.
+    head_dim = 32 if arch == "qwen3" else 16
+    small = 40 * 4 * (2 * 2 * head_dim * 2 * 4) / (1 << 30)
+    check_three_ways(tiny_model_dir(arch), prompts, small, page_size=4, chunked_prefill_size=48,
+                     kv_cache_gb=0.01)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(default_model_dir):
+    from relay.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    texts = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
+             "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
+             "In 1492, Columbus sailed the ocean blue. He was looking for a route to",
+             "List three colors: red, green, and"]
+    prompts = [tok.encode(t) for t in texts]
+    # SmolLM2: 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KB per token; ~24 pages of 8.
+    small = 24 * 8 * 46080 / (1 << 30)
+    check_three_ways(default_model_dir, prompts, small, page_size=8, chunked_prefill_size=64, kv_cache_gb=0.05)

@@ -1,0 +1,400 @@
+"""Request parsing and response shapes of relay.protocol (pure functions, no server)."""
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from relay.protocol import (MAX_TOKENS_UNSET, SSE_DONE, ChoiceOutput, ParsedRequest, ProtocolError, Usage,
+                            chat_chunk, chat_response, completion_chunk, completion_response, error_body,
+                            generate_response, parse_chat, parse_completion, parse_generate, sse, usage_chunk)
+
+MODEL = "tiny-model"
+
+
+def comp(**kw):
+    return {"model": MODEL, "prompt": "Hello", **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **kw}
+
+
+def gen(**kw):
+    return {"text": "Hello", **kw}
+
+
+PARSERS = {
+    "completion": lambda body: parse_completion(body, MODEL, max_n=8),
+    "chat": lambda body: parse_chat(body, MODEL, max_n=8),
+    "generate": lambda body: parse_generate(body, max_n=8),
+}
+
+BAD_REQUESTS = [
+    # (parser, body, status, param)
+    ("completion", ["not", "an", "object"], 400, None),
+    ("completion", "prompt", 400, None),
+    ("chat", None, 400, None),
+    ("generate", 42, 400, None),
+    ("completion", comp(max_tokens="10"), 400, "max_tokens"),
+    ("completion", comp(max_tokens=True), 400, "max_tokens"),
+    ("completion", comp(max_tokens=10.0), 400, "max_tokens"),
+    ("completion", comp(max_tokens=0), 400, "max_tokens"),
+    ("completion", comp(max_tokens=-5), 400, "max_tokens"),
+    ("completion", comp(max_tokens=10**9), 400, "max_tokens"),
+    ("completion", comp(temperature="hot"), 400, "temperature"),
+    ("completion", comp(temperature=-0.1), 400, "temperature"),
+    ("completion", comp(temperature=2.5), 400, "temperature"),
+    ("completion", comp(temperature=float("nan")), 400, "temperature"),
+    ("completion", comp(top_p=0), 400, "top_p"),
+    ("completion", comp(top_p=1.5), 400, "top_p"),
+    ("completion", comp(prompt=""), 400, "prompt"),
+    ("completion", comp(prompt=[]), 400, "prompt"),
+    ("completion", comp(prompt=[""]), 400, "prompt"),
+    ("completion", comp(prompt=[[]]), 400, "prompt"),
+    ("completion", comp(prompt=["a", "b"]), 400, "prompt"),
+    ("completion", comp(prompt=[[1, 2], [3]]), 400, "prompt"),
+    ("completion", comp(prompt=[1, -2, 3]), 400, "prompt"),
+    ("completion", comp(prompt=[1, True]), 400, "prompt"),
+    ("completion", comp(prompt=12), 400, "prompt"),
+    ("completion", {"model": MODEL}, 400, "prompt"),
+    ("completion", comp(model="gpt-4"), 404, "model"),
+    ("chat", chat(model="gpt-4"), 404, "model"),
+    ("completion", comp(model=3), 400, "model"),
+    ("completion", comp(n=0), 400, "n"),
+    ("completion", comp(n=9), 400, "n"),
+    ("chat", chat(n=100), 400, "n"),
+    ("completion", comp(stop=5), 400, "stop"),
+    ("completion", comp(stop={"a": 1}), 400, "stop"),
+    ("completion", comp(stop=["ok", 3]), 400, "stop"),
+    ("completion", comp(stop=[""]), 400, "stop"),
+    ("completion", comp(stop=["x"] * 17), 400, "stop"),
+    ("completion", comp(logprobs=21), 400, "logprobs"),
+    ("completion", comp(logprobs=-1), 400, "logprobs"),
+    ("completion", comp(logprobs=True), 400, "logprobs"),
+    ("completion", comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("completion", comp(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
+    ("completion", comp(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage"),
+    ("completion", comp(stream="true"), 400, "stream"),
+    ("completion", comp(echo=True), 400, "echo"),
+    ("completion", comp(suffix="tail"), 400, "suffix"),
+    ("completion", comp(best_of=3), 400, "best_of"),
+    ("completion", comp(seed="1"), 400, "seed"),
+    ("completion", comp(seed=2**70), 400, "seed"),
+    ("completion", comp(presence_penalty=3), 400, "presence_penalty"),
+    ("completion", comp(frequency_penalty=-2.5), 400, "frequency_penalty"),
+    ("completion", comp(top_k=-2), 400, "top_k"),
+    ("completion", comp(top_k=1.5), 400, "top_k"),
+    ("completion", comp(min_p=1.5), 400, "min_p"),
+    ("completion", comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("completion", comp(min_tokens=-1), 400, "min_tokens"),
+    ("completion", comp(min_tokens=20, max_tokens=5), 400, "min_tokens"),
+    ("completion", comp(ignore_eos=1), 400, "ignore_eos"),
+    ("completion", comp(stop_token_ids=[1, -1]), 400, "stop_token_ids"),
+    ("completion", comp(stop_token_ids=7), 400, "stop_token_ids"),
+    ("completion", comp(priority="high"), 400, "priority"),
+    ("chat", {"model": MODEL}, 400, "messages"),
+    ("chat", chat(messages=[]), 400, "messages"),
+    ("chat", chat(messages="Hi"), 400, "messages"),
+    ("chat", chat(messages=["Hi"]), 400, "messages.0"),
+    ("chat", chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
+    ("chat", chat(messages=[{"content": "x"}]), 400, "messages.0.role"),
+    ("chat", chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}]), 400,
+     "messages.1.content"),
+    ("chat", chat(messages=[{"role": "user"}]), 400, "messages.0.content"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "messages.0.content"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), 400,
+     "messages.0.content"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat", chat(tool_choice="required"), 400, "tool_choice"),
+    ("chat", chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat", chat(logprobs="yes"), 400, "logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("chat", chat(top_logprobs=3), 400, "top_logprobs"),
+    ("chat", chat(max_tokens=0), 400, "max_tokens"),
+    ("chat", chat(max_completion_tokens="5"), 400, "max_completion_tokens"),
+    ("chat", chat(min_tokens=10, max_completion_tokens=5), 400, "min_tokens"),
+    ("chat", chat(temperature="hot"), 400, "temperature"),
+    ("chat", chat(chat_template_kwargs="x"), 400, "chat_template_kwargs"),
+    ("chat", chat(chat_template_kwargs={"chat_template": "{{ evil }}"}), 400, "chat_template_kwargs.chat_template"),
+    ("chat", chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
+    ("generate", {"text": "a", "input_ids": [1, 2]}, 400, "text"),
+    ("generate", {"sampling_params": {}}, 400, "text"),
+    ("generate", {"text": ""}, 400, "text"),
+    ("generate", {"text": ["a", "b"]}, 400, "text"),
+    ("generate", {"input_ids": []}, 400, "input_ids"),
+    ("generate", {"input_ids": [[1], [2]]}, 400, "input_ids"),
+    ("generate", {"input_ids": [1, -1]}, 400, "input_ids"),
+    ("generate", gen(sampling_params={"max_tokens": 5}), 400, "sampling_params.max_tokens"),
+    ("generate", gen(sampling_params={"temprature": 0.5}), 400, "sampling_params.temprature"),
+    ("generate", gen(sampling_params=[1]), 400, "sampling_params"),
+    ("generate", gen(sampling_params={"max_new_tokens": "5"}), 400, "sampling_params.max_new_tokens"),
+    ("generate", gen(sampling_params={"max_new_tokens": 0}), 400, "sampling_params.max_new_tokens"),
+    ("generate", gen(sampling_params={"temperature": 101}), 400, "sampling_params.temperature"),
+    ("generate", gen(sampling_params={"n": 0}), 400, "sampling_params.n"),
+    ("generate", gen(sampling_params={"min_new_tokens": 200}), 400, "sampling_params.min_new_tokens"),
+    ("generate", gen(stream=1), 400, "stream"),
+    ("generate", gen(return_logprob="yes"), 400, "return_logprob"),
+    ("generate", gen(return_logprob=True, top_logprobs_num=50), 400, "top_logprobs_num"),
+    ("generate", gen(rid=5), 400, "rid"),
+]
+
+
+@pytest.mark.parametrize("kind,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{case[0]}-{case[3]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_requests(kind, body, status, param):
+    with pytest.raises(ProtocolError) as info:
+        PARSERS[kind](body)
+    err = info.value
+    assert (err.status, err.param) == (status, param), err.message
+    assert err.type == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:  # the message names the field so a human can fix the request
+        assert param.split(".")[-1] in err.message or param in err.message
+    assert len(err.message) < 300
+
+
+def test_error_body_shape():
+    body = error_body(400, "'n' must be ...", "n")
+    assert body == {"object": "error", "error": {"message": "'n' must be ...", "type": "invalid_request_error",
+                                                 "param": "n", "code": 400}}
+    assert error_body(404, "no")["error"]["type"] == "not_found_error"
+    assert error_body(401, "no")["error"]["type"] == "authentication_error"
+    assert ProtocolError(400, "m", "x", "custom").body()["error"]["type"] == "custom"
+
+
+def test_openai_client_raises_with_our_error_body():
+    def handler(request: httpx.Request) -> httpx.Response:
+        try:
+            parse_completion(json.loads(request.content), MODEL)
+        except ProtocolError as e:
+            return httpx.Response(e.status, json=e.body())
+        raise AssertionError("expected a rejection")
+
+    client = openai.OpenAI(api_key="x", base_url="http://relay/v1", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert "max_tokens" in bad.value.message and bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi")
+
+
+# ---------------------------------------------------------------- good paths -------------
+
+def test_completion_defaults():
+    req = parse_completion({"prompt": "Hello"}, MODEL)  # model may be omitted
+    assert isinstance(req, ParsedRequest)
+    assert (req.kind, req.text, req.input_ids, req.model) == ("completion", "Hello", None, MODEL)
+    assert (req.n, req.stream, req.include_usage, req.priority, req.echo) == (1, False, False, 0, False)
+    p = req.params
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.top_logprobs) == (16, 1.0, 1.0, -1,
+                                                                                               False, 0)
+    assert p.stop == [] and p.seed is None and not req.max_tokens_default
+
+
+def test_completion_nulls_mean_defaults():
+    req = parse_completion(comp(max_tokens=None, temperature=None, stop=None, n=None, logprobs=None, echo=None,
+                                stream=None, stream_options=None, suffix=None, user=None), MODEL)
+    assert req.params.max_new_tokens == 16 and req.params.stop == [] and req.n == 1
+
+
+@pytest.mark.parametrize("prompt,text,ids", [
+    ("abc", "abc", None), (["abc"], "abc", None), ([5, 0, 7], None, [5, 0, 7]), ([[5, 6]], None, [5, 6]),
+])
+def test_completion_prompt_forms(prompt, text, ids):
+    req = parse_completion(comp(prompt=prompt), MODEL)
+    assert (req.text, req.input_ids) == (text, ids)
+
+
+def test_completion_fields_and_extras():
+    req = parse_completion(comp(max_tokens=32, temperature=0, top_p=0.9, n=3, stream=True,
+                                stream_options={"include_usage": True}, stop="\n", seed=7, presence_penalty=0.5,
+                                frequency_penalty=-0.5, logprobs=3, user="bob", some_unknown_field=[1],
+                                top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=4, ignore_eos=True,
+                                skip_special_tokens=False, stop_token_ids=[2, 3], priority=-5,
+                                include_stop_str_in_output=True, best_of=3), MODEL, max_n=8)
+    p = req.params
+    assert (req.n, req.stream, req.include_usage, req.priority) == (3, True, True, -5)
+    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (32, 4, 0.0, 0.9, 40,
+                                                                                           0.05)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (1.1, 0.5, -0.5, 7)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.skip_special_tokens) == (["\n"], [2, 3], True, False)
+    assert p.include_stop_str_in_output and p.logprobs and p.top_logprobs == 3
+    assert p.greedy and isinstance(p.temperature, float)
+
+
+def test_completion_top_k_zero_is_off_and_logprobs_zero_keeps_chosen():
+    p = parse_completion(comp(top_k=0, logprobs=0), MODEL).params
+    assert p.top_k == -1 and p.logprobs and p.top_logprobs == 0
+
+
+def test_chat_defaults_and_content_parts():
+    req = parse_chat({"model": MODEL, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]}, MODEL)
+    assert req.kind == "chat" and req.text is None and req.input_ids is None
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nworld"},
+                            {"role": "assistant", "content": ""},
+                            {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert req.max_tokens_default and req.params.max_new_tokens == MAX_TOKENS_UNSET
+    assert req.chat_kwargs == {"add_generation_prompt": True}
+    assert not req.params.logprobs
+
+
+def test_chat_fields():
+    req = parse_chat(chat(max_tokens=10, max_completion_tokens=20, logprobs=True, top_logprobs=5,
+                          chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False,
+                          tools=[], tool_choice="none", response_format={"type": "text"}, top_k=5, min_p=0.1,
+                          repetition_penalty=1.2, ignore_eos=True, priority=3), MODEL)
+    p = req.params
+    assert p.max_new_tokens == 20 and not req.max_tokens_default  # max_completion_tokens wins
+    assert p.logprobs and p.top_logprobs == 5
+    assert req.chat_kwargs == {"enable_thinking": False, "add_generation_prompt": False}
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, req.priority) == (5, 0.1, 1.2, True, 3)
+    assert parse_chat(chat(max_tokens=7), MODEL).params.max_new_tokens == 7
+
+
+def test_generate():
+    req = parse_generate({"input_ids": [1, 2, 3], "rid": "abc", "stream": True, "priority": 2,
+                          "return_logprob": True, "top_logprobs_num": 4, "logprob_start_len": 0,
+                          "sampling_params": {"max_new_tokens": 8, "temperature": 0, "sampling_seed": 9,
+                                              "top_k": 1, "stop": "x", "n": 2, "ignore_eos": None}})
+    p = req.params
+    assert (req.kind, req.input_ids, req.text, req.rid, req.stream, req.priority, req.n) == (
+        "generate", [1, 2, 3], None, "abc", True, 2, 2)
+    assert (p.max_new_tokens, p.temperature, p.seed, p.top_k, p.stop, p.logprobs, p.top_logprobs) == (
+        8, 0.0, 9, 1, ["x"], True, 4)
+    default = parse_generate({"text": "hi"})
+    assert default.params.max_new_tokens == 128 and default.rid is None and not default.params.logprobs
+    assert parse_generate(gen(top_logprobs_num=3)).params.top_logprobs == 0  # ignored without return_logprob
+
+
+# ---------------------------------------------------------------- responses --------------
+
+LOGPROBS = [[11, "Hel", -0.5, [[11, "Hel", -0.5], [12, "He", -1.5]]],
+            [13, "lo", -float("inf"), [[13, "lo", -0.1], [14, "lo", -2.0]]]]
+
+
+def test_completion_response_shape_and_openai_model():
+    choices = [ChoiceOutput(0, "Hello", [11, 13], "stop", "\n", LOGPROBS), ChoiceOutput(1, "Hi", [15], "length")]
+    body = completion_response("cmpl-1", 1700000000, MODEL, choices, Usage(5, 3, 2))
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["object"] == "text_completion"
+    assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hel", "lo"] and lp["text_offset"] == [0, 3]
+    assert lp["token_logprobs"] == [-0.5, -9999.0]  # -inf is not JSON
+    assert lp["top_logprobs"][1] == {"lo": -0.1}  # on a text clash the likelier one stays
+    assert body["choices"][1]["logprobs"] is None
+    json.loads(json.dumps(body, allow_nan=False))
+    parsed = Completion.model_validate(body)
+    assert parsed.choices[0].text == "Hello" and parsed.usage.total_tokens == 8
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 2
+
+
+def test_completion_chunks_and_usage_chunk():
+    first = completion_chunk("cmpl-1", 1, MODEL, ChoiceOutput(0, "Hel", [11], None, None, LOGPROBS[:1]))
+    last = completion_chunk("cmpl-1", 1, MODEL, ChoiceOutput(0, "lo", [13], "length", None, LOGPROBS[1:]),
+                            text_offset=3)
+    assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] is None
+    assert last["choices"][0]["logprobs"]["text_offset"] == [3]
+    Completion.model_validate(last)
+    usage = usage_chunk("completion", "cmpl-1", 1, MODEL, Usage(4, 2))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
+    Completion.model_validate(usage)
+
+
+def test_chat_response_shape_and_openai_model():
+    body = chat_response("chatcmpl-1", 2, MODEL, [ChoiceOutput(0, "Hello", [11, 13], "stop", None, LOGPROBS)],
+                         Usage(7, 2, 0))
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+    assert choice["message"] == {"role": "assistant", "content": "Hello"}
+    entry = choice["logprobs"]["content"][0]
+    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert entry["bytes"] == list(b"Hel") and len(entry["top_logprobs"]) == 2
+    assert choice["logprobs"]["content"][1]["logprob"] == -9999.0
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "Hello" and parsed.usage.total_tokens == 9
+    plain = chat_response("c", 2, MODEL, [ChoiceOutput(0, "x", [], "length")], Usage(1, 1))
+    assert plain["choices"][0]["logprobs"] is None
+    ChatCompletion.model_validate(plain)
+
+
+def test_chat_chunks():
+    first = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "He", [1]), first=True)
+    mid = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "llo", [2], None, None, LOGPROBS[1:]), first=False)
+    end = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "", [], "stop"), first=False)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
+    assert mid["choices"][0]["delta"] == {"content": "llo"}
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    for chunk in (first, mid, end, usage_chunk("chat", "c", 3, MODEL, Usage(1, 2))):
+        ChatCompletionChunk.model_validate(chunk)
+
+
+def test_openai_client_reads_our_stream():
+    chunks = [chat_chunk("c", 3, MODEL, ChoiceOutput(0, "Hé", [1]), first=True),
+              chat_chunk("c", 3, MODEL, ChoiceOutput(0, "llo", [2], "stop"), first=False),
+              usage_chunk("chat", "c", 3, MODEL, Usage(4, 2, 1))]
+    payload = b"".join(sse(c) for c in chunks) + SSE_DONE
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=payload, headers={"content-type": "text/event-stream"})
+
+    client = openai.OpenAI(api_key="x", base_url="http://relay/v1", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+                                            stream_options={"include_usage": True})
+    got = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Héllo"
+    assert got[-1].usage.total_tokens == 6 and got[-1].usage.prompt_tokens_details.cached_tokens == 1
+
+
+def test_generate_response():
+    out = ChoiceOutput(0, "Hello", [11, 13], "stop", "\n", LOGPROBS)
+    body = generate_response("r1", out, Usage(5, 2, 1), queue_time=0.25)
+    assert body["text"] == "Hello" and body["output_ids"] == [11, 13]
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": "\n"}
+    assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == ("r1", 5, 2, 1)
+    assert meta["queue_time"] == 0.25
+    assert meta["output_token_logprobs"] == [[-0.5, 11, "Hel"], [-9999.0, 13, "lo"]]
+    assert meta["output_top_logprobs"][0] == [[-0.5, 11, "Hel"], [-1.5, 12, "He"]]
+    running = generate_response("r1", ChoiceOutput(0, "He", [11]), Usage(5, 1))["meta_info"]
+    assert running["finish_reason"] is None and "output_token_logprobs" not in running
+    length = generate_response("r1", ChoiceOutput(0, "x", [1, 2], "length"), Usage(5, 2))["meta_info"]
+    assert length["finish_reason"] == {"type": "length", "length": 2}
+    abort = generate_response("r1", ChoiceOutput(0, "", [], "abort"), Usage(5, 0))["meta_info"]
+    assert abort["finish_reason"]["type"] == "abort"
+
+
+def test_abort_finish_reason_passes_through():
+    body = completion_response("c", 1, MODEL, [ChoiceOutput(0, "", [], "abort")], Usage(1, 0))
+    assert body["choices"][0]["finish_reason"] == "abort"
+
+
+def test_usage_for_choices():
+    u = Usage.for_choices([Usage(10, 3, 4), Usage(10, 5, 8)])
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (10, 8, 4)
+    assert u.to_openai()["total_tokens"] == 18
+
+
+def test_sse():
+    frame = sse({"text": "é", "n": 1})
+    assert frame == 'data: {"text":"é","n":1}\n\n'.encode("utf-8")
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    assert math.isclose(json.loads(frame[6:])["n"], 1)

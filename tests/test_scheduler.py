@@ -1,0 +1,755 @@
+"""Scheduler policy tests against a fake model runner (pure Python, no torch).
+
+The fake runner keeps a real "KV cache": every page holds the token ids written into its
+slots. A forward step writes the batch's input ids at their positions through the page
+tables and, where the batch samples, reads the request's whole history back through its
+page table and returns a token that is a pure function of that history. So a page table
+that maps the wrong page, a page freed and reused while still mapped, or a shared page
+that is overwritten all show up as a wrong history, and recomputation after retraction
+yields exactly the tokens a huge pool would have produced.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relay.batch import BatchInput, BatchOutput
+from relay.config import EngineConfig
+from relay.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req, TokenEvent
+from relay.sampling_params import SamplingParams
+from relay.scheduler import RequestRejected, Scheduler
+
+VOCAB = 64
+EOS = 63
+
+
+def hash_token(history: tuple[int, ...]) -> int:
+    """Deterministic, well-mixed next token; EOS about once in VOCAB tokens."""
+    h = 0x811C9DC5
+    for t in history:
+        h = ((h ^ (t + 1)) * 0x01000193) & 0xFFFFFFFF
+    return (h >> 7) % VOCAB
+
+
+def counting_token(history: tuple[int, ...]) -> int:
+    """Token = position: output i of a prompt of length P is P + i (mod VOCAB)."""
+    return len(history) % VOCAB
+
+
+class Harness:
+    def __init__(self, *, num_pages: int = 256, page_size: int = 4, budget: int = 64,
+                 max_running: int = 256, context_len: int = 4096, eos: tuple[int, ...] = (EOS,),
+                 disable_cache: bool = False, token_fn=hash_token):
+        self.cfg = EngineConfig(page_size=page_size, chunked_prefill_size=budget,
+                                max_running_requests=max_running, disable_radix_cache=disable_cache)
+        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos))
+        self.ps, self.budget, self.token_fn = page_size, budget, token_fn
+        self.kv: dict[int, list[int | None]] = {}
+        self.specs: dict[int, object] = {}
+        self.events: dict[str, list[TokenEvent]] = defaultdict(list)
+        self.final: dict[str, TokenEvent] = {}
+        self.reqs: dict[str, Req] = {}
+        self.batches: list[tuple[BatchInput, list[Req]]] = []
+        self.steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, rid: str, prompt: list[int], priority: int = 0, **params) -> Req:
+        req = Req(rid, list(prompt), SamplingParams(**params), priority=priority)
+        self.s.add_request(req)
+        self.reqs[rid] = req
+        return req
+
+    def abort(self, rid: str) -> None:
+        ev = self.s.abort(rid)
+        if ev is not None:
+            self._record(ev)
+
+    def _record(self, ev: TokenEvent) -> None:
+        assert ev.rid not in self.final, f"{ev.rid} got events after it finished"
+        self.events[ev.rid].append(ev)
+        if ev.finish_reason is not None:
+            self.final[ev.rid] = ev
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self, abort_mid_step: list[str] = (), during=None) -> BatchInput | None:
+        """One schedule -> forward -> process_output round. Aborts and `during()` run while
+        the forward step is in flight, as the server handles messages then."""
+        had_work = self.s.has_work
+        batch = self.s.schedule()
+        self.s.check()
+        if batch is None:
+            assert not had_work or not self.s.has_work, "livelock: work queued but nothing scheduled"
+            return None
+        self.steps += 1
+        by_sid = {r.sid: r for r in self.s.running}
+        assert len(by_sid) == len(self.s.running), "two running requests share a sid"
+        assert len(set(batch.sids)) == len(batch.sids), "a request is twice in one batch"
+        reqs = [by_sid[sid] for sid in batch.sids]
+        expected = [r.token_slice(0, p + n) for r, p, n in zip(reqs, batch.prefix_lens, batch.extend_lens)]
+        self._validate(batch, reqs)
+        self.batches.append((batch, reqs))
+        for rid in abort_mid_step:
+            self.abort(rid)
+            self.s.check()
+        if during is not None:
+            during()
+        out = self._run_model(batch, expected)
+        for ev in self.s.process_output(batch, out):
+            self._record(ev)
+        self.s.check()
+        return batch
+
+    def _validate(self, batch: BatchInput, reqs: list[Req]) -> None:
+        assert 0 < batch.num_tokens <= self.budget, "step over the token budget"
+        assert len(reqs) <= self.cfg.max_running_requests
+        assert len(self.s.running) <= self.cfg.max_running_requests
+        assert sum(batch.extend_lens) == batch.num_tokens
+        assert len(set(batch.released_sids)) == len(batch.released_sids)
+        # The runner drops released sids before it installs the new specs.
+        for sid in batch.released_sids:
+            self.specs.pop(sid, None)
+        for spec in batch.new_specs:
+            assert spec.sid not in self.specs, "a spec for a sid that is still live"
+            self.specs[spec.sid] = spec
+        tree_pages = set(self.s.cache.check())
+        pos = 0
+        for i, req in enumerate(reqs):
+            p, n = batch.prefix_lens[i], batch.extend_lens[i]
+            assert self.specs[batch.sids[i]].params is req.params, "runner lacks the request's spec"
+            assert n >= 1 and p + n <= req.seq_len
+            assert batch.input_ids[pos:pos + n] == req.token_slice(p, p + n)
+            assert batch.output_lens[i] == len(req.output_ids)
+            assert batch.sample[i] == (p + n == req.seq_len)
+            table = batch.page_tables[i]
+            assert len(table) == -(-(p + n) // self.ps)
+            assert 0 not in table, "page 0 is scratch, never mapped"
+            # New KV only goes into pages the request holds privately: never into a tree page
+            # another request may map.
+            for q in range(p, p + n):
+                assert table[q // self.ps] not in tree_pages, "a write into a shared page"
+            pos += n
+
+    def _run_model(self, batch: BatchInput, expected: list[list[int]]) -> BatchOutput:
+        pos, out = 0, []
+        for i in range(len(batch.sids)):
+            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], batch.page_tables[i]
+            for q, tok in zip(range(p, p + n), batch.input_ids[pos:pos + n]):
+                self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
+            pos += n
+        for i in range(len(batch.sids)):
+            if batch.sample[i]:
+                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], batch.page_tables[i]
+                history = [self.kv[table[q // self.ps]][q % self.ps] for q in range(p + n)]
+                assert history == expected[i], "the KV cache holds the wrong tokens"
+                out.append(self.token_fn(tuple(history)))
+        return BatchOutput(batch.step, out)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.s.has_work:
+            assert self.steps < max_steps, "no progress: too many steps"
+            self.step()
+        self.assert_idle()
+
+    def assert_idle(self) -> None:
+        s = self.s
+        assert not s.has_work and not s.running and s.num_waiting == 0 and not s.reqs
+        s.check()
+        st_ = s.stats()
+        assert st_.kv_locked_tokens == 0
+        assert st_.kv_free_tokens + st_.kv_cached_tokens == st_.kv_total_tokens
+        assert s.cache.locked_pages == 0
+
+    # ---- expectations ---------------------------------------------------------------
+    def outputs(self, rid: str) -> list[int]:
+        return [ev.token_id for ev in self.events[rid] if ev.token_id is not None]
+
+    def assert_finished_correctly(self, rid: str, context_len: int | None = None) -> None:
+        """The request ended once, with the reason its tokens call for."""
+        req, ev = self.reqs[rid], self.final[rid]
+        out = self.outputs(rid)
+        assert out == req.output_ids
+        assert ev.completion_tokens == len(out) and ev.prompt_tokens == len(req.prompt_ids)
+        # Every token is the runner's function of the history before it.
+        for i, tok in enumerate(out):
+            assert tok == self.token_fn(tuple(req.prompt_ids + out[:i]))
+        if ev.finish_reason == FINISH_ABORT:
+            return
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.s.eos_token_ids))
+        for i, tok in enumerate(out[:-1]):
+            assert not (i + 1 >= p.min_new_tokens and tok in stops), "ran past a stop token"
+        if ev.finish_reason == FINISH_STOP:
+            assert out[-1] in stops and len(out) >= p.min_new_tokens
+            assert ev.matched_stop == out[-1]
+        else:
+            assert ev.finish_reason == FINISH_LENGTH
+            assert ev.matched_stop is None
+            seq_len = len(req.prompt_ids) + len(out)
+            pool = self.s.allocator.capacity * self.ps
+            assert (len(out) == p.max_new_tokens or seq_len >= self.s.context_len
+                    or seq_len >= pool), "stopped early for no reason"
+            assert len(out) <= p.max_new_tokens
+
+
+def prompt(n: int, seed: int, alphabet: int = VOCAB - 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(alphabet) for _ in range(n)]
+
+
+# ---- finishing -------------------------------------------------------------------------
+
+def test_length_at_max_new_tokens():
+    h = Harness(eos=(), token_fn=hash_token)
+    for i in range(4):
+        h.add(f"r{i}", prompt(10 + i, i), max_new_tokens=5 + i)
+    h.run()
+    for i in range(4):
+        assert h.final[f"r{i}"].finish_reason == FINISH_LENGTH
+        assert len(h.outputs(f"r{i}")) == 5 + i
+        h.assert_finished_correctly(f"r{i}")
+
+
+def test_stop_on_eos_unless_ignore_eos():
+    # counting_token: a 10-token prompt produces 10, 11, 12, ...
+    h = Harness(eos=(13,), token_fn=counting_token)
+    h.add("eos", list(range(10)), max_new_tokens=20)
+    h.add("ignore", list(range(10)), max_new_tokens=20, ignore_eos=True)
+    h.run()
+    assert h.outputs("eos") == [10, 11, 12, 13]
+    assert h.final["eos"].finish_reason == FINISH_STOP and h.final["eos"].matched_stop == 13
+    assert h.outputs("ignore") == list(range(10, 30))
+    assert h.final["ignore"].finish_reason == FINISH_LENGTH
+    for rid in ("eos", "ignore"):
+        h.assert_finished_correctly(rid)
+
+
+def test_stop_token_ids_and_min_new_tokens():
+    h = Harness(eos=(12,), token_fn=counting_token)
+    h.add("stop_ids", list(range(10)), max_new_tokens=20, stop_token_ids=[15, 11])
+    h.add("min_new", list(range(10)), max_new_tokens=20, min_new_tokens=4, stop_token_ids=[11])
+    h.add("min_new_eos", [1] * 10, max_new_tokens=20, min_new_tokens=3, stop_token_ids=[])
+    h.add("stop_even_ignoring_eos", list(range(10)), max_new_tokens=20, ignore_eos=True,
+          stop_token_ids=[14])
+    h.run()
+    assert h.outputs("stop_ids") == [10, 11] and h.final["stop_ids"].matched_stop == 11
+    # min_new_tokens=4 suppresses stopping on 11 (2nd) and eos 12 (3rd); 13 is no stop token,
+    # and no stop comes later: it runs to the length limit.
+    assert h.outputs("min_new") == list(range(10, 30))
+    assert h.final["min_new"].finish_reason == FINISH_LENGTH
+    # eos 12 is the 3rd token: exactly min_new_tokens, so it stops there.
+    assert h.outputs("min_new_eos") == [10, 11, 12] and h.final["min_new_eos"].finish_reason == FINISH_STOP
+    assert h.outputs("stop_even_ignoring_eos") == [10, 11, 12, 13, 14]
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_length_at_the_context_limit():
+    h = Harness(eos=(), context_len=20)
+    h.add("r", prompt(15, 1), max_new_tokens=100)
+    h.run()
+    assert h.final["r"].finish_reason == FINISH_LENGTH
+    assert len(h.outputs("r")) == 5  # 15 + 5 == context_len
+    h.assert_finished_correctly("r")
+
+
+def test_length_when_the_sequence_outgrows_the_pool():
+    """A request that alone fills the KV pool ends with "length", and the caller hears it."""
+    ps = 4
+    h = Harness(num_pages=5, page_size=ps, eos=(), context_len=4096)  # 16 KV tokens
+    h.add("r", prompt(10, 2), max_new_tokens=100)
+    h.run(max_steps=100)
+    assert "r" in h.final, "the request ended without telling the caller"
+    assert h.final["r"].finish_reason == FINISH_LENGTH
+    assert 10 + len(h.outputs("r")) >= 16
+    h.assert_finished_correctly("r")
+
+
+def test_finish_from_outside_the_scheduler():
+    h = Harness(eos=())
+    h.add("r", prompt(8, 3), max_new_tokens=50)
+    h.step()
+    h.step()
+    ev = h.s.finish("r", FINISH_STOP, matched_stop="stop string")
+    assert ev.finish_reason == FINISH_STOP and ev.matched_stop == "stop string"
+    assert h.s.finish("r", FINISH_STOP) is None
+    h.assert_idle()
+
+
+def test_runner_error_aborts_the_batch():
+    h = Harness(eos=())
+    h.add("a", prompt(8, 1), max_new_tokens=50)
+    h.add("b", prompt(8, 2), max_new_tokens=50)
+    h.step()
+    batch = h.s.schedule()
+    events = h.s.process_output(batch, BatchOutput(batch.step, [], error="boom"))
+    assert {e.rid for e in events} == {"a", "b"}
+    assert all(e.finish_reason == FINISH_ABORT and e.error == "boom" for e in events)
+    h.assert_idle()
+
+
+# ---- batching ------------------------------------------------------------------------
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
+    h = Harness(budget=32, page_size=4)
+    h.add("long", prompt(100, 5), max_new_tokens=3, ignore_eos=True)
+    chunks = []
+    while h.s.has_work:
+        batch = h.step()
+        chunks.append((batch.prefix_lens[0], batch.extend_lens[0], batch.sample[0]))
+    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True),
+                      (100, 1, True), (101, 1, True)]
+    h.assert_finished_correctly("long")
+
+
+def test_decodes_are_in_every_step_and_share_the_budget_with_prefill():
+    h = Harness(budget=16, page_size=4)
+    for i in range(3):
+        h.add(f"d{i}", prompt(5, i), max_new_tokens=40, ignore_eos=True)
+    h.step()  # all three prompts fit in one step
+    h.add("long", prompt(90, 9), max_new_tokens=2, ignore_eos=True)
+    saw_prefill = 0
+    while h.s.has_work:
+        decoding = {r.rid for r in h.s.running if not r.in_prefill}
+        batch = h.step()
+        reqs = h.batches[-1][1]
+        in_batch = {r.rid for r in reqs}
+        assert decoding <= in_batch, "a decoding request was left out of a step"
+        assert batch.num_tokens <= 16
+        for r, n in zip(reqs, batch.extend_lens):
+            if r.rid == "long" and n > 1:
+                saw_prefill += 1
+                assert n <= 16 - len(decoding)
+    assert saw_prefill >= 90 // 13
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_decodes_come_before_prefill_in_the_batch():
+    h = Harness(budget=64)
+    h.add("a", prompt(6, 1), max_new_tokens=5, ignore_eos=True)
+    h.step()
+    h.add("b", prompt(30, 2), max_new_tokens=5, ignore_eos=True)
+    batch = h.step()
+    assert [r.rid for r in h.batches[-1][1]] == ["a", "b"]
+    assert batch.extend_lens == [1, 30]
+
+
+def test_max_running_requests_is_respected():
+    h = Harness(max_running=3, budget=256)
+    for i in range(10):
+        h.add(f"r{i}", prompt(7, i), max_new_tokens=4, ignore_eos=True)
+    peak = 0
+    while h.s.has_work:
+        h.step()
+        peak = max(peak, len(h.batches[-1][1]))
+        assert len(h.s.running) <= 3
+    assert peak == 3
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_sids_are_reused_and_released_sids_reported():
+    h = Harness(max_running=2, budget=256)
+    for i in range(5):
+        h.add(f"r{i}", prompt(4, i), max_new_tokens=2 + i, ignore_eos=True)
+    released, used = [], set()
+    while h.s.has_work:
+        batch = h.step()
+        released += batch.released_sids
+        used |= set(batch.sids)
+    assert used == {0, 1}, "finished requests' sids are handed out again"
+    # Every finished request's sid was reported once it was released (the last ones wait
+    # for the next batch).
+    tail = h.s._released_sids
+    assert sorted(released + tail) == sorted(h.reqs[f"r{i}"].sid for i in range(5))
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+# ---- priority and retraction -----------------------------------------------------------
+
+def test_priority_order_of_admission():
+    h = Harness(max_running=1, budget=256)
+    order = [("a", 0), ("b", 2), ("c", 1), ("d", 2), ("e", 0), ("f", 1)]
+    for rid, prio in order:
+        h.add(rid, prompt(5, ord(rid)), priority=prio, max_new_tokens=2, ignore_eos=True)
+    admitted = []
+    while h.s.has_work:
+        h.step()
+        for r in h.batches[-1][1]:
+            if r.rid not in admitted:
+                admitted.append(r.rid)
+    assert admitted == ["b", "d", "c", "f", "a", "e"]
+
+
+def test_priority_order_under_a_tight_pool():
+    """Admission stops at the first request that does not fit: no lower one jumps ahead."""
+    ps = 4
+    h = Harness(num_pages=9, page_size=ps, budget=256)  # 32 KV tokens
+    h.add("low_small", prompt(3, 1), priority=0, max_new_tokens=2, ignore_eos=True)
+    h.add("high_big", prompt(20, 2), priority=1, max_new_tokens=8, ignore_eos=True)
+    h.add("mid", prompt(14, 3), priority=1, max_new_tokens=8, ignore_eos=True)
+    # high_big takes 5 of 8 pages; mid needs 4 and waits, and so must low_small, which
+    # would fit in the 3 left.
+    h.step()
+    assert [r.rid for r in h.batches[-1][1]] == ["high_big"]
+    admitted = []
+    h.run()
+    for batch, reqs in h.batches:
+        admitted += [r.rid for r in reqs if r.rid not in admitted]
+    assert admitted == ["high_big", "mid", "low_small"]
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_high_priority_arrival_retracts_a_lower_priority_request():
+    ps = 4
+    h = Harness(num_pages=13, page_size=ps, budget=256)  # 48 KV tokens
+    h.add("low", prompt(30, 1), priority=0, max_new_tokens=12, ignore_eos=True)
+    h.step()
+    h.step()
+    assert [r.rid for r in h.s.running] == ["low"]
+    h.add("high", prompt(30, 2), priority=5, max_new_tokens=4, ignore_eos=True)
+    h.step()
+    assert [r.rid for r in h.batches[-1][1]] == ["high"]
+    assert h.reqs["low"].num_retractions == 1
+    assert h.s.stats().num_retractions_total == 1
+    h.run()
+    assert h.final["high"].finish_reason == FINISH_LENGTH
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+    # "high" finished before "low" resumed decoding.
+    steps_high = [k for k, (_, reqs) in enumerate(h.batches) if any(r.rid == "high" for r in reqs)]
+    steps_low = [k for k, (_, reqs) in enumerate(h.batches) if any(r.rid == "low" for r in reqs)]
+    assert max(steps_high) < max(steps_low)
+
+
+def steps_until_running(h: Harness, rid: str, limit: int = 30) -> int:
+    for k in range(limit):
+        h.step()
+        if any(r.rid == rid for r in h.batches[-1][1]):
+            return k
+    raise AssertionError(f"{rid} never ran")
+
+
+def test_high_priority_arrival_is_not_stuck_behind_decode_headroom():
+    """Room for the prompt but not for the decode headroom admission keeps: the
+    lower-priority request must still make way, not run to completion first."""
+    h = Harness(num_pages=4, page_size=16, budget=256)  # 3 pages of 16 tokens
+    h.add("low", prompt(17, 1), priority=0, max_new_tokens=14, ignore_eos=True)  # 2 pages
+    h.step()
+    h.step()
+    h.add("high", prompt(10, 2), priority=5, max_new_tokens=2, ignore_eos=True)  # 1 page
+    assert steps_until_running(h, "high") <= 1
+    assert h.reqs["low"].num_retractions == 1
+    h.run()
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_high_priority_arrival_with_a_cached_prefix_and_a_long_prompt_preempts():
+    """Admission of a request whose cached prefix plus first chunk need more pages than
+    one budget's worth must also be able to preempt."""
+    ps = 4
+    h = Harness(num_pages=13, page_size=ps, budget=8)  # 12 pages
+    warm = prompt(16, 3)
+    h.add("warm", warm, max_new_tokens=1, ignore_eos=True)
+    h.run()
+    assert h.s.cache.evictable_pages == 4  # warm's prompt stays cached
+    h.add("low", prompt(23, 1), priority=0, max_new_tokens=30, ignore_eos=True)  # 6 pages
+    for _ in range(5):
+        h.step()
+    h.add("high", warm + prompt(8, 4), priority=5, max_new_tokens=2, ignore_eos=True)
+    assert steps_until_running(h, "high") <= 1
+    assert h.reqs["high"].cached_tokens == 16
+    h.run()
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_high_priority_arrival_takes_a_slot_at_max_running():
+    h = Harness(max_running=2, budget=256)
+    h.add("l1", prompt(5, 1), max_new_tokens=30, ignore_eos=True)
+    h.add("l2", prompt(5, 2), max_new_tokens=30, ignore_eos=True)
+    h.step()
+    h.add("h", prompt(5, 3), priority=1, max_new_tokens=3, ignore_eos=True)
+    h.step()
+    assert {r.rid for r in h.s.running} == {"l1", "h"}  # the newest low one made room
+    assert h.reqs["l2"].num_retractions == 1
+    h.run()
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def run_mix(num_pages: int, page_size: int, budget: int, seed: int) -> tuple[Harness, dict[str, list[int]]]:
+    rng = random.Random(seed)
+    h = Harness(num_pages=num_pages, page_size=page_size, budget=budget)
+    base = prompt(24, seed)
+    for i in range(12):
+        shared = base[:rng.randrange(0, 24)]
+        h.add(f"r{i}", shared + prompt(rng.randrange(1, 20), 1000 * seed + i),
+              priority=rng.randrange(2), max_new_tokens=rng.randrange(1, 24))
+    h.run(max_steps=5000)
+    return h, {rid: h.outputs(rid) for rid in h.reqs}
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_tiny_pool_forces_retraction_but_tokens_match_a_huge_pool(page_size):
+    pages_needed = -(-(43 + 24 + 1) // page_size)  # the longest single request
+    big, want = run_mix(4096, page_size, 48, seed=page_size)
+    small, got = run_mix(pages_needed + 2, page_size, 48, seed=page_size)
+    assert big.s.stats().num_retractions_total == 0
+    assert small.s.stats().num_retractions_total > 0, "the small pool should force retraction"
+    assert got == want
+    for h in (big, small):
+        for rid in h.reqs:
+            assert h.final[rid].finish_reason in (FINISH_STOP, FINISH_LENGTH)
+            h.assert_finished_correctly(rid)
+
+
+def test_retracted_request_recomputes_with_at_least_one_token_and_reuses_its_cache():
+    ps = 4
+    h = Harness(num_pages=13, page_size=ps, budget=256)
+    h.add("low", prompt(16, 1), max_new_tokens=10, ignore_eos=True)
+    for _ in range(4):
+        h.step()
+    h.add("high", prompt(40, 2), priority=1, max_new_tokens=2, ignore_eos=True)
+    h.step()
+    assert h.reqs["low"].num_retractions == 1
+    h.run()
+    # On resumption "low" matched its cached prefix (if it survived) and computed the rest.
+    resumed = [(b, reqs.index(h.reqs["low"])) for b, reqs in h.batches[6:] if h.reqs["low"] in reqs]
+    batch, i = resumed[0]
+    assert batch.extend_lens[i] >= 1 and batch.sample[i]
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+# ---- abort -------------------------------------------------------------------------------
+
+def test_abort_waiting_running_and_mid_prefill_frees_their_kv():
+    h = Harness(budget=16, page_size=4, max_running=2)
+    h.add("running", prompt(6, 1), max_new_tokens=50, ignore_eos=True)
+    h.add("prefill", prompt(60, 2), max_new_tokens=50, ignore_eos=True)
+    h.add("waiting", prompt(6, 3), max_new_tokens=50, ignore_eos=True)
+    h.step()
+    h.step()
+    assert h.reqs["prefill"].in_prefill and h.reqs["prefill"].kv_len > 0
+    assert h.reqs["waiting"].status == "waiting"
+    for rid in ("waiting", "prefill", "running"):
+        h.abort(rid)
+        h.s.check()
+        assert h.final[rid].finish_reason == FINISH_ABORT
+    assert h.s.abort("running") is None  # already gone
+    assert h.s.schedule() is None
+    h.assert_idle()
+    assert h.final["waiting"].completion_tokens == 0
+    assert h.final["running"].completion_tokens > 0
+    assert h.s.stats().kv_cached_tokens > 0  # their computed prefixes stay cached
+
+
+def test_abort_while_the_step_runs():
+    h = Harness(budget=16, page_size=4)
+    h.add("a", prompt(40, 1), max_new_tokens=5, ignore_eos=True)
+    h.add("b", prompt(5, 2), max_new_tokens=5, ignore_eos=True)
+    h.step(abort_mid_step=["a"])  # a is mid-prefill
+    h.step()
+    h.step(abort_mid_step=["b"])  # b is decoding
+    h.run()
+    assert h.final["a"].finish_reason == h.final["b"].finish_reason == FINISH_ABORT
+    h.add("c", prompt(40, 1), max_new_tokens=3, ignore_eos=True)  # reuses a's cached chunk
+    h.run()
+    h.assert_finished_correctly("c")
+
+
+def test_abort_of_an_unknown_request_is_none():
+    h = Harness()
+    assert h.s.abort("nope") is None
+
+
+# ---- prefix cache --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size,length", [(1, 20), (4, 20), (4, 22), (16, 32), (16, 40)])
+def test_second_identical_prompt_is_cached_but_recomputes_at_least_one_token(page_size, length):
+    h = Harness(page_size=page_size, budget=256)
+    p = prompt(length, 7)
+    h.add("first", p, max_new_tokens=3, ignore_eos=True)
+    h.run()
+    assert h.final["first"].cached_tokens == 0
+    h.add("second", p, max_new_tokens=3, ignore_eos=True)
+    batch = h.step()
+    cached = h.final.get("second", None)
+    i = batch.sids.index(h.reqs["second"].sid)
+    assert batch.prefix_lens[i] > 0 and batch.extend_lens[i] >= 1
+    assert batch.prefix_lens[i] == (length - 1) // page_size * page_size
+    h.run()
+    assert cached is None
+    assert 0 < h.final["second"].cached_tokens < length
+    assert h.outputs("second") == h.outputs("first")
+    assert h.s.stats().cached_prompt_tokens_total == h.final["second"].cached_tokens
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
+def test_disabled_cache_never_reuses():
+    h = Harness(page_size=4, disable_cache=True)
+    p = prompt(20, 7)
+    h.add("first", p, max_new_tokens=3, ignore_eos=True)
+    h.run()
+    h.add("second", p, max_new_tokens=3, ignore_eos=True)
+    h.run()
+    assert h.final["second"].cached_tokens == 0
+    assert h.s.stats().kv_cached_tokens == 0
+    assert h.outputs("second") == h.outputs("first")
+
+
+def run_shared_prefix(page_size: int, budget: int) -> tuple[Harness, list[int], int]:
+    """8 requests with a common 128-token prefix, submitted at once."""
+    shared = prompt(128, 11)
+    h = Harness(page_size=page_size, budget=budget, num_pages=4096 // page_size)
+    for i in range(8):
+        h.add(f"r{i}", shared + prompt(20 + i, 100 + i), max_new_tokens=4, ignore_eos=True)
+    h.run()
+    computed_shared = 0  # prompt positions < 128 computed over all steps
+    for batch, _ in h.batches:
+        for p, n in zip(batch.prefix_lens, batch.extend_lens):
+            computed_shared += max(0, min(p + n, 128) - p)
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+    cached = [h.final[f"r{i}"].cached_tokens for i in range(8)]
+    return h, cached, computed_shared
+
+
+@pytest.mark.parametrize("page_size,budget", [(1, 512), (4, 512), (16, 512), (16, 100), (4, 64), (1, 48)])
+def test_shared_prefix_is_computed_once(page_size, budget):
+    h, cached, computed_shared = run_shared_prefix(page_size, budget)
+    assert cached[0] == 0 and all(c >= 128 - page_size for c in cached[1:]), cached
+    assert computed_shared <= 128 + 7 * page_size
+
+
+def test_shared_prefix_deferral_needs_enough_shared_uncached_tokens():
+    # Budget 40 computes the prefix in chunks [0, 40), [40, 80), [80, 120), [120, 148): when
+    # r1 is admitted (step 4) only 8 shared tokens are uncached, fewer than the deferral
+    # threshold, so it computes them itself rather than wait a step.
+    h, cached, computed_shared = run_shared_prefix(4, 40)
+    assert cached[0] == 0 and cached[1] == 120 and all(c >= 124 for c in cached[2:]), cached
+    assert computed_shared <= 128 + 8 + 6 * 4
+
+
+# ---- rejection -----------------------------------------------------------------------------
+
+def test_rejections():
+    h = Harness(num_pages=9, page_size=4, context_len=30)  # 32 KV tokens
+    with pytest.raises(RequestRejected) as e:
+        h.add("empty", [])
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestRejected):
+        h.add("ctx", prompt(30, 1))  # prompt >= context
+    h2 = Harness(num_pages=9, page_size=4, context_len=4096)
+    with pytest.raises(RequestRejected):
+        h2.add("pool", prompt(32, 1))  # needs 33 KV tokens, the pool holds 32
+    h2.add("fits", prompt(31, 1), max_new_tokens=4)
+    with pytest.raises(RequestRejected) as e:
+        h2.add("fits", prompt(3, 1))
+    assert e.value.field == "rid"
+    h.add("ok", prompt(29, 1), max_new_tokens=4)
+    for x in (h, h2):
+        x.run()
+    assert h.final["ok"].finish_reason in (FINISH_LENGTH, FINISH_STOP)
+    assert len(h.outputs("ok")) == 1  # 29 + 1 == context_len
+    h2.assert_finished_correctly("fits")
+
+
+def test_stats_while_running_and_idle():
+    h = Harness(page_size=4, num_pages=65)
+    h.add("a", prompt(10, 1), max_new_tokens=5, ignore_eos=True)
+    h.add("b", prompt(10, 2), max_new_tokens=5, ignore_eos=True)
+    st_ = h.s.stats()
+    assert st_.num_waiting == 2 and st_.num_running == 0 and st_.kv_total_tokens == 256
+    h.step()
+    st_ = h.s.stats()
+    assert st_.num_running == 2 and st_.kv_locked_tokens > 0
+    assert st_.kv_free_tokens + st_.kv_locked_tokens + st_.kv_cached_tokens == st_.kv_total_tokens
+    h.run()
+    st_ = h.s.stats()
+    assert st_.prompt_tokens_total == 20 and st_.cache_hit_rate == 0.0
+
+
+# ---- property-based ------------------------------------------------------------------------
+
+@st.composite
+def workloads(draw):
+    ps = draw(st.sampled_from([1, 4, 16]))
+    capacity_tokens = draw(st.integers(24, 160))
+    num_pages = -(-capacity_tokens // ps) + 1
+    pool = (num_pages - 1) * ps
+    context_len = draw(st.sampled_from([4096, draw(st.integers(8, 200))]))
+    max_prompt = max(1, min(pool - 1, context_len - 1, 80))
+    bases = [draw(st.lists(st.integers(0, 3), min_size=80, max_size=80)) for _ in range(2)]
+    reqs = []
+    for i in range(draw(st.integers(1, 10))):
+        plen = draw(st.integers(1, max_prompt))
+        # Often the whole prompt comes from a shared base, so prefixes collide (and requests
+        # that share >= SHARED_PREFIX_DEFER_TOKENS uncached tokens get deferred).
+        shared = draw(st.one_of(st.just(plen), st.integers(0, plen)))
+        tail = draw(st.lists(st.integers(0, 5), min_size=plen - shared, max_size=plen - shared))
+        reqs.append(dict(
+            prompt=bases[draw(st.integers(0, 1))][:shared] + tail,
+            priority=draw(st.integers(0, 2)),
+            max_new_tokens=draw(st.integers(1, 24)),
+            min_new_tokens=draw(st.integers(0, 3)),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+            arrive=draw(st.one_of(st.just(0), st.integers(0, 12))),  # bursts and stragglers
+            mid_step=draw(st.booleans()),  # arrives while a step is in flight
+        ))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9), st.booleans()), max_size=4))
+    return dict(ps=ps, num_pages=num_pages, context_len=context_len,
+                budget=draw(st.sampled_from([1, 3, 8, 32, 64, 512])),
+                max_running=draw(st.integers(1, 8)), disable_cache=draw(st.booleans()),
+                reqs=reqs, aborts=aborts)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads())
+def test_random_workloads_run_to_completion(w):
+    h = Harness(num_pages=w["num_pages"], page_size=w["ps"], budget=w["budget"],
+                max_running=w["max_running"], context_len=w["context_len"],
+                disable_cache=w["disable_cache"], eos=(EOS, 5))
+    pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
+    aborts = defaultdict(list)
+    for step, i, mid in w["aborts"]:
+        aborts[step].append((f"r{i}", mid))
+    total = sum(len(r["prompt"]) + r["max_new_tokens"] for r in w["reqs"])
+    max_steps = 50 + 4 * total
+    tick = 0
+    while pending or h.s.has_work:
+        assert tick < max_steps, "no progress"
+
+        def arrive(mid_step: bool) -> None:
+            for i, r in [x for x in pending if x[1]["arrive"] <= tick and x[1]["mid_step"] == mid_step]:
+                pending.remove((i, r))
+                params = {k: v for k, v in r.items() if k not in ("prompt", "priority", "arrive", "mid_step")}
+                params["min_new_tokens"] = min(params["min_new_tokens"], params["max_new_tokens"])
+                h.add(f"r{i}", r["prompt"], priority=r["priority"], **params)
+
+        arrive(False)
+        for rid, mid in aborts.get(tick, []):
+            if not mid:
+                h.abort(rid)
+                h.s.check()
+        if h.step(abort_mid_step=[rid for rid, mid in aborts.get(tick, []) if mid],
+                  during=lambda: arrive(True)) is None:
+            arrive(True)  # nothing ran: the arrival still comes
+        tick += 1
+    h.assert_idle()
+    assert set(h.final) == set(h.reqs), "a request ended without a finish event"
+    aborted = {f"r{i}" for _, i, _ in w["aborts"]}
+    for rid in h.reqs:
+        if rid not in aborted:
+            assert h.final[rid].finish_reason in (FINISH_STOP, FINISH_LENGTH)
+        h.assert_finished_correctly(rid)
