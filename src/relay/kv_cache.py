@@ -15,31 +15,50 @@ DEFAULT_CPU_KV_CAP_GB = 4.0
 
 
 class KVCache:
-    """Per-layer K and V buffers of shape [num_pages * page_size, kv_heads, head_dim].
+    """Per-layer K and V buffers. A token's slot is page * page_size + offset; page 0 is
+    scratch (never allocated).
 
-    A token's slot is page * page_size + offset; page 0 is scratch (never allocated)."""
+    Layout "NHD": [num_pages * page_size, kv_heads, head_dim] (what paged GPU kernels read).
+    Layout "HND": [kv_heads, num_pages * page_size, head_dim]: gathering a batch's slots
+    then yields [kv_heads, tokens, head_dim], which batched matmuls take without a copy.
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layout: str = "NHD"):
+        if layout not in ("NHD", "HND"):
+            raise ValueError(f"unknown KV layout {layout!r}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.layout = layout
+        self._slot_dim = 0 if layout == "NHD" else 1
+        slots = num_pages * page_size
+        shape = (slots, kv_heads, head_dim) if layout == "NHD" else (kv_heads, slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """k, v: [tokens, kv_heads, head_dim] for the given slots."""
+        if self._slot_dim:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        self.k[layer].index_copy_(self._slot_dim, slots, k)
+        self.v[layer].index_copy_(self._slot_dim, slots, v)
+
+
+DEFAULT_CUDA_MEM_FRACTION = 0.85
 
 
 def num_pages_for_budget(bytes_per_token: int, page_size: int, kv_cache_gb: float | None,
-                         mem_fraction: float | None, device: torch.device) -> int:
-    """Pages that fit the KV budget: an explicit size, else a fraction of free memory."""
+                         mem_fraction: float | None, device: torch.device, free_bytes: int | None = None) -> int:
+    """Pages that fit the KV budget: an explicit size, else a fraction of free memory.
+
+    On CUDA, `free_bytes` is the free GPU memory measured by the caller after the weights are
+    loaded and one warm-up forward ran (the runner passes it; see cuda_free_bytes); without
+    it, the free memory now. It is ignored on CPU."""
     if kv_cache_gb is not None:
         budget = kv_cache_gb * (1 << 30)
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * (mem_fraction if mem_fraction is not None else 0.85)
+        free = free_bytes if free_bytes is not None else torch.cuda.mem_get_info(device)[0]
+        budget = free * (mem_fraction if mem_fraction is not None else DEFAULT_CUDA_MEM_FRACTION)
     else:
         avail = psutil.virtual_memory().available
         if mem_fraction is not None:
@@ -50,3 +69,11 @@ def num_pages_for_budget(bytes_per_token: int, page_size: int, kv_cache_gb: floa
     logger.info("KV pool: %d pages x %d tokens (%.2f GiB)", pages, page_size,
                 pages * page_size * bytes_per_token / (1 << 30))
     return pages
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """GPU memory still free for the KV pool: what the driver reports free. Blocks that the
+    caching allocator holds but has not handed out (e.g. left by a warm-up forward) are not
+    counted: they stay with torch for the activations of later steps."""
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]

@@ -13,12 +13,12 @@ import os
 import numpy as np
 import torch
 
-from relay.attention import create_backend
+from relay.attention import backend_class
 from relay.attention.base import StepMeta
 from relay.batch import PREVIOUS_TOKEN, BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
-from relay.kv_cache import KVCache, num_pages_for_budget
+from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.models import model_class
 from relay.sampler import Sampler
 
@@ -70,13 +70,14 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
+        attn_cls = backend_class(cfg.attention_backend, self.device)
         self.kv = KVCache(mc.num_layers, self.num_pages, cfg.page_size, shard.kv_count, mc.head_dim,
-                          self.dtype, self.device)
-        self.attn = create_backend(cfg.attention_backend, self.device, kv=self.kv, num_heads=shard.q_count,
-                                   num_kv_heads=shard.kv_count, head_dim=mc.head_dim,
-                                   scale=mc.head_dim ** -0.5)
+                          self.dtype, self.device, layout=attn_cls.kv_layout)
+        self.attn = attn_cls(kv=self.kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count,
+                             head_dim=mc.head_dim, scale=mc.head_dim ** -0.5)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.last_tokens: dict[int, int] = {}
+        self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
 
     # ---- setup --------------------------------------------------------------------------
     def _load_model(self, model_dir: str) -> torch.nn.Module:
@@ -95,8 +96,11 @@ class ModelRunner:
 
     def _agree_on_pages(self) -> int:
         bytes_per_token = self.mc.kv_bytes_per_token(self.dtype.itemsize, self.tp.size)
+        free = None
+        if self.device.type == "cuda" and self.cfg.kv_cache_gb is None:
+            free = self._free_bytes_after_warmup()
         pages = num_pages_for_budget(bytes_per_token, self.page_size, self.cfg.kv_cache_gb,
-                                     self.cfg.mem_fraction_static, self.device)
+                                     self.cfg.mem_fraction_static, self.device, free_bytes=free)
         if self.tp.size > 1:  # every rank must hold the same pages
             t = torch.tensor([pages], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
@@ -112,15 +116,8 @@ class ModelRunner:
             self.sampler.update(batch.released_sids, batch.new_specs)
         for sid in batch.released_sids:
             self.last_tokens.pop(sid, None)
-        meta, input_ids = self._prepare(batch)
-        self.attn.plan(meta)
-        hidden = self.model(input_ids, meta.positions, self.attn)
-        ends = np.cumsum(batch.extend_lens) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch.sample) if s]
-        if not rows:
-            return BatchOutput(batch.step, [])
-        logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
-        if self.sampler is None:
+        logits = self.step_logits(batch)
+        if logits is None or self.sampler is None:
             return BatchOutput(batch.step, [])
         sids = [sid for sid, s in zip(batch.sids, batch.sample) if s]
         out_lens = [n for n, s in zip(batch.output_lens, batch.sample) if s]
@@ -156,6 +153,68 @@ class ModelRunner:
                     ids[j] = self.last_tokens[sid]
             pos += n
         return ids
+
+    # ---- GPU: CUDA graphs, the warm-up that sizes the KV pool ----------------------------
+    @torch.inference_mode()
+    def step_logits(self, batch: BatchInput) -> torch.Tensor | None:
+        """Run one step's forward; float32 logits [rows, vocab] of the requests that sample
+        (None when none does). Decode steps that fit a captured CUDA graph replay it (logits
+        included); everything else runs eagerly."""
+        meta, input_ids = self._prepare(batch)
+        ends = np.cumsum(batch.extend_lens) - 1
+        rows = [int(ends[i]) for i, s in enumerate(batch.sample) if s]
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(len(batch.extend_lens), batch.is_decode):
+            logits = graphs.replay(meta, input_ids)
+            if not rows:
+                return None
+            return logits[rows] if len(rows) < logits.shape[0] else logits
+        self.attn.plan(meta)
+        hidden = self.model(input_ids, meta.positions, self.attn)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
+
+    def _build_cuda_graphs(self):
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return None
+        if not self.attn.supports_cuda_graph:
+            logger.info("the %s attention backend does not support CUDA graphs: decode runs eagerly",
+                        self.attn.name)
+            return None
+        max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
+        if max_bs < 1:
+            return None
+        from relay.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self.model, self.attn, self.device, max_bs, -(-self.context_len // self.page_size))
+
+    @torch.inference_mode()
+    def _free_bytes_after_warmup(self) -> int:
+        """Free GPU memory after one forward of a full step (chunked_prefill_size tokens, logits
+        and a sampler-sized softmax/sort for up to max_running_requests rows) on a throwaway
+        KV cache; the activations' blocks stay cached by torch, outside what the KV pool gets."""
+        mc, ps = self.mc, self.page_size
+        n = max(1, min(self.cfg.chunked_prefill_size, self.context_len - 1))
+        shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
+        attn_cls = backend_class(self.cfg.attention_backend, self.device)
+        pages = -(-n // ps) + 1
+        kv = KVCache(mc.num_layers, pages, ps, shard.kv_count, mc.head_dim, self.dtype, self.device,
+                     layout=attn_cls.kv_layout)
+        attn = attn_cls(kv=kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count, head_dim=mc.head_dim,
+                        scale=mc.head_dim ** -0.5)
+        dev = self.device
+        meta = StepMeta([0], [n], [list(range(1, pages))], positions=torch.arange(n, device=dev),
+                        out_slots=torch.arange(ps, ps + n, device=dev))
+        attn.plan(meta)
+        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), meta.positions, attn)
+        rows = min(n, self.cfg.max_running_requests)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+        del kv, attn, meta, hidden, logits
+        free = cuda_free_bytes(dev)
+        logger.info("after weights and a warm-up step: %.2f GiB GPU memory free", free / (1 << 30))
+        return free
 
 
 def iter_safetensors(model_dir: str, show_progress: bool = True):

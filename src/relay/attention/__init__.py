@@ -26,11 +26,16 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
     name = resolve_backend_name(name, device)
     if name not in BACKENDS:
         importlib.import_module(_MODULES[name])
-    return BACKENDS[name](**kwargs)
+    return BACKENDS[name]
 
 
-__all__ = ["AttentionBackend", "StepMeta", "register_backend", "create_backend", "resolve_backend_name"]
+def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    return backend_class(name, device)(**kwargs)
+
+
+__all__ = ["AttentionBackend", "StepMeta", "register_backend", "backend_class", "create_backend",
+           "resolve_backend_name"]

@@ -35,6 +35,9 @@ class StepMeta:
 
 class AttentionBackend(ABC):
     name: str = ""
+    # How the backend wants each layer's KV buffers laid out (see KVCache): "NHD" is
+    # [slots, kv_heads, head_dim] (paged GPU kernels), "HND" is [kv_heads, slots, head_dim].
+    kv_layout: str = "NHD"
 
     def __init__(self, kv: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.kv = kv
@@ -50,6 +53,24 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
+
+    # ---- CUDA graphs (decode only) --------------------------------------------------------
+    # A backend that can be captured keeps its per-step metadata in static tensors: the
+    # graph runner calls init_cuda_graph_state once, then plan_cuda_graph before capturing
+    # each batch size and before every replay; plan_cuda_graph only copies the new step's
+    # metadata into those same tensors, so the captured kernels read it on replay.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        """Allocate the static metadata buffers for decode batches of up to `max_bs` requests
+        of up to `max_pages_per_req` pages each."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
+
+    def plan_cuda_graph(self, bs: int, meta: StepMeta) -> None:
+        """Like plan() for a pure decode step of exactly `bs` requests (already padded by the
+        graph runner: padded rows have prefix 0 and page table [0]), writing into the static
+        buffers; meta.positions and meta.out_slots are the graph runner's static tensors."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
 
 BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}

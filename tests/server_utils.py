@@ -1,0 +1,95 @@
+"""Start a real Relay server (all its processes) for a test, and talk to it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY_LINE = "Relay is ready"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m launch.serve ...` in a subprocess; ready once it prints its ready line."""
+
+    def __init__(self, *flags: str, startup_timeout: float = 240.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(self.port), *flags],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.log)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if READY_LINE in line:
+                self._ready.set()
+        self._ready.set()  # the process ended: wake the waiter
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines[-200:])
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+    def children(self) -> list[int]:
+        """pids of the server's relay::* children (its process group)."""
+        out = subprocess.run(["pgrep", "-g", str(os.getpgid(self.proc.pid))], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split() if int(p) != self.proc.pid]
+
+    def pid_of(self, title: str) -> int:
+        out = subprocess.run(["pgrep", "-f", "-g", str(os.getpgid(self.proc.pid)), f"^{title}$"],
+                             capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        assert len(pids) == 1, f"{title}: {pids}"
+        return pids[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll a condition the server will reach (not a sleep standing in for an event)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"

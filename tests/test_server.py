@@ -1,0 +1,231 @@
+"""End to end against a real server: real processes, ZeroMQ, HTTP, the default model."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import Server, wait_until
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 4,",
+           "The quick brown fox", "Q: What is 2+2?\nA:"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--dtype", "float32", "--kv-cache-gb", "1", "--log-requests")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def idle_stats(server: Server) -> dict:
+    with server.client() as c:
+        return c.get("/get_server_info").json()["scheduler"]
+
+
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    with server.client() as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/health_generate").status_code == 200
+
+
+def test_completion_greedy_is_sensible_and_matches_generate(server, oai):
+    out = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in out.choices[0].text
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    with server.client() as c:
+        native = c.post("/generate", json={"text": "The capital of France is",
+                                           "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert native["text"] == out.choices[0].text
+    assert native["meta_info"]["completion_tokens"] == 8
+
+
+def test_chat_streaming_equals_non_streaming(oai):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and "Paris" in text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_completion_stream_n_seed_stop_logprobs(oai):
+    a = oai.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=12, n=3,
+                               temperature=1.0, seed=7, logprobs=2)
+    b = oai.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=12, n=3,
+                               temperature=1.0, seed=7)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices], "same seed, same output"
+    assert len({c.text for c in a.choices}) > 1, "choices of one seeded request differ"
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    stopped = oai.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0,
+                                     stop=[" 6"])
+    assert stopped.choices[0].finish_reason == "stop" and " 6" not in stopped.choices[0].text
+    assert stopped.choices[0].text.strip().startswith("4")
+
+
+def test_32_concurrent_streams(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=16,
+                                                 temperature=0, stream=True)
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert all(reason in ("stop", "length") and text for text, reason in results)
+    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s, 30, "idle")
+    assert stats["kv_locked_tokens"] == 0
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert got
+        assert idle_stats(server)["num_running"] == 1
+    # Leaving the block closed the connection mid-stream.
+    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15,
+                       "the abort to free the request")
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+
+def test_abort_request_endpoint(server):
+    rid = "test-abort-endpoint"
+    body = {"text": "Write an essay.", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}
+    with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        assert json.loads(next(lines)[5:])["meta_info"]["id"] == rid
+        found = c.post("/abort_request", json={"rid": rid}).json()["found"]
+        assert found, server.log
+        last = list(lines)[-1]
+    assert json.loads(last[5:])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert idle_stats(server)["kv_locked_tokens"] == 0
+
+
+LONG = "hello " * 9000  # > 8192 tokens: longer than the context
+
+BAD_INPUTS = [
+    ("/v1/completions", b"{not json", "invalid JSON", None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', "invalid UTF-8", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "wrong type", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, "negative", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "absurd", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, "past the context", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG}, "prompt too long", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, "temperature < 0", "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p 0", "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p > 1", "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "empty prompt", "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "unknown model", "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, "n too large", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**7]}, "token id past the vocabulary", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, "negative token id", "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "no messages", "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "bad content",
+     "messages.0.content"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "text and input_ids", None),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "zero tokens",
+     "sampling_params.max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,why,param", BAD_INPUTS, ids=[b[2] for b in BAD_INPUTS])
+def test_bad_input_gets_4xx_naming_the_field(server, path, body, why, param):
+    with server.client() as c:
+        if isinstance(body, bytes):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = c.post(path, json=body)
+    assert 400 <= r.status_code < 500, (why, r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, (why, err)
+
+
+def test_bad_stream_request_gets_status_not_stream(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": LONG, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_server_healthy_after_bad_inputs_and_metrics(server, oai):
+    out = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+    with server.client() as c:
+        text = c.get("/metrics").text
+    for name in ("relay:time_to_first_token_seconds", "relay:inter_token_latency_seconds",
+                 "relay:e2e_request_latency_seconds", "relay:num_running_reqs", "relay:prefix_cache_hit_rate",
+                 "relay:generation_tokens_total"):
+        assert name in text
+    assert "request rid=" in server.log and "output_ids=[" in server.log  # --log-requests
+
+
+def test_prefix_cache_reported(server):
+    prompt = "You are a helpful assistant. " * 20 + "Say hi."
+    with server.client() as c:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        c.post("/generate", json=body)
+        second = c.post("/generate", json=body).json()
+        assert second["meta_info"]["cached_tokens"] >= 100
+        assert c.post("/flush_cache").json()["success"]
+        third = c.post("/generate", json=body).json()
+    assert third["meta_info"]["cached_tokens"] == 0
+
+
+def test_openai_client_errors_are_typed(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="hi")
+
+
+def test_overload_answers_503():
+    s = Server("--load-format", "dummy-null", "--max-queued-requests", "2", "--context-length", "100000",
+               "--api-key", "sekret")
+    try:
+        auth = {"Authorization": "Bearer sekret"}
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200  # /health needs no key
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get("/v1/models", headers=auth).status_code == 200
+            body = {"prompt": "hi", "max_tokens": 90000, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body, headers=auth) as r1, \
+                    c.stream("POST", "/v1/completions", json=body, headers=auth) as r2:
+                assert r1.status_code == 200 and r2.status_code == 200
+                r3 = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
+                assert r3.status_code == 503 and r3.json()["error"]["message"]
+            # both streams closed: their requests are aborted and the server takes work again
+            wait_until(lambda: c.get("/get_server_info", headers=auth).json()["scheduler"]["num_running"] == 0,
+                       15, "aborted streams to end")
+            ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    finally:
+        s.stop()

@@ -1,0 +1,86 @@
+"""Process-level behaviour: tensor parallelism, a child dying, SIGTERM, process titles."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from tests.server_utils import Server, alive, wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time in a land far away,",
+           "Q: What is 2+2?\nA:", "The quick brown fox", "List three colors:"]
+
+
+def greedy(server: Server, n: int = 16) -> list[list[int]]:
+    with server.client() as c:
+        outs = [c.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                                          "ignore_eos": True}}).json()
+                for p in PROMPTS]
+    return [o["output_ids"] for o in outs]
+
+
+def test_tp2_equals_tp1_in_float32():
+    outputs = []
+    for tp in ("1", "2"):
+        s = Server("--tp", tp, "--dtype", "float32", "--kv-cache-gb", "0.5")
+        try:
+            if tp == "2":
+                s.pid_of("relay::tp1")  # really two ranks
+            outputs.append(greedy(s))
+        finally:
+            s.stop()
+    assert outputs[0] == outputs[1]
+
+
+def test_process_titles_and_sigterm_leaves_no_orphans():
+    s = Server("--load-format", "dummy-null", "--tokenizer-workers", "2")
+    children = s.children()
+    titles = {open(f"/proc/{p}/cmdline").read().strip("\0") for p in children}
+    assert {"relay::sched", "relay::tp0", "relay::detok", "relay::tokenizer0", "relay::tokenizer1"} <= titles
+    assert open(f"/proc/{s.proc.pid}/cmdline").read().strip("\0") == "relay::http"
+    ipc_dirs = {d for d in os.listdir("/tmp") if d.startswith("relay-")}
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(15) == 0
+    assert not [p for p in children if alive(p)]
+    assert {d for d in os.listdir("/tmp") if d.startswith("relay-")} < ipc_dirs, "its ipc directory is removed"
+
+
+@pytest.mark.parametrize("victim", ["relay::sched", "relay::tp0", "relay::detok", "relay::tokenizer"])
+def test_child_death_fails_requests_and_exits(victim):
+    s = Server("--load-format", "dummy-null", "--context-length", "100000")
+    children = s.children()
+    try:
+        body = {"prompt": "hi", "max_tokens": 90000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=s.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")  # the request is in flight
+            os.kill(s.pid_of(victim), signal.SIGKILL)
+            tail = list(lines)
+        assert any('"error"' in line for line in tail), tail[-3:]
+        assert s.proc.wait(10) != 0, "exits non-zero"
+        assert f"{victim}" in s.log and "died" in s.log
+        wait_until(lambda: not [p for p in children if alive(p)], 10, "every child gone")
+    finally:
+        s.stop()
+
+
+def test_bad_model_path_fails_fast():
+    out = subprocess.run(["python", "-m", "launch.serve", "--model-path", "/nonexistent/model"],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode != 0 and "does not exist" in out.stderr
+
+
+def test_help_explains_flags():
+    out = subprocess.run(["python", "-m", "launch.serve", "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for flag in ("--model-path", "--tp", "--host", "--port", "--dtype", "--page-size", "--kv-cache-gb",
+                 "--mem-fraction-static", "--max-running-requests", "--chunked-prefill-size",
+                 "--disable-radix-cache", "--api-key", "--log-requests"):
+        assert flag in out.stdout
+
