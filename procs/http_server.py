@@ -410,12 +410,34 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def coalesce(batch: list[Piece]) -> list[Piece]:
+    """Merge the pieces of each choice that arrived together into one: under load a stream
+    then carries several tokens per SSE event instead of paying per token."""
+    merged: dict[int, Piece] = {}
+    out: list[Piece] = []
+    for p in batch:
+        m = merged.get(p.index)
+        if m is None or m.finish_reason is not None or m.error is not None:
+            merged[p.index] = p
+            out.append(p)
+            continue
+        m.text += p.text
+        m.token_ids = m.token_ids + p.token_ids
+        if p.logprobs:
+            m.logprobs = (m.logprobs or []) + p.logprobs
+        m.finish_reason, m.matched_stop, m.error, m.status, m.param = (
+            p.finish_reason, p.matched_stop, p.error, p.status, p.param)
+        m.prompt_tokens, m.completion_tokens, m.cached_tokens, m.queue_time = (
+            p.prompt_tokens, p.completion_tokens, p.cached_tokens, p.queue_time)
+    return out
+
+
 async def _pieces(api: ApiRequest, first: list[Piece] | None = None) -> AsyncIterator[Piece]:
     """Every piece of every choice until all have finished or one failed."""
     open_choices = len(api.rids)
     batch = first if first is not None else await api.take()
     while True:
-        for piece in batch:
+        for piece in coalesce(batch):
             yield piece
             if piece.error is not None:
                 return

@@ -21,7 +21,7 @@ class EngineConfig:
     model_path: str | None = None  # HF directory or .gguf file; None = the default model
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU has it, else float32
+    dtype: str = "auto"  # auto: bfloat16 on GPUs and AMX CPUs, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     tp_size: int = 1
     page_size: int = 16

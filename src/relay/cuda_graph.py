@@ -54,9 +54,11 @@ def pad_decode_meta(prefix_lens: list[int], page_tables: list[list[int]], bs: in
 class CudaGraphRunner:
     """Captured decode graphs of `model` (with `attn`) for each batch size up to max_bs."""
 
+    requires_cuda = True  # a CPU test double that re-runs instead of capturing clears it
+
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, max_bs: int,
                  max_pages_per_req: int):
-        if device.type != "cuda":
+        if device.type != "cuda" and self.requires_cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         if not attn.supports_cuda_graph:
             raise ValueError(f"the {attn.name} attention backend does not support CUDA graphs")
@@ -72,6 +74,7 @@ class CudaGraphRunner:
         attn.init_cuda_graph_state(self.max_bs, max_pages_per_req)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # decode steps served by a graph (tests and benchmarks read it)
         self.capture()
 
     def _meta(self, bs: int, prefix_lens: list[int], page_tables: list[list[int]]) -> StepMeta:
@@ -131,4 +134,5 @@ class CudaGraphRunner:
             self.out_slots[n:bs].zero_()
         self.attn.plan_cuda_graph(bs, self._meta(bs, meta.prefix_lens, meta.page_tables))
         self.graphs[bs].replay()
+        self.replays += 1
         return self.outputs[bs][:n]

@@ -57,11 +57,26 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, device: torch.device) -> "TPGroup":
-        """Join the process group: NCCL on CUDA, gloo (loopback only) on CPU."""
+        """Join the process group: NCCL on CUDA, gloo (loopback only) on CPU.
+
+        On CUDA the process binds its GPU first (torch.cuda.set_device) and hands it to
+        init_process_group as device_id: NCCL then creates its communicator on that GPU at
+        once, rather than lazily on whatever device is current at the first collective
+        (cuda:0 for every rank, if nothing set it), and never inside a CUDA graph capture."""
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", rank)
+            if device.index >= torch.cuda.device_count():
+                raise RuntimeError(f"TP rank {rank} wants {device} but only {torch.cuda.device_count()} "
+                                   f"GPUs are visible; lower --tp or check CUDA_VISIBLE_DEVICES")
+            torch.cuda.set_device(device)
         if size > 1:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+            if device.type == "cuda":
+                dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
+                                        device_id=device)
+            else:
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
         return cls(rank, size)
 
     @property

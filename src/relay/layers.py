@@ -23,10 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, like the reference implementations, so bf16 stays stable.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused op (float32 accumulation inside); in float32 it is bit-identical to the
+        # reference formula w * x * rsqrt(mean(x^2) + eps).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -86,20 +85,23 @@ class RotaryEmbedding(nn.Module):
             raise NotImplementedError(f"rope scaling {kind!r} is not supported")
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in the table.
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token tables, gathered once per step and shared by every layer."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
+                self.sin.index_select(0, positions).to(dtype).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation, bit-identical to x * cos + rotate_half(x) * sin.
+    x: [tokens, heads, head_dim]; cos/signed_sin: [tokens, 1, head_dim] from cos_sin()."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return x * cos + swapped * signed_sin
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -31,18 +31,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_bf16() -> bool:
+def cpu_has_amx_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return "amx_bf16" in f.read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on GPUs and AMX CPUs; float32 on other CPUs, where bf16 GEMMs measured
+    slower than fp32 (AVX512-BF16 without AMX: ~165 vs ~270 GFLOP/s, docs/benchmarks.md)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
     dtype = getattr(torch, name)
     if dtype == torch.float16 and device.type == "cpu":
         raise ValueError("float16 has no fast path on CPU (about 100x slower); use bfloat16 or float32")

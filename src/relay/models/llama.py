@@ -36,11 +36,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        qkv = self.qkv_proj(x)
+        nq, nk = self.num_heads, self.num_kv_heads
+        v = qkv[:, (nq + nk) * d:].view(t, nk, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        else:  # q and k sit side by side in qkv: rotate them in one pass
+            q, k = apply_rotary(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), cos, sin).split([nq, nk], dim=1)
         return self.o_proj(attn.forward(q, k, v, self.layer_id))
 
 
