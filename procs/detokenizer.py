@@ -12,7 +12,7 @@ import zmq
 from ipc.messages import AbortReq, BatchStrOut, BatchTokenOut, DetokInit, Ready
 from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.request import FINISH_STOP
+from relay.request import FINISH_LENGTH, FINISH_STOP
 from relay.sampling_params import SamplingParams
 from relay.tokenizer import DecodeStream, Tokenizer
 
@@ -43,9 +43,10 @@ class Detokenizer:
             reason = msg.finish_reasons[i]
             text = stream.add(new, finished=reason is not None)
             matched = msg.matched_stops[i]
-            if stream.stopped is not None and reason is None:
+            if stream.stopped is not None and reason in (None, FINISH_LENGTH):
+                if reason is None:  # the scheduler is still generating it
+                    stops.append(AbortReq(rid, FINISH_STOP, stream.stopped))
                 reason, matched = FINISH_STOP, stream.stopped
-                stops.append(AbortReq(rid, FINISH_STOP, stream.stopped))
             if reason is not None:
                 del self.streams[rid]
             out.rids.append(rid)

@@ -97,9 +97,12 @@ class Engine:
 
     def _output(self, t: _Tracked) -> RequestOutput:
         r = t.req
+        reason, matched = r.finish_reason, r.matched_stop
+        if t.stream.stopped is not None and reason == "length":  # the last token completed a stop string
+            reason, matched = "stop", t.stream.stopped
         return RequestOutput(
-            rid=r.rid, text="".join(t.text), token_ids=list(r.output_ids), finish_reason=r.finish_reason,
-            prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens, matched_stop=r.matched_stop,
+            rid=r.rid, text="".join(t.text), token_ids=list(r.output_ids), finish_reason=reason,
+            prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens, matched_stop=matched,
             logprobs=list(r.logprobs) if r.params.logprobs else None,
             top_logprobs=list(r.top_logprobs) if r.params.top_logprobs else None, error=r.error)
 

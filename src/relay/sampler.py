@@ -75,10 +75,11 @@ class Sampler:
 
     # ---- logit processing -----------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, states: list[_State]) -> torch.Tensor:
+        """Penalised logits (a copy: the caller's tensor is left alone)."""
         rows = [i for i, st in enumerate(states) if st.counts is not None or st.seen is not None]
-        if not rows:
-            return logits
-        logits = logits.clone()
+        early = any(st.spec.params.min_new_tokens for st in states)
+        if rows or early:
+            logits = logits.clone()
         for i in rows:  # penalised requests are rare; one small op chain each
             st, p, row = states[i], states[i].spec.params, logits[i]
             if st.seen is not None:

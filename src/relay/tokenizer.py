@@ -114,14 +114,18 @@ class DecodeStream:
                 delta = self._decode_tail()
                 if delta and self._append(delta):
                     break
+            if finished and self.stopped is None and self.read_offset < len(self.ids):
+                # Output ended inside a character: hand out the rest (with U+FFFD) rather
+                # than drop it, so streamed text equals the tokenizer's decode of all ids.
+                self._append(self._decode_tail(force=True))
         end = len(self.text) if (finished or self.stopped is not None) else max(self.sent, len(self.text) - self.hold)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
-    def _decode_tail(self) -> str:
+    def _decode_tail(self, force: bool = False) -> str:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if not force and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]

@@ -27,6 +27,7 @@ is a 1-token extend; flashinfer's causal mask is aligned to the end of the kv se
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -88,7 +89,11 @@ class FlashInferBackend(AttentionBackend):
         # Tensor-core decode pays off for larger GQA groups (as in SGLang's heuristic).
         self.use_tensor_cores = num_heads // num_kv_heads >= 4
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # RELAY_FLASHINFER_PREFILL_BACKEND=fa2 skips Hopper's fa3 kernels (a shorter JIT compile).
+        prefill_kw = {}
+        if os.environ.get("RELAY_FLASHINFER_PREFILL_BACKEND"):
+            prefill_kw["backend"] = os.environ["RELAY_FLASHINFER_PREFILL_BACKEND"]
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **prefill_kw)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.active = None

@@ -1,0 +1,326 @@
+"""Unit tests for ipc.codec: every wire type round-trips, nesting works, and decoding only
+ever builds the listed dataclasses (no pickle, unknown codes rejected)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import pickle
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ipc.messages as m
+from ipc import codec
+from ipc.codec import WIRE_TYPES, decode, encode
+from relay.batch import PREVIOUS_TOKEN, BatchInput, BatchOutput, SamplingSpec
+from relay.config import EngineConfig
+from relay.sampling_params import SamplingParams
+
+I64 = st.integers(-(2**63), 2**63 - 1)
+U31 = st.integers(0, 2**31 - 1)
+TOKEN = st.integers(0, 200_000)
+SMALL = st.integers(0, 4096)
+TEXT = st.text(max_size=40)  # any unicode, surrogates excluded by default
+FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64)
+LOGPROB = st.one_of(st.floats(max_value=0.0, allow_nan=False), st.just(-math.inf))  # -inf is a real logprob
+OPT_STR = st.none() | TEXT
+# JSON-like payloads (chat messages, kwargs, control data, ready info): int keys too, msgpack maps allow them.
+LEAF = st.none() | st.booleans() | I64 | FINITE | TEXT | st.binary(max_size=8)
+JSONISH = st.recursive(LEAF, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT | I64, kids, max_size=4),
+                       max_leaves=12)
+STR_DICT = st.dictionaries(TEXT, JSONISH, max_size=4)
+
+sampling_params = st.builds(
+    SamplingParams,
+    max_new_tokens=st.integers(1, 2**31 - 1), min_new_tokens=SMALL, temperature=st.floats(0, 100),
+    top_p=st.floats(0, 1, exclude_min=True), top_k=st.just(-1) | st.integers(1, 1000), min_p=st.floats(0, 1),
+    repetition_penalty=st.floats(0.01, 10), frequency_penalty=st.floats(-2, 2), presence_penalty=st.floats(-2, 2),
+    seed=st.none() | I64, stop=st.lists(st.text(min_size=1, max_size=10), max_size=4),
+    stop_token_ids=st.lists(TOKEN, max_size=4), ignore_eos=st.booleans(), skip_special_tokens=st.booleans(),
+    include_stop_str_in_output=st.booleans(), logprobs=st.booleans(), top_logprobs=st.integers(0, 20))
+sampling_specs = st.builds(SamplingSpec, sid=U31, params=sampling_params, stop_token_ids=st.lists(TOKEN, max_size=3),
+                           prompt_ids=st.lists(TOKEN, max_size=20))
+
+
+@st.composite
+def batch_inputs(draw) -> BatchInput:
+    n = draw(st.integers(0, 8))
+    extend = [draw(st.integers(1, 20)) for _ in range(n)]
+    prefix = [draw(st.integers(0, 5000)) for _ in range(n)]
+    ids = draw(st.lists(TOKEN | st.just(PREVIOUS_TOKEN), min_size=sum(extend), max_size=sum(extend)))
+    return BatchInput(
+        step=draw(st.integers(0, 2**62)), sids=draw(st.lists(U31, min_size=n, max_size=n, unique=True)),
+        input_ids=ids, prefix_lens=prefix, extend_lens=extend,
+        page_tables=[draw(st.lists(st.integers(0, 10**6), max_size=30)) for _ in range(n)],
+        sample=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        output_lens=draw(st.lists(SMALL, min_size=n, max_size=n)),
+        new_specs=draw(st.lists(sampling_specs, max_size=3)), released_sids=draw(st.lists(U31, max_size=5)))
+
+
+@st.composite
+def batch_outputs(draw) -> BatchOutput:
+    n = draw(st.integers(0, 8))
+    toks = draw(st.lists(TOKEN, min_size=n, max_size=n))
+    lps = draw(st.none() | st.lists(LOGPROB, min_size=n, max_size=n))
+    top = draw(st.none() | st.lists(st.none() | st.tuples(st.lists(TOKEN, min_size=2, max_size=2),
+                                                          st.lists(LOGPROB, min_size=2, max_size=2)).map(list),
+                                    min_size=n, max_size=n))
+    return BatchOutput(step=draw(U31), next_token_ids=toks, logprobs=lps, top_logprobs=top, error=draw(OPT_STR))
+
+
+engine_configs = st.builds(
+    EngineConfig, model_path=OPT_STR, tokenizer_path=OPT_STR, served_model_name=OPT_STR,
+    dtype=st.sampled_from(["auto", "float32", "bfloat16", "float16"]), device=st.sampled_from(["auto", "cpu", "cuda"]),
+    tp_size=st.integers(1, 8), page_size=st.sampled_from([1, 16, 64]), kv_cache_gb=st.none() | st.floats(0.1, 80),
+    mem_fraction_static=st.none() | st.floats(0.05, 0.95), max_running_requests=st.integers(1, 1024),
+    chunked_prefill_size=st.integers(1, 8192), context_length=st.none() | st.integers(16, 131072),
+    num_threads=st.none() | st.integers(1, 64), seed=I64,
+    load_format=st.sampled_from(["auto", "dummy", "dummy-null"]), disable_cuda_graph=st.booleans(),
+    enable_torch_compile=st.booleans(), log_requests=st.booleans())
+
+messages_list = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": TEXT}), max_size=4)
+generate_reqs = st.builds(m.GenerateReq, rids=st.lists(TEXT, min_size=1, max_size=4), params=sampling_params,
+                          text=OPT_STR, input_ids=st.none() | st.lists(TOKEN, max_size=20),
+                          messages=st.none() | messages_list, chat_kwargs=STR_DICT, priority=I64,
+                          arrival_time=st.floats(0, 2e9))
+detok_inits = st.builds(m.DetokInit, rid=TEXT, prompt_tail=st.lists(TOKEN, max_size=5),
+                        skip_special_tokens=st.booleans(), stop=st.lists(TEXT, max_size=3),
+                        include_stop_str_in_output=st.booleans())
+
+
+@st.composite
+def batch_token_outs(draw) -> m.BatchTokenOut:
+    n = draw(st.integers(0, 6))
+
+    def col(s):
+        return draw(st.lists(s, min_size=n, max_size=n))
+
+    return m.BatchTokenOut(
+        rids=col(TEXT), token_ids=col(st.integers(-1, 200_000)),
+        finish_reasons=col(st.sampled_from([None, "stop", "length", "abort"])),
+        matched_stops=col(st.none() | TEXT | TOKEN), logprobs=col(st.none() | LOGPROB),
+        top_logprobs=col(st.none() | st.tuples(st.lists(TOKEN, min_size=3, max_size=3),
+                                               st.lists(LOGPROB, min_size=3, max_size=3)).map(list)),
+        prompt_tokens=col(SMALL), completion_tokens=col(SMALL), cached_tokens=col(SMALL), errors=col(OPT_STR),
+        inits=draw(st.lists(detok_inits, max_size=3)), queue_times=draw(st.just([]) | st.just([None] * n)
+                                                                         | st.lists(st.floats(0, 60), min_size=n,
+                                                                                    max_size=n)))
+
+
+@st.composite
+def batch_str_outs(draw) -> m.BatchStrOut:
+    n = draw(st.integers(0, 6))
+
+    def col(s):
+        return draw(st.lists(s, min_size=n, max_size=n))
+
+    entry = st.tuples(TOKEN, TEXT, LOGPROB, st.none() | st.lists(st.tuples(TOKEN, TEXT, LOGPROB).map(list),
+                                                                 max_size=3)).map(list)
+    return m.BatchStrOut(
+        rids=col(TEXT), texts=col(TEXT), token_ids=col(st.lists(TOKEN, max_size=2)),
+        finish_reasons=col(st.sampled_from([None, "stop", "length", "abort"])), matched_stops=col(st.none() | TEXT | TOKEN),
+        logprobs=col(st.none() | st.lists(entry, max_size=2)), prompt_tokens=col(SMALL), completion_tokens=col(SMALL),
+        cached_tokens=col(SMALL), errors=col(OPT_STR), queue_times=col(st.none() | st.floats(0, 60)))
+
+
+STRATEGIES = {
+    SamplingParams: sampling_params,
+    SamplingSpec: sampling_specs,
+    BatchInput: batch_inputs(),
+    BatchOutput: batch_outputs(),
+    EngineConfig: engine_configs,
+    m.GenerateReq: generate_reqs,
+    m.TokenizedReq: st.builds(m.TokenizedReq, rid=TEXT, input_ids=st.lists(TOKEN, min_size=1, max_size=50),
+                              params=sampling_params, priority=I64, arrival_time=st.floats(0, 2e9)),
+    m.AbortReq: st.builds(m.AbortReq, rid=TEXT, reason=st.sampled_from(["abort", "stop"]), matched_stop=OPT_STR),
+    m.DetokInit: detok_inits,
+    m.BatchTokenOut: batch_token_outs(),
+    m.BatchStrOut: batch_str_outs(),
+    m.ErrorOut: st.builds(m.ErrorOut, rid=TEXT, message=TEXT, param=OPT_STR, status=st.sampled_from([400, 404, 503])),
+    m.ControlReq: st.builds(m.ControlReq, req_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])),
+    m.ControlOut: st.builds(m.ControlOut, req_id=I64, ok=st.booleans(), data=STR_DICT),
+    m.Ready: st.builds(m.Ready, name=TEXT, ok=st.booleans(), info=STR_DICT, error=OPT_STR),
+}
+
+
+def test_every_wire_type_has_a_strategy_and_every_message_is_a_wire_type():
+    assert set(STRATEGIES) == set(WIRE_TYPES)
+    assert len(set(WIRE_TYPES)) == len(WIRE_TYPES)
+    messages = {o for o in vars(m).values() if dataclasses.is_dataclass(o) and o.__module__ == m.__name__}
+    assert messages <= set(WIRE_TYPES)
+    for cls in WIRE_TYPES:  # decoding builds positionally: every field must be an init field
+        assert all(f.init for f in dataclasses.fields(cls)), cls
+
+
+def test_ext_codes_are_stable():
+    """Codes are positions in WIRE_TYPES (append only): pin the existing ones."""
+    names = [c.__name__ for c in WIRE_TYPES]
+    assert names[:15] == ["SamplingParams", "SamplingSpec", "BatchInput", "BatchOutput", "EngineConfig",
+                          "GenerateReq", "TokenizedReq", "AbortReq", "DetokInit", "BatchTokenOut", "BatchStrOut",
+                          "ErrorOut", "ControlReq", "ControlOut", "Ready"]
+    raw = msgpack.unpackb(encode(m.AbortReq("r")), raw=False)
+    assert isinstance(raw, msgpack.ExtType) and raw.code == WIRE_TYPES.index(m.AbortReq) + 1
+
+
+def _same(a, b) -> bool:
+    """Equality that treats NaN-free floats exactly and checks types recursively."""
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("cls", WIRE_TYPES, ids=lambda c: c.__name__)
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_round_trip(cls, data):
+    obj = data.draw(STRATEGIES[cls])
+    blob = encode(obj)
+    assert isinstance(blob, bytes)
+    back = decode(blob)
+    assert type(back) is cls
+    assert _same(obj, back), (obj, back)
+    assert encode(back) == blob  # canonical: re-encoding gives the same bytes
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(batches=st.lists(batch_inputs(), max_size=3))
+def test_lists_of_batch_inputs_round_trip(batches):
+    back = decode(encode(batches))
+    assert back == batches
+    for b in back:
+        for spec in b.new_specs:
+            assert type(spec) is SamplingSpec and type(spec.params) is SamplingParams
+
+
+def test_nested_dataclasses_realistic_batch():
+    spec = SamplingSpec(7, SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=-3,
+                                          stop=["\n\n", "世界"], repetition_penalty=1.1, logprobs=True,
+                                          top_logprobs=5), [2, 0], prompt_ids=[1, 9690, 198])
+    batch = BatchInput(step=12, sids=[7, 3], input_ids=[1, 9690, 198, PREVIOUS_TOKEN], prefix_lens=[0, 40],
+                       extend_lens=[3, 1], page_tables=[[5], [1, 2, 9]], sample=[True, True], output_lens=[0, 17],
+                       new_specs=[spec], released_sids=[4])
+    back = decode(encode(batch))
+    assert back == batch
+    assert back.new_specs[0].params.stop == ["\n\n", "世界"] and back.new_specs[0].params.seed == -3
+    assert back.num_tokens == 4 and not back.is_decode
+    # Wire types inside plain containers, and containers inside wire types.
+    mixed = {"batch": batch, "outs": [BatchOutput(12, [5, 6], [-0.1, -math.inf], [[[5], [-0.1]], None])],
+             "n": None, 3: "int key"}
+    assert decode(encode(mixed)) == mixed
+
+
+def test_special_values_survive():
+    out = BatchOutput(1, [0], [-math.inf], [[[0, 1], [-0.0, -1e-300]]], error="boom 💥")
+    back = decode(encode(out))
+    assert back.logprobs == [-math.inf] and math.copysign(1, back.top_logprobs[0][1][0]) == -1
+    assert back.top_logprobs[0][1][1] == -1e-300 and back.error == "boom 💥"
+    p = SamplingParams(seed=2**63 - 1, max_new_tokens=2**31 - 1)
+    assert decode(encode(p)) == p
+    assert decode(encode(SamplingParams(seed=-(2**63)))).seed == -(2**63)
+
+
+def test_post_init_runs_on_decode():
+    # SamplingParams normalises top_k 0 -> -1; EngineConfig validates; both run again on decode.
+    assert decode(encode(SamplingParams(top_k=0))).top_k == -1
+    bad = msgpack.ExtType(WIRE_TYPES.index(EngineConfig) + 1,
+                          msgpack.packb([getattr(EngineConfig(), f.name) if f.name != "dtype" else "int3"
+                                         for f in dataclasses.fields(EngineConfig)]))
+    with pytest.raises(ValueError, match="dtype"):
+        decode(msgpack.packb(bad))
+
+
+# ---- what must not decode or encode ------------------------------------------------------------
+def raw_ext(code: int, data: bytes) -> bytes:
+    """An ext8 record by hand: msgpack.ExtType refuses negative (reserved) codes."""
+    return b"\xc7" + bytes([len(data)]) + code.to_bytes(1, "big", signed=True) + data
+
+
+@pytest.mark.parametrize("code", [0, len(WIRE_TYPES) + 1, 99, 127, -5, -128])
+def test_unknown_ext_codes_raise(code):
+    blob = raw_ext(code, msgpack.packb(["x"]))
+    with pytest.raises(ValueError, match="unknown wire type"):
+        decode(blob)
+
+
+def test_unknown_ext_code_nested_inside_a_wire_type_raises():
+    fields = [getattr(SamplingSpec(1, SamplingParams(), []), f.name) for f in dataclasses.fields(SamplingSpec)]
+    fields[1] = msgpack.ExtType(99, b"\x90")
+    blob = msgpack.packb(msgpack.ExtType(WIRE_TYPES.index(SamplingSpec) + 1, msgpack.packb(fields)))
+    with pytest.raises(ValueError):
+        decode(blob)
+    blob = msgpack.packb({"a": [1, msgpack.ExtType(99, pickle.dumps(object()))]})
+    with pytest.raises(ValueError):
+        decode(blob)
+
+
+def test_wrong_field_count_raises():
+    code = WIRE_TYPES.index(m.AbortReq) + 1
+    for values in ([], ["r", "stop", None, "extra"]):
+        blob = msgpack.packb(msgpack.ExtType(code, msgpack.packb(values)))
+        with pytest.raises(TypeError):
+            decode(blob)
+
+
+@dataclasses.dataclass
+class NotOnTheWire:
+    x: int = 1
+
+
+class Sub(m.AbortReq):
+    pass
+
+
+@pytest.mark.parametrize("obj", [NotOnTheWire(), object(), {1, 2}, Sub("r"), [m.AbortReq("r"), NotOnTheWire()],
+                                 {"k": NotOnTheWire()}, BatchOutput(1, [NotOnTheWire()])])
+def test_non_wire_types_raise_on_encode(obj):
+    with pytest.raises(TypeError):
+        encode(obj)
+
+
+def test_decoding_never_uses_pickle(monkeypatch):
+    src = inspect.getsource(codec)
+    assert "import pickle" not in src and "pickle." not in src
+    assert not any(getattr(codec, name, None) is pickle for name in dir(codec))
+
+    pickled = pickle.dumps({"x": 1})
+
+    def boom(*a, **k):
+        raise AssertionError("pickle used")
+
+    for name in ("loads", "load", "dumps", "dump", "Unpickler", "Pickler"):
+        monkeypatch.setattr(pickle, name, boom)
+    # Every wire type, one realistic example each, still round-trips with pickle disabled.
+    examples = [
+        SamplingParams(stop=["x"]), SamplingSpec(1, SamplingParams(), [2]),
+        BatchInput(0, [1], [5, 6], [0], [2], [[0]], [True], [0], [SamplingSpec(1, SamplingParams(), [2])], [3]),
+        BatchOutput(0, [7], [-0.5], [[[7], [-0.5]]]), EngineConfig(model_path="/m", tp_size=2),
+        m.GenerateReq(["a"], SamplingParams(), messages=[{"role": "user", "content": "hi"}]),
+        m.TokenizedReq("a", [1, 2], SamplingParams()), m.AbortReq("a", "stop", "\n"),
+        m.DetokInit("a", [1], True, ["\n"], False),
+        m.BatchTokenOut(["a"], [3], [None], [None], [None], [None], [1], [1], [0], [None]),
+        m.BatchStrOut(["a"], ["hi"], [[3]], ["length"], [None], [None], [1], [1], [0], [None]),
+        m.ErrorOut("a", "bad", "prompt"), m.ControlReq(1, "get_info"), m.ControlOut(1, True, {"x": [1]}),
+        m.Ready("sched", info={"max_total_tokens": 1000}),
+    ]
+    assert {type(e) for e in examples} == set(WIRE_TYPES)
+    for e in examples:
+        assert decode(encode(e)) == e
+    # A pickle payload under a wire code is just bytes to msgpack: it cannot decode into anything.
+    for code in (1, WIRE_TYPES.index(m.GenerateReq) + 1, 99):
+        with pytest.raises(Exception) as e:
+            decode(msgpack.packb(msgpack.ExtType(code, pickled)))
+    assert "pickle used" not in str(e.value)
+
+
+def test_plain_values_pass_through():
+    for v in [None, 1, -1, 1.5, "s", b"bytes", [1, [2]], {"a": {"b": [None]}}, True]:
+        assert decode(encode(v)) == v
