@@ -49,7 +49,8 @@ def main(args: ProcArgs) -> None:
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, runner_inbox(args.index)), bind=False)
     leader = args.index == 0
-    info = {"num_pages": runner.num_pages, "context_len": runner.context_len, "page_size": runner.page_size}
+    info = {"num_pages": runner.num_pages, "context_len": runner.context_len, "page_size": runner.page_size,
+            "chunked_prefill_size": runner.cfg.chunked_prefill_size}
     if leader:
         tok = Tokenizer(args.engine_config.tokenizer_path or args.model_dir)
         info["eos_token_ids"] = eos_ids(mc, tok)

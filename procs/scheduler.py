@@ -37,6 +37,7 @@ class SchedulerLoop:
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
         info = self._wait_for_runner()
+        cfg.chunked_prefill_size = info["chunked_prefill_size"]  # resolved for the runner's device
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
                                on_finish=log_request if cfg.log_requests else None)
         self.info = info

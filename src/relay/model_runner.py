@@ -67,6 +67,7 @@ class ModelRunner:
         else:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
+        cfg.resolve_step_budget(self.device.type)
         self.model = self._load_model(model_dir)
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()

@@ -59,6 +59,8 @@ class Scheduler:
                  eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None):
         self.cfg = config
         self.on_finish = on_finish  # e.g. the server's per-request log line
+        if config.chunked_prefill_size is None:  # normally fixed by the runner for its device
+            config.resolve_step_budget("cpu")
         self.page_size = config.page_size
         self.context_len = context_len
         self.eos_token_ids = frozenset(eos_token_ids)
