@@ -124,6 +124,9 @@ class SentencePieceLike:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
 
+    def byte_table(self) -> None:  # not byte-level BPE: DecodeStream decodes windows
+        return None
+
 
 def test_stream_keeps_leading_space_through_prompt_context():
     tok = SentencePieceLike()
@@ -538,3 +541,17 @@ def test_output_ending_inside_a_character_is_flushed_at_finish(tok):
     stream = DecodeStream(tok, [], SamplingParams())
     text = stream.add(ids[:1], finished=True)
     assert text == tok.decode(ids[:1])  # the partial character is shown, not dropped
+
+
+def test_byte_table_and_windowed_decoding_agree(tok):
+    texts = ["héllo wörld 🎉 你好, 세계!", "naïve café — ½ ∑ x²", "👩🏽‍🚀 launches\n\ttabs  and   spaces",
+             "<|im_end|> is special"]
+    for text in texts:
+        ids = tok.encode(text)
+        fast = DecodeStream(tok, [], SamplingParams(skip_special_tokens=False))
+        slow = DecodeStream(tok, [], SamplingParams(skip_special_tokens=False))
+        slow.bytes = None  # force the windowed path
+        assert fast.bytes is not None
+        a = "".join(fast.add([i], False) for i in ids) + fast.add([], True)
+        b = "".join(slow.add([i], False) for i in ids) + slow.add([], True)
+        assert a == b == tok.decode(ids, False)

@@ -6,7 +6,10 @@ applied, and text that might be the start of a stop string held back until it is
 """
 from __future__ import annotations
 
+import codecs
+import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from relay.sampling_params import UNTIL_CONTEXT, InvalidParam, SamplingParams
@@ -44,6 +47,51 @@ class Tokenizer:
         if self.raw is not None:
             return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def byte_table(self) -> "ByteTable | None":
+        """Each token's bytes, for byte-level BPE tokenizers (GPT-2 style: SmolLM2, Llama 3,
+        Qwen); None for others. Built once, on first use."""
+        if not hasattr(self, "_byte_table"):
+            self._byte_table = ByteTable.build(self.raw) if self.raw is not None else None
+        return self._byte_table
+
+
+@dataclass
+class ByteTable:
+    token_bytes: list[bytes]
+    special: frozenset[int]
+
+    @classmethod
+    def build(cls, raw) -> "ByteTable | None":
+        spec = json.loads(raw.to_str())
+        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        byte_of = {ch: b for b, ch in _byte_level_alphabet().items()}
+        added = {a["id"]: a for a in spec.get("added_tokens", [])}
+        table = []
+        for i in range(raw.get_vocab_size(with_added_tokens=True)):
+            if i in added:
+                table.append(added[i]["content"].encode())
+                continue
+            piece = raw.id_to_token(i)
+            try:
+                table.append(bytes(byte_of[c] for c in piece) if piece is not None else b"")
+            except KeyError:  # not a byte-level piece after all: use the slow, exact path
+                return None
+        return cls(table, frozenset(i for i, a in added.items() if a.get("special")))
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies use."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 class PromptPreparer:
@@ -104,23 +152,44 @@ class DecodeStream:
         self.text = ""  # all output text decoded so far (cut at a stop string, if one hit)
         self.sent = 0  # characters of text already handed out
         self.stopped: str | None = None
+        # Byte-level vocabularies decode token by token from a byte table (~20x cheaper than
+        # re-decoding a window); the incremental UTF-8 decoder holds split characters.
+        self.bytes = tokenizer.byte_table()
+        if self.bytes is not None:
+            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def add(self, token_ids: list[int], finished: bool) -> str:
         """Feed new tokens; returns the text that may be shown now. Once a stop string is
-        found, `stopped` names it and later tokens are ignored."""
+        found, `stopped` names it and later tokens are ignored. At finish, a character cut
+        short is handed out as U+FFFD, so the text equals the tokenizer's decode of all ids."""
         if self.stopped is None:
-            for t in token_ids:
-                self.ids.append(t)
-                delta = self._decode_tail()
-                if delta and self._append(delta):
-                    break
-            if finished and self.stopped is None and self.read_offset < len(self.ids):
-                # Output ended inside a character: hand out the rest (with U+FFFD) rather
-                # than drop it, so streamed text equals the tokenizer's decode of all ids.
-                self._append(self._decode_tail(force=True))
+            if self.bytes is not None:
+                self._add_bytes(token_ids, finished)
+            else:
+                self._add_windowed(token_ids, finished)
         end = len(self.text) if (finished or self.stopped is not None) else max(self.sent, len(self.text) - self.hold)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
+
+    def _add_bytes(self, token_ids: list[int], finished: bool) -> None:
+        table, special = self.bytes.token_bytes, self.bytes.special
+        for t in token_ids:
+            if self.skip_special and t in special:
+                continue
+            delta = self.utf8.decode(table[t] if 0 <= t < len(table) else b"")
+            if delta and self._append(delta):
+                return
+        if finished:
+            self._append(self.utf8.decode(b"", final=True))
+
+    def _add_windowed(self, token_ids: list[int], finished: bool) -> None:
+        for t in token_ids:
+            self.ids.append(t)
+            delta = self._decode_tail()
+            if delta and self._append(delta):
+                return
+        if finished and self.read_offset < len(self.ids):
+            self._append(self._decode_tail(force=True))
 
     def _decode_tail(self, force: bool = False) -> str:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
