@@ -207,6 +207,8 @@ class RadixCache:
         """Matched length between key and tokens[pos:], rounded down to whole pages."""
         end = len(tokens) if end is None else end
         n = min(len(key), end - pos)
+        if n == len(key) and key == tuple(tokens[pos:pos + n]):
+            return n  # the common case, compared in C
         i = 0
         while i < n and key[i] == tokens[pos + i]:
             i += 1

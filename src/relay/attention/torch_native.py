@@ -44,6 +44,15 @@ def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int)
 class TorchNativeBackend(AttentionBackend):
     kv_layout = "HND"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
+        # cached key/value once instead of gathering a padded copy first (3x less traffic).
+        self.kernel = None
+        if self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16):
+            from relay.attention import cpu_kernels
+            self.kernel = cpu_kernels.load()
+
     def plan(self, meta: StepMeta) -> None:
         device = self.kv.k[0].device
         self.out_slots = meta.out_slots
@@ -57,14 +66,21 @@ class TorchNativeBackend(AttentionBackend):
             self.dec_rows = None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
             lens = [seq_lens[i] for i in dec]
             slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
-            self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
             self.dec_shape = slots.shape
+            if self.kernel is not None:
+                self.dec_slots = torch.from_numpy(np.ascontiguousarray(slots))
+                self.dec_lens = torch.tensor(lens, dtype=torch.int64)
+                return self._plan_prefills(meta, starts, seq_lens, device)
+            self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
             self.dec_mask = None
             if min(lens) != max(lens):  # -inf on each request's padding, [1, batch, 1, max_len]
                 pad = np.arange(slots.shape[1])[None, :] >= np.asarray(lens)[:, None]
                 mask = torch.zeros(slots.shape, dtype=torch.float32)
                 mask[torch.from_numpy(pad)] = float("-inf")
                 self.dec_mask = mask.to(device)[None, :, None, :]
+        self._plan_prefills(meta, starts, seq_lens, device)
+
+    def _plan_prefills(self, meta: StepMeta, starts: list[int], seq_lens: list[int], device) -> None:
         self.prefills = [self._plan_prefill(meta, i, starts[i], seq_lens[i], device)
                          for i, e in enumerate(meta.extend_lens) if e > 1]
 
@@ -94,6 +110,11 @@ class TorchNativeBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kernel is not None:
+            from relay.attention.cpu_kernels import decode_attention
+            out = decode_attention(self.kernel, q.float().contiguous(), self.kv.k[layer], self.kv.v[layer],
+                                   self.dec_slots, self.dec_lens, self.scale)
+            return out.to(q.dtype)
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
