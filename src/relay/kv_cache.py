@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -60,6 +59,8 @@ def num_pages_for_budget(bytes_per_token: int, page_size: int, kv_cache_gb: floa
         free = free_bytes if free_bytes is not None else torch.cuda.mem_get_info(device)[0]
         budget = free * (mem_fraction if mem_fraction is not None else DEFAULT_CUDA_MEM_FRACTION)
     else:
+        import psutil  # only the CPU branch needs it (GPU machines may lack it)
+
         avail = psutil.virtual_memory().available
         if mem_fraction is not None:
             budget = avail * mem_fraction

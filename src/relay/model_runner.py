@@ -72,7 +72,7 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
-        attn_cls = backend_class(cfg.attention_backend, self.device)
+        attn_cls = backend_class(cfg.attention_backend, self.device, self.dtype)
         self.kv = KVCache(mc.num_layers, self.num_pages, cfg.page_size, shard.kv_count, mc.head_dim,
                           self.dtype, self.device, layout=attn_cls.kv_layout)
         self.attn = attn_cls(kv=self.kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count,
@@ -199,7 +199,7 @@ class ModelRunner:
         mc, ps = self.mc, self.page_size
         n = max(1, min(self.cfg.chunked_prefill_size, self.context_len - 1))
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
-        attn_cls = backend_class(self.cfg.attention_backend, self.device)
+        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype)
         pages = -(-n // ps) + 1
         kv = KVCache(mc.num_layers, pages, ps, shard.kv_count, mc.head_dim, self.dtype, self.device,
                      layout=attn_cls.kv_layout)

@@ -13,8 +13,9 @@ _MODULES = {"torch": "relay.attention.torch_native", "triton": "relay.attention.
             "flashinfer": "relay.attention.flashinfer_backend"}
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks flashinfer on CUDA when it is installed, else triton on CUDA, else torch."""
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`auto` picks flashinfer on CUDA when it is installed (and the dtype is float16 or
+    bfloat16, all it runs), else triton on CUDA, else torch."""
     if name != "auto":
         if name not in _MODULES:
             raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_MODULES)} or auto")
@@ -23,11 +24,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type != "cuda":
         return "torch"
+    if dtype not in (None, torch.float16, torch.bfloat16):
+        return "triton"
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    name = resolve_backend_name(name, device)
+def backend_class(name: str, device: torch.device, dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+    name = resolve_backend_name(name, device, dtype)
     if name not in BACKENDS:
         importlib.import_module(_MODULES[name])
     return BACKENDS[name]

@@ -227,6 +227,17 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_seq_
     return 1 << (want - 1).bit_length() if want & (want - 1) else want
 
 
+def launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """Tile sizes and launch options. On GPU: 64-wide tiles (32 past head_dim 128), 4 warps,
+    2 pipeline stages (1 in fp32, whose tiles are twice the bytes). Under the interpreter:
+    16-wide tiles, which run faster there."""
+    if not on_gpu:
+        return dict(decode_block_n=16, ext_block_m=16, ext_block_n=16, num_warps=1, num_stages=1)
+    big = _next_pow2(head_dim) > 128
+    return dict(decode_block_n=32 if big else 64, ext_block_m=32 if big else 64, ext_block_n=32 if big else 64,
+                num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
+
+
 @dataclass
 class _DecodePlan:
     seq_lens: torch.Tensor  # [n] int32
@@ -280,17 +291,12 @@ class TritonBackend(AttentionBackend):
         self.ieee = self.dtype == torch.float32  # no TF32 shortcuts when the model runs in fp32
         self.block_d = _next_pow2(head_dim)
         self.block_g = max(16, _next_pow2(self.group))
-        if self.device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            big = self.block_d > 128
-            self.decode_block_n = 32 if big else 64
-            self.ext_block_m, self.ext_block_n = (32, 32) if big else (64, 64)
-            self.num_warps, self.num_stages = 4, 2
-        else:  # Triton's interpreter (tests): small blocks run faster
-            self.num_sms = 4
-            self.decode_block_n = 16
-            self.ext_block_m, self.ext_block_n = 16, 16
-            self.num_warps, self.num_stages = 1, 1
+        on_gpu = self.device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        cfg = launch_config(head_dim, self.dtype, on_gpu)
+        self.decode_block_n, self.ext_block_m, self.ext_block_n = cfg["decode_block_n"], cfg["ext_block_m"], \
+            cfg["ext_block_n"]
+        self.num_warps, self.num_stages = cfg["num_warps"], cfg["num_stages"]
         # Eager decode steps give each split at least this many tokens (tests lower it).
         self.min_tokens_per_split = 256
         self.decode: _DecodePlan | None = None
