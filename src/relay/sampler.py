@@ -67,9 +67,10 @@ class Sampler:
         params = [st.spec.params for st in states]
         logits = self._apply_penalties(logits, states)
         self._mask_early_stops(logits, states, output_lens)
-        result = SampleResult(self._choose(logits, params, output_lens))
+        tokens = self._choose(logits, params, output_lens)
+        result = SampleResult(tokens.tolist())  # the step's one device -> host copy of tokens
         if any(p.logprobs for p in params):
-            self._add_logprobs(result, logits, params)
+            self._add_logprobs(result, logits, params, tokens)
         self._record(states, result.token_ids)
         return result
 
@@ -90,55 +91,61 @@ class Sampler:
         return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, states: list[_State], output_lens: list[int]) -> None:
+        """Stop tokens get -inf until a request has min_new_tokens (one indexed write per step)."""
+        rows, cols = [], []
         for i, st in enumerate(states):
-            if output_lens[i] < st.spec.params.min_new_tokens and st.spec.stop_token_ids:
-                logits[i, st.spec.stop_token_ids] = float("-inf")
+            if output_lens[i] < st.spec.params.min_new_tokens:
+                rows += [i] * len(st.spec.stop_token_ids)
+                cols += st.spec.stop_token_ids
+        if rows:
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+            logits[index[0], index[1]] = float("-inf")
 
     # ---- choosing tokens ------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, params: list, output_lens: list[int]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, params: list, output_lens: list[int]) -> torch.Tensor:
+        """One token per row, on the logits' device."""
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rand_rows) == len(params):
+            return self._sample_rows(logits, params, output_lens)
         if rand_rows:
-            rows = torch.tensor(rand_rows, device=logits.device)
-            picked = self._sample_rows(logits[rows], [params[i] for i in rand_rows],
-                                       [output_lens[i] for i in rand_rows])
-            tokens[rows] = picked
-        return tokens.tolist()
+            rows = torch.tensor(rand_rows).to(logits.device, non_blocking=True)
+            tokens[rows] = self._sample_rows(logits[rows], [params[i] for i in rand_rows],
+                                             [output_lens[i] for i in rand_rows])
+        return tokens
 
     def _sample_rows(self, logits: torch.Tensor, params: list, output_lens: list[int]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-        probs = torch.softmax(logits / temps, dim=-1)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        needs_sort = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
+        dev, vocab = logits.device, logits.shape[1]
+        # Per-row knobs travel to the device in one copy: temperature, top-k, top-p, min-p, u.
+        fresh = iter(torch.rand(sum(p.seed is None for p in params), generator=self.rng,
+                                dtype=torch.float64).tolist())  # seeded rows leave the runner RNG alone
+        knobs = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab,
+                               p.top_p if p.top_p < 1.0 else 2.0,  # 1.0 keeps all, even past rounding
+                               p.min_p, seeded_uniform(p.seed, k) if p.seed is not None else next(fresh)]
+                              for p, k in zip(params, output_lens)], dtype=torch.float64)
+        knobs = knobs.to(dev, non_blocking=True)
+        temps, ks, ps, min_ps, u = (knobs[:, j:j + 1] for j in range(5))
+        probs = torch.softmax(logits / temps.float(), dim=-1)
+        needs_sort = any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params)
         if needs_sort:
             probs, order = probs.sort(dim=-1, descending=True)
-            ranks = torch.arange(probs.shape[1], device=dev).unsqueeze(0)
-            ks = torch.tensor([k if k > 0 else probs.shape[1] for k in top_k], device=dev).unsqueeze(1)
-            # top_p 1.0 must keep everything even where the cumulative sum rounds past 1.
-            ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=dev).unsqueeze(1)
+            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
             drop = (ranks >= ks) | (probs.cumsum(-1) - probs > ps)  # keeps the top token always
             probs = probs.masked_fill(drop, 0.0)
-        if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        if any(p.min_p > 0 for p in params):
+            floor = min_ps.float() * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        u = torch.tensor([seeded_uniform(p.seed, n) if p.seed is not None
-                          else torch.rand(1, generator=self.rng).item()
-                          for p, n in zip(params, output_lens)], dtype=torch.float64)
         cdf = probs.double().cumsum(-1)
-        target = (u.to(dev).unsqueeze(1) * cdf[:, -1:])
-        idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
         # Never land on a zeroed (filtered) token through floating-point edge cases.
         idx = torch.where(probs.gather(1, idx) > 0, idx, probs.argmax(-1, keepdim=True))
         return (order.gather(1, idx) if needs_sort else idx).squeeze(1)
 
     # ---- outputs ----------------------------------------------------------------------------
-    def _add_logprobs(self, result: SampleResult, logits: torch.Tensor, params: list) -> None:
+    def _add_logprobs(self, result: SampleResult, logits: torch.Tensor, params: list,
+                      tokens: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = torch.tensor(result.token_ids, device=logits.device).unsqueeze(1)
-        result.logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
+        result.logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         n = max(p.top_logprobs for p in params)
         if n == 0:
             return
