@@ -1,0 +1,735 @@
+#!/usr/bin/env python3
+"""A streaming load generator for Relay and other OpenAI-compatible servers.
+
+Metric-compatible with SGLang's `python -m sglang.bench_serving`: the same workloads (`random`,
+`generated-shared-prefix`), the same metric names and definitions, a report laid out the same way:
+
+  request_throughput   completed requests / benchmark duration
+  input_throughput     total input tokens / duration          (input lengths as built by the dataset)
+  output_throughput    total output tokens / duration         (the server's own usage count when it reports
+                                                                one, else the generated text re-tokenized)
+  total_throughput     (input + output tokens) / duration
+  concurrency          sum of E2E latencies / duration        (the average number of requests in flight)
+  E2E latency          request sent -> last byte of the stream
+  TTFT                 request sent -> first chunk carrying output
+  TPOT                 per request (E2E - TTFT) / (output tokens - 1), requests with > 1 output token
+  ITL                  gaps between consecutive streamed chunks. One difference from SGLang, which counts one
+                       gap per chunk: a chunk carrying k tokens counts as k gaps of gap/k, so servers that batch
+                       several tokens per chunk are not flattered (k comes from the server's cumulative token
+                       count on the native backend, else from re-tokenizing the streamed text).
+
+When the server is Relay (GET /get_server_info answers with a "scheduler" object) the report adds the prefix-cache
+hit rate over the run: the delta of cached_prompt_tokens_total / the delta of prompt_tokens_total between the
+start and the end of the run (warm-up excluded).
+
+Examples:
+  python scripts/bench_serving.py --dataset-name random --num-prompts 128 --random-input-len 512 \\
+      --random-output-len 256 --random-range-ratio 0.25 --max-concurrency 8 --ignore-eos
+  python scripts/bench_serving.py --backend openai --base-url http://127.0.0.1:8080 ...     # llama-server
+  python scripts/bench_serving.py --dataset-name generated-shared-prefix --gsp-num-groups 8 \\
+      --gsp-prompts-per-group 16 --gsp-system-prompt-len 1024 --gsp-question-len 64 --gsp-output-len 128
+  python scripts/bench_serving.py --sweep-concurrency 1,8,32 --plot docs/img/sweep.png ...
+
+Other modules import the dataset builders (`build_random_dataset`, `build_gsp_dataset`), `run(args)` and
+`plot_sweep` from here; importing this file loads neither aiohttp nor transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+BACKENDS = ("relay-openai", "relay-native", "openai")
+DATASETS = ("random", "generated-shared-prefix")
+DEFAULT_BASE_URL = "http://127.0.0.1:30000"
+
+
+# ------------------------------------------------------------------------------ tokenizer --
+
+def default_tokenizer_path() -> str:
+    """The converted default model's directory (it holds tokenizer.json)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    from relay.model_files import resolve_model_dir
+    return resolve_model_dir(None)
+
+
+def load_tokenizer(path: str | None):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(path or default_tokenizer_path())
+
+
+def _candidate_ids(tokenizer) -> np.ndarray:
+    """Token ids to draw random prompts from: the vocabulary without special tokens."""
+    special = set(tokenizer.all_special_ids or [])
+    return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def random_text(tokenizer, rng: np.random.Generator, num_tokens: int, candidates: np.ndarray) -> tuple[str, int]:
+    """Text that re-encodes to `num_tokens` tokens (as near as the tokenizer allows): random token ids are
+    decoded, re-encoded, truncated or topped up, and decoded again, as SGLang's random dataset does."""
+    ids = rng.choice(candidates, size=num_tokens).tolist()
+    text = tokenizer.decode(ids)
+    for _ in range(10):
+        enc = _encode(tokenizer, text)
+        if len(enc) == num_tokens:
+            return text, num_tokens
+        enc = enc[:num_tokens] if len(enc) > num_tokens else enc + rng.choice(
+            candidates, size=num_tokens - len(enc)).tolist()
+        text = tokenizer.decode(enc)
+    return text, len(_encode(tokenizer, text))
+
+
+# ------------------------------------------------------------------------------- datasets --
+
+@dataclass
+class DatasetRow:
+    prompt: str
+    prompt_len: int
+    output_len: int
+    group: int = -1  # generated-shared-prefix: which system prompt
+
+
+def _uniform_lens(rng: np.random.Generator, length: int, ratio: float, n: int) -> np.ndarray:
+    """SGLang's semantics: uniform integers in [max(int(length * ratio), 1), length]."""
+    return rng.integers(max(int(length * ratio), 1), length + 1, size=n)
+
+
+def build_random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
+                         input_range_ratio: float, output_range_ratio: float, seed: int) -> list[DatasetRow]:
+    """The `random` workload: prompts of random tokens with uniform input/output lengths. The same arguments
+    give the same prompts and output lengths (scripts/hf_static_baseline.py relies on it)."""
+    rng = np.random.default_rng(seed)
+    input_lens = _uniform_lens(rng, input_len, input_range_ratio, num_prompts)
+    output_lens = _uniform_lens(rng, output_len, output_range_ratio, num_prompts)
+    candidates = _candidate_ids(tokenizer)
+    rows = []
+    for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist()):
+        text, real_len = random_text(tokenizer, rng, n_in, candidates)
+        rows.append(DatasetRow(text, real_len, int(n_out)))
+    return rows
+
+
+def build_gsp_dataset(tokenizer, num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                      question_len: int, output_len: int, seed: int) -> list[DatasetRow]:
+    """SGLang's `generated-shared-prefix` workload: `num_groups` random system prompts, each followed by
+    `prompts_per_group` random questions ("{system}\\n\\n{question}"); the requests are shuffled."""
+    rng = np.random.default_rng(seed)
+    candidates = _candidate_ids(tokenizer)
+    rows = []
+    for g in range(num_groups):
+        system, _ = random_text(tokenizer, rng, system_prompt_len, candidates)
+        for _ in range(prompts_per_group):
+            question, _ = random_text(tokenizer, rng, question_len, candidates)
+            prompt = f"{system}\n\n{question}"
+            rows.append(DatasetRow(prompt, len(_encode(tokenizer, prompt)), output_len, g))
+    order = rng.permutation(len(rows))
+    return [rows[i] for i in order]
+
+
+def build_dataset(args, tokenizer) -> list[DatasetRow]:
+    if args.dataset_name == "random":
+        ratio = args.random_range_ratio
+        return build_random_dataset(
+            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+            ratio if args.random_input_range_ratio is None else args.random_input_range_ratio,
+            ratio if args.random_output_range_ratio is None else args.random_output_range_ratio, args.seed)
+    return build_gsp_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                             args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
+
+
+# ------------------------------------------------------------------------------- requests --
+
+@dataclass
+class RequestOutput:
+    success: bool = False
+    error: str = ""
+    generated_text: str = ""
+    prompt_len: int = 0
+    output_len: int = 0  # the server's count (usage) if reported, else filled in from re-tokenizing
+    server_output_len: int | None = None
+    server_prompt_len: int | None = None  # usage.prompt_tokens / meta_info.prompt_tokens
+    server_cached_tokens: int | None = None
+    ttft: float = 0.0
+    latency: float = 0.0
+    start: float = 0.0  # perf_counter at send
+    # One entry per chunk that carried output: arrival time (perf_counter), text delta, and the number of
+    # tokens it carried when the server says so (native backend) else None.
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_texts: list[str] = field(default_factory=list)
+    chunk_tokens: list[int | None] = field(default_factory=list)
+    chunk_k: list[int] = field(default_factory=list)  # tokens per chunk, resolved by finish_outputs
+    itl: list[float] = field(default_factory=list)
+
+
+def _sse_events(buffer: bytearray, data: bytes) -> list[str]:
+    """Append raw bytes; pop and return the payloads of every complete `data:` / `error:` line."""
+    buffer += data
+    out = []
+    while True:
+        nl = buffer.find(b"\n")
+        if nl < 0:
+            return out
+        line = bytes(buffer[:nl]).strip()
+        del buffer[:nl + 1]
+        if line.startswith(b"data:"):
+            out.append(line[5:].strip().decode("utf-8"))
+        elif line.startswith(b"error:"):
+            out.append(json.dumps({"error": line[6:].strip().decode("utf-8", "replace")}))
+
+
+def _request_body(backend: str, model: str | None, row: DatasetRow, ignore_eos: bool,
+                  extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if backend == "relay-native":
+        sp = {"max_new_tokens": row.output_len, "temperature": 0.0}
+        if ignore_eos:
+            sp["ignore_eos"] = True
+        return "/generate", {"text": row.prompt, "sampling_params": sp, "stream": True, **extra}
+    body: dict[str, Any] = {"prompt": row.prompt, "max_tokens": row.output_len, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if backend == "openai":
+        # llama.cpp's llama-server reads n_predict (max_tokens is an alias of it there) and ignore_eos, and
+        # sends usage in its final /v1/completions chunk; other OpenAI-style servers ignore unknown fields.
+        body["n_predict"] = row.output_len
+    body.update(extra)
+    return "/v1/completions", body
+
+
+async def send_request(session, base_url: str, backend: str, model: str | None, row: DatasetRow,
+                       ignore_eos: bool, extra: dict[str, Any], pbar=None) -> RequestOutput:
+    path, body = _request_body(backend, model, row, ignore_eos, extra)
+    out = RequestOutput(prompt_len=row.prompt_len)
+    prev_text = ""  # native: the cumulative text so far
+    prev_tokens = 0  # native: the cumulative token count so far
+    buffer = bytearray()
+    out.start = st = time.perf_counter()
+    try:
+        async with session.post(base_url + path, json=body) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return out
+            done = False
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                for payload in _sse_events(buffer, data):
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if chunk.get("error"):
+                        err = chunk["error"]
+                        out.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        return out
+                    if backend == "relay-native":
+                        text = chunk.get("text", "")
+                        meta = chunk.get("meta_info") or {}
+                        n_tok = meta.get("completion_tokens")
+                        if n_tok is None:
+                            n_tok = len(chunk.get("output_ids") or [])
+                        delta, k = text[len(prev_text):], n_tok - prev_tokens
+                        if k > 0 or delta:
+                            out.chunk_times.append(now)
+                            out.chunk_texts.append(delta)
+                            out.chunk_tokens.append(max(k, 0))
+                        prev_text, prev_tokens = text, max(prev_tokens, n_tok)
+                        out.server_output_len = prev_tokens
+                        if meta.get("prompt_tokens") is not None:
+                            out.server_prompt_len = meta["prompt_tokens"]
+                        if meta.get("cached_tokens") is not None:
+                            out.server_cached_tokens = meta["cached_tokens"]
+                    else:
+                        choices = chunk.get("choices") or []
+                        if choices:
+                            c = choices[0]
+                            text = c.get("text") or ""
+                            toks = c.get("tokens") if isinstance(c.get("tokens"), list) else chunk.get("tokens")
+                            k = len(toks) if isinstance(toks, list) else None
+                            if text or (k or 0) > 0:
+                                out.chunk_times.append(now)
+                                out.chunk_texts.append(text)
+                                out.chunk_tokens.append(k)
+                        usage = chunk.get("usage")
+                        if usage and usage.get("completion_tokens") is not None:
+                            out.server_output_len = int(usage["completion_tokens"])
+                            if usage.get("prompt_tokens") is not None:
+                                out.server_prompt_len = int(usage["prompt_tokens"])
+                            details = usage.get("prompt_tokens_details") or {}
+                            if details.get("cached_tokens") is not None:
+                                out.server_cached_tokens = details["cached_tokens"]
+                if done:
+                    break
+        end = time.perf_counter()
+        if not out.chunk_times:
+            out.error = "the stream ended without output"
+            return out
+        out.latency = end - st
+        out.ttft = out.chunk_times[0] - st
+        out.generated_text = "".join(out.chunk_texts)
+        out.success = True
+    except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        if pbar is not None:
+            pbar.update(1)
+    return out
+
+
+def _tokens_per_chunk(tokenizer, texts: list[str]) -> list[int]:
+    """Estimate how many tokens each streamed text delta carried, by re-tokenizing the whole text once and
+    counting the tokens that end inside each delta's character span (at least 1 per chunk)."""
+    full = "".join(texts)
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ends = sorted(e for _, e in enc["offset_mapping"])
+    except Exception:  # noqa: BLE001 - a slow tokenizer has no offsets
+        return [max(1, len(_encode(tokenizer, t))) for t in texts]
+    counts, pos, j = [], 0, 0
+    for t in texts:
+        pos += len(t)
+        k = 0
+        while j < len(ends) and ends[j] <= pos:
+            j += 1
+            k += 1
+        counts.append(max(1, k))
+    return counts
+
+
+def finish_outputs(outputs: list[RequestOutput], tokenizer) -> None:
+    """After the run (outside the timed part): output counts and the per-token ITL lists."""
+    for o in outputs:
+        if not o.success:
+            continue
+        retok = len(_encode(tokenizer, o.generated_text))
+        o.output_len = o.server_output_len if o.server_output_len is not None else retok
+        ks = o.chunk_tokens
+        if any(k is None for k in ks):
+            ks = _tokens_per_chunk(tokenizer, o.chunk_texts)
+        o.chunk_k = list(ks)
+        o.itl = []
+        for i in range(1, len(o.chunk_times)):
+            gap, k = o.chunk_times[i] - o.chunk_times[i - 1], ks[i]
+            if k > 0:
+                o.itl.extend([gap / k] * k)
+
+
+# -------------------------------------------------------------------------------- metrics --
+
+def _stats(name: str, values_s: list[float], pcts=(99,)) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    if ms.size == 0:
+        out = {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0}
+        out.update({f"p{p}_{name}_ms": 0.0 for p in pcts})
+        return out
+    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(ms.std())}
+    out.update({f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in pcts})
+    return out
+
+
+def calculate_metrics(rows: list[DatasetRow], outputs: list[RequestOutput], duration: float,
+                      tokenizer) -> dict[str, Any]:
+    completed = total_input = total_output = total_retok = 0
+    ttfts, tpots, itls, e2es = [], [], [], []
+    for row, o in zip(rows, outputs):
+        if not o.success:
+            continue
+        completed += 1
+        total_input += row.prompt_len
+        total_output += o.output_len
+        total_retok += len(_encode(tokenizer, o.generated_text))
+        if o.output_len > 1:
+            tpots.append((o.latency - o.ttft) / (o.output_len - 1))
+        itls.extend(o.itl)
+        ttfts.append(o.ttft)
+        e2es.append(o.latency)
+    # Peak output throughput and peak concurrency, in 1-second buckets / at request boundaries.
+    ok = [o for o in outputs if o.success]
+    t0 = min((o.start for o in ok), default=0.0)
+    buckets: dict[int, int] = {}
+    events = []
+    for o in ok:
+        for t, n in zip(o.chunk_times, o.chunk_k):
+            b = int(t - t0)
+            buckets[b] = buckets.get(b, 0) + n
+        events += [(o.start, 1), (o.start + o.latency, -1)]
+    level = peak = 0
+    for _, d in sorted(events):
+        level += d
+        peak = max(peak, level)
+    dur = max(duration, 1e-9)
+    m: dict[str, Any] = {
+        "duration": duration,
+        "completed": completed,
+        "failed": len(outputs) - completed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "total_output_tokens_retokenized": total_retok,
+        "request_throughput": completed / dur,
+        "input_throughput": total_input / dur,
+        "output_throughput": total_output / dur,
+        "output_throughput_retokenized": total_retok / dur,
+        "total_throughput": (total_input + total_output) / dur,
+        "total_throughput_retokenized": (total_input + total_retok) / dur,
+        "max_output_tokens_per_s": float(max(buckets.values(), default=0)),
+        "max_concurrent_requests": peak,
+        "concurrency": float(np.sum(e2es)) / dur if e2es else 0.0,
+    }
+    m.update(_stats("e2e_latency", e2es, (90, 99)))
+    m.update(_stats("ttft", ttfts, (99,)))
+    m.update(_stats("tpot", tpots, (99,)))
+    m.update(_stats("itl", itls, (95, 99)))
+    m["max_itl_ms"] = float(max(itls) * 1000.0) if itls else 0.0
+    return m
+
+
+def print_report(args, m: dict[str, Any]) -> None:
+    def line(label: str, value: Any, fmt: str = "{:<10.2f}") -> None:
+        text = fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+        print(f"{label:<41}{text}")
+
+    print("\n{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    line("Backend:", args.backend, "{}")
+    line("Dataset:", args.dataset_name, "{}")
+    line("Traffic request rate:", args.request_rate, "{}")
+    line("Max request concurrency:", args.max_concurrency if args.max_concurrency else "not set", "{}")
+    line("Successful requests:", m["completed"], "{:<10}")
+    if m["failed"]:
+        line("Failed requests:", m["failed"], "{:<10}")
+    line("Benchmark duration (s):", m["duration"])
+    line("Total input tokens:", m["total_input_tokens"], "{:<10}")
+    line("Total generated tokens:", m["total_output_tokens"], "{:<10}")
+    line("Total generated tokens (retokenized):", m["total_output_tokens_retokenized"], "{:<10}")
+    line("Request throughput (req/s):", m["request_throughput"])
+    line("Input token throughput (tok/s):", m["input_throughput"])
+    line("Output token throughput (tok/s):", m["output_throughput"])
+    line("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
+    line("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
+    line("Total token throughput (tok/s):", m["total_throughput"])
+    line("Concurrency:", m["concurrency"])
+    if m.get("cache_hit_rate") is not None:
+        line("Prefix cache hit rate (server):", m["cache_hit_rate"], "{:<10.4f}")
+    if m.get("usage_cache_hit_rate") is not None:
+        line("Cached prompt tokens (usage):", f"{m['usage_cached_tokens']} of {m['usage_prompt_tokens']} "
+             f"({m['usage_cache_hit_rate']:.2%})", "{}")
+    print("{s:{c}^{n}}".format(s="End-to-End Latency", n=50, c="-"))
+    line("Mean E2E Latency (ms):", m["mean_e2e_latency_ms"])
+    line("Median E2E Latency (ms):", m["median_e2e_latency_ms"])
+    line("P99 E2E Latency (ms):", m["p99_e2e_latency_ms"])
+    print("{s:{c}^{n}}".format(s="Time to First Token", n=50, c="-"))
+    line("Mean TTFT (ms):", m["mean_ttft_ms"])
+    line("Median TTFT (ms):", m["median_ttft_ms"])
+    line("P99 TTFT (ms):", m["p99_ttft_ms"])
+    print("{s:{c}^{n}}".format(s="Time per Output Token (excl. 1st token)", n=50, c="-"))
+    line("Mean TPOT (ms):", m["mean_tpot_ms"])
+    line("Median TPOT (ms):", m["median_tpot_ms"])
+    line("P99 TPOT (ms):", m["p99_tpot_ms"])
+    print("{s:{c}^{n}}".format(s="Inter-Token Latency", n=50, c="-"))
+    line("Mean ITL (ms):", m["mean_itl_ms"])
+    line("Median ITL (ms):", m["median_itl_ms"])
+    line("P95 ITL (ms):", m["p95_itl_ms"])
+    line("P99 ITL (ms):", m["p99_itl_ms"])
+    line("Max ITL (ms):", m["max_itl_ms"])
+    print("(ITL: a chunk carrying k tokens counts as k gaps of gap/k; k " +
+          ("from the server's token counts)" if m.get("itl_k_source") == "server" else
+           "estimated by re-tokenizing the streamed text)"))
+    print("=" * 50, flush=True)
+
+
+# ----------------------------------------------------------------------------- the run ---
+
+async def _get_json(session, url: str) -> Any:
+    try:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except Exception:  # noqa: BLE001 - not every server has every endpoint
+        return None
+
+
+async def _relay_counters(session, base_url: str) -> dict[str, Any] | None:
+    info = await _get_json(session, base_url + "/get_server_info")
+    if isinstance(info, dict) and isinstance(info.get("scheduler"), dict):
+        return info["scheduler"]
+    return None
+
+
+async def resolve_model(session, base_url: str) -> str | None:
+    models = await _get_json(session, base_url + "/v1/models")
+    try:
+        return models["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+async def wait_ready(base_url: str, timeout: float = 600.0, proc=None) -> None:
+    """Poll /health (then /v1/models) until the server answers 200."""
+    import aiohttp
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+            for path in ("/health", "/v1/models"):
+                try:
+                    async with s.get(base_url + path) as r:
+                        if r.status == 200:
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    continue  # not listening yet
+            await asyncio.sleep(1.0)
+    raise TimeoutError(f"{base_url} was not ready within {timeout:.0f} s")
+
+
+async def _arrivals(rows: list[DatasetRow], rate: float, rng: np.random.Generator):
+    for i, row in enumerate(rows):
+        yield i, row
+        if math.isinf(rate) or i == len(rows) - 1:
+            continue
+        await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+
+
+async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
+                    max_concurrency: int | None) -> dict[str, Any]:
+    import aiohttp
+    from tqdm import tqdm
+
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    # One connection per request, as SGLang's client (a session per request) does: reusing keep-alive
+    # connections raced llama-server closing them ("Server disconnected" on the next request).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if args.flush_cache:
+            try:
+                async with session.post(args.base_url + "/flush_cache") as r:
+                    await r.read()
+            except aiohttp.ClientError as e:  # servers without /flush_cache answer 404, not this
+                print(f"POST /flush_cache failed: {e}", flush=True)
+        if args.warmup_requests > 0:
+            # Warm-up prompts are their own random texts: they must not seed the prefix cache with the
+            # benchmark's prompts.
+            wrng = np.random.default_rng(args.seed + 10_000)
+            cands = _candidate_ids(tokenizer)
+            warm = [DatasetRow(*random_text(tokenizer, wrng, 32, cands), 8) for _ in range(args.warmup_requests)]
+            wouts = await asyncio.gather(*(send_request(session, args.base_url, args.backend, model, r, True, extra)
+                                           for r in warm))
+            bad = [o.error for o in wouts if not o.success]
+            if len(bad) == len(wouts):
+                raise RuntimeError(f"every warm-up request failed; first error: {bad[0]}")
+        before = await _relay_counters(session, args.base_url)
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        pbar = None if args.disable_tqdm else tqdm(total=len(rows), desc=f"c={max_concurrency or 'inf'}",
+                                                   leave=False)
+
+        async def one(row: DatasetRow) -> RequestOutput:
+            if sem is None:
+                return await send_request(session, args.base_url, args.backend, model, row, args.ignore_eos,
+                                          extra, pbar)
+            async with sem:
+                return await send_request(session, args.base_url, args.backend, model, row, args.ignore_eos,
+                                          extra, pbar)
+
+        rng = np.random.default_rng(args.seed + 1)
+        start = time.perf_counter()
+        tasks = []
+        async for _, row in _arrivals(rows, args.request_rate, rng):
+            tasks.append(asyncio.create_task(one(row)))
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if pbar is not None:
+            pbar.close()
+        after = await _relay_counters(session, args.base_url)
+
+    finish_outputs(outputs, tokenizer)
+    m = calculate_metrics(rows, outputs, duration, tokenizer)
+    m["itl_k_source"] = "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
+    m["cache_hit_rate"] = None
+    if before is not None and after is not None:
+        dp = after.get("prompt_tokens_total", 0) - before.get("prompt_tokens_total", 0)
+        dc = after.get("cached_prompt_tokens_total", 0) - before.get("cached_prompt_tokens_total", 0)
+        m["server_prompt_tokens"] = dp
+        m["server_cached_prompt_tokens"] = dc
+        m["cache_hit_rate"] = dc / dp if dp > 0 else 0.0
+    # What the responses' usage says (any server that reports prompt_tokens_details.cached_tokens, llama.cpp
+    # included): cached prompt tokens / prompt tokens, and the server's own prompt token count.
+    reported = [o for o in outputs if o.success and o.server_cached_tokens is not None and o.server_prompt_len]
+    if reported:
+        m["usage_prompt_tokens"] = int(sum(o.server_prompt_len for o in reported))
+        m["usage_cached_tokens"] = int(sum(o.server_cached_tokens for o in reported))
+        m["usage_cache_hit_rate"] = m["usage_cached_tokens"] / max(1, m["usage_prompt_tokens"])
+    errors = [o.error for o in outputs if not o.success]
+    if errors:
+        m["first_error"] = errors[0]
+    return m
+
+
+def _args_record(args) -> dict[str, Any]:
+    return {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in vars(args).items()}
+
+
+def _append_json(path: str, record: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run(args, tokenizer=None) -> list[dict[str, Any]]:
+    """Run one benchmark (or one per --sweep-concurrency level); print reports; return the result dicts."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(args.tokenizer)
+
+    async def main() -> list[dict[str, Any]]:
+        import aiohttp
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            model = args.model or (None if args.backend == "relay-native" else await resolve_model(s, args.base_url))
+        levels = ([int(x) for x in args.sweep_concurrency.split(",") if x.strip()]
+                  if args.sweep_concurrency else [args.max_concurrency])
+        results = []
+        for i, c in enumerate(levels):
+            # Each sweep level gets its own prompts (seed + i): repeating a level's prompts would hit the
+            # prefix cache of the previous level.
+            level_args = argparse.Namespace(**{**vars(args), "max_concurrency": c,
+                                               "seed": args.seed + (i if args.sweep_concurrency else 0)})
+            rows = build_dataset(level_args, tokenizer)
+            m = await benchmark(level_args, rows, tokenizer, model, c)
+            m.update({"backend": args.backend, "dataset_name": args.dataset_name, "base_url": args.base_url,
+                      "model": model, "max_concurrency": c,
+                      "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+                      "num_prompts": len(rows), "timestamp": datetime.now().isoformat(timespec="seconds"),
+                      "label": args.label, "args": _args_record(level_args)})
+            print_report(level_args, m)
+            if m.get("first_error"):
+                print(f"first error: {m['first_error']}", flush=True)
+            if args.output_json:
+                _append_json(args.output_json, m)
+            results.append(m)
+        return results
+
+    results = asyncio.run(main())
+    if args.sweep_concurrency and args.plot:
+        plot_sweep({args.label or args.backend: results}, args.plot,
+                   title=f"{args.dataset_name}: {results[0]['num_prompts']} requests per level")
+        print(f"plot: {args.plot}")
+    return results
+
+
+def plot_sweep(series: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
+    """One PNG: output throughput and median ITL vs max concurrency, one line per label."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels: set[int] = set()
+    for label, results in series.items():
+        pts = sorted((r.get("max_concurrency") or 1, r.get("output_throughput"), r.get("median_itl_ms"))
+                     for r in results)
+        if not pts:
+            continue
+        levels.update(p[0] for p in pts)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        itl = [p for p in pts if p[2] is not None]  # the HF baseline has no ITL
+        if itl:
+            ax2.plot([p[0] for p in itl], [p[2] for p in itl], marker="o", label=label)
+    for ax, ylabel in ((ax1, "output throughput (tok/s)"), (ax2, "median ITL (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(levels))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("max concurrency (HF: batch size)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- CLI ---
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    p.add_argument("--backend", choices=BACKENDS, default="relay-openai",
+                   help="relay-openai: POST /v1/completions (stream); relay-native: POST /generate (stream, "
+                        "cumulative text); openai: any OpenAI-compatible /v1/completions (llama-server too)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer dir for building prompts and counting tokens (default: Relay's converted "
+                        "default model dir)")
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--num-prompts", type=int, default=128, help="random dataset: number of requests")
+    p.add_argument("--random-input-len", type=int, default=512)
+    p.add_argument("--random-output-len", type=int, default=256)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths are uniform in [len * ratio, len] (SGLang's semantics)")
+    p.add_argument("--random-input-range-ratio", type=float, default=None,
+                   help="override --random-range-ratio for input lengths")
+    p.add_argument("--random-output-range-ratio", type=float, default=None,
+                   help="override --random-range-ratio for output lengths")
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)
+    p.add_argument("--gsp-output-len", type=int, default=128)
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends them all at once")
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="short requests (own random prompts, 8 tokens out) sent before the timed run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: generate exactly the output length")
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run (Relay/SGLang)")
+    p.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
+    p.add_argument("--request-timeout", type=float, default=3 * 3600.0, help="seconds per request")
+    p.add_argument("--output-json", default=None, help="append one JSON line per run (every metric + the args)")
+    p.add_argument("--label", default=None, help="a name for this run in the JSON and the plot legend")
+    p.add_argument("--sweep-concurrency", default=None,
+                   help="comma-separated max-concurrency levels to run in turn, e.g. 1,8,32")
+    p.add_argument("--plot", default=None, help="with --sweep-concurrency: write a PNG plot here")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.base_url = args.base_url.rstrip("/")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    return 0 if all(r["completed"] > 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

