@@ -36,6 +36,8 @@ FLAG_HELP = {
     "tokenizer_path": "tokenizer directory (default: the model's)",
     "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
     "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and AMX CPUs, else float32",
+    "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "
+                      "the KV memory and the bytes decode attention reads (CPU)",
     "device": "cpu, cuda, or auto",
     "tp_size": "tensor-parallel ranks (one model-runner process each); gloo on CPU, NCCL on GPU",
     "page_size": "tokens per KV page (also the prefix cache's matching granularity)",

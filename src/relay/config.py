@@ -22,6 +22,9 @@ class EngineConfig:
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on GPUs and AMX CPUs, else float32
+    # KV cache dtype; auto = the model's. bfloat16 under float32 weights halves the bytes
+    # decode attention reads (CPU backend only).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     tp_size: int = 1
     page_size: int = 16
@@ -45,8 +48,9 @@ class EngineConfig:
     log_requests: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size"):

@@ -39,6 +39,8 @@ class KVCache:
         """k, v: [tokens, kv_heads, head_dim] for the given slots."""
         if self._slot_dim:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if k.dtype != self.k[layer].dtype:
+            k, v = k.to(self.k[layer].dtype), v.to(self.k[layer].dtype)
         self.k[layer].index_copy_(self._slot_dim, slots, k)
         self.v[layer].index_copy_(self._slot_dim, slots, v)
 

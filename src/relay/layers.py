@@ -28,6 +28,28 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+# CPU GEMMs of at least this many rows go to oneDNN with a weight prepacked in its blocked
+# layout: 1.2-1.6x MKL's speed at 8-96 rows here; below, MKL's GEMV path is faster.
+PACKED_MIN_ROWS = 8
+
+
+def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a [out, in] weight, or None where oneDNN is unavailable."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    except (RuntimeError, AttributeError):
+        return None
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with W a [out, in] shard; `reduce` all-reduces the result (row-parallel)."""
 
@@ -37,9 +59,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.tp = tp  # set for row-parallel layers only
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu; set once weights are loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = cpu_matmul(x, self.weight, self.packed, self.bias)
         return self.tp.all_reduce(y) if self.tp is not None else y
 
 
@@ -52,6 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
+        self.packed: torch.Tensor | None = None  # for the LM head, like Linear.packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -64,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
-        return self.tp.all_gather_last_dim(F.linear(h, self.weight).float(), self.shard_sizes)
+        return self.tp.all_gather_last_dim(cpu_matmul(h, self.weight, self.packed).float(), self.shard_sizes)
 
 
 class RotaryEmbedding(nn.Module):

@@ -61,6 +61,9 @@ class ModelRunner:
         self.mc = mc
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else pick_dtype(cfg.kv_cache_dtype, self.device)
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError("a kv_cache_dtype other than the model dtype is only supported on CPU")
         if self.device.type == "cpu":
             # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
             torch.set_num_threads(cfg.num_threads or max(1, available_cores() // self.tp.size))
@@ -69,12 +72,14 @@ class ModelRunner:
         self.context_len = cfg.context_length or mc.max_position_embeddings
         cfg.resolve_step_budget(self.device.type)
         self.model = self._load_model(model_dir)
+        if self.device.type == "cpu" and os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+            self.model.pack_for_cpu()
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
         attn_cls = backend_class(cfg.attention_backend, self.device, self.dtype)
         self.kv = KVCache(mc.num_layers, self.num_pages, cfg.page_size, shard.kv_count, mc.head_dim,
-                          self.dtype, self.device, layout=attn_cls.kv_layout)
+                          self.kv_dtype, self.device, layout=attn_cls.kv_layout)
         self.attn = attn_cls(kv=self.kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count,
                              head_dim=mc.head_dim, scale=mc.head_dim ** -0.5)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
@@ -97,7 +102,7 @@ class ModelRunner:
         return model
 
     def _agree_on_pages(self) -> int:
-        bytes_per_token = self.mc.kv_bytes_per_token(self.dtype.itemsize, self.tp.size)
+        bytes_per_token = self.mc.kv_bytes_per_token(self.kv_dtype.itemsize, self.tp.size)
         free = None
         if self.device.type == "cuda" and self.cfg.kv_cache_gb is None:
             free = self._free_bytes_after_warmup()

@@ -118,8 +118,8 @@ class TorchNativeBackend(AttentionBackend):
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        keys = self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d)
-        values = self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d)
+        keys = self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        values = self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
         qg = q.view(b, hkv, group, d).transpose(0, 1).reshape(hkv * b, group, d)
         scores = torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale  # [hkv * b, group, len]
         if self.dec_mask is not None:
@@ -133,6 +133,7 @@ class TorchNativeBackend(AttentionBackend):
             keys, values = self.kv.k[layer][:, p.keys], self.kv.v[layer][:, p.keys]
         else:
             keys, values = self.kv.k[layer].index_select(1, p.keys), self.kv.v[layer].index_select(1, p.keys)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless the KV dtype differs
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask,
             is_causal=p.mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)

@@ -15,7 +15,8 @@ from torch import nn
 from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
-from relay.layers import Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary
+from relay.layers import (Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary,
+                          pack_for_cpu)
 
 
 class Attention(nn.Module):
@@ -97,6 +98,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
+
+    def pack_for_cpu(self) -> None:
+        """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
+        weights in memory, buys ~1.3x on batched GEMMs)."""
+        for module in [*self.modules()]:
+            if isinstance(module, (Linear, VocabParallelEmbedding)) and (module is not self.embed_tokens
+                                                                         or module is self.lm_head):
+                module.packed = pack_for_cpu(module.weight)
 
     # ---- checkpoint loading -------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
