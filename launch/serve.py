@@ -54,7 +54,6 @@ FLAG_HELP = {
     "load_format": f"one of {LOAD_FORMATS}: dummy = random weights; dummy-null = no model (pipeline benchmark)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
-    "enable_torch_compile": "compile the decode step with torch.compile",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
 }
 FLAG_ALIASES = {"tp_size": ["--tp"]}

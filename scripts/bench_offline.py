@@ -34,8 +34,6 @@ def bench_relay(args, prompts, out_lens) -> dict:
         kw["kv_cache_gb"] = args.kv_cache_gb
     if args.chunked_prefill_size:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
-    if args.enable_torch_compile:
-        kw["enable_torch_compile"] = True
     engine = Engine(args.model_path, **kw)
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in out_lens]
     engine.generate(prompts[:2], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)  # warm-up
@@ -106,7 +104,6 @@ def main(argv=None) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--enable-torch-compile", action="store_true")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)

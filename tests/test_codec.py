@@ -79,7 +79,7 @@ engine_configs = st.builds(
     chunked_prefill_size=st.integers(1, 8192), context_length=st.none() | st.integers(16, 131072),
     num_threads=st.none() | st.integers(1, 64), seed=I64,
     load_format=st.sampled_from(["auto", "dummy", "dummy-null"]), disable_cuda_graph=st.booleans(),
-    enable_torch_compile=st.booleans(), log_requests=st.booleans())
+    log_requests=st.booleans())
 
 messages_list = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                                 "content": TEXT}), max_size=4)

@@ -44,7 +44,6 @@ class EngineConfig:
     load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
-    enable_torch_compile: bool = False
     log_requests: bool = False
 
     def __post_init__(self) -> None:
