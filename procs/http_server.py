@@ -253,13 +253,10 @@ def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
         created = int(time.time())
         if parsed.stream:
             return await _stream(request, api, lambda pieces: _openai_chunks(api, pieces, parsed, created, kind))
-        pieces = await _collect(backend, api, request)
-        if pieces is None:
-            return Response(status_code=499)
-        err = _first_error(pieces)
-        if err is not None:
-            return _error(err)
-        choices, usage = _merge(pieces, parsed.n)
+        done = await _finish(request, api, parsed.n)
+        if isinstance(done, Response):
+            return done
+        choices, usage = done
         build = P.completion_response if kind == "completion" else P.chat_response
         return build(api.rid, created, backend.served_model, choices, usage)
 
@@ -299,13 +296,10 @@ def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
             return _error(e)
         if parsed.stream:
             return await _stream(request, api, lambda pieces: _generate_chunks(api, pieces))
-        pieces = await _collect(backend, api, request)
-        if pieces is None:
-            return Response(status_code=499)
-        err = _first_error(pieces)
-        if err is not None:
-            return _error(err)
-        choices, usage = _merge(pieces, parsed.n)
+        done = await _finish(request, api, parsed.n)
+        if isinstance(done, Response):
+            return done
+        choices, usage = done
         outs = [P.generate_response(api.rids[c.index], c, usage) for c in choices]
         return outs[0] if parsed.n == 1 else outs
 
@@ -324,6 +318,15 @@ def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
             usage = P.Usage(piece.prompt_tokens, piece.completion_tokens or len(c.token_ids), piece.cached_tokens)
             yield P.sse(P.generate_response(api.rids[piece.index], c, usage))
         yield P.SSE_DONE
+
+    async def _finish(request: Request, api: ApiRequest, n: int) -> tuple[list[P.ChoiceOutput], P.Usage] | Response:
+        """A non-streamed request's choices and usage, or the response that replaces them
+        (its error, or 499 when the client left)."""
+        pieces = await _collect(backend, api, request)
+        if pieces is None:
+            return Response(status_code=499)
+        err = _first_error(pieces)
+        return _error(err) if err is not None else _merge(pieces, n)
 
     async def _stream(request: Request, api: ApiRequest, make_chunks) -> Response:
         """Wait for the first output (so a rejected request still gets its 4xx status), then

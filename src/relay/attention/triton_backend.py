@@ -38,6 +38,37 @@ LOG2E = 1.4426950408889634
 
 # ---- kernels ----------------------------------------------------------------------------
 @triton.jit
+def _attend_paged(q, m_i, l_i, acc, K, V, table, start, end, kvh, stride_kt, stride_kh, offs_n, offs_d, mask_d,
+                  sm_scale_log2, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax attention of the q rows over tokens [start, end) of one request's paged KV
+    (shared by the decode and extend kernels); returns the updated (max, sum, accumulator)."""
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        mask_n = tok < end
+        page = tl.load(table + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + tok % PAGE_SIZE
+        kv_off = slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, PageTable, SeqLens, QRows, MidO, MidLse,
     sm_scale_log2, num_splits,
@@ -69,29 +100,8 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = PageTable + b.to(tl.int64) * stride_pt
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        mask_n = tok < end
-        page = tl.load(table + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + tok % PAGE_SIZE
-        kv_off = slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_paged(q, m_i, l_i, acc, K, V, table, start, end, kvh, stride_kt, stride_kh,
+                                  offs_n, offs_d, mask_d, sm_scale_log2, PAGE_SIZE, BLOCK_N, IEEE)
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -157,29 +167,8 @@ def _extend_kernel(
 
     # Phase 1: the cached prefix, through the page table.
     table = PageTable + r.to(tl.int64) * stride_pt
-    for n0 in range(0, prefix, BLOCK_N):
-        tok = n0 + offs_n
-        mask_n = tok < prefix
-        page = tl.load(table + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + tok % PAGE_SIZE
-        kv_off = slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_paged(q, m_i, l_i, acc, K, V, table, 0, prefix, kvh, stride_kt, stride_kh,
+                                  offs_n, offs_d, mask_d, sm_scale_log2, PAGE_SIZE, BLOCK_N, IEEE)
 
     # Phase 2: the new tokens themselves, causally (key j <= query i); key 0 is always
     # visible, so no row is left without a key.
