@@ -40,6 +40,7 @@ class AbortReq:
     rid: str
     reason: str = "abort"
     matched_stop: str | None = None
+    sent_at: float = 0.0  # time.time() at the sender: an abort never drops a later request of the same id
 
 
 @dataclass

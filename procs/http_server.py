@@ -122,13 +122,13 @@ class Backend:
         for r in routed:
             del self.routes[r]
             if abort:
-                send(self._sync_to_sched, AbortReq(r))
+                send(self._sync_to_sched, AbortReq(r, sent_at=time.time()))
         if routed:  # still counted as in flight
             self.num_requests -= 1
 
     def abort_rid(self, rid: str) -> bool:
         entry = self.routes.get(rid)
-        send(self._sync_to_sched, AbortReq(rid))
+        send(self._sync_to_sched, AbortReq(rid, sent_at=time.time()))
         return entry is not None
 
     async def control(self, kind: str, timeout: float = 10.0) -> ControlOut:

@@ -98,7 +98,8 @@ class SchedulerLoop:
                 logger.error("unexpected message %s", type(msg).__name__)
 
     def add(self, msg: TokenizedReq) -> None:
-        if self.early_aborts.pop(msg.rid, None) is not None:
+        aborted_at = self.early_aborts.pop(msg.rid, None)
+        if aborted_at is not None and aborted_at >= msg.arrival_time:
             return  # its client left before it got here
         req = Req(msg.rid, msg.input_ids, msg.params, priority=msg.priority,
                   arrival_time=time.monotonic() - max(0.0, time.time() - msg.arrival_time))
@@ -118,10 +119,10 @@ class SchedulerLoop:
             event = self.sched.finish(msg.rid, msg.reason, msg.matched_stop)
         if event is not None:
             self.pending_events.append(event)
-        elif msg.reason == "abort":
-            now = time.monotonic()
+        elif msg.reason == "abort":  # not here yet (still in the tokenizer): drop it on arrival
+            now = time.time()
             self.early_aborts = {r: t for r, t in self.early_aborts.items() if now - t < ABORT_TOMBSTONE_SECONDS}
-            self.early_aborts[msg.rid] = now
+            self.early_aborts[msg.rid] = msg.sent_at or now
 
     def control(self, msg: ControlReq) -> ControlOut:
         if msg.kind == "get_info":

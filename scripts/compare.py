@@ -283,12 +283,44 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------------- main ---
 
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+DOC_BEGIN, DOC_END = "<!-- compare:begin -->", "<!-- compare:end -->"
+
+
+def write_doc(results_path: str, meta: dict[str, Any], runs: list[dict[str, Any]], plot: str | None) -> None:
+    """Put the table (and plot) between the compare markers of docs/benchmarks.md."""
+    with open(DOC) as f:
+        doc = f.read()
+    if DOC_BEGIN not in doc or DOC_END not in doc:
+        print(f"{DOC} has no {DOC_BEGIN} ... {DOC_END} block; not written")
+        return
+    body = [DOC_BEGIN, "",
+            f"`python scripts/compare.py` on {meta['date'][:10]} ({meta.get('cpus')} CPUs, load average "
+            f"{meta['load_avg_start'][0]:.1f} at the start, git {meta.get('git')}; "
+            f"results: `{os.path.relpath(results_path, ROOT)}`, not committed):", "",
+            markdown_table(runs), "",
+            "ITL: a streamed chunk carrying k tokens counts as k gaps of gap/k; TTFT and ITL are measured by "
+            "the client. Cache hit: Relay's scheduler counters over the run (* = from llama.cpp's "
+            "usage.cached_tokens). transformers does not stream: its output tok/s counts each request's "
+            "requested tokens only.", ""]
+    if plot and os.path.exists(plot):
+        body += [f"![concurrency sweep]({os.path.relpath(plot, os.path.dirname(DOC))})", ""]
+    body.append(DOC_END)
+    start, end = doc.index(DOC_BEGIN), doc.index(DOC_END) + len(DOC_END)
+    with open(DOC, "w") as f:
+        f.write(doc[:start] + "\n".join(body) + doc[end:])
+    print(f"wrote the table into {os.path.relpath(DOC, ROOT)}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Relay vs llama.cpp vs transformers on the same workloads",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", default="relay,llamacpp,hf", help=f"engines, comma-separated, of {ENGINES}")
     p.add_argument("--workloads", default="random,gsp,null", help=f"comma-separated, of {WORKLOADS}")
     p.add_argument("--quick", action="store_true", help="a smoke run: few, short requests")
+    p.add_argument("--no-doc", action="store_true", help="don't write the table into docs/benchmarks.md "
+                   "(quick runs never do)")
+    p.add_argument("--from-json", default=None, help="only rebuild the table and doc from a results file")
     p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
@@ -334,6 +366,13 @@ def git_rev() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print(markdown_table(saved["runs"]))
+        if not args.no_doc:
+            write_doc(args.from_json, saved["meta"], saved["runs"], args.plot)
+        return 0
     # A SIGTERM (e.g. from `timeout`) must still stop the server this script started.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -407,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     if sweep:
         print(f"plot:    {os.path.relpath(args.plot, ROOT)}")
     print(f"total time: {time.monotonic() - t_start:.0f} s")
+    if not args.quick and not args.no_doc:
+        write_doc(out_path, meta, results.runs, args.plot if sweep else None)
     return 0 if ok and len(ok) == len(results.runs) else 1
 
 
