@@ -264,7 +264,7 @@ def test_unknown_ext_code_nested_inside_a_wire_type_raises():
 
 def test_wrong_field_count_raises():
     code = WIRE_TYPES.index(m.AbortReq) + 1
-    for values in ([], ["r", "stop", None, "extra"]):
+    for values in ([], ["r", "stop", None, 0.0, "extra"]):
         blob = msgpack.packb(msgpack.ExtType(code, msgpack.packb(values)))
         with pytest.raises(TypeError):
             decode(blob)
