@@ -431,24 +431,14 @@ def print_report(args, m: dict[str, Any]) -> None:
     if m.get("usage_cache_hit_rate") is not None:
         line("Cached prompt tokens (usage):", f"{m['usage_cached_tokens']} of {m['usage_prompt_tokens']} "
              f"({m['usage_cache_hit_rate']:.2%})", "{}")
-    print("{s:{c}^{n}}".format(s="End-to-End Latency", n=50, c="-"))
-    line("Mean E2E Latency (ms):", m["mean_e2e_latency_ms"])
-    line("Median E2E Latency (ms):", m["median_e2e_latency_ms"])
-    line("P99 E2E Latency (ms):", m["p99_e2e_latency_ms"])
-    print("{s:{c}^{n}}".format(s="Time to First Token", n=50, c="-"))
-    line("Mean TTFT (ms):", m["mean_ttft_ms"])
-    line("Median TTFT (ms):", m["median_ttft_ms"])
-    line("P99 TTFT (ms):", m["p99_ttft_ms"])
-    print("{s:{c}^{n}}".format(s="Time per Output Token (excl. 1st token)", n=50, c="-"))
-    line("Mean TPOT (ms):", m["mean_tpot_ms"])
-    line("Median TPOT (ms):", m["median_tpot_ms"])
-    line("P99 TPOT (ms):", m["p99_tpot_ms"])
-    print("{s:{c}^{n}}".format(s="Inter-Token Latency", n=50, c="-"))
-    line("Mean ITL (ms):", m["mean_itl_ms"])
-    line("Median ITL (ms):", m["median_itl_ms"])
-    line("P95 ITL (ms):", m["p95_itl_ms"])
-    line("P99 ITL (ms):", m["p99_itl_ms"])
-    line("Max ITL (ms):", m["max_itl_ms"])
+    three = ("mean", "median", "p99")
+    for title, label, key, stats in (("End-to-End Latency", "E2E Latency", "e2e_latency", three),
+                                     ("Time to First Token", "TTFT", "ttft", three),
+                                     ("Time per Output Token (excl. 1st token)", "TPOT", "tpot", three),
+                                     ("Inter-Token Latency", "ITL", "itl", ("mean", "median", "p95", "p99", "max"))):
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        for stat in stats:
+            line(f"{stat.capitalize()} {label} (ms):", m[f"{stat}_{key}_ms"])
     print("(ITL: a chunk carrying k tokens counts as k gaps of gap/k; k " +
           ("from the server's token counts)" if m.get("itl_k_source") == "server" else
            "estimated by re-tokenizing the streamed text)"))
