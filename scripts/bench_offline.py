@@ -29,7 +29,7 @@ def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
 def bench_relay(args, prompts, out_lens) -> dict:
     from relay import Engine, SamplingParams
 
-    kw = dict(dtype=args.dtype, device=args.device, load_format=args.load_format)
+    kw = dict(dtype=args.dtype, device=args.device, load_format=args.load_format, quantization=args.quantization)
     if args.kv_cache_gb:
         kw["kv_cache_gb"] = args.kv_cache_gb
     if args.chunked_prefill_size:
@@ -51,7 +51,8 @@ def bench_relay(args, prompts, out_lens) -> dict:
     engine.generate([prompts[1][:64]], SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True))
     _sync(args)
     b1 = 128 / (time.perf_counter() - t)
-    return {"engine": "relay", "dtype": str(engine.runner.dtype).replace("torch.", ""), "seconds": elapsed,
+    weights = str(engine.runner.dtype).replace("torch.", "") + (f" + {args.quantization}" if args.quantization else "")
+    return {"engine": "relay", "dtype": weights, "seconds": elapsed,
             "output_tokens": generated, "output_tok_s": generated / elapsed,
             "total_tok_s": (generated + sum(map(len, prompts))) / elapsed, "batch1_decode_tok_s": b1}
 
@@ -100,6 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["int8"], help="Relay's weight-only int8 (CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--kv-cache-gb", type=float, default=None)

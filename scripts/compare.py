@@ -434,13 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         if "null" in args.workload_names:
             plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
         for tag, extra, names in plans:
+            config = f"{tag} {args.relay_args}".strip()  # --relay-args shows in the table
             try:
                 with relay_server(args, tag, extra) as server:
                     for name in names:
-                        bench(server, "relay-openai", wl[name], "relay", tag, results, tokenizer, args, flush=True)
+                        bench(server, "relay-openai", wl[name], "relay", config, results, tokenizer, args, flush=True)
             except Exception as e:  # noqa: BLE001 - go on with the other engines
-                print(f"!!! relay ({tag}) failed: {type(e).__name__}: {e}", flush=True)
-                results.add({"engine": "relay", "config": tag, "workload": ",".join(names), "error": str(e)[:500]})
+                print(f"!!! relay ({config}) failed: {type(e).__name__}: {e}", flush=True)
+                results.add({"engine": "relay", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
 
     if "llamacpp" in args.engines:
         names = [w for w in ("random", "gsp") if w in args.workload_names]

@@ -33,8 +33,19 @@ class RMSNorm(nn.Module):
 PACKED_MIN_ROWS = 8
 
 
+# With --quantization int8, GEMMs of fewer rows than this read int8 weights (torch's weight-only
+# kernel, bfloat16 activations): at 1-4 rows 2x float32's speed, at 16+ rows slower
+# (scripts/bench_weight_formats.py). Larger GEMMs use the float32 copy of the same quantized values.
+INT8_MAX_ROWS = 8
+
+Int8Weight = tuple[torch.Tensor, torch.Tensor]  # int8 [out, in], bfloat16 scale per output row
+
+
 def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, int8: Int8Weight | None = None) -> torch.Tensor:
+    if int8 is not None and x.shape[0] < INT8_MAX_ROWS:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *int8).to(x.dtype)
+        return y if bias is None else y + bias
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -50,6 +61,14 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
+    """Symmetric per-row int8 weight and scales, and the float weight they stand for."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return (q, scale), (q.float() * scale.float()[:, None]).to(weight.dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with W a [out, in] shard; `reduce` all-reduces the result (row-parallel)."""
 
@@ -60,9 +79,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.tp = tp  # set for row-parallel layers only
         self.packed: torch.Tensor | None = None  # see pack_for_cpu; set once weights are loaded
+        self.int8: Int8Weight | None = None  # see quantize_int8; --quantization int8 only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_matmul(x, self.weight, self.packed, self.bias)
+        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8)
         return self.tp.all_reduce(y) if self.tp is not None else y
 
 
@@ -76,6 +96,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
         self.packed: torch.Tensor | None = None  # for the LM head, like Linear.packed
+        self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -88,7 +109,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
-        return self.tp.all_gather_last_dim(cpu_matmul(h, self.weight, self.packed).float(), self.shard_sizes)
+        return self.tp.all_gather_last_dim(cpu_matmul(h, self.weight, self.packed, int8=self.int8).float(), self.shard_sizes)
 
 
 class RotaryEmbedding(nn.Module):

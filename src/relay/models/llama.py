@@ -16,7 +16,7 @@ from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.layers import (Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary,
-                          pack_for_cpu)
+                          pack_for_cpu, quantize_int8)
 
 
 class Attention(nn.Module):
@@ -99,13 +99,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
+    def gemm_modules(self) -> list[Linear | VocabParallelEmbedding]:
+        """Every module whose weight a GEMM reads: the linear layers and the LM head."""
+        return [m for m in self.modules() if isinstance(m, Linear)
+                or (isinstance(m, VocabParallelEmbedding) and m is self.lm_head)]
+
     def pack_for_cpu(self) -> None:
         """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
         weights in memory, buys ~1.3x on batched GEMMs)."""
-        for module in [*self.modules()]:
-            if isinstance(module, (Linear, VocabParallelEmbedding)) and (module is not self.embed_tokens
-                                                                         or module is self.lm_head):
-                module.packed = pack_for_cpu(module.weight)
+        for module in self.gemm_modules():
+            module.packed = pack_for_cpu(module.weight)
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every GEMM; the float weights become the quantized values so that
+        every batch size computes with the same weights (a tied embedding included)."""
+        for module in self.gemm_modules():
+            module.int8, module.weight.data = quantize_int8(module.weight)
 
     # ---- checkpoint loading -------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,82 @@
+"""--quantization int8: weight-only int8 weights with one scale per output row (CPU).
+
+Small GEMMs (fewer than INT8_MAX_ROWS rows) run torch's int8 kernel; larger ones the float copy
+of the same quantized values. So with enough requests in a batch, greedy output equals
+transformers' on the quantized weights token for token; a lone request goes through the int8
+kernel, whose bfloat16 activations may flip a near-tie.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relay import Engine, SamplingParams
+from relay.layers import INT8_MAX_ROWS, Linear, quantize_int8
+from tests.test_engine import NEW_TOKENS
+
+
+def test_quantize_int8_rounds_each_weight_to_its_rows_grid():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different scales
+    (q, scale), dequantized = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (64,)
+    assert q.abs().max() <= 127
+    assert torch.equal(dequantized, q.float() * scale.float()[:, None])
+    err = (dequantized - w).abs()
+    assert (err <= scale.float()[:, None] * 0.5 * 1.01 + 1e-7).all()  # bf16 scale: up to 0.4% above amax/127
+    assert err.max() / w.abs().max() < 0.01
+
+
+def test_int8_kernel_and_float_path_agree():
+    torch.manual_seed(1)
+    layer = Linear(96, 80, bias=True, dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.int8, layer.weight.data = quantize_int8(layer.weight.data)
+    x = torch.randn(INT8_MAX_ROWS, 96)
+    batched = layer(x)  # float path over the quantized values
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(INT8_MAX_ROWS)])  # int8 kernel, bf16 activations
+    exact = x @ layer.weight.data.T + layer.bias.data
+    assert torch.allclose(batched, exact, atol=1e-4)
+    assert ((rows - exact).norm() / exact.norm()) < 1e-2
+    assert not torch.equal(rows, batched), "a single row must take the int8 kernel"
+
+
+@pytest.mark.slow
+def test_default_model_int8_matches_transformers_on_the_quantized_weights(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from relay.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    texts = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
+             "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
+             "In 1492, Columbus sailed the ocean blue. He was looking for a route to",
+             "List three colors: red, green, and"]
+    prompts = [tok.encode(t) for t in texts]
+    assert len(prompts) >= INT8_MAX_ROWS  # every decode step of the batch takes the float path
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        for p in model.parameters():
+            if p.dim() == 2:  # every GEMM weight; the embedding is tied to the LM head
+                p.data = quantize_int8(p.data)[1]
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
+                    .tolist() for p in prompts]
+
+    engine = Engine(default_model_dir, dtype="float32", quantization="int8", kv_cache_gb=0.2)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == expected
+
+    alone = [engine.generate([p], greedy)[0].token_ids for p in prompts]  # int8 kernel every decode step
+    assert sum(a == e for a, e in zip(alone, expected)) >= len(prompts) - 3
+    assert tok.decode(alone[0]).startswith(" Paris")
+    engine.check()
+
+
+def test_unknown_quantization_is_rejected():
+    from relay.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
