@@ -41,6 +41,11 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     return prompts
 
 
+DEFAULT_MODEL_TEXTS = [
+    "The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
+    "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
+    "In 1492, Columbus sailed the ocean blue. He was looking for a route to", "List three colors: red, green, and"]
+
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -83,11 +88,7 @@ def test_default_model_matches_transformers(default_model_dir):
     from relay.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
-    texts = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
-             "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
-             "In 1492, Columbus sailed the ocean blue. He was looking for a route to",
-             "List three colors: red, green, and"]
-    prompts = [tok.encode(t) for t in texts]
+    prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
     # SmolLM2: 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KB per token; ~24 pages of 8.
     small = 24 * 8 * 46080 / (1 << 30)
     check_three_ways(default_model_dir, prompts, small, page_size=8, chunked_prefill_size=64, kv_cache_gb=0.05)

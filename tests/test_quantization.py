@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relay import Engine, SamplingParams
+from relay import Engine
 from relay.layers import INT8_MAX_ROWS, Linear, quantize_int8
-from tests.test_engine import NEW_TOKENS
+from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
 def test_quantize_int8_rounds_each_weight_to_its_rows_grid():
@@ -49,11 +49,7 @@ def test_default_model_int8_matches_transformers_on_the_quantized_weights(defaul
     from relay.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
-    texts = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
-             "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
-             "In 1492, Columbus sailed the ocean blue. He was looking for a route to",
-             "List three colors: red, green, and"]
-    prompts = [tok.encode(t) for t in texts]
+    prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
     assert len(prompts) >= INT8_MAX_ROWS  # every decode step of the batch takes the float path
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
@@ -66,10 +62,9 @@ def test_default_model_int8_matches_transformers_on_the_quantized_weights(defaul
                     .tolist() for p in prompts]
 
     engine = Engine(default_model_dir, dtype="float32", quantization="int8", kv_cache_gb=0.2)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert [o.token_ids for o in engine.generate(prompts, greedy)] == expected
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
 
-    alone = [engine.generate([p], greedy)[0].token_ids for p in prompts]  # int8 kernel every decode step
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]  # int8 kernel every decode step
     assert sum(a == e for a, e in zip(alone, expected)) >= len(prompts) - 3
     assert tok.decode(alone[0]).startswith(" Paris")
     engine.check()
