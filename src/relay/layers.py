@@ -109,7 +109,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
-        return self.tp.all_gather_last_dim(cpu_matmul(h, self.weight, self.packed, int8=self.int8).float(), self.shard_sizes)
+        local = cpu_matmul(h, self.weight, self.packed, int8=self.int8).float()
+        return self.tp.all_gather_last_dim(local, self.shard_sizes)
 
 
 class RotaryEmbedding(nn.Module):

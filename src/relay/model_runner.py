@@ -71,10 +71,10 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
         cfg.resolve_step_budget(self.device.type)
+        if cfg.quantization == "int8" and self.device.type != "cpu":
+            raise ValueError("quantization='int8' runs on CPU only")
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("quantization='int8' runs on CPU only")
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
         if self.device.type == "cpu" and os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
             self.model.pack_for_cpu()
