@@ -64,6 +64,8 @@ class ModelRunner:
         self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else pick_dtype(cfg.kv_cache_dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("a kv_cache_dtype other than the model dtype is only supported on CPU")
+        if cfg.quantization == "int8" and self.device.type != "cpu":
+            raise ValueError("quantization='int8' runs on CPU only")
         if self.device.type == "cpu":
             # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
             torch.set_num_threads(cfg.num_threads or max(1, available_cores() // self.tp.size))
@@ -71,8 +73,6 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
         cfg.resolve_step_budget(self.device.type)
-        if cfg.quantization == "int8" and self.device.type != "cpu":
-            raise ValueError("quantization='int8' runs on CPU only")
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relay.attention import cpu_kernels
 from relay.attention.base import AttentionBackend, StepMeta, register_backend
 
 
@@ -50,7 +51,6 @@ class TorchNativeBackend(AttentionBackend):
         # cached key/value once instead of gathering a padded copy first (3x less traffic).
         self.kernel = None
         if self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16):
-            from relay.attention import cpu_kernels
             self.kernel = cpu_kernels.load()
 
     def plan(self, meta: StepMeta) -> None:
@@ -111,9 +111,8 @@ class TorchNativeBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kernel is not None:
-            from relay.attention.cpu_kernels import decode_attention
-            out = decode_attention(self.kernel, q.float().contiguous(), self.kv.k[layer], self.kv.v[layer],
-                                   self.dec_slots, self.dec_lens, self.scale)
+            out = cpu_kernels.decode_attention(self.kernel, q.float().contiguous(), self.kv.k[layer],
+                                               self.kv.v[layer], self.dec_slots, self.dec_lens, self.scale)
             return out.to(q.dtype)
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
