@@ -16,7 +16,7 @@ from relay.sampling_params import SamplingParams
 WIRE_TYPES: list[type] = [
     SamplingParams, SamplingSpec, BatchInput, BatchOutput, EngineConfig,
     m.GenerateReq, m.TokenizedReq, m.AbortReq, m.DetokInit, m.BatchTokenOut, m.BatchStrOut,
-    m.ErrorOut, m.ControlReq, m.ControlOut, m.Ready,
+    m.ErrorOut, m.ControlReq, m.ControlOut, m.Ready, m.Heartbeat,
 ]
 _CODE = {cls: i + 1 for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

@@ -118,3 +118,11 @@ class Ready:
     ok: bool = True
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class Heartbeat:
+    """http -> tokenizer -> scheduler -> detokenizer -> http: every loop on the path is turning.
+    The scheduler stamps step_age, how long its current model step has been running (0: none)."""
+    seq: int
+    step_age: float = 0.0

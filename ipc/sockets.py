@@ -14,11 +14,47 @@ import zmq.asyncio
 from ipc.codec import decode, encode
 
 
+_PREFIX = "relay-"
+_OWNER_FILE = "owner"  # "<pid> <process start time>" of the launcher that made the directory
+
+
 def make_ipc_dir() -> str:
-    """A fresh directory only this user can enter (mkdtemp creates it 0700)."""
-    path = tempfile.mkdtemp(prefix="relay-")
+    """A fresh directory only this user can enter (mkdtemp creates it 0700), stamped with
+    its owner so a later start can tell it is stale if this process is killed."""
+    path = tempfile.mkdtemp(prefix=_PREFIX)
     os.chmod(path, 0o700)
+    with open(os.path.join(path, _OWNER_FILE), "w") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}")
     return path
+
+
+def remove_stale_ipc_dirs() -> list[str]:
+    """Remove the ipc directories this user's launchers left behind when killed (SIGKILL
+    gives no chance to clean up): those whose owner process is gone. Returns them."""
+    root = tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(_PREFIX) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            continue
+        try:
+            with open(os.path.join(path, _OWNER_FILE)) as f:
+                pid, started = f.read().split()
+        except (OSError, ValueError):
+            continue  # not ours to judge (no owner stamp)
+        if _start_time(int(pid)) != started:  # gone, or the pid now belongs to another process
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' if it does not exist)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def remove_ipc_dir(path: str) -> None:

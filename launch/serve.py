@@ -21,9 +21,11 @@ import time
 import zmq
 
 from ipc.messages import Ready
-from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir
+from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
 from procs.common import ARGS_ENV, ProcArgs, set_title, setup_logging
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
+from relay.http_guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
+                              default_max_connections, guarded_protocol, raise_fd_limit)
 from relay.model_files import model_name, resolve_model_dir
 
 logger = logging.getLogger("relay.launch")
@@ -67,6 +69,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=30000, help="HTTP port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names requests may be addressed to, '*' for any (default: the "
+                        "loopback names when bound to loopback, any when bound to 0.0.0.0); also checked "
+                        "against a POST's Origin")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before any of them is parsed")
+    p.add_argument("--http-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay without a request in progress (idle, or sending "
+                        "its headers), and seconds to receive a request body")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open HTTP connections at most (default: the descriptor limit less a reserve); "
+                        "beyond it the longest-idle connection is closed, or the new one gets 503")
+    p.add_argument("--health-timeout", type=float, default=20.0,
+                   help="/health reports 503 once a heartbeat has not made it through every process, or a "
+                        "model step has run, for this many seconds")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every process")
@@ -180,7 +197,7 @@ def _pythonpath() -> str:
 
 # ---- HTTP -------------------------------------------------------------------------------
 def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, served_model: str,
-               infos: dict[str, dict]) -> int:
+               infos: dict[str, dict], mc: ModelConfig) -> int:
     import uvicorn
 
     from procs.http_server import Backend, build_app
@@ -189,6 +206,10 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     server_info = {"model_path": cfg.model_path, "served_model_name": served_model, **cfg.to_dict(),
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
                    "tokenizer_workers": ns.tokenizer_workers, "version": "0.1.0"}
+    guard = GuardConfig(api_key=ns.api_key, max_body_bytes=ns.max_request_body_bytes, body_timeout=ns.http_timeout,
+                        allowed_hosts=default_allowed_hosts(ns.host, (ns.allowed_hosts or "").split(",")
+                                                            if ns.allowed_hosts else None))
+    max_connections = ns.max_connections or default_max_connections(raise_fd_limit())
     exit_code = 0
 
     class Server(uvicorn.Server):
@@ -201,10 +222,12 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     async def main() -> None:
         nonlocal exit_code
         backend = Backend(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
-                          server_info)
-        app = build_app(backend, ns.api_key)
+                          server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout)
+        app = build_app(backend, guard)
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                                       access_log=False, timeout_graceful_shutdown=3, lifespan="off"))
+                                       access_log=False, timeout_graceful_shutdown=3, lifespan="off",
+                                       http=guarded_protocol(max_connections),
+                                       timeout_keep_alive=max(1, int(ns.http_timeout))))
         loop = asyncio.get_running_loop()
 
         def child_died(child: Child, code: int) -> None:
@@ -216,11 +239,13 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
             server.should_exit = True
 
         launcher.watch(lambda child, code: loop.call_soon_threadsafe(child_died, child, code))
-        dispatcher = asyncio.create_task(backend.dispatch_forever())
+        tasks = [asyncio.create_task(backend.dispatch_forever()), asyncio.create_task(backend.heartbeat_forever()),
+                 asyncio.create_task(close_idle_forever(server.server_state.connections, ns.http_timeout))]
         try:
             await server.serve()
         finally:
-            dispatcher.cancel()
+            for task in tasks:
+                task.cancel()
         if not server.started and exit_code == 0:
             exit_code = 1  # e.g. the port was taken
 
@@ -238,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(ns.log_level.upper(), "http")
     cfg = engine_config(ns)
     model_dir = resolve_model_dir(cfg.model_path)
-    ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
+    mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
     served_model = cfg.served_model_name or model_name(cfg.model_path)
+    for path in remove_stale_ipc_dirs():
+        logger.info("removed %s, left behind by a server that was killed", path)
     ipc_dir = make_ipc_dir()
     launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level)
     # SIGTERM during startup must still clean up: turn it into an exception until uvicorn
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launcher.start()
         infos = launcher.wait_ready(ns.startup_timeout)
-        return serve_http(ns, cfg, launcher, served_model, infos)
+        return serve_http(ns, cfg, launcher, served_model, infos, mc)
     except KeyboardInterrupt:
         return 0
     except RuntimeError as e:

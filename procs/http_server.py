@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -19,10 +18,15 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ipc.messages import AbortReq, BatchStrOut, ControlOut, ControlReq, ErrorOut, GenerateReq
+from ipc.codec import encode
+from ipc.messages import AbortReq, BatchStrOut, ControlOut, ControlReq, ErrorOut, GenerateReq, Heartbeat
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
 from relay import protocol as P
+from relay.api_docs import ERROR_RESPONSES, METRICS_RESPONSE, request_body
+from relay.health import HEARTBEAT_INTERVAL, Heartbeats
+from relay.http_guard import GuardConfig, RequestGuard
 from relay.metrics import ServerMetrics
 from relay.sampling_params import SamplingParams
 
@@ -75,7 +79,7 @@ class Backend:
     """The http process's link to the other processes."""
 
     def __init__(self, ipc_dir: str, served_model: str, context_len: int, max_queued: int,
-                 server_info: dict[str, Any]):
+                 server_info: dict[str, Any], vocab_size: int | None = None, health_timeout: float = 20.0):
         self.ctx = zmq.asyncio.Context()
         self.to_tokenizer = push(self.ctx, endpoint(ipc_dir, TOKENIZER), bind=True)
         self.to_sched = push(self.ctx, endpoint(ipc_dir, SCHEDULER))
@@ -93,6 +97,8 @@ class Backend:
         self.controls: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count()
         self.metrics = ServerMetrics()
+        self.vocab_size = vocab_size
+        self.heartbeats = Heartbeats(health_timeout)
         self.dead: str | None = None  # set when a child process died: refuse new work
 
     # ---- requests -------------------------------------------------------------------
@@ -110,14 +116,18 @@ class Backend:
         api = ApiRequest(rid or f"{kind[:4]}-{uuid.uuid4().hex}", n)
         if any(r in self.routes for r in api.rids):
             raise P.ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
+        # Encoded before anything is registered: a request that cannot cross the wire leaves
+        # nothing behind.
+        data = encode(GenerateReq(rids=api.rids, arrival_time=time.time(), **fields))
         for i, r in enumerate(api.rids):
             self.routes[r] = (api, i)
         self.num_requests += 1
-        send(self._sync_to_tokenizer, GenerateReq(rids=api.rids, arrival_time=time.time(), **fields))
+        self._sync_to_tokenizer.send(data, copy=False)
         return api
 
-    def release(self, api: ApiRequest, abort: bool) -> None:
-        """Forget a request; if it may still be running, make the scheduler end it."""
+    def release(self, api: ApiRequest, abort: bool, reason: str = "client_disconnect") -> None:
+        """Forget a request (idempotent); if it may still be running, make the scheduler end
+        it, and count it as aborted for `reason`."""
         routed = [r for r in api.rids if r in self.routes]
         for r in routed:
             del self.routes[r]
@@ -125,21 +135,37 @@ class Backend:
                 send(self._sync_to_sched, AbortReq(r, sent_at=time.time()))
         if routed:  # still counted as in flight
             self.num_requests -= 1
+            if abort:
+                self.metrics.observe_abort(reason, finish_seen=False)
 
     def abort_rid(self, rid: str) -> bool:
         entry = self.routes.get(rid)
         send(self._sync_to_sched, AbortReq(rid, sent_at=time.time()))
         return entry is not None
 
-    async def control(self, kind: str, timeout: float = 10.0) -> ControlOut:
+    async def control(self, kind: str, timeout: float | None = None) -> ControlOut:
+        """Ask the scheduler; a ProtocolError 504 if it does not answer in time (by default
+        the health timeout: a scheduler that slow is unhealthy anyway)."""
+        timeout = self.heartbeats.timeout if timeout is None else timeout
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self.controls[req_id] = fut
         send(self._sync_to_sched, ControlReq(req_id, kind))
         try:
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise P.ProtocolError(504, f"the scheduler did not answer within {timeout:g} s", None,
+                                  "server_error") from None
         finally:
             self.controls.pop(req_id, None)
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            send(self._sync_to_tokenizer, Heartbeat(self.heartbeats.ping(time.monotonic())))
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    def health_problem(self) -> str | None:
+        return self.dead or self.heartbeats.problem(time.monotonic())
 
     # ---- the dispatcher -------------------------------------------------------------
     async def dispatch_forever(self) -> None:
@@ -154,6 +180,8 @@ class Backend:
                     fut = self.controls.get(msg.req_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
+                elif isinstance(msg, Heartbeat):
+                    self.heartbeats.pong(msg.seq, msg.step_age, time.monotonic())
 
     def _route_outputs(self, m: BatchStrOut) -> None:
         now = time.monotonic()
@@ -202,51 +230,62 @@ class Backend:
 
 
 # ---- the app -------------------------------------------------------------------------------
-def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="Relay", docs_url=None, redoc_url=None)
+def build_app(backend: Backend, guard: GuardConfig | None = None) -> FastAPI:
+    app = FastAPI(title="Relay", docs_url=None, redoc_url=None, version=backend.server_info.get("version", ""))
+    app.add_middleware(RequestGuard, config=guard or GuardConfig())
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(P.ProtocolError(401, "missing or wrong API key", None, "authentication_error"))
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return _error(P.ProtocolError(e.status_code, str(e.detail), None))
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error(P.ProtocolError(500, f"internal error: {type(e).__name__}", None))
+
+    @app.get("/health", responses=ERROR_RESPONSES)
     async def health():
-        if backend.dead:
-            return JSONResponse({"status": "dead", "reason": backend.dead}, status_code=503)
+        """200 while every process's loop is turning (a heartbeat makes it through the
+        pipeline in time); 503 with the reason otherwise."""
+        problem = backend.health_problem()
+        if problem:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=ERROR_RESPONSES)
     async def health_generate(request: Request):
         """Healthy only if a one-token generation makes it through every process."""
         try:
             api = backend.submit_fields(1, None, "health", input_ids=[0],
                                         params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        except P.ProtocolError as e:
+            return JSONResponse({"status": "unhealthy", "reason": e.message}, status_code=503)
+        try:
             pieces = await asyncio.wait_for(_collect(backend, api, request), 60)
-        except (P.ProtocolError, asyncio.TimeoutError) as e:
-            return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        except asyncio.TimeoutError:
+            backend.release(api, abort=True, reason="health_check_timeout")
+            return JSONResponse({"status": "unhealthy", "reason": "no token within 60 s"}, status_code=503)
         if pieces is None or any(p.error for p in pieces):
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models():
         return {"object": "list", "data": [{"id": backend.served_model, "object": "model", "created": 0,
                                             "owned_by": "relay", "max_model_len": backend.context_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("completion"), responses=ERROR_RESPONSES)
     async def completions(request: Request):
         return await _openai(request, P.parse_completion, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("chat"), responses=ERROR_RESPONSES)
     async def chat_completions(request: Request):
         return await _openai(request, P.parse_chat, "chat")
 
     async def _openai(request: Request, parse, kind: str):
         try:
-            parsed = parse(await _json_body(request), backend.served_model)
+            parsed = parse(P.decode_json_body(await request.body()), backend.served_model,
+                           vocab_size=backend.vocab_size)
             api = backend.submit(parsed)
         except P.ProtocolError as e:
             return _error(e)
@@ -286,11 +325,10 @@ def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
             yield P.sse(P.usage_chunk(kind, api.rid, created, model, usage))
         yield P.SSE_DONE
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body("generate"), responses=ERROR_RESPONSES)
     async def generate(request: Request):
         try:
-            body = await _json_body(request)
-            parsed = P.parse_generate(body)
+            parsed = P.parse_generate(P.decode_json_body(await request.body()), vocab_size=backend.vocab_size)
             api = backend.submit(parsed, rid=parsed.rid)
         except P.ProtocolError as e:
             return _error(e)
@@ -331,64 +369,87 @@ def build_app(backend: Backend, api_key: str | None = None) -> FastAPI:
     async def _stream(request: Request, api: ApiRequest, make_chunks) -> Response:
         """Wait for the first output (so a rejected request still gets its 4xx status), then
         stream; a client that goes away aborts the request, whose KV is then freed."""
-        first = await _race_disconnect(request, api.take())
+        try:
+            first = await _race_disconnect(request, api.take())
+        except BaseException:
+            backend.release(api, abort=True)
+            raise
         if first is _DISCONNECTED:
             backend.release(api, abort=True)
             return Response(status_code=499)
         err = _first_error(first)
         if err is not None and err.status < 500:
-            backend.release(api, abort=True)
+            backend.release(api, abort=True, reason="rejected")
             return _error(err)
+        finished = False
 
         async def body():
-            finished = False
-            try:
-                async for chunk in make_chunks(_pieces(api, first)):
-                    yield chunk
-                finished = True
-            finally:
-                backend.release(api, abort=not finished)
+            nonlocal finished
+            async for chunk in make_chunks(_pieces(api, first)):
+                yield chunk
+            finished = True
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Released when the response ends, whether or not its body ever started.
+        return _ReleasingStream(body(), lambda: backend.release(api, abort=not finished))
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=request_body("abort"), responses=ERROR_RESPONSES)
     async def abort_request(request: Request):
         try:
-            body = await _json_body(request)
+            rid = P.parse_abort(P.decode_json_body(await request.body()))
         except P.ProtocolError as e:
             return _error(e)
-        rid = body.get("rid")
-        if not isinstance(rid, str) or not rid:
-            return _error(P.ProtocolError(400, "rid must be a non-empty string", "rid"))
         known = [r for r in backend.routes if r == rid or r.startswith(rid + "-")]
         for r in known or [rid]:
             backend.abort_rid(r)
+        if known:
+            backend.metrics.observe_abort("abort_request", finish_seen=True)
         return {"success": True, "found": bool(known)}
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", responses=ERROR_RESPONSES)
     async def get_server_info():
-        out = await backend.control("get_info")
+        try:
+            out = await backend.control("get_info")
+        except P.ProtocolError as e:
+            return _error(e)
         return {**backend.server_info, "scheduler": out.data, "num_http_requests": backend.num_requests}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache", responses=ERROR_RESPONSES)
     async def flush_cache():
-        out = await backend.control("flush_cache")
+        try:
+            out = await backend.control("flush_cache")
+        except P.ProtocolError as e:
+            return _error(e)
         if not out.ok:
             return JSONResponse({"success": False, **out.data}, status_code=400)
         return {"success": True}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSE)
     async def metrics():
         try:
             out = await backend.control("get_info", timeout=2.0)
             backend.metrics.set_scheduler_stats(out.data)
-        except asyncio.TimeoutError:
+        except P.ProtocolError:
             pass  # serve the histograms anyway
         body, content_type = backend.metrics.render()
         return Response(body, media_type=content_type)
 
     return app
+
+
+class _ReleasingStream(StreamingResponse):
+    """An SSE response that calls on_close once it ends, however it ends: a client that
+    leaves before the body starts would otherwise leave its request registered."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 _DISCONNECTED = object()
@@ -455,11 +516,15 @@ async def _collect(backend: Backend, api: ApiRequest, request: Request) -> list[
     async def gather() -> list[Piece]:
         return [piece async for piece in _pieces(api)]
 
-    result = await _race_disconnect(request, gather())
+    try:
+        result = await _race_disconnect(request, gather())
+    except BaseException:
+        backend.release(api, abort=True)
+        raise
     if result is _DISCONNECTED:
         backend.release(api, abort=True)
         return None
-    backend.release(api, abort=any(p.error for p in result))
+    backend.release(api, abort=any(p.error for p in result), reason="error")
     return result
 
 
@@ -485,18 +550,6 @@ def _merge(pieces: list[Piece], n: int) -> tuple[list[P.ChoiceOutput], P.Usage]:
             usage.completion_tokens += p.completion_tokens
             usage.cached_tokens = max(usage.cached_tokens, p.cached_tokens)
     return choices, usage
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise P.ProtocolError(400, "the request body is not valid UTF-8", None) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise P.ProtocolError(400, f"the request body is not valid JSON: {e}", None) from None
 
 
 def _error(e: P.ProtocolError) -> JSONResponse:

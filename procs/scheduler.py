@@ -11,12 +11,13 @@ import time
 import zmq
 
 from ipc.codec import decode, encode
-from ipc.messages import (AbortReq, BatchTokenOut, ControlOut, ControlReq, DetokInit, ErrorOut, Ready,
-                          TokenizedReq)
+from ipc.messages import (AbortReq, BatchTokenOut, ControlOut, ControlReq, DetokInit, ErrorOut, Heartbeat,
+                          Ready, TokenizedReq)
 from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push,
                          recv_ready, runner_inbox, send)
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.batch import BatchInput, BatchOutput
+from relay.config import ModelConfig
 from relay.request import Req, TokenEvent
 from relay.scheduler import RequestRejected, Scheduler
 
@@ -39,12 +40,14 @@ class SchedulerLoop:
         info = self._wait_for_runner()
         cfg.chunked_prefill_size = info["chunked_prefill_size"]  # resolved for the runner's device
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
-                               on_finish=log_request if cfg.log_requests else None)
+                               on_finish=log_request if cfg.log_requests else None,
+                               attention_break_even=ModelConfig.from_dir(args.model_dir).attention_break_even())
         self.info = info
         self.early_aborts: dict[str, float] = {}
         self.pending_events: list[TokenEvent] = []
         self.pending_inits: list[DetokInit] = []
         self.last_check = time.monotonic()
+        self.step_started: float | None = None  # while a model step runs
         announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
 
     def _wait_for_runner(self) -> dict:
@@ -77,25 +80,40 @@ class SchedulerLoop:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll())
-            if self.inbox in ready:
-                self.handle(recv_ready(self.inbox))
-            if self.results in ready:
-                (out,) = recv_ready(self.results)
-                return out
+        self.step_started = time.monotonic()
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self.inbox in ready:
+                    self.handle(recv_ready(self.inbox))
+                if self.results in ready:
+                    (out,) = recv_ready(self.results)
+                    return out
+        finally:
+            self.step_started = None
 
     # ---- messages ---------------------------------------------------------------------
     def handle(self, msgs: list) -> None:
         for msg in msgs:
-            if isinstance(msg, TokenizedReq):
-                self.add(msg)
-            elif isinstance(msg, AbortReq):
-                self.abort(msg)
-            elif isinstance(msg, ControlReq):
-                send(self.to_http, self.control(msg))
-            else:
-                logger.error("unexpected message %s", type(msg).__name__)
+            try:
+                self.handle_one(msg)
+            except Exception:  # one message's failure must not stop the scheduler
+                logger.exception("handling %s failed", type(msg).__name__)
+                if isinstance(msg, TokenizedReq):
+                    send(self.to_http, ErrorOut(msg.rid, "the scheduler could not accept this request", None, 500))
+
+    def handle_one(self, msg) -> None:
+        if isinstance(msg, TokenizedReq):
+            self.add(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg)
+        elif isinstance(msg, ControlReq):
+            send(self.to_http, self.control(msg))
+        elif isinstance(msg, Heartbeat):
+            msg.step_age = 0.0 if self.step_started is None else time.monotonic() - self.step_started
+            send(self.to_detok, msg)
+        else:
+            logger.error("unexpected message %s", type(msg).__name__)
 
     def add(self, msg: TokenizedReq) -> None:
         aborted_at = self.early_aborts.pop(msg.rid, None)

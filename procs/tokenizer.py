@@ -5,14 +5,18 @@ requests over them, so tokenization never serialises on one process under load.
 """
 from __future__ import annotations
 
+import logging
+
 import zmq
 
-from ipc.messages import ErrorOut, GenerateReq, Ready, TokenizedReq
+from ipc.messages import ErrorOut, GenerateReq, Heartbeat, Ready, TokenizedReq
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
 from relay.sampling_params import InvalidParam, SamplingParams
 from relay.tokenizer import PromptPreparer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
@@ -31,7 +35,8 @@ def main(args: ProcArgs) -> None:
     cfg = args.engine_config
     mc = ModelConfig.from_dir(args.model_dir)
     prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir),
-                          cfg.context_length or mc.max_position_embeddings)
+                          cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
+    prep.tok.max_token_chars  # computed once now, not on the first long prompt
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))
@@ -39,13 +44,20 @@ def main(args: ProcArgs) -> None:
     announce_ready(ctx, args.ipc_dir, Ready(args.name))
     while True:
         inbox.poll()
-        for req in recv_ready(inbox):
+        for msg in recv_ready(inbox):
+            if isinstance(msg, Heartbeat):
+                send(to_sched, msg)
+                continue
             try:
-                for out in tokenize(prep, req):
-                    send(to_sched, out)
+                outs = tokenize(prep, msg)
             except InvalidParam as e:
-                for rid in req.rids:
-                    send(to_http, ErrorOut(rid, str(e), e.field))
+                outs = [ErrorOut(rid, str(e), e.field) for rid in msg.rids]
+            except Exception as e:  # this request's failure, never the worker's
+                logger.exception("tokenizing request %s failed", msg.rids[0])
+                outs = [ErrorOut(rid, f"tokenization failed: {type(e).__name__}: {e}", None, 500)
+                        for rid in msg.rids]
+            for out in outs:
+                send(to_http if isinstance(out, ErrorOut) else to_sched, out)
 
 
 if __name__ == "__main__":

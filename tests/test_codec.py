@@ -68,7 +68,8 @@ def batch_outputs(draw) -> BatchOutput:
     top = draw(st.none() | st.lists(st.none() | st.tuples(st.lists(TOKEN, min_size=2, max_size=2),
                                                           st.lists(LOGPROB, min_size=2, max_size=2)).map(list),
                                     min_size=n, max_size=n))
-    return BatchOutput(step=draw(U31), next_token_ids=toks, logprobs=lps, top_logprobs=top, error=draw(OPT_STR))
+    return BatchOutput(step=draw(U31), next_token_ids=toks, logprobs=lps, top_logprobs=top, error=draw(OPT_STR),
+                       row_errors=draw(st.dictionaries(st.integers(0, 7), TEXT, max_size=2)))
 
 
 engine_configs = st.builds(
@@ -144,6 +145,7 @@ STRATEGIES = {
     m.ControlReq: st.builds(m.ControlReq, req_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])),
     m.ControlOut: st.builds(m.ControlOut, req_id=I64, ok=st.booleans(), data=STR_DICT),
     m.Ready: st.builds(m.Ready, name=TEXT, ok=st.booleans(), info=STR_DICT, error=OPT_STR),
+    m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
 }
 
 
@@ -309,7 +311,7 @@ def test_decoding_never_uses_pickle(monkeypatch):
         m.BatchTokenOut(["a"], [3], [None], [None], [None], [None], [1], [1], [0], [None]),
         m.BatchStrOut(["a"], ["hi"], [[3]], ["length"], [None], [None], [1], [1], [0], [None]),
         m.ErrorOut("a", "bad", "prompt"), m.ControlReq(1, "get_info"), m.ControlOut(1, True, {"x": [1]}),
-        m.Ready("sched", info={"max_total_tokens": 1000}),
+        m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
     ]
     assert {type(e) for e in examples} == set(WIRE_TYPES)
     for e in examples:

@@ -10,9 +10,10 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from relay.protocol import (MAX_TOKENS_UNSET, SSE_DONE, ChoiceOutput, ParsedRequest, ProtocolError, Usage,
-                            chat_chunk, chat_response, completion_chunk, completion_response, error_body,
-                            generate_response, parse_chat, parse_completion, parse_generate, sse, usage_chunk)
+from relay.protocol import (MAX_JSON_DEPTH, MAX_TOKENS_UNSET, SSE_DONE, ChoiceOutput, ParsedRequest, ProtocolError,
+                            Usage, chat_chunk, chat_response, completion_chunk, completion_response,
+                            decode_json_body, error_body, generate_response, parse_abort, parse_chat,
+                            parse_completion, parse_generate, sse, usage_chunk)
 
 MODEL = "tiny-model"
 
@@ -398,3 +399,72 @@ def test_sse():
     assert frame == 'data: {"text":"é","n":1}\n\n'.encode("utf-8")
     assert SSE_DONE == b"data: [DONE]\n\n"
     assert math.isclose(json.loads(frame[6:])["n"], 1)
+
+
+# ---------------------------------------------------------------- hardening --------------
+
+VOCAB = 1000
+VOCAB_PARSERS = {
+    "completion": lambda body: parse_completion(body, MODEL, vocab_size=VOCAB),
+    "chat": lambda body: parse_chat(body, MODEL, vocab_size=VOCAB),
+    "generate": lambda body: parse_generate(body, vocab_size=VOCAB),
+}
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completion", comp(stop_token_ids=[1, 10**9], min_tokens=2), "stop_token_ids"),
+    ("completion", comp(prompt=[1, VOCAB]), "prompt"),
+    ("chat", chat(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ("generate", {"input_ids": [VOCAB + 5]}, "input_ids"),
+    ("generate", gen(sampling_params={"stop_token_ids": [VOCAB]}), "sampling_params.stop_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, param):
+    """An out-of-vocabulary stop id once reached the sampler and failed every request in the
+    batch (and with --tp 2 killed the server)."""
+    with pytest.raises(ProtocolError) as e:
+        VOCAB_PARSERS[kind](body)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_token_ids_inside_the_vocabulary_pass():
+    assert parse_completion(comp(prompt=[0, VOCAB - 1], stop_token_ids=[VOCAB - 1]), MODEL,
+                            vocab_size=VOCAB).input_ids == [0, VOCAB - 1]
+    assert parse_generate({"input_ids": [VOCAB - 1], "sampling_params": {"stop_token_ids": [0]}},
+                          vocab_size=VOCAB).params.stop_token_ids == [0]
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "\\ud800"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages.0.content"),
+    (b'{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop.1"),
+    (b'{"text": "x", "rid": "\\ud800"}', "rid"),
+    (b'{"\\ud800": 1}', None),
+])
+def test_text_that_is_not_valid_unicode_is_refused_naming_the_field(raw, param):
+    with pytest.raises(ProtocolError) as e:
+        decode_json_body(raw)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert decode_json_body('{"prompt": "\\ud83d\\ude00 ok"}'.encode()) == {"prompt": "\U0001f600 ok"}
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1000, 100_000])
+def test_deeply_nested_json_is_a_400_not_a_crash(depth):
+    with pytest.raises(ProtocolError) as e:
+        decode_json_body(b"[" * depth + b"]" * depth)
+    assert e.value.status == 400 and "deeper" in e.value.message
+    assert decode_json_body(b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1))
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b"{not json", b""])
+def test_undecodable_bodies_are_400(raw):
+    with pytest.raises(ProtocolError) as e:
+        decode_json_body(raw)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("body", [[1, 2], "rid", None, {"rid": ""}, {"rid": 5}, {}])
+def test_abort_request_body_must_name_a_rid(body):
+    with pytest.raises(ProtocolError) as e:
+        parse_abort(body)
+    assert e.value.status == 400
+    assert parse_abort({"rid": "abc"}) == "abc"

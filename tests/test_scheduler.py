@@ -43,10 +43,10 @@ def counting_token(history: tuple[int, ...]) -> int:
 class Harness:
     def __init__(self, *, num_pages: int = 256, page_size: int = 4, budget: int = 64,
                  max_running: int = 256, context_len: int = 4096, eos: tuple[int, ...] = (EOS,),
-                 disable_cache: bool = False, token_fn=hash_token):
+                 disable_cache: bool = False, token_fn=hash_token, attention_break_even: int | None = None):
         self.cfg = EngineConfig(page_size=page_size, chunked_prefill_size=budget,
                                 max_running_requests=max_running, disable_radix_cache=disable_cache)
-        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos))
+        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos), attention_break_even=attention_break_even)
         self.ps, self.budget, self.token_fn = page_size, budget, token_fn
         self.kv: dict[int, list[int | None]] = {}
         self.specs: dict[int, object] = {}
@@ -385,6 +385,47 @@ def test_decodes_are_in_every_step_and_share_the_budget_with_prefill():
     assert saw_prefill >= 90 // 13
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
+
+
+def test_a_short_request_starts_in_the_next_step_behind_a_long_prompt():
+    """Running prompts' chunks leave room for waiting requests: a short prompt that arrives
+    while a long one is being prefilled is computed in the very next step (main admitted it
+    only after the whole long prompt)."""
+    h = Harness(budget=64, page_size=4, num_pages=1024)
+    h.add("long", prompt(2000, 1), max_new_tokens=2, ignore_eos=True)
+    h.step()
+    h.add("short", prompt(10, 2), max_new_tokens=3, ignore_eos=True)
+    batch = h.step()
+    rows = {r.rid: (n, s) for r, n, s in zip(h.batches[-1][1], batch.extend_lens, batch.sample)}
+    assert rows["short"] == (10, True), "the short prompt is computed whole, with its first token"
+    assert rows["long"][0] == 64 - 10, "what the short request leaves goes to the long prompt"
+    assert len(h.events["short"]) == 1
+    h.run()
+    h.assert_finished_correctly("long")
+    h.assert_finished_correctly("short")
+
+
+def test_a_lone_long_prompt_still_gets_the_whole_budget():
+    h = Harness(budget=64, page_size=4)
+    h.add("long", prompt(300, 1), max_new_tokens=1, ignore_eos=True)
+    assert [h.step().extend_lens[0] for _ in range(4)] == [64] * 4
+
+
+def test_prompt_chunks_shrink_with_their_prefix_so_a_step_costs_at_most_the_budget():
+    """With attention priced in, a chunk deep into a long prompt holds fewer tokens: each
+    step's estimated work stays within the budget instead of growing with the prefix."""
+    even, budget = 64, 64
+    h = Harness(budget=budget, page_size=4, attention_break_even=even)
+    h.add("long", prompt(1000, 1), max_new_tokens=2, ignore_eos=True)
+    chunks = []
+    while h.s.has_work:
+        batch = h.step()
+        p, n = batch.prefix_lens[0], batch.extend_lens[0]
+        if n > 1:
+            chunks.append(n)
+            assert n * (1 + (p + n / 2) / even) <= budget
+    assert chunks[0] > chunks[-1] >= 1 and chunks == sorted(chunks, reverse=True)
+    h.assert_finished_correctly("long")
 
 
 def test_decodes_come_before_prefill_in_the_batch():
@@ -790,7 +831,7 @@ def workloads(draw):
     return dict(ps=ps, num_pages=num_pages, context_len=context_len,
                 budget=draw(st.sampled_from([1, 3, 8, 32, 64, 512])),
                 max_running=draw(st.integers(1, 8)), disable_cache=draw(st.booleans()),
-                reqs=reqs, aborts=aborts)
+                attention_break_even=draw(st.sampled_from([None, 4, 64])), reqs=reqs, aborts=aborts)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -798,7 +839,7 @@ def workloads(draw):
 def test_random_workloads_run_to_completion(w):
     h = Harness(num_pages=w["num_pages"], page_size=w["ps"], budget=w["budget"],
                 max_running=w["max_running"], context_len=w["context_len"],
-                disable_cache=w["disable_cache"], eos=(EOS, 5))
+                disable_cache=w["disable_cache"], eos=(EOS, 5), attention_break_even=w["attention_break_even"])
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
     aborts = defaultdict(list)
     for step, i, mid in w["aborts"]:

@@ -31,6 +31,10 @@ def test_tp2_equals_tp1_in_float32():
         try:
             if tp == "2":
                 s.pid_of("relay::tp1")  # really two ranks
+                with s.client() as c:  # once took tp0, and with it the server, down
+                    bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "min_tokens": 2,
+                                                          "stop_token_ids": [1_000_000_000]})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
             outputs.append(greedy(s))
         finally:
             s.stop()

@@ -41,6 +41,21 @@ class BatchInput:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def without(self, rows: set[int]) -> "BatchInput":
+        """The same step minus some requests (and the sampling specs of their handles)."""
+        keep = [i for i in range(len(self.sids)) if i not in rows]
+        starts = [0]
+        for n in self.extend_lens:
+            starts.append(starts[-1] + n)
+        dropped = {self.sids[i] for i in rows}
+        return BatchInput(
+            step=self.step, sids=[self.sids[i] for i in keep],
+            input_ids=[t for i in keep for t in self.input_ids[starts[i]:starts[i + 1]]],
+            prefix_lens=[self.prefix_lens[i] for i in keep], extend_lens=[self.extend_lens[i] for i in keep],
+            page_tables=[self.page_tables[i] for i in keep], sample=[self.sample[i] for i in keep],
+            output_lens=[self.output_lens[i] for i in keep],
+            new_specs=[s for s in self.new_specs if s.sid not in dropped], released_sids=self.released_sids)
+
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
@@ -53,3 +68,6 @@ class BatchOutput:
     logprobs: list[float] | None = None  # of the chosen tokens, where any request asked
     top_logprobs: list[list[list[float]]] | None = None  # per sampled request: [ids, logprobs]
     error: str | None = None  # the runner failed this step; the scheduler fails the batch
+    # Batch rows that failed on their own (bad input caught before the forward, or their
+    # sampling raised), with why; the other rows ran. A failed row's token is -1.
+    row_errors: dict[int, str] = field(default_factory=dict)

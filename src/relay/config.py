@@ -147,6 +147,13 @@ class ModelConfig:
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(extra))
         return cfg
 
+    def attention_break_even(self) -> int:
+        """The context length at which a token's attention costs as many FLOPs as its dense
+        layers (q/k/v/o and MLP GEMMs): past it, attention dominates a prompt chunk's cost."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        dense = 2 * (self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size)
+        return max(1, dense // (4 * q))  # QK^T and PV: 2 FLOPs each per query dim per key
+
     def kv_bytes_per_token(self, itemsize: int, tp_size: int = 1) -> int:
         """KV bytes one token takes on the busiest rank (kv heads may split unevenly)."""
         kv_heads = max(1, -(-self.num_kv_heads // tp_size))

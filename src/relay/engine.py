@@ -63,7 +63,8 @@ class Engine:
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir)
         self.runner = ModelRunner(self.config, model_dir, self.model_config)
         self.scheduler = Scheduler(self.config, self.runner.num_pages, self.runner.context_len,
-                                   eos_ids(self.model_config, self.tokenizer))
+                                   eos_ids(self.model_config, self.tokenizer),
+                                   attention_break_even=self.model_config.attention_break_even())
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

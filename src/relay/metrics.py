@@ -70,6 +70,9 @@ class ServerMetrics:
                                      registry=r)
         self.requests = Counter("relay:requests_total", "Finished requests, by finish reason.",
                                 ["finish_reason"], registry=r)
+        self.aborted = Counter("relay:aborted_requests_total",
+                               "Requests ended early, by reason (client_disconnect, abort_request, ...).",
+                               ["reason"], registry=r)
         self.num_running = Gauge("relay:num_running_reqs", "Requests in the running batch.", registry=r)
         self.num_waiting = Gauge("relay:num_waiting_reqs", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("relay:kv_usage_ratio", "Share of KV cache held by running requests.", registry=r)
@@ -108,6 +111,14 @@ class ServerMetrics:
         self.cached_tokens.inc(max(0, cached_tokens))
         reason = finish_reason if finish_reason in FINISH_REASONS else "other"
         self.requests.labels(finish_reason=reason).inc()
+
+    def observe_abort(self, reason: str, finish_seen: bool) -> None:
+        """A request ended early for `reason`. finish_seen: its finish still reaches
+        observe_finish (an /abort_request while its client waits); a client that left never
+        sees one, so it is counted as a finished request here."""
+        self.aborted.labels(reason=reason).inc()
+        if not finish_seen:
+            self.requests.labels(finish_reason="abort").inc()
 
     def set_scheduler_stats(self, d: dict[str, Any]) -> None:
         """Update gauges from a scheduler stats dict (SchedulerStats fields); absent keys

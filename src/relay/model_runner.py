@@ -20,7 +20,7 @@ from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.models import model_class
-from relay.sampler import Sampler
+from relay.sampler import SampleResult, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -123,18 +123,79 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> BatchOutput:
+        """Run one step. A request whose input is malformed is left out of it (every rank
+        reaches the same verdict, so the ranks stay in step) and so is one whose sampling
+        raises; both come back in row_errors while the rest of the batch runs."""
+        row_errors = self.invalid_rows(batch)
+        run = batch.without(set(row_errors)) if row_errors else batch
         if self.sampler is not None:
-            self.sampler.update(batch.released_sids, batch.new_specs)
-        for sid in batch.released_sids:
+            self.sampler.update(run.released_sids, run.new_specs)
+        for sid in run.released_sids:
             self.last_tokens.pop(sid, None)
-        logits = self.step_logits(batch)
-        if logits is None or self.sampler is None:
-            return BatchOutput(batch.step, [])
-        sids = [sid for sid, s in zip(batch.sids, batch.sample) if s]
-        out_lens = [n for n, s in zip(batch.output_lens, batch.sample) if s]
-        res = self.sampler.sample(logits, sids, out_lens)
-        self.last_tokens.update(zip(sids, res.token_ids))
-        return BatchOutput(batch.step, res.token_ids, res.logprobs, res.top_logprobs)
+        logits = self.step_logits(run) if run.sids else None
+        if self.sampler is None:
+            return BatchOutput(batch.step, [], row_errors=row_errors)
+        kept = [i for i in range(len(batch.sids)) if i not in row_errors]
+        sampled = [kept[j] for j, s in enumerate(run.sample) if s]  # batch row of each logits row
+        res = SampleResult([])
+        if logits is not None:
+            sids = [sid for sid, s in zip(run.sids, run.sample) if s]
+            res, failed = self._sample(logits, sids, [n for n, s in zip(run.output_lens, run.sample) if s])
+            row_errors.update({sampled[j]: why for j, why in failed.items()})
+            self.last_tokens.update((sid, t) for sid, t in zip(sids, res.token_ids) if t >= 0)
+        return _scatter(batch, row_errors, sampled, res)
+
+    def _sample(self, logits: torch.Tensor, sids: list[int], out_lens: list[int]
+                ) -> tuple[SampleResult, dict[int, str]]:
+        """Sample every row; if the batch raises, sample row by row to find the culprits."""
+        try:
+            return self.sampler.sample(logits, sids, out_lens), {}
+        except Exception:
+            logger.exception("sampling a batch of %d failed; retrying request by request", len(sids))
+        parts: list[SampleResult | None] = []
+        failed: dict[int, str] = {}
+        for i in range(len(sids)):
+            try:
+                parts.append(self.sampler.sample(logits[i:i + 1], sids[i:i + 1], out_lens[i:i + 1]))
+            except Exception as e:
+                failed[i] = f"sampling failed for this request: {type(e).__name__}: {e}"
+                parts.append(None)
+        return _concat_results(parts), failed
+
+    def invalid_rows(self, batch: BatchInput) -> dict[int, str]:
+        """Rows whose input would index outside the model or the KV pool, with why. The
+        scheduler never builds them; this keeps a bug (or a bad id that slipped past the
+        door) from failing a whole batch, or on a GPU from poisoning the device."""
+        vocab, ps = self.mc.vocab_size, self.page_size
+        ids = batch.input_ids
+        specs_ok = all(_ids_within(s.stop_token_ids, vocab) and _ids_within(s.prompt_ids, vocab)
+                       for s in batch.new_specs)
+        fits = all(p + e <= min(len(t) * ps, self.context_len)
+                   for p, e, t in zip(batch.prefix_lens, batch.extend_lens, batch.page_tables))
+        pages_ok = all(_ids_within(table, self.num_pages) for table in batch.page_tables)
+        if (_ids_within(ids, vocab, PREVIOUS_TOKEN) and pages_ok and specs_ok and fits
+                and sum(batch.extend_lens) == len(ids)):
+            return {}
+        return self._find_invalid_rows(batch)
+
+    def _find_invalid_rows(self, batch: BatchInput) -> dict[int, str]:
+        vocab, ps = self.mc.vocab_size, self.page_size
+        bad_specs = {s.sid for s in batch.new_specs
+                     if not (_ids_within(s.stop_token_ids, vocab) and _ids_within(s.prompt_ids, vocab))}
+        errors: dict[int, str] = {}
+        start = 0
+        for i, (sid, n) in enumerate(zip(batch.sids, batch.extend_lens)):
+            table, end = batch.page_tables[i], batch.prefix_lens[i] + n
+            if not _ids_within(batch.input_ids[start:start + n], vocab, PREVIOUS_TOKEN):
+                errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
+            elif sid in bad_specs:
+                errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"
+            elif not _ids_within(table, self.num_pages) or end > len(table) * ps or end > self.context_len:
+                errors[i] = "the request's KV pages or positions are out of range"
+            start += n
+        if start != len(batch.input_ids):  # the lengths disagree: no row can be trusted
+            errors = {i: "malformed batch: input ids and extend lengths disagree" for i in range(len(batch.sids))}
+        return errors
 
     def _prepare(self, batch: BatchInput) -> tuple[StepMeta, torch.Tensor]:
         ids = batch.input_ids
@@ -226,6 +287,33 @@ class ModelRunner:
         free = cuda_free_bytes(dev)
         logger.info("after weights and a warm-up step: %.2f GiB GPU memory free", free / (1 << 30))
         return free
+
+
+def _ids_within(ids: list[int], hi: int, lo: int = 0) -> bool:
+    return not ids or (min(ids) >= lo and max(ids) < hi)
+
+
+def _concat_results(parts: list[SampleResult | None]) -> SampleResult:
+    """Row-by-row results as one; a failed row (None) gets token -1."""
+    out = SampleResult([p.token_ids[0] if p else -1 for p in parts])
+    if any(p is not None and p.logprobs is not None for p in parts):
+        out.logprobs = [p.logprobs[0] if p and p.logprobs else None for p in parts]
+    if any(p is not None and p.top_logprobs is not None for p in parts):
+        out.top_logprobs = [p.top_logprobs[0] if p and p.top_logprobs else None for p in parts]
+    return out
+
+
+def _scatter(batch: BatchInput, row_errors: dict[int, str], sampled: list[int], res: SampleResult) -> BatchOutput:
+    """The output in the batch's own row order: one entry per sampling row, -1 where it failed."""
+    if not row_errors:
+        return BatchOutput(batch.step, res.token_ids, res.logprobs, res.top_logprobs)
+    at = {row: j for j, row in enumerate(sampled)}
+    rows = [i for i, s in enumerate(batch.sample) if s]
+    pick = lambda values, default: [values[at[r]] if r in at and r not in row_errors else default  # noqa: E731
+                                    for r in rows]
+    return BatchOutput(batch.step, pick(res.token_ids, -1),
+                       None if res.logprobs is None else pick(res.logprobs, None),
+                       None if res.top_logprobs is None else pick(res.top_logprobs, None), row_errors=row_errors)
 
 
 def iter_safetensors(model_dir: str, show_progress: bool = True):

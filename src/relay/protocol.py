@@ -91,6 +91,69 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# ---------------------------------------------------------------- JSON bodies ------------
+
+# Real bodies nest a few levels (a JSON schema a dozen); deeper ones are attacks on parsers.
+MAX_JSON_DEPTH = 64
+
+
+def decode_json_body(raw: bytes) -> Any:
+    """A request body as JSON, refusing (400) what would break later stages: invalid UTF-8,
+    nesting deeper than MAX_JSON_DEPTH, and strings that are not valid Unicode (JSON lets a
+    lone surrogate like "\\ud800" through; no encoder downstream accepts it)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(None, "the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(None, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _bad(None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json_tree(body)
+    return body
+
+
+def _check_json_tree(body: Any) -> None:
+    """Iteratively (no recursion to exhaust): depth and Unicode validity of every string."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_valid_unicode(value):
+                raise _bad(path or None, f"'{path or 'body'}' is not valid Unicode (a lone surrogate?)")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _bad(path or None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            name = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _is_valid_unicode(key):
+                raise _bad(path or None, f"a key in '{path or 'body'}' is not valid Unicode")
+            stack.append((child, name, depth + 1))
+
+
+def _is_valid_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_abort(body: Any) -> str:
+    """POST /abort_request: the request id to end."""
+    rid = _require_object(body).get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise _bad("rid", "'rid' must be a non-empty string")
+    return rid
+
+
 # ---------------------------------------------------------------- parsed request ---------
 
 @dataclass
@@ -147,14 +210,17 @@ def _as_dict(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
-def _as_token_ids(value: Any, param: str, allow_empty: bool) -> list[int]:
+def _as_token_ids(value: Any, param: str, allow_empty: bool, vocab_size: int | None = None) -> list[int]:
     if not isinstance(value, list):
         raise _bad(param, f"'{param}' must be a list of token ids, got {_show(value)}")
     if not value and not allow_empty:
         raise _bad(param, f"'{param}' must not be empty")
+    limit = _I32_MAX + 1 if vocab_size is None else vocab_size
     for i, t in enumerate(value):
-        if not _is_int(t) or t < 0 or t > _I32_MAX:
+        if not _is_int(t) or t < 0:
             raise _bad(param, f"'{param}' must hold token ids (integers >= 0); item {i} is {_show(t)}")
+        if t >= limit:
+            raise _bad(param, f"'{param}' item {i} is {_show(t)}, outside the vocabulary [0, {limit})")
     return value
 
 
@@ -242,10 +308,10 @@ def _sampling_kwargs(body: dict[str, Any], keys: dict[str, str], rules: dict[str
     return out
 
 
-def _validated(params: SamplingParams, names: dict[str, str]) -> SamplingParams:
+def _validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None) -> SamplingParams:
     """Run SamplingParams.validate(), reporting failures under the API's field names."""
     try:
-        return params.validate()
+        return params.validate(vocab_size)
     except InvalidParam as e:
         # Rename only in the "<field> <rule>" head: the ", got <value>" tail may quote user text.
         head, sep, tail = str(e).partition(", got ")
@@ -322,7 +388,7 @@ def _max_tokens(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int |
 
 # ---------------------------------------------------------------- /v1/completions --------
 
-def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+def _prompt(value: Any, vocab_size: int | None) -> tuple[str | None, list[int] | None]:
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         if len(value) > 1:
             raise _bad("prompt", "batched prompts are not supported; use 'n' or send separate requests")
@@ -332,7 +398,7 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
             raise _bad("prompt", "'prompt' must not be empty")
         return value, None
     if isinstance(value, list):
-        return None, _as_token_ids(value, "prompt", allow_empty=False)
+        return None, _as_token_ids(value, "prompt", allow_empty=False, vocab_size=vocab_size)
     raise _bad("prompt", f"'prompt' must be a string or a list of token ids, got {_show(value)}")
 
 
@@ -350,19 +416,21 @@ _COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 _COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 
 
-def parse_completion(body: Any, served_model: str, max_n: int = 16) -> ParsedRequest:
-    """POST /v1/completions."""
+def parse_completion(body: Any, served_model: str, max_n: int = 16, vocab_size: int | None = None
+                     ) -> ParsedRequest:
+    """POST /v1/completions. Token ids (prompt, stop_token_ids) are checked against
+    vocab_size when it is given."""
     body = _require_object(body)
     common = _common_openai(body, served_model, max_n)
     _reject_unsupported(body, {**_COMPLETION_UNSUPPORTED, "best_of": lambda v: v == common["n"]})
     if body.get("prompt") is None:
         raise _bad("prompt", "'prompt' is required")
-    text, input_ids = _prompt(body["prompt"])
+    text, input_ids = _prompt(body["prompt"], vocab_size)
     _, max_tokens = _max_tokens(body, ("max_tokens",))
     kwargs = _sampling_kwargs(body, _OPENAI_KEYS, _FIELD_RULES)
     kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     kwargs.update(_completion_logprobs(body))
-    params = _validated(SamplingParams(**kwargs), _COMPLETION_NAMES)
+    params = _validated(SamplingParams(**kwargs), _COMPLETION_NAMES, vocab_size)
     return ParsedRequest(kind="completion", params=params, text=text, input_ids=input_ids, **common)
 
 
@@ -436,7 +504,7 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def parse_chat(body: Any, served_model: str, max_n: int = 16) -> ParsedRequest:
+def parse_chat(body: Any, served_model: str, max_n: int = 16, vocab_size: int | None = None) -> ParsedRequest:
     """POST /v1/chat/completions."""
     body = _require_object(body)
     common = _common_openai(body, served_model, max_n)
@@ -447,14 +515,14 @@ def parse_chat(body: Any, served_model: str, max_n: int = 16) -> ParsedRequest:
     kwargs["max_new_tokens"] = MAX_TOKENS_UNSET if max_tokens is None else max_tokens
     kwargs.update(_chat_logprobs(body))
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
-    params = _validated(SamplingParams(**kwargs), names)
+    params = _validated(SamplingParams(**kwargs), names, vocab_size)
     return ParsedRequest(kind="chat", params=params, messages=messages, chat_kwargs=_chat_kwargs(body),
                          max_tokens_default=max_tokens is None, **common)
 
 
 # ---------------------------------------------------------------- /generate (SGLang) -----
 
-def _generate_input(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+def _generate_input(body: dict[str, Any], vocab_size: int | None) -> tuple[str | None, list[int] | None]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise _bad("text", "give exactly one of 'text' or 'input_ids'")
@@ -466,7 +534,7 @@ def _generate_input(body: dict[str, Any]) -> tuple[str | None, list[int] | None]
         return text, None
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
         raise _bad("input_ids", "batched 'input_ids' are not supported; send separate requests")
-    return None, _as_token_ids(ids, "input_ids", allow_empty=False)
+    return None, _as_token_ids(ids, "input_ids", allow_empty=False, vocab_size=vocab_size)
 
 
 def _generate_sampling(raw: Any, max_n: int) -> tuple[dict[str, Any], int]:
@@ -495,14 +563,14 @@ def _rid(body: dict[str, Any]) -> str | None:
     return rid
 
 
-def parse_generate(body: Any, max_n: int = 16) -> ParsedRequest:
+def parse_generate(body: Any, max_n: int = 16, vocab_size: int | None = None) -> ParsedRequest:
     """POST /generate, SGLang's native API (single request; no batches)."""
     body = _require_object(body)
-    text, input_ids = _generate_input(body)
+    text, input_ids = _generate_input(body, vocab_size)
     kwargs, n = _generate_sampling(body.get("sampling_params"), max_n)
     kwargs.update(_generate_logprobs(body))
     names = {f: f"sampling_params.{f}" for f in _FIELD_RULES} | {"top_logprobs": "top_logprobs_num"}
-    params = _validated(SamplingParams(**kwargs), names)
+    params = _validated(SamplingParams(**kwargs), names, vocab_size)
     return ParsedRequest(kind="generate", params=params, text=text, input_ids=input_ids, n=n,
                          stream=_opt(body, "stream", False, _as_bool), priority=_priority(body),
                          rid=_rid(body))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -56,8 +57,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
-                 eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None):
+                 eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
+                 attention_break_even: int | None = None):
         self.cfg = config
+        # ModelConfig.attention_break_even: prompt chunks deep into a long prompt cost more
+        # per token (attention over the prefix) and get fewer tokens of the step budget, so
+        # a step's cost stays bounded however long the prompt. None: one token, one unit.
+        self.attn_even = attention_break_even
         self.on_finish = on_finish  # e.g. the server's per-request log line
         if config.chunked_prefill_size is None:  # normally fixed by the runner for its device
             config.resolve_step_budget("cpu")
@@ -126,26 +132,87 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------
     def schedule(self) -> BatchInput | None:
-        """Decide the next forward step; None if there is nothing to run."""
+        """Decide the next forward step; None if there is nothing to run.
+
+        Decodes go first (one token each), then prompt chunks of running requests, then new
+        requests. While requests wait, running prompts' chunks take at most half of what the
+        decodes leave, so a short request that arrives behind a long prompt starts within a
+        step instead of after the whole prompt; whatever admission leaves goes back to them."""
         budget = self.cfg.chunked_prefill_size
         self._preempt_for_waiting(budget)
         batch: list[tuple[Req, int]] = []
         scheduled: set[int] = set()
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
-        # Decodes first (one token each, in rank order so retraction victims are never
-        # already in the batch), then prompt chunks of running requests.
-        for req in [r for r in by_rank if not r.in_prefill] + [r for r in by_rank if r.in_prefill]:
-            if req.status != RUNNING or budget <= 0:
-                continue  # retracted to make room for a request ranked above it
-            n = min(req.seq_len - req.kv_len, budget)
-            if self._reserve_or_retract(req, req.kv_len + n, scheduled):
-                batch.append((req, n))
-                scheduled.add(id(req))
-                budget -= n
-        self._admit(batch, budget)
+        # In rank order, so retraction victims are never already in the batch.
+        budget -= self._schedule_running([r for r in by_rank if not r.in_prefill], batch, scheduled, budget)
+        prompts = [r for r in by_rank if r.in_prefill]
+        held = budget // 2 if self._can_admit() else 0
+        budget -= self._schedule_running(prompts, batch, scheduled, budget - held)
+        budget = self._admit(batch, budget)
+        self._extend_chunks(prompts, batch, budget)
         if not batch:
             return None
         return self._build_batch(batch)
+
+    def _schedule_running(self, reqs: list[Req], batch: list[tuple[Req, int]], scheduled: set[int],
+                          budget: int) -> int:
+        """Add the next tokens of running requests (retracting lower-ranked ones for room);
+        returns the tokens used."""
+        used = 0
+        for req in reqs:
+            if req.status != RUNNING or budget - used <= 0:
+                continue  # retracted to make room for a request ranked above it
+            n = self._chunk(req, budget - used)
+            if n > 0 and self._reserve_or_retract(req, req.kv_len + n, scheduled):
+                batch.append((req, n))
+                scheduled.add(id(req))
+                used += self._cost(req, n)
+        return used
+
+    def _extend_chunks(self, prompts: list[Req], batch: list[tuple[Req, int]], budget: int) -> None:
+        """Give budget that admission left unused to running prompts (longer chunks)."""
+        index = {id(req): i for i, (req, _) in enumerate(batch)}
+        for req in prompts:
+            if budget <= 0:
+                return
+            if req.status != RUNNING:
+                continue
+            i = index.get(id(req))
+            n = batch[i][1] if i is not None else 0
+            cost = self._cost(req, n)
+            total = self._chunk(req, cost + budget)
+            if total <= n or not self._reserve(req, req.kv_len + total, self._decode_headroom()):
+                continue
+            if i is None:
+                batch.append((req, total))
+            else:
+                batch[i] = (req, total)
+            budget -= self._cost(req, total) - cost
+
+    def _chunk(self, req: Req, budget: int) -> int:
+        """The most next tokens of req whose _cost fits budget; at least one while any budget
+        is left, so a prompt deep into a long context still advances."""
+        left = req.seq_len - req.kv_len
+        if budget <= 0:
+            return 0
+        if self.attn_even is None or left == 1:
+            return min(left, budget)
+        # Solve n + n * (kv_len + n/2) / E <= budget for n.
+        e, a = self.attn_even, 1 + req.kv_len / self.attn_even
+        n = int(e * (math.sqrt(a * a + 2 * budget / e) - a))
+        while n > 1 and self._cost(req, n) > budget:  # float rounding
+            n -= 1
+        return max(1, min(left, n))
+
+    def _cost(self, req: Req, n: int) -> int:
+        """Step budget units that computing req's next n tokens takes: one per token, plus
+        their attention over the prefix and each other in units of a token's dense work."""
+        if self.attn_even is None or n <= 1:
+            return n
+        return math.ceil(n * (1 + (req.kv_len + n / 2) / self.attn_even))
+
+    def _can_admit(self) -> bool:
+        return self._peek_waiting() is not None and len(self.running) < self.cfg.max_running_requests
 
     def process_output(self, batch: BatchInput, out: BatchOutput) -> list[TokenEvent]:
         """Apply a finished step: append sampled tokens, finish requests, share new prefixes."""
@@ -160,6 +227,9 @@ class Scheduler:
                 token, j = out.next_token_ids[j], j + 1
             if req.status != RUNNING:
                 continue  # aborted or retracted while the step ran
+            if i in out.row_errors:  # this request alone failed; the rest of the batch ran
+                events.append(self._finish(req, FINISH_ABORT, out.row_errors[i]))
+                continue
             req.kv_len += batch.extend_lens[i]
             self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
             if token is not None:
@@ -167,7 +237,9 @@ class Scheduler:
         return events
 
     # ---- admission ------------------------------------------------------------------
-    def _admit(self, batch: list[tuple[Req, int]], budget: int) -> None:
+    def _admit(self, batch: list[tuple[Req, int]], budget: int) -> int:
+        """Start waiting requests in rank order while budget and memory last; returns the
+        budget left."""
         held_back: list[Req] = []
         headroom = self._decode_headroom()
         while budget > 0 and len(self.running) < self.cfg.max_running_requests:
@@ -175,9 +247,9 @@ class Scheduler:
             if req is None:
                 break
             self._match(req)
-            n = min(req.seq_len - req.kv_len, budget)
+            n = self._chunk(req, budget)
             defer = self._shares_inflight_prefix(req)
-            if defer or not self._reserve(req, req.kv_len + n, headroom):
+            if defer or n == 0 or not self._reserve(req, req.kv_len + n, headroom):
                 self._unmatch(req)
                 held_back.append(req)
                 if defer:
@@ -185,9 +257,10 @@ class Scheduler:
                 break  # out of memory: nothing ranked below it goes first
             self._start(req)
             batch.append((req, n))
-            budget -= n
+            budget -= self._cost(req, n)
         for req in held_back:
             self._push_waiting(req)
+        return budget
 
     def _preempt_for_waiting(self, budget: int) -> None:
         """Retract lower-priority running requests a waiting one needs room (or a slot) from."""

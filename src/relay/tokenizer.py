@@ -7,6 +7,7 @@ applied, and text that might be the start of a stop string held back until it is
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ class Tokenizer:
         if self.raw is not None:
             return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters any one token stands for: len(text) / this is a lower bound
+        on the tokens of any text."""
+        table = self.byte_table()
+        if table is not None:  # bytes >= characters
+            return max(1, max(len(b) for b in table.token_bytes))
+        return max(1, max(len(self.decode([i], False)) for i in range(self.vocab_size)))
 
     def byte_table(self) -> "ByteTable | None":
         """Each token's bytes, for byte-level BPE tokenizers (GPT-2 style: SmolLM2, Llama 3,
@@ -97,34 +107,73 @@ def _byte_level_alphabet() -> dict[int, str]:
 class PromptPreparer:
     """Tokenizes a request and checks it against the vocabulary and the context length.
 
-    Raises InvalidParam naming the API field at fault (prompt, messages, max_tokens)."""
+    Raises InvalidParam naming the API field at fault (prompt, messages, max_tokens). A
+    prompt too long for the context is refused after tokenizing about one context's worth
+    of it, however long it is: a 10 MB prompt costs what a full-context one does."""
 
-    def __init__(self, tokenizer: Tokenizer, context_len: int):
+    def __init__(self, tokenizer: Tokenizer, context_len: int, vocab_size: int | None = None):
         self.tok = tokenizer
         self.context_len = context_len
+        # The model's vocabulary, which may be smaller than the tokenizer's.
+        self.vocab_size = vocab_size or tokenizer.vocab_size
 
     def prompt_ids(self, text: str | None = None, input_ids: list[int] | None = None,
                    messages: list[dict[str, Any]] | None = None, chat_kwargs: dict[str, Any] | None = None
                    ) -> list[int]:
         field = "messages" if messages is not None else "prompt"
         if messages is not None:
+            contents = [m.get("content") for m in messages if isinstance(m, dict)]
+            self._refuse_if_too_long([c for c in contents if isinstance(c, str)], field)
             try:
                 ids = self.tok.apply_chat_template(messages, **(chat_kwargs or {}))
             except Exception as e:  # a template that fails on these messages is the request's fault
                 raise InvalidParam(field, f"the chat template failed on these messages: {e}") from None
         elif input_ids is not None:
             ids = list(input_ids)
-            bad = [t for t in ids if not 0 <= t < self.tok.vocab_size]
-            if bad:
-                raise InvalidParam(field, f"token id {bad[0]} is outside the vocabulary [0, {self.tok.vocab_size})")
         else:
+            self._refuse_if_too_long([text or ""], field)
             ids = self.tok.encode(text or "")
         if not ids:
             raise InvalidParam(field, "the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise InvalidParam(field, f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.context_len:
-            raise InvalidParam(field, f"the prompt has {len(ids)} tokens; this model's context is "
-                                      f"{self.context_len} tokens, output included")
+            raise InvalidParam(field, self._too_long(len(ids)))
         return ids
+
+    def _too_long(self, n: int, at_least: bool = False) -> str:
+        return (f"the prompt has {'at least ' if at_least else ''}{n} tokens; this model's context is "
+                f"{self.context_len} tokens, output included")
+
+    def _refuse_if_too_long(self, texts: list[str], field: str) -> None:
+        """Raise if these texts (tokenized apart, as a chat template's parts) cannot fit the
+        context: first by length alone, then by tokenizing growing prefixes of the long ones."""
+        if sum(len(t) for t in texts) // self.tok.max_token_chars >= self.context_len:
+            raise InvalidParam(field, self._too_long(self.context_len, at_least=True))
+        probe = 4 * self.context_len  # characters: ~one context of ordinary text
+        if all(len(t) <= probe for t in texts):
+            return  # tokenizing it whole costs no more than probing would
+        tokens = 0
+        for text in sorted(texts, key=len, reverse=True):
+            tokens += self._tokens_at_least(text, probe, self.context_len - tokens)
+            if tokens >= self.context_len:
+                raise InvalidParam(field, self._too_long(tokens, at_least=True))
+
+    def _tokens_at_least(self, text: str, probe: int, enough: int) -> int:
+        """A lower bound on len(encode(text)), found by tokenizing prefixes of doubling length
+        until they hold `enough` tokens or the text is exhausted. Each prefix ends before a
+        whitespace character, where a word ends in the whole text too, and the last word's
+        tokens are not counted, so the bound holds however a tokenizer splits words."""
+        n = 0
+        while probe < len(text):
+            cut = text.rfind(" ", probe // 2, probe)
+            prefix = text[:cut if cut > 0 else probe]
+            n = max(0, len(self.tok.encode(prefix)) - _PROBE_MARGIN)
+            if n >= enough:
+                return n
+            probe *= 2
+        return n
 
     def fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         room = self.context_len - prompt_len
@@ -135,6 +184,11 @@ class PromptPreparer:
                                              f"tokens exceed this model's context of {self.context_len}")
         params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         return params
+
+
+# Tokens a prefix may hold beyond the same stretch of the whole text (its last word may
+# split differently, special tokens at the start): never counted towards a refusal.
+_PROBE_MARGIN = 16
 
 
 class DecodeStream:

@@ -1,0 +1,44 @@
+"""Liveness of the whole pipeline, as /health reports it.
+
+The http process sends a heartbeat every HEARTBEAT_INTERVAL seconds down the same path a
+request takes (tokenizer -> scheduler -> detokenizer -> http). One that does not come back
+within the timeout means some process's loop has stopped turning, even though every
+process may still be alive; the scheduler also stamps how long its current model step has
+been running, so a runner stuck inside a step shows too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HEARTBEAT_INTERVAL = 1.0
+MAX_OUTSTANDING = 1024  # beyond this the oldest unanswered heartbeats are the evidence enough
+
+
+@dataclass
+class Heartbeats:
+    timeout: float
+    outstanding: dict[int, float] = field(default_factory=dict)  # seq -> sent at
+    next_seq: int = 0
+    last_back: float | None = None
+    step_age: float = 0.0
+
+    def ping(self, now: float) -> int:
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        if len(self.outstanding) >= MAX_OUTSTANDING:
+            self.outstanding.pop(max(self.outstanding))  # keep the oldest: it dates the stall
+        self.outstanding[seq] = now
+        return seq
+
+    def pong(self, seq: int, step_age: float, now: float) -> None:
+        self.outstanding.pop(seq, None)
+        self.last_back, self.step_age = now, step_age
+
+    def problem(self, now: float) -> str | None:
+        """Why the pipeline cannot serve now, or None if it can."""
+        if self.outstanding:
+            waited = now - min(self.outstanding.values())
+            if waited > self.timeout:
+                return f"no heartbeat back through the pipeline for {waited:.1f} s"
+        if self.step_age > self.timeout:
+            return f"a model step has been running for {self.step_age:.1f} s"
+        return None

@@ -1,0 +1,79 @@
+"""One request's bad input or failure fails that request alone: the model runner leaves a
+malformed row out of the step, and finds the culprit when a batch's sampling raises."""
+from __future__ import annotations
+
+import pytest
+
+from relay.batch import BatchInput, SamplingSpec
+from relay.config import EngineConfig, ModelConfig
+from relay.model_runner import ModelRunner
+from relay.sampling_params import SamplingParams
+
+from tests.conftest import TINY_VOCAB
+
+PS = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    return ModelRunner(EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+
+
+def spec(sid: int, **params) -> SamplingSpec:
+    p = SamplingParams(temperature=0, **params)
+    return SamplingSpec(sid, p, sorted(set(p.stop_token_ids)))
+
+
+def prefill(sids: list[int], prompts: list[list[int]], specs: list[SamplingSpec], step: int = 1) -> BatchInput:
+    tables, first = [], 1
+    for p in prompts:
+        n = -(-len(p) // PS)
+        tables.append(list(range(first, first + n)))
+        first += n
+    return BatchInput(step=step, sids=sids, input_ids=[t for p in prompts for t in p], prefix_lens=[0] * len(sids),
+                      extend_lens=[len(p) for p in prompts], page_tables=tables, sample=[True] * len(sids),
+                      output_lens=[0] * len(sids), new_specs=specs, released_sids=[])
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+
+
+def alone(runner, i: int) -> int:
+    out = runner.forward(prefill([i + 100], [PROMPTS[i]], [spec(i + 100)], step=50 + i))
+    runner.forward(BatchInput(99, [], [], [], [], [], [], [], released_sids=[i + 100]))
+    return out.next_token_ids[0]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompt=[5, TINY_VOCAB + 3, 7]),  # an input id outside the vocabulary
+    dict(spec=dict(stop_token_ids=[10**9], min_new_tokens=2)),  # the bug of issue 9: a stop id the sampler indexes
+    dict(table=[10**7]),  # a KV page outside the pool
+])
+def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad):
+    expected = [alone(runner, 0), alone(runner, 2)]
+    prompts = [PROMPTS[0], bad.get("prompt", PROMPTS[1]), PROMPTS[2]]
+    specs = [spec(1), spec(2, **bad.get("spec", {})), spec(3)]
+    batch = prefill([1, 2, 3], prompts, specs)
+    if "table" in bad:
+        batch.page_tables[1] = bad["table"]
+    assert runner.invalid_rows(batch).keys() == {1}
+    out = runner.forward(batch)
+    assert list(out.row_errors) == [1] and out.error is None
+    assert [out.next_token_ids[0], out.next_token_ids[2]] == expected and out.next_token_ids[1] == -1
+    runner.forward(BatchInput(98, [], [], [], [], [], [], [], released_sids=[1, 2, 3]))
+
+
+def test_when_sampling_a_batch_raises_only_the_culprit_fails(runner, monkeypatch):
+    expected = [alone(runner, 0), alone(runner, 2)]
+    real = runner.sampler.sample
+
+    def fragile(logits, sids, out_lens):
+        if 7 in sids:
+            raise RuntimeError("boom")
+        return real(logits, sids, out_lens)
+
+    monkeypatch.setattr(runner.sampler, "sample", fragile)
+    out = runner.forward(prefill([6, 7, 8], PROMPTS, [spec(6), spec(7), spec(8)]))
+    assert list(out.row_errors) == [1] and "boom" in out.row_errors[1]
+    assert [out.next_token_ids[0], out.next_token_ids[2]] == expected
