@@ -1,13 +1,20 @@
 """Every message that crosses a process boundary. Plain dataclasses; `ipc.codec` packs them.
 
-Flow: http -> tokenizer -> scheduler -> model runners (per step) -> scheduler -> detokenizer
--> http. Errors and control replies go straight back to http.
+A request:   http -GenerateReq-> tokenizer -TokenizedReq-> scheduler
+                                 tokenizer -DetokenizeSpec-> detokenizer
+A step:      scheduler -BatchInput-> every runner rank; rank 0 -BatchOutput-> scheduler
+Its outputs: scheduler -OutputBatch-> detokenizer -OutputBatch-> http (RequestOutput records)
+Ending it:   http -AbortRequest-> scheduler (client gone);
+             detokenizer -StopGenerating-> scheduler (a stop string ended its output)
+Also:        tokenizer -OutputBatch-> http (a request refused before it ran), ControlCall and
+             ControlReply between http and scheduler, a Heartbeat around the pipeline, Ready.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
 
 
@@ -35,78 +42,37 @@ class TokenizedReq:
 
 
 @dataclass
-class AbortReq:
-    """http or detokenizer -> scheduler: end a request (client gone, or a stop string hit)."""
+class OutputBatch:
+    """What requests produced: scheduler -> detokenizer (tokens), detokenizer -> http (text
+    too), tokenizer -> http (refusals)."""
+    outputs: list[RequestOutput]
+
+
+@dataclass
+class AbortRequest:
+    """http -> scheduler: end a request early (its client left, or /abort_request)."""
     rid: str
-    reason: str = "abort"
-    matched_stop: str | None = None
-    sent_at: float = 0.0  # time.time() at the sender: an abort never drops a later request of the same id
+    sent_at: float = 0.0  # time.time() at http: an abort never drops a later request of the same id
 
 
 @dataclass
-class DetokInit:
-    """What the detokenizer needs to know about a request, sent with its first output."""
+class StopGenerating:
+    """detokenizer -> scheduler: a stop string ended this request's output (its client was
+    told); free it without a word back."""
     rid: str
-    prompt_tail: list[int]
-    skip_special_tokens: bool
-    stop: list[str]
-    include_stop_str_in_output: bool
+    matched: str | None  # None: detokenizing it failed
 
 
 @dataclass
-class BatchTokenOut:
-    """scheduler -> detokenizer: one step's new tokens and finished requests (parallel lists)."""
-    rids: list[str]
-    token_ids: list[int]  # -1: no new token (a request ended without one)
-    finish_reasons: list[str | None]
-    matched_stops: list[Any]
-    logprobs: list[float | None]
-    top_logprobs: list[Any]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    errors: list[str | None]
-    inits: list[DetokInit] = field(default_factory=list)
-    queue_times: list[float | None] = field(default_factory=list)
-
-
-@dataclass
-class BatchStrOut:
-    """detokenizer -> http: text deltas per request (parallel lists)."""
-    rids: list[str]
-    texts: list[str]
-    token_ids: list[list[int]]
-    finish_reasons: list[str | None]
-    matched_stops: list[Any]
-    # Per request, None unless it asked for logprobs: one entry per new token,
-    # [token_id, token_text, logprob, top] with top None or a list of [token_id, token_text, logprob].
-    logprobs: list[list[list[Any]] | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    errors: list[str | None]
-    queue_times: list[float | None] = field(default_factory=list)
-
-
-@dataclass
-class ErrorOut:
-    """tokenizer or scheduler -> http: a request rejected before it ran."""
-    rid: str
-    message: str
-    param: str | None = None
-    status: int = 400
-
-
-@dataclass
-class ControlReq:
-    """http -> scheduler: `get_info` | `flush_cache`, answered by a ControlOut with the same id."""
-    req_id: int
+class ControlCall:
+    """http -> scheduler: `get_info` | `flush_cache`, answered by the ControlReply with the same id."""
+    call_id: int
     kind: str
 
 
 @dataclass
-class ControlOut:
-    req_id: int
+class ControlReply:
+    call_id: int
     ok: bool
     data: dict[str, Any] = field(default_factory=dict)
 

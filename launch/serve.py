@@ -24,7 +24,7 @@ from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
 from procs.common import ARGS_ENV, ProcArgs, set_title, setup_logging
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
-from relay.http_guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
+from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
 from relay.model_files import model_name, resolve_model_dir
 
@@ -200,12 +200,13 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                infos: dict[str, dict], mc: ModelConfig) -> int:
     import uvicorn
 
-    from procs.http_server import Backend, build_app
+    from procs.http_server import ZmqEngineClient, build_app
+    from relay import __version__
 
     tp0 = infos.get("tp0", {})
     server_info = {"model_path": cfg.model_path, "served_model_name": served_model, **cfg.to_dict(),
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
-                   "tokenizer_workers": ns.tokenizer_workers, "version": "0.1.0"}
+                   "tokenizer_workers": ns.tokenizer_workers, "version": __version__}
     guard = GuardConfig(api_key=ns.api_key, max_body_bytes=ns.max_request_body_bytes, body_timeout=ns.http_timeout,
                         allowed_hosts=default_allowed_hosts(ns.host, (ns.allowed_hosts or "").split(",")
                                                             if ns.allowed_hosts else None))
@@ -221,9 +222,9 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
 
     async def main() -> None:
         nonlocal exit_code
-        backend = Backend(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
-                          server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout)
-        app = build_app(backend, guard)
+        client = ZmqEngineClient(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
+                                 server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout)
+        app = build_app(client, guard)
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                        access_log=False, timeout_graceful_shutdown=3, lifespan="off",
                                        http=guarded_protocol(max_connections),
@@ -235,11 +236,11 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
             message = f"relay::{child.name} (pid {child.proc.pid}) died with exit code {code}"
             logger.error("%s; failing in-flight requests and shutting down", message)
             exit_code = 1
-            backend.fail_all(message)
+            client.fail_all(message)
             server.should_exit = True
 
         launcher.watch(lambda child, code: loop.call_soon_threadsafe(child_died, child, code))
-        tasks = [asyncio.create_task(backend.dispatch_forever()), asyncio.create_task(backend.heartbeat_forever()),
+        tasks = [asyncio.create_task(client.dispatch_forever()), asyncio.create_task(client.heartbeat_forever()),
                  asyncio.create_task(close_idle_forever(server.server_state.connections, ns.http_timeout))]
         try:
             await server.serve()

@@ -34,10 +34,9 @@ def build_runner(args: ProcArgs, mc: ModelConfig):
     device = pick_device(cfg.device)
     if device.type == "cuda":  # one GPU per rank
         device = torch.device("cuda", args.index)
-        cfg.device = str(device)
     rendezvous = f"file://{os.path.join(args.ipc_dir, 'tp_rendezvous')}"
     tp = TPGroup.init(args.index, cfg.tp_size, rendezvous, device)
-    return ModelRunner(cfg, args.model_dir, mc, tp)
+    return ModelRunner(cfg, args.model_dir, mc, tp, device)
 
 
 def main(args: ProcArgs) -> None:

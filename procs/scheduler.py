@@ -1,53 +1,58 @@
 """relay::sched: owns the Scheduler policy; sends each step to every model-runner rank.
 
 While a step runs it keeps taking new requests and aborts, so batch decisions never wait
-on the tokenizer or the network. Per step it sends one BatchTokenOut to the detokenizer.
+on the tokenizer or the network. Per step it sends one OutputBatch to the detokenizer.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import zmq
 
 from ipc.codec import decode, encode
-from ipc.messages import (AbortReq, BatchTokenOut, ControlOut, ControlReq, DetokInit, ErrorOut, Heartbeat,
-                          Ready, TokenizedReq)
-from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push,
-                         recv_ready, runner_inbox, send)
+from ipc.messages import (AbortRequest, ControlCall, ControlReply, Heartbeat, OutputBatch, Ready, StopGenerating,
+                          TokenizedReq)
+from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push, recv_ready,
+                         runner_inbox, send)
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.batch import BatchInput, BatchOutput
 from relay.config import ModelConfig
-from relay.request import Req, TokenEvent
-from relay.scheduler import RequestRejected, Scheduler
+from relay.lifecycle import Tombstones
+from relay.outputs import FinishReason, RequestOutput, error_output
+from relay.request import Req
+from relay.sampling_params import InvalidParam
+from relay.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_SECONDS = 5.0  # KV accounting check when idle: report, never kill the server
 ABORT_TOMBSTONE_SECONDS = 60.0  # how long an abort waits for a request still in the tokenizer
-PROMPT_TAIL = 5
 
 
 class SchedulerLoop:
     def __init__(self, args: ProcArgs, ctx: zmq.Context):
-        cfg = args.engine_config
         ep = lambda name: endpoint(args.ipc_dir, name)  # noqa: E731
         self.inbox = pull(ctx, ep(SCHEDULER))
         self.results = pull(ctx, ep(RUNNER_RESULT))
-        self.to_runners = [push(ctx, ep(runner_inbox(r)), bind=True) for r in range(cfg.tp_size)]
+        self.to_runners = [push(ctx, ep(runner_inbox(r)), bind=True) for r in range(args.engine_config.tp_size)]
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
         info = self._wait_for_runner()
-        cfg.chunked_prefill_size = info["chunked_prefill_size"]  # resolved for the runner's device
+        # The step budget as the runner resolved it for its device.
+        cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"])
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=ModelConfig.from_dir(args.model_dir).attention_break_even())
         self.info = info
-        self.early_aborts: dict[str, float] = {}
-        self.pending_events: list[TokenEvent] = []
-        self.pending_inits: list[DetokInit] = []
+        self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
+        self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
         self.step_started: float | None = None  # while a model step runs
+        # The scheduler's own cost per step (building, encoding, applying; not waiting for
+        # the runner) and what it sends, for /get_server_info and scripts/bench_scheduler.py.
+        self.work = {"steps": 0, "busy_seconds": 0.0, "runner_bytes": 0, "detok_bytes": 0}
         announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
 
     def _wait_for_runner(self) -> dict:
@@ -62,21 +67,27 @@ class SchedulerLoop:
         poller.register(self.inbox, zmq.POLLIN)
         while True:
             self.handle(recv_ready(self.inbox))
+            start = time.perf_counter()
             batch = self.sched.schedule() if self.sched.has_work else None
             if batch is None:
-                self.flush_events()
+                self.flush()
                 self.idle_check()
                 poller.poll(timeout=IDLE_CHECK_SECONDS * 1000)
                 continue
-            out = self.run_step(batch)
-            self.pending_events.extend(self.sched.process_output(batch, out))
-            self.flush_events()
+            out = self.run_step(batch, start)
+            start = time.perf_counter()
+            self.pending.extend(self.sched.process_output(batch, out))
+            self.flush()
+            self.work["busy_seconds"] += time.perf_counter() - start
 
-    def run_step(self, batch: BatchInput) -> BatchOutput:
+    def run_step(self, batch: BatchInput, start: float) -> BatchOutput:
         """Send the step to every rank; take new requests and aborts until rank 0 answers."""
         data = encode(batch)
         for sock in self.to_runners:
             sock.send(data, copy=False)
+        self.work["steps"] += 1
+        self.work["runner_bytes"] += len(data)
+        self.work["busy_seconds"] += time.perf_counter() - start
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
@@ -100,14 +111,17 @@ class SchedulerLoop:
             except Exception:  # one message's failure must not stop the scheduler
                 logger.exception("handling %s failed", type(msg).__name__)
                 if isinstance(msg, TokenizedReq):
-                    send(self.to_http, ErrorOut(msg.rid, "the scheduler could not accept this request", None, 500))
+                    self.pending.append(error_output(msg.rid, "the scheduler could not accept this request",
+                                                     status=500))
 
     def handle_one(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
             self.add(msg)
-        elif isinstance(msg, AbortReq):
+        elif isinstance(msg, AbortRequest):
             self.abort(msg)
-        elif isinstance(msg, ControlReq):
+        elif isinstance(msg, StopGenerating):
+            self.sched.stop(msg.rid, msg.matched)
+        elif isinstance(msg, ControlCall):
             send(self.to_http, self.control(msg))
         elif isinstance(msg, Heartbeat):
             msg.step_age = 0.0 if self.step_started is None else time.monotonic() - self.step_started
@@ -116,63 +130,43 @@ class SchedulerLoop:
             logger.error("unexpected message %s", type(msg).__name__)
 
     def add(self, msg: TokenizedReq) -> None:
-        aborted_at = self.early_aborts.pop(msg.rid, None)
-        if aborted_at is not None and aborted_at >= msg.arrival_time:
-            return  # its client left before it got here
+        if self.early_aborts.laid_since(msg.rid, msg.arrival_time):
+            # Its client left before it got here; the detokenizer still has its spec to drop.
+            self.pending.append(RequestOutput(msg.rid, finish_reason=FinishReason.ABORT))
+            return
         req = Req(msg.rid, msg.input_ids, msg.params, priority=msg.priority,
                   arrival_time=time.monotonic() - max(0.0, time.time() - msg.arrival_time))
         try:
             self.sched.add_request(req)
-        except RequestRejected as e:
-            send(self.to_http, ErrorOut(msg.rid, str(e), e.field))
-            return
-        p = msg.params
-        self.pending_inits.append(DetokInit(msg.rid, msg.input_ids[-PROMPT_TAIL:], p.skip_special_tokens,
-                                            p.stop, p.include_stop_str_in_output))
+        except InvalidParam as e:
+            self.pending.append(error_output(msg.rid, str(e), e.field))
 
-    def abort(self, msg: AbortReq) -> None:
-        if msg.reason == "abort":
-            event = self.sched.abort(msg.rid)
-        else:  # the detokenizer found a stop string
-            event = self.sched.finish(msg.rid, msg.reason, msg.matched_stop)
-        if event is not None:
-            self.pending_events.append(event)
-        elif msg.reason == "abort":  # not here yet (still in the tokenizer): drop it on arrival
-            now = time.time()
-            self.early_aborts = {r: t for r, t in self.early_aborts.items() if now - t < ABORT_TOMBSTONE_SECONDS}
-            self.early_aborts[msg.rid] = msg.sent_at or now
+    def abort(self, msg: AbortRequest) -> None:
+        record = self.sched.abort(msg.rid)
+        if record is not None:
+            self.pending.append(record)
+        else:  # not here yet (still in the tokenizer): drop it on arrival
+            self.early_aborts.add(msg.rid, msg.sent_at or time.time())
 
-    def control(self, msg: ControlReq) -> ControlOut:
+    def control(self, msg: ControlCall) -> ControlReply:
         if msg.kind == "get_info":
             st = self.sched.stats()
-            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info}
-            return ControlOut(msg.req_id, True, data)
+            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info, "step_work": dict(self.work)}
+            return ControlReply(msg.call_id, True, data)
         if msg.kind == "flush_cache":
             if self.sched.running or self.sched.num_waiting:
-                return ControlOut(msg.req_id, False, {"error": "requests are running; flush when idle"})
+                return ControlReply(msg.call_id, False, {"error": "requests are running; flush when idle"})
             self.sched.cache.reset()
-            return ControlOut(msg.req_id, True, {})
-        return ControlOut(msg.req_id, False, {"error": f"unknown control {msg.kind!r}"})
+            return ControlReply(msg.call_id, True, {})
+        return ControlReply(msg.call_id, False, {"error": f"unknown control {msg.kind!r}"})
 
-    def flush_events(self) -> None:
-        if not self.pending_events and not self.pending_inits:
+    def flush(self) -> None:
+        if not self.pending:
             return
-        events, self.pending_events = self.pending_events, []
-        inits, self.pending_inits = self.pending_inits, []
-        send(self.to_detok, BatchTokenOut(
-            rids=[e.rid for e in events],
-            token_ids=[-1 if e.token_id is None else e.token_id for e in events],
-            finish_reasons=[e.finish_reason for e in events],
-            matched_stops=[e.matched_stop for e in events],
-            logprobs=[e.logprob for e in events],
-            top_logprobs=[e.top_logprobs for e in events],
-            prompt_tokens=[e.prompt_tokens for e in events],
-            completion_tokens=[e.completion_tokens for e in events],
-            cached_tokens=[e.cached_tokens for e in events],
-            errors=[e.error for e in events],
-            inits=inits,
-            queue_times=[e.queue_time for e in events],
-        ))
+        data = encode(OutputBatch(self.pending))
+        self.pending = []
+        self.to_detok.send(data, copy=False)
+        self.work["detok_bytes"] += len(data)
 
     def idle_check(self) -> None:
         now = time.monotonic()
@@ -190,8 +184,9 @@ def log_request(req: Req) -> None:
     e2e = time.monotonic() - req.arrival_time
     queue = -1.0 if req.queue_time is None else req.queue_time
     ttft = -1.0 if req.first_token_time is None else req.first_token_time - req.arrival_time
+    reason = getattr(req.finish_reason, "value", req.finish_reason)
     logger.info("request rid=%s finish=%s e2e=%.3fs ttft=%.3fs queue=%.3fs prompt_tokens=%d cached_tokens=%d "
-                "completion_tokens=%d retractions=%d prompt_ids=%s output_ids=%s", req.rid, req.finish_reason,
+                "completion_tokens=%d retractions=%d prompt_ids=%s output_ids=%s", req.rid, reason,
                 e2e, ttft, queue, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
                 req.num_retractions, req.prompt_ids, req.output_ids)
 

@@ -1,19 +1,23 @@
-"""relay::tokenizer: text or chat messages in, validated token ids out to the scheduler.
+"""relay::tokenizer: text or chat messages in, validated token ids out to the scheduler,
+and to the detokenizer what it needs to turn the request's tokens back into text.
 
 Several workers can run (`--tokenizer-workers`); the http server's PUSH socket spreads
 requests over them, so tokenization never serialises on one process under load.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import zmq
 
-from ipc.messages import ErrorOut, GenerateReq, Heartbeat, Ready, TokenizedReq
-from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
+from ipc.messages import GenerateReq, Heartbeat, OutputBatch, Ready, TokenizedReq
+from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
-from relay.sampling_params import InvalidParam, SamplingParams
+from relay.detokenizer import DetokenizeSpec
+from relay.outputs import error_output
+from relay.sampling_params import InvalidParam
 from relay.tokenizer import PromptPreparer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -23,12 +27,9 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
     """One TokenizedReq per choice; choice i > 0 of a seeded request gets seed + i."""
     ids = prep.prompt_ids(req.text, req.input_ids, req.messages, req.chat_kwargs)
     params = prep.fit_context(req.params, len(ids))
-    out = []
-    for i, rid in enumerate(req.rids):
-        p = params if i == 0 or params.seed is None else SamplingParams.from_dict(
-            {**params.to_dict(), "seed": params.seed + i})
-        out.append(TokenizedReq(rid, ids, p, req.priority, req.arrival_time))
-    return out
+    return [TokenizedReq(rid, ids, params if i == 0 or params.seed is None
+                         else dataclasses.replace(params, seed=params.seed + i), req.priority, req.arrival_time)
+            for i, rid in enumerate(req.rids)]
 
 
 def main(args: ProcArgs) -> None:
@@ -40,6 +41,7 @@ def main(args: ProcArgs) -> None:
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))
+    to_detok = push(ctx, endpoint(args.ipc_dir, DETOKENIZER))
     to_http = push(ctx, endpoint(args.ipc_dir, HTTP))
     announce_ready(ctx, args.ipc_dir, Ready(args.name))
     while True:
@@ -49,15 +51,18 @@ def main(args: ProcArgs) -> None:
                 send(to_sched, msg)
                 continue
             try:
-                outs = tokenize(prep, msg)
+                reqs = tokenize(prep, msg)
             except InvalidParam as e:
-                outs = [ErrorOut(rid, str(e), e.field) for rid in msg.rids]
+                send(to_http, OutputBatch([error_output(rid, str(e), e.field) for rid in msg.rids]))
+                continue
             except Exception as e:  # this request's failure, never the worker's
                 logger.exception("tokenizing request %s failed", msg.rids[0])
-                outs = [ErrorOut(rid, f"tokenization failed: {type(e).__name__}: {e}", None, 500)
-                        for rid in msg.rids]
-            for out in outs:
-                send(to_http if isinstance(out, ErrorOut) else to_sched, out)
+                send(to_http, OutputBatch([error_output(rid, f"tokenization failed: {type(e).__name__}: {e}",
+                                                        status=500) for rid in msg.rids]))
+                continue
+            for req in reqs:  # the detokenizer hears of a request before its first token can
+                send(to_detok, DetokenizeSpec.of(req.rid, req.input_ids, req.params))
+                send(to_sched, req)
 
 
 if __name__ == "__main__":

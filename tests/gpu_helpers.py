@@ -268,8 +268,8 @@ class Sequences:
             ext.append(len(new))
         self.step += 1
         return BatchInput(step=self.step, sids=list(which), input_ids=ids, prefix_lens=prefix, extend_lens=ext,
-                          page_tables=[list(self.pages[i]) for i in which], sample=[True] * len(which),
-                          output_lens=[0] * len(which))
+                          page_starts=[0] * len(which), new_pages=[list(self.pages[i]) for i in which],
+                          sample=[True] * len(which), output_lens=[0] * len(which))
 
     def done(self, batch: BatchInput) -> None:
         for i, n in zip(batch.sids, batch.extend_lens):
@@ -291,7 +291,7 @@ def run_greedy(runner, prompts: list[list[int]], steps: int, forced: list[list[i
     logits_per_step = []
     for step in range(steps + 1):
         batch = seqs.batch()
-        logits = runner.step_logits(batch)
+        logits = runner.step_logits(batch, batch.new_pages)
         seqs.done(batch)
         top = logits.argmax(-1).tolist()
         logits_per_step.append(logits.float().cpu().clone())  # graph outputs are reused
@@ -307,7 +307,7 @@ def position_logits(runner, tokens: list[int]) -> torch.Tensor:
     seqs = Sequences([tokens], runner.page_size)
     batch = seqs.batch()
     with torch.inference_mode():
-        meta, ids = runner._prepare(batch)
+        meta, ids = runner._prepare(batch, batch.new_pages)
         runner.attn.plan(meta)
         hidden = runner.model(ids, meta.positions, runner.attn)
         return runner.model.compute_logits(hidden).float().cpu()

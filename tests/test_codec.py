@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 import ipc.messages as m
 from ipc import codec
 from ipc.codec import WIRE_TYPES, decode, encode
-from relay.batch import PREVIOUS_TOKEN, BatchInput, BatchOutput, SamplingSpec
+from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
+from relay.detokenizer import DetokenizeSpec
+from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
 
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -50,11 +52,12 @@ def batch_inputs(draw) -> BatchInput:
     n = draw(st.integers(0, 8))
     extend = [draw(st.integers(1, 20)) for _ in range(n)]
     prefix = [draw(st.integers(0, 5000)) for _ in range(n)]
-    ids = draw(st.lists(TOKEN | st.just(PREVIOUS_TOKEN), min_size=sum(extend), max_size=sum(extend)))
+    ids = draw(st.lists(TOKEN, min_size=sum(extend), max_size=sum(extend)))
     return BatchInput(
         step=draw(st.integers(0, 2**62)), sids=draw(st.lists(U31, min_size=n, max_size=n, unique=True)),
         input_ids=ids, prefix_lens=prefix, extend_lens=extend,
-        page_tables=[draw(st.lists(st.integers(0, 10**6), max_size=30)) for _ in range(n)],
+        page_starts=draw(st.lists(SMALL, min_size=n, max_size=n)),
+        new_pages=[draw(st.lists(st.integers(0, 10**6), max_size=30)) for _ in range(n)],
         sample=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
         output_lens=draw(st.lists(SMALL, min_size=n, max_size=n)),
         new_specs=draw(st.lists(sampling_specs, max_size=3)), released_sids=draw(st.lists(U31, max_size=5)))
@@ -88,44 +91,28 @@ generate_reqs = st.builds(m.GenerateReq, rids=st.lists(TEXT, min_size=1, max_siz
                           text=OPT_STR, input_ids=st.none() | st.lists(TOKEN, max_size=20),
                           messages=st.none() | messages_list, chat_kwargs=STR_DICT, priority=I64,
                           arrival_time=st.floats(0, 2e9))
-detok_inits = st.builds(m.DetokInit, rid=TEXT, prompt_tail=st.lists(TOKEN, max_size=5),
-                        skip_special_tokens=st.booleans(), stop=st.lists(TEXT, max_size=3),
-                        include_stop_str_in_output=st.booleans())
+detokenize_specs = st.builds(DetokenizeSpec, rid=TEXT, prompt_tail=st.lists(TOKEN, max_size=5),
+                             skip_special_tokens=st.booleans(), stop=st.lists(TEXT, max_size=3),
+                             include_stop_str_in_output=st.booleans())
 
 
 @st.composite
-def batch_token_outs(draw) -> m.BatchTokenOut:
-    n = draw(st.integers(0, 6))
-
-    def col(s):
-        return draw(st.lists(s, min_size=n, max_size=n))
-
-    return m.BatchTokenOut(
-        rids=col(TEXT), token_ids=col(st.integers(-1, 200_000)),
-        finish_reasons=col(st.sampled_from([None, "stop", "length", "abort"])),
-        matched_stops=col(st.none() | TEXT | TOKEN), logprobs=col(st.none() | LOGPROB),
-        top_logprobs=col(st.none() | st.tuples(st.lists(TOKEN, min_size=3, max_size=3),
-                                               st.lists(LOGPROB, min_size=3, max_size=3)).map(list)),
-        prompt_tokens=col(SMALL), completion_tokens=col(SMALL), cached_tokens=col(SMALL), errors=col(OPT_STR),
-        inits=draw(st.lists(detok_inits, max_size=3)), queue_times=draw(st.just([]) | st.just([None] * n)
-                                                                         | st.lists(st.floats(0, 60), min_size=n,
-                                                                                    max_size=n)))
-
-
-@st.composite
-def batch_str_outs(draw) -> m.BatchStrOut:
-    n = draw(st.integers(0, 6))
-
-    def col(s):
-        return draw(st.lists(s, min_size=n, max_size=n))
-
-    entry = st.tuples(TOKEN, TEXT, LOGPROB, st.none() | st.lists(st.tuples(TOKEN, TEXT, LOGPROB).map(list),
-                                                                 max_size=3)).map(list)
-    return m.BatchStrOut(
-        rids=col(TEXT), texts=col(TEXT), token_ids=col(st.lists(TOKEN, max_size=2)),
-        finish_reasons=col(st.sampled_from([None, "stop", "length", "abort"])), matched_stops=col(st.none() | TEXT | TOKEN),
-        logprobs=col(st.none() | st.lists(entry, max_size=2)), prompt_tokens=col(SMALL), completion_tokens=col(SMALL),
-        cached_tokens=col(SMALL), errors=col(OPT_STR), queue_times=col(st.none() | st.floats(0, 60)))
+def request_outputs(draw) -> RequestOutput:
+    n = draw(st.integers(0, 3))
+    ids = draw(st.lists(TOKEN, min_size=n, max_size=n))
+    with_lp = draw(st.booleans())
+    top = st.none() | st.tuples(st.lists(TOKEN, min_size=2, max_size=2),
+                                st.lists(LOGPROB, min_size=2, max_size=2)).map(list)
+    return RequestOutput(
+        rid=draw(TEXT), token_ids=ids,
+        logprobs=draw(st.lists(LOGPROB, min_size=n, max_size=n)) if with_lp else None,
+        top_logprobs=draw(st.lists(top, min_size=n, max_size=n)) if with_lp else None,
+        finish_reason=draw(st.sampled_from([None, "stop", "length", "abort"])),
+        matched_stop=draw(st.none() | TEXT | TOKEN), prompt_tokens=draw(SMALL), completion_tokens=draw(SMALL),
+        cached_tokens=draw(SMALL), queue_time=draw(st.none() | st.floats(0, 60)), error=draw(OPT_STR),
+        status=draw(st.sampled_from([400, 500, 503])), param=draw(OPT_STR), text=draw(TEXT),
+        token_texts=draw(st.lists(TEXT, min_size=n, max_size=n)) if with_lp else None,
+        top_texts=draw(st.lists(st.none() | st.lists(TEXT, max_size=2), min_size=n, max_size=n)) if with_lp else None)
 
 
 STRATEGIES = {
@@ -134,16 +121,16 @@ STRATEGIES = {
     BatchInput: batch_inputs(),
     BatchOutput: batch_outputs(),
     EngineConfig: engine_configs,
+    RequestOutput: request_outputs(),
+    DetokenizeSpec: detokenize_specs,
     m.GenerateReq: generate_reqs,
     m.TokenizedReq: st.builds(m.TokenizedReq, rid=TEXT, input_ids=st.lists(TOKEN, min_size=1, max_size=50),
                               params=sampling_params, priority=I64, arrival_time=st.floats(0, 2e9)),
-    m.AbortReq: st.builds(m.AbortReq, rid=TEXT, reason=st.sampled_from(["abort", "stop"]), matched_stop=OPT_STR),
-    m.DetokInit: detok_inits,
-    m.BatchTokenOut: batch_token_outs(),
-    m.BatchStrOut: batch_str_outs(),
-    m.ErrorOut: st.builds(m.ErrorOut, rid=TEXT, message=TEXT, param=OPT_STR, status=st.sampled_from([400, 404, 503])),
-    m.ControlReq: st.builds(m.ControlReq, req_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])),
-    m.ControlOut: st.builds(m.ControlOut, req_id=I64, ok=st.booleans(), data=STR_DICT),
+    m.OutputBatch: st.builds(m.OutputBatch, outputs=st.lists(request_outputs(), max_size=4)),
+    m.AbortRequest: st.builds(m.AbortRequest, rid=TEXT, sent_at=st.floats(0, 2e9)),
+    m.StopGenerating: st.builds(m.StopGenerating, rid=TEXT, matched=OPT_STR),
+    m.ControlCall: st.builds(m.ControlCall, call_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])),
+    m.ControlReply: st.builds(m.ControlReply, call_id=I64, ok=st.booleans(), data=STR_DICT),
     m.Ready: st.builds(m.Ready, name=TEXT, ok=st.booleans(), info=STR_DICT, error=OPT_STR),
     m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
 }
@@ -158,14 +145,11 @@ def test_every_wire_type_has_a_strategy_and_every_message_is_a_wire_type():
         assert all(f.init for f in dataclasses.fields(cls)), cls
 
 
-def test_ext_codes_are_stable():
-    """Codes are positions in WIRE_TYPES (append only): pin the existing ones."""
-    names = [c.__name__ for c in WIRE_TYPES]
-    assert names[:15] == ["SamplingParams", "SamplingSpec", "BatchInput", "BatchOutput", "EngineConfig",
-                          "GenerateReq", "TokenizedReq", "AbortReq", "DetokInit", "BatchTokenOut", "BatchStrOut",
-                          "ErrorOut", "ControlReq", "ControlOut", "Ready"]
-    raw = msgpack.unpackb(encode(m.AbortReq("r")), raw=False)
-    assert isinstance(raw, msgpack.ExtType) and raw.code == WIRE_TYPES.index(m.AbortReq) + 1
+def test_every_wire_type_has_its_own_code():
+    """Codes are positions in WIRE_TYPES; one launcher starts every process from one checkout,
+    so they only have to agree within a version."""
+    codes = {msgpack.unpackb(encode(data), raw=False).code for data in EXAMPLES}
+    assert codes == set(range(1, len(WIRE_TYPES) + 1))
 
 
 def _same(a, b) -> bool:
@@ -207,9 +191,9 @@ def test_nested_dataclasses_realistic_batch():
     spec = SamplingSpec(7, SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=-3,
                                           stop=["\n\n", "世界"], repetition_penalty=1.1, logprobs=True,
                                           top_logprobs=5), [2, 0], prompt_ids=[1, 9690, 198])
-    batch = BatchInput(step=12, sids=[7, 3], input_ids=[1, 9690, 198, PREVIOUS_TOKEN], prefix_lens=[0, 40],
-                       extend_lens=[3, 1], page_tables=[[5], [1, 2, 9]], sample=[True, True], output_lens=[0, 17],
-                       new_specs=[spec], released_sids=[4])
+    batch = BatchInput(step=12, sids=[7, 3], input_ids=[1, 9690, 198, 13], prefix_lens=[0, 40],
+                       extend_lens=[3, 1], page_starts=[0, 2], new_pages=[[5], [9]], sample=[True, True],
+                       output_lens=[0, 17], new_specs=[spec], released_sids=[4])
     back = decode(encode(batch))
     assert back == batch
     assert back.new_specs[0].params.stop == ["\n\n", "世界"] and back.new_specs[0].params.seed == -3
@@ -265,8 +249,8 @@ def test_unknown_ext_code_nested_inside_a_wire_type_raises():
 
 
 def test_wrong_field_count_raises():
-    code = WIRE_TYPES.index(m.AbortReq) + 1
-    for values in ([], ["r", "stop", None, 0.0, "extra"]):
+    code = WIRE_TYPES.index(m.AbortRequest) + 1
+    for values in ([], ["r", 0.0, "extra"]):
         blob = msgpack.packb(msgpack.ExtType(code, msgpack.packb(values)))
         with pytest.raises(TypeError):
             decode(blob)
@@ -277,15 +261,27 @@ class NotOnTheWire:
     x: int = 1
 
 
-class Sub(m.AbortReq):
+class Sub(m.AbortRequest):
     pass
 
 
-@pytest.mark.parametrize("obj", [NotOnTheWire(), object(), {1, 2}, Sub("r"), [m.AbortReq("r"), NotOnTheWire()],
+@pytest.mark.parametrize("obj", [NotOnTheWire(), object(), {1, 2}, Sub("r"), [m.AbortRequest("r"), NotOnTheWire()],
                                  {"k": NotOnTheWire()}, BatchOutput(1, [NotOnTheWire()])])
 def test_non_wire_types_raise_on_encode(obj):
     with pytest.raises(TypeError):
         encode(obj)
+
+
+EXAMPLES = [
+    SamplingParams(stop=["x"]), SamplingSpec(1, SamplingParams(), [2]),
+    BatchInput(0, [1], [5, 6], [0], [2], [0], [[3]], [True], [0], [SamplingSpec(1, SamplingParams(), [2])], [3]),
+    BatchOutput(0, [7], [-0.5], [[[7], [-0.5]]]), EngineConfig(model_path="/m", tp_size=2),
+    RequestOutput("a", [3], [-0.5], text="hi"), DetokenizeSpec("a", [1], True, ["\n"], False),
+    m.GenerateReq(["a"], SamplingParams(), messages=[{"role": "user", "content": "hi"}]),
+    m.TokenizedReq("a", [1, 2], SamplingParams()), m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
+    m.AbortRequest("a"), m.StopGenerating("a", "\n"), m.ControlCall(1, "get_info"),
+    m.ControlReply(1, True, {"x": [1]}), m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
+]
 
 
 def test_decoding_never_uses_pickle(monkeypatch):
@@ -301,18 +297,7 @@ def test_decoding_never_uses_pickle(monkeypatch):
     for name in ("loads", "load", "dumps", "dump", "Unpickler", "Pickler"):
         monkeypatch.setattr(pickle, name, boom)
     # Every wire type, one realistic example each, still round-trips with pickle disabled.
-    examples = [
-        SamplingParams(stop=["x"]), SamplingSpec(1, SamplingParams(), [2]),
-        BatchInput(0, [1], [5, 6], [0], [2], [[0]], [True], [0], [SamplingSpec(1, SamplingParams(), [2])], [3]),
-        BatchOutput(0, [7], [-0.5], [[[7], [-0.5]]]), EngineConfig(model_path="/m", tp_size=2),
-        m.GenerateReq(["a"], SamplingParams(), messages=[{"role": "user", "content": "hi"}]),
-        m.TokenizedReq("a", [1, 2], SamplingParams()), m.AbortReq("a", "stop", "\n"),
-        m.DetokInit("a", [1], True, ["\n"], False),
-        m.BatchTokenOut(["a"], [3], [None], [None], [None], [None], [1], [1], [0], [None]),
-        m.BatchStrOut(["a"], ["hi"], [[3]], ["length"], [None], [None], [1], [1], [0], [None]),
-        m.ErrorOut("a", "bad", "prompt"), m.ControlReq(1, "get_info"), m.ControlOut(1, True, {"x": [1]}),
-        m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
-    ]
+    examples = EXAMPLES
     assert {type(e) for e in examples} == set(WIRE_TYPES)
     for e in examples:
         assert decode(encode(e)) == e

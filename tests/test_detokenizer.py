@@ -1,5 +1,5 @@
 """Unit tests for relay.tokenizer (Tokenizer, DecodeStream, PromptPreparer) and
-procs.detokenizer.Detokenizer, on the default model's tokenizer (byte-level BPE, so CJK and
+relay.detokenizer.Detokenizer, on the default model's tokenizer (byte-level BPE, so CJK and
 emoji characters split over several tokens). No processes, no sockets."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import AbortReq, BatchStrOut, BatchTokenOut, DetokInit
-from procs.detokenizer import Detokenizer
-from relay.sampling_params import UNTIL_CONTEXT, InvalidParam, SamplingParams
+from relay.detokenizer import Detokenizer, DetokenizeSpec, Stopped
+from relay.outputs import RequestOutput
+from relay.sampling_params import InvalidParam, SamplingParams
 from relay.tokenizer import DecodeStream, PromptPreparer, Tokenizer
 
 # Pieces that byte-level BPE splits awkwardly: multi-byte characters, emoji with modifiers and
@@ -322,9 +322,9 @@ def test_fit_context(tok):
     with pytest.raises(InvalidParam) as e:
         pp.fit_context(SamplingParams(max_new_tokens=71), 30)
     assert e.value.field == "max_tokens"
-    p = pp.fit_context(SamplingParams(max_new_tokens=UNTIL_CONTEXT, min_new_tokens=500), 30)
+    p = pp.fit_context(SamplingParams(max_new_tokens=None, min_new_tokens=500), 30)
     assert p.max_new_tokens == 70 and p.min_new_tokens == 70
-    p = pp.fit_context(SamplingParams(max_new_tokens=UNTIL_CONTEXT, min_new_tokens=5), 99)
+    p = pp.fit_context(SamplingParams(max_new_tokens=None, min_new_tokens=5), 99)
     assert p.max_new_tokens == 1 and p.min_new_tokens == 1
     p = pp.fit_context(SamplingParams(max_new_tokens=20, min_new_tokens=5), 30)
     assert (p.max_new_tokens, p.min_new_tokens) == (20, 5)
@@ -359,181 +359,175 @@ def test_tokenizer_without_chat_template(tok, monkeypatch):
     assert e.value.field == "messages"
 
 
-# ---- Detokenizer.step -----------------------------------------------------------------------
-def token_out(entries: list[dict], inits: list[DetokInit] = ()) -> BatchTokenOut:
-    """entries: dicts with rid, token (default -1), and optional finish/matched/logprob/top."""
-    return BatchTokenOut(
-        rids=[e["rid"] for e in entries], token_ids=[e.get("token", -1) for e in entries],
-        finish_reasons=[e.get("finish") for e in entries], matched_stops=[e.get("matched") for e in entries],
-        logprobs=[e.get("logprob") for e in entries], top_logprobs=[e.get("top") for e in entries],
-        prompt_tokens=[e.get("prompt_tokens", 3) for e in entries],
-        completion_tokens=[e.get("completion_tokens", 1) for e in entries],
-        cached_tokens=[e.get("cached", 0) for e in entries], errors=[e.get("error") for e in entries],
-        inits=list(inits), queue_times=[e.get("queue") for e in entries])
+# ---- Detokenizer ------------------------------------------------------------------------------
+def rec(rid: str, token: int | None = None, finish: str | None = None, logprob: float | None = None,
+        top=None, completion: int = 1, **kw) -> RequestOutput:
+    """A scheduler record: one new token (or none), maybe a finish and logprobs."""
+    return RequestOutput(rid, [] if token is None else [token], None if logprob is None else [logprob],
+                         None if top is None else [top], finish, completion_tokens=completion, **kw)
 
 
-def init(rid: str, tok: Tokenizer, prompt: str = "Q:", stop: list[str] | None = None, skip: bool = True,
-         include: bool = False) -> DetokInit:
-    return DetokInit(rid, tok.encode(prompt)[-5:], skip, list(stop or []), include)
+def spec(rid: str, tok: Tokenizer, prompt: str = "Q:", stop: list[str] | None = None, skip: bool = True,
+         include: bool = False) -> DetokenizeSpec:
+    return DetokenizeSpec.of(rid, tok.encode(prompt),
+                             SamplingParams(stop=list(stop or []), skip_special_tokens=skip,
+                                            include_stop_str_in_output=include))
 
 
-def by_rid(out: BatchStrOut) -> dict[str, dict]:
-    keys = ["texts", "token_ids", "finish_reasons", "matched_stops", "logprobs", "prompt_tokens",
-            "completion_tokens", "cached_tokens", "errors", "queue_times"]
-    lens = {k: len(getattr(out, k)) for k in keys}
-    assert set(lens.values()) == {len(out.rids)}, lens
-    return {rid: {k: getattr(out, k)[i] for k in keys} for i, rid in enumerate(out.rids)}
+def shown_by_rid(outs: list[RequestOutput]) -> dict[str, RequestOutput]:
+    assert len({o.rid for o in outs}) == len(outs), "one record per request per batch"
+    return {o.rid: o for o in outs}
 
 
 def test_detokenizer_streams_two_requests_and_stops_one(tok):
+    """The detokenizer owns stop strings: it ends the output and reports the request stopped;
+    the tokens the scheduler made before it heard are dropped, and it answers nothing back."""
     d = Detokenizer(tok)
-    a_ids = tok.encode("Hello world and more")
-    b_ids = tok.encode("Bonjour 🎉 世界!")
-    n = max(len(a_ids), len(b_ids))
+    d.start(spec("a", tok, stop=["world"]))
+    d.start(spec("b", tok, stop=["!!"]))
+    a_ids, b_ids = tok.encode("Hello world and more"), tok.encode("Bonjour 🎉 世界!")
     texts = {"a": "", "b": ""}
     finishes: dict[str, tuple] = {}
-    aborts: list[AbortReq] = []
-    for k in range(n + 2):
-        entries = []
-        for rid, ids in (("a", a_ids), ("b", b_ids)):
-            if k < len(ids):
-                entries.append(dict(rid=rid, token=ids[k], completion_tokens=k + 1,
-                                    finish="length" if rid == "b" and k == len(ids) - 1 else None))
-            elif rid == "a" and k == len(ids):  # the scheduler confirms the abort a step later
-                entries.append(dict(rid=rid, finish="stop", matched="world"))
-        inits = [init("a", tok, stop=["world"]), init("b", tok, stop=["!!"])] if k == 0 else []
-        out, stops = d.step(token_out(entries, inits))
-        aborts += stops
-        for rid, row in by_rid(out).items():
+    stops: list[Stopped] = []
+    for k in range(max(len(a_ids), len(b_ids))):
+        records = [rec(rid, ids[k], "length" if rid == "b" and k == len(ids) - 1 else None, completion=k + 1)
+                   for rid, ids in (("a", a_ids), ("b", b_ids)) if k < len(ids)]
+        outs, new_stops = d.process(records)
+        stops += new_stops
+        for rid, r in shown_by_rid(outs).items():
             assert rid not in finishes, f"{rid} reported after it finished"
-            texts[rid] += row["texts"]
-            if row["finish_reasons"] is not None:
-                finishes[rid] = (row["finish_reasons"], row["matched_stops"])
+            texts[rid] += r.text
+            if r.finished:
+                finishes[rid] = (r.finish_reason, r.matched_stop)
     assert texts == {"a": "Hello ", "b": "Bonjour 🎉 世界!"}
     assert finishes == {"a": ("stop", "world"), "b": ("length", None)}
-    assert aborts == [AbortReq("a", "stop", "world")]
+    assert stops == [Stopped("a", "world")]
     assert d.streams == {}
 
 
-def test_detokenizer_ignores_unknown_and_finished_rids(tok):
+def test_records_that_come_before_their_spec_wait_for_it(tok):
+    """The spec comes from the tokenizer, the records from the scheduler: another socket."""
     d = Detokenizer(tok)
-    out, stops = d.step(token_out([dict(rid="ghost", token=5)]))
-    assert out.rids == [] and stops == []
     ids = tok.encode("a b c")
-    out, _ = d.step(token_out([dict(rid="r", token=ids[0], finish="length")], [init("r", tok)]))
-    assert out.rids == ["r"] and out.finish_reasons == ["length"]
-    out, stops = d.step(token_out([dict(rid="r", token=ids[1])]))
-    assert out.rids == [] and stops == []
+    outs, _ = d.process([rec("r", ids[0]), rec("r", ids[1])])
+    assert outs == []
+    outs, _ = d.start(spec("r", tok))
+    assert "".join(o.text for o in outs) == tok.decode(ids[:2])
+    outs, _ = d.process([rec("r", ids[2], "length")])
+    assert outs[0].finished and d.streams == {}
+
+
+def test_a_stopped_requests_late_records_are_dropped_and_its_id_can_be_reused(tok):
+    d = Detokenizer(tok)
+    d.start(spec("r", tok, stop=["b"]))
+    ids = tok.encode("a b c d")
+    outs, stops = d.process([rec("r", t) for t in ids[:2]])
+    assert stops == [Stopped("r", "b")] and outs[-1].finish_reason == "stop"
+    assert d.process([rec("r", ids[2]), rec("r", ids[3], "abort")]) == ([], [])
+    d.start(spec("r", tok))  # a new request with the same id
+    outs, _ = d.process([rec("r", ids[0], "length")])
+    assert [o.text for o in outs] == [tok.decode(ids[:1])]
 
 
 def test_detokenizer_flushes_held_text_on_finish_without_token(tok):
     d = Detokenizer(tok)
-    ids = tok.encode("abc ST")
+    d.start(spec("r", tok, stop=["STOP"]))
     shown = ""
-    for k, t in enumerate(ids):
-        out, _ = d.step(token_out([dict(rid="r", token=t)], [init("r", tok, stop=["STOP"])] if k == 0 else []))
-        shown += "".join(out.texts)
+    for t in tok.encode("abc ST"):
+        outs, _ = d.process([rec("r", t)])
+        shown += "".join(o.text for o in outs)
     assert not shown.endswith("ST")
-    out, stops = d.step(token_out([dict(rid="r", token=-1, finish="abort")]))
-    row = by_rid(out)["r"]
-    assert shown + row["texts"] == "abc ST"
-    assert row["token_ids"] == [] and row["logprobs"] is None and row["finish_reasons"] == "abort"
+    outs, stops = d.process([rec("r", None, "abort")])
+    assert shown + outs[0].text == "abc ST"
+    assert outs[0].token_ids == [] and outs[0].logprobs is None and outs[0].finish_reason == "abort"
     assert stops == []
 
 
 def test_detokenizer_stop_included_and_pass_through_fields(tok):
     d = Detokenizer(tok)
-    ids = tok.encode("x = 1; y")
-    out_all = []
-    for k, t in enumerate(ids):
-        out, stops = d.step(token_out(
-            [dict(rid="r", token=t, prompt_tokens=11, completion_tokens=k + 1, cached=8, queue=0.25)],
-            [init("r", tok, stop=[";"], include=True)] if k == 0 else []))
-        out_all.append((out, stops))
-        if out.rids and out.finish_reasons[0]:
-            break
-    out, stops = out_all[-1]
-    row = by_rid(out)["r"]
-    assert "".join(o.texts[0] for o, _ in out_all if o.rids) == "x = 1;"
-    assert row["finish_reasons"] == "stop" and row["matched_stops"] == ";"
-    assert (row["prompt_tokens"], row["cached_tokens"], row["queue_times"]) == (11, 8, 0.25)
-    assert stops == [AbortReq("r", "stop", ";")]
-
-
-def test_detokenizer_missing_queue_times_become_none(tok):
-    d = Detokenizer(tok)
-    msg = token_out([dict(rid="r", token=tok.encode("a")[0])], [init("r", tok)])
-    msg.queue_times = []
-    out, _ = d.step(msg)
-    assert out.queue_times == [None]
+    d.start(spec("r", tok, stop=[";"], include=True))
+    shown, last, stops = "", None, []
+    for k, t in enumerate(tok.encode("x = 1; y")):
+        outs, stops = d.process([rec("r", t, prompt_tokens=11, completion=k + 1, cached_tokens=8, queue_time=0.25)])
+        if outs:
+            shown += outs[0].text
+            last = outs[0]
+            if last.finished:
+                break
+    assert shown == "x = 1;"
+    assert last.finish_reason == "stop" and last.matched_stop == ";"
+    assert (last.prompt_tokens, last.cached_tokens, last.queue_time) == (11, 8, 0.25)
+    assert stops == [Stopped("r", ";")]
 
 
 def test_detokenizer_logprobs_carry_token_text(tok):
     d = Detokenizer(tok)
+    for rid in "rst":
+        d.start(spec(rid, tok))
     ids = tok.encode("Hi 🎉")
     top_ids = [ids[0], tok.eos_token_id, 1000]
-    out, _ = d.step(token_out(
-        [dict(rid="r", token=ids[0], logprob=-0.25, top=[top_ids, [-0.25, -2.0, -3.5]]),
-         dict(rid="s", token=ids[0], logprob=-0.5),
-         dict(rid="t", token=ids[0])],
-        [init("r", tok), init("s", tok), init("t", tok)]))
-    rows = by_rid(out)
-    assert rows["r"]["logprobs"] == [[ids[0], tok.decode([ids[0]], False), -0.25,
-                                      [[top_ids[0], tok.decode([top_ids[0]], False), -0.25],
-                                       [tok.eos_token_id, tok.decode([tok.eos_token_id], False), -2.0],
-                                       [1000, tok.decode([1000], False), -3.5]]]]
-    assert rows["r"]["logprobs"][0][3][1][1] == tok.hf.convert_ids_to_tokens(tok.eos_token_id)  # specials shown
-    assert rows["s"]["logprobs"] == [[ids[0], "Hi", -0.5, None]]
-    assert rows["t"]["logprobs"] is None
+    outs, _ = d.process([rec("r", ids[0], logprob=-0.25, top=[top_ids, [-0.25, -2.0, -3.5]]),
+                         rec("s", ids[0], logprob=-0.5), rec("t", ids[0])])
+    r, s_, t = (shown_by_rid(outs)[x] for x in "rst")
+    assert r.token_texts == [tok.decode([ids[0]], False)] and r.logprobs == [-0.25]
+    assert r.top_texts == [[tok.decode([i], False) for i in top_ids]]
+    assert r.top_texts[0][1] == tok.hf.convert_ids_to_tokens(tok.eos_token_id)  # specials shown
+    assert s_.token_texts == ["Hi"] and s_.top_texts is None
+    assert t.token_texts is None and t.logprobs is None
     # A token that is part of a character: its text is the raw (replacement) decode, the stream text waits.
     emoji_part = ids[-2] if len(ids) > 2 else ids[-1]
-    out, _ = d.step(token_out([dict(rid="r", token=emoji_part, logprob=-1.0)]))
-    assert out.logprobs[0][0][:3] == [emoji_part, tok.decode([emoji_part], False), -1.0]
+    outs, _ = d.process([rec("r", emoji_part, logprob=-1.0)])
+    assert outs[0].token_texts == [tok.decode([emoji_part], False)] and outs[0].logprobs == [-1.0]
 
 
 def test_detokenizer_skip_special_tokens_per_request(tok):
     d = Detokenizer(tok)
+    d.start(spec("keep", tok, skip=False))
+    d.start(spec("skip", tok, skip=True))
     eos = tok.eos_token_id
-    special = tok.hf.convert_ids_to_tokens(eos)
-    hi = tok.encode("Hi")
     texts = {"keep": "", "skip": ""}
+    hi = tok.encode("Hi")
     for k, t in enumerate(hi + [eos]):
         fin = "stop" if k == len(hi) else None
-        out, _ = d.step(token_out([dict(rid="keep", token=t, finish=fin), dict(rid="skip", token=t, finish=fin)],
-                                  [init("keep", tok, skip=False), init("skip", tok, skip=True)] if k == 0 else []))
-        for rid, row in by_rid(out).items():
-            texts[rid] += row["texts"]
-    assert texts == {"keep": "Hi" + special, "skip": "Hi"}
-
-
-def _stop_on_length_token(tok):
-    d = Detokenizer(tok)
-    ids = tok.encode("Hello world")
-    texts, all_stops = "", []
-    for k, t in enumerate(ids):
-        last = k == len(ids) - 1
-        out, stops = d.step(token_out([dict(rid="r", token=t, finish="length" if last else None)],
-                                      [init("r", tok, stop=["world"])] if k == 0 else []))
-        texts += "".join(out.texts)
-        all_stops += stops
-    return texts, out, all_stops, d
+        outs, _ = d.process([rec("keep", t, fin), rec("skip", t, fin)])
+        for rid, r in shown_by_rid(outs).items():
+            texts[rid] += r.text
+    assert texts == {"keep": "Hi" + tok.hf.convert_ids_to_tokens(eos), "skip": "Hi"}
 
 
 def test_detokenizer_stop_on_the_final_length_token(tok):
     """The scheduler ends a request for length on the very token that completes a stop
-    string: the text is still cut at the stop, and the scheduler, which already finished the
-    request, is not sent an abort."""
-    texts, out, stops, d = _stop_on_length_token(tok)
-    assert texts == "Hello "
-    assert out.rids == ["r"] and out.finish_reasons[0] in ("length", "stop")
-    assert stops == []
-    assert d.streams == {}
+    string: the text is still cut there and the finish says stop (the stop string wins, as
+    in vLLM/OpenAI), and the scheduler, which already finished the request, is told nothing."""
+    d = Detokenizer(tok)
+    d.start(spec("r", tok, stop=["world"]))
+    ids = tok.encode("Hello world")
+    text, all_stops = "", []
+    for k, t in enumerate(ids):
+        outs, stops = d.process([rec("r", t, "length" if k == len(ids) - 1 else None)])
+        text += "".join(o.text for o in outs)
+        all_stops += stops
+    assert text == "Hello "
+    assert outs[0].finish_reason == "stop" and outs[0].matched_stop == "world"
+    assert all_stops == [] and d.streams == {}
 
 
-def test_detokenizer_stop_on_the_final_length_token_reports_stop(tok):
-    """Like vLLM/OpenAI: the stop string wins over the length limit it coincides with."""
-    _, out, _, _ = _stop_on_length_token(tok)
-    assert out.finish_reasons == ["stop"] and out.matched_stops == ["world"]
+def test_a_failure_detokenizing_one_request_ends_only_it(tok, monkeypatch):
+    d = Detokenizer(tok)
+    d.start(spec("bad", tok))
+    d.start(spec("good", tok))
+    real = d._fill
+
+    def fragile(r, stream, stops):
+        if r.rid == "bad":
+            raise RuntimeError("boom")
+        return real(r, stream, stops)
+
+    monkeypatch.setattr(d, "_fill", fragile)
+    outs, stops = d.process([rec("bad", 5), rec("good", tok.encode("ok")[0])])
+    by = shown_by_rid(outs)
+    assert by["bad"].finish_reason == "abort" and "boom" in by["bad"].error
+    assert stops == [Stopped("bad", None)] and by["good"].text == "ok"
 
 
 def test_output_ending_inside_a_character_is_flushed_at_finish(tok):

@@ -32,8 +32,12 @@ def prefill(sids: list[int], prompts: list[list[int]], specs: list[SamplingSpec]
         tables.append(list(range(first, first + n)))
         first += n
     return BatchInput(step=step, sids=sids, input_ids=[t for p in prompts for t in p], prefix_lens=[0] * len(sids),
-                      extend_lens=[len(p) for p in prompts], page_tables=tables, sample=[True] * len(sids),
-                      output_lens=[0] * len(sids), new_specs=specs, released_sids=[])
+                      extend_lens=[len(p) for p in prompts], page_starts=[0] * len(sids), new_pages=tables,
+                      sample=[True] * len(sids), output_lens=[0] * len(sids), new_specs=specs, released_sids=[])
+
+
+def release(sids: list[int], step: int) -> BatchInput:
+    return BatchInput(step, [], [], [], [], [], [], [], [], released_sids=sids)
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
@@ -41,7 +45,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
 
 def alone(runner, i: int) -> int:
     out = runner.forward(prefill([i + 100], [PROMPTS[i]], [spec(i + 100)], step=50 + i))
-    runner.forward(BatchInput(99, [], [], [], [], [], [], [], released_sids=[i + 100]))
+    runner.forward(release([i + 100], 99))
     return out.next_token_ids[0]
 
 
@@ -49,6 +53,7 @@ def alone(runner, i: int) -> int:
     dict(prompt=[5, TINY_VOCAB + 3, 7]),  # an input id outside the vocabulary
     dict(spec=dict(stop_token_ids=[10**9], min_new_tokens=2)),  # the bug of issue 9: a stop id the sampler indexes
     dict(table=[10**7]),  # a KV page outside the pool
+    dict(table=[]),  # a page table that does not hold the request's tokens
 ])
 def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad):
     expected = [alone(runner, 0), alone(runner, 2)]
@@ -56,12 +61,12 @@ def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad)
     specs = [spec(1), spec(2, **bad.get("spec", {})), spec(3)]
     batch = prefill([1, 2, 3], prompts, specs)
     if "table" in bad:
-        batch.page_tables[1] = bad["table"]
+        batch.new_pages[1] = bad["table"]
     assert runner.invalid_rows(batch).keys() == {1}
     out = runner.forward(batch)
     assert list(out.row_errors) == [1] and out.error is None
     assert [out.next_token_ids[0], out.next_token_ids[2]] == expected and out.next_token_ids[1] == -1
-    runner.forward(BatchInput(98, [], [], [], [], [], [], [], released_sids=[1, 2, 3]))
+    runner.forward(release([1, 2, 3], 98))
 
 
 def test_when_sampling_a_batch_raises_only_the_culprit_fails(runner, monkeypatch):

@@ -1,4 +1,4 @@
-"""Request parsing and response shapes of relay.protocol (pure functions, no server)."""
+"""Request parsing and response shapes of relay.api (pure functions, no server)."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,12 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from relay.protocol import (MAX_JSON_DEPTH, MAX_TOKENS_UNSET, SSE_DONE, ChoiceOutput, ParsedRequest, ProtocolError,
-                            Usage, chat_chunk, chat_response, completion_chunk, completion_response,
-                            decode_json_body, error_body, generate_response, parse_abort, parse_chat,
-                            parse_completion, parse_generate, sse, usage_chunk)
+from relay.api.fields import MAX_JSON_DEPTH, ParsedRequest, ProtocolError, decode_json_body, error_body
+from relay.api.openai import (chat_chunk, chat_response, completion_chunk, completion_response, parse_chat,
+                              parse_completion, usage_chunk)
+from relay.api.serving import SSE_DONE, Usage, sse
+from relay.api.sglang import generate_response, parse_abort, parse_generate
+from relay.outputs import RequestOutput
 
 MODEL = "tiny-model"
 
@@ -192,12 +194,12 @@ def test_openai_client_raises_with_our_error_body():
 def test_completion_defaults():
     req = parse_completion({"prompt": "Hello"}, MODEL)  # model may be omitted
     assert isinstance(req, ParsedRequest)
-    assert (req.kind, req.text, req.input_ids, req.model) == ("completion", "Hello", None, MODEL)
-    assert (req.n, req.stream, req.include_usage, req.priority, req.echo) == (1, False, False, 0, False)
+    assert (req.text, req.input_ids, req.messages) == ("Hello", None, None)
+    assert (req.n, req.stream, req.include_usage, req.priority) == (1, False, False, 0)
     p = req.params
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.top_logprobs) == (16, 1.0, 1.0, -1,
                                                                                                False, 0)
-    assert p.stop == [] and p.seed is None and not req.max_tokens_default
+    assert p.stop == [] and p.seed is None
 
 
 def test_completion_nulls_mean_defaults():
@@ -243,11 +245,11 @@ def test_chat_defaults_and_content_parts():
         {"role": "assistant", "content": None},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]}, MODEL)
-    assert req.kind == "chat" and req.text is None and req.input_ids is None
+    assert req.text is None and req.input_ids is None
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nworld"},
                             {"role": "assistant", "content": ""},
                             {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    assert req.max_tokens_default and req.params.max_new_tokens == MAX_TOKENS_UNSET
+    assert req.params.max_new_tokens is None  # until the context is full: the tokenizer resolves it
     assert req.chat_kwargs == {"add_generation_prompt": True}
     assert not req.params.logprobs
 
@@ -258,7 +260,7 @@ def test_chat_fields():
                           tools=[], tool_choice="none", response_format={"type": "text"}, top_k=5, min_p=0.1,
                           repetition_penalty=1.2, ignore_eos=True, priority=3), MODEL)
     p = req.params
-    assert p.max_new_tokens == 20 and not req.max_tokens_default  # max_completion_tokens wins
+    assert p.max_new_tokens == 20  # max_completion_tokens wins
     assert p.logprobs and p.top_logprobs == 5
     assert req.chat_kwargs == {"enable_thinking": False, "add_generation_prompt": False}
     assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, req.priority) == (5, 0.1, 1.2, True, 3)
@@ -271,8 +273,8 @@ def test_generate():
                           "sampling_params": {"max_new_tokens": 8, "temperature": 0, "sampling_seed": 9,
                                               "top_k": 1, "stop": "x", "n": 2, "ignore_eos": None}})
     p = req.params
-    assert (req.kind, req.input_ids, req.text, req.rid, req.stream, req.priority, req.n) == (
-        "generate", [1, 2, 3], None, "abc", True, 2, 2)
+    assert (req.input_ids, req.text, req.rid, req.stream, req.priority, req.n) == (
+        [1, 2, 3], None, "abc", True, 2, 2)
     assert (p.max_new_tokens, p.temperature, p.seed, p.top_k, p.stop, p.logprobs, p.top_logprobs) == (
         8, 0.0, 9, 1, ["x"], True, 4)
     default = parse_generate({"text": "hi"})
@@ -286,12 +288,28 @@ LOGPROBS = [[11, "Hel", -0.5, [[11, "Hel", -0.5], [12, "He", -1.5]]],
             [13, "lo", -float("inf"), [[13, "lo", -0.1], [14, "lo", -2.0]]]]
 
 
+def out(text: str, ids: list[int], finish: str | None = None, matched=None, logprobs=None,
+        prompt: int = 0, completion: int | None = None, cached: int = 0) -> RequestOutput:
+    """A detokenized record; logprobs as [id, text, logprob, [[id, text, logprob], ...]] entries."""
+    r = RequestOutput("r", list(ids), finish_reason=finish, matched_stop=matched, prompt_tokens=prompt,
+                      completion_tokens=len(ids) if completion is None else completion, cached_tokens=cached,
+                      text=text)
+    if logprobs is not None:
+        r.logprobs = [e[2] for e in logprobs]
+        r.token_texts = [e[1] for e in logprobs]
+        r.top_logprobs = [[[t[0] for t in e[3]], [t[2] for t in e[3]]] for e in logprobs]
+        r.top_texts = [[t[1] for t in e[3]] for e in logprobs]
+    return r
+
+
 def test_completion_response_shape_and_openai_model():
-    choices = [ChoiceOutput(0, "Hello", [11, 13], "stop", "\n", LOGPROBS), ChoiceOutput(1, "Hi", [15], "length")]
-    body = completion_response("cmpl-1", 1700000000, MODEL, choices, Usage(5, 3, 2))
+    choices = [out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, completion=2, cached=2),
+               out("Hi", [15], "length", prompt=5)]
+    body = completion_response("cmpl-1", 1700000000, MODEL, choices)
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "text_completion"
     assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 2}}
     lp = body["choices"][0]["logprobs"]
@@ -306,9 +324,8 @@ def test_completion_response_shape_and_openai_model():
 
 
 def test_completion_chunks_and_usage_chunk():
-    first = completion_chunk("cmpl-1", 1, MODEL, ChoiceOutput(0, "Hel", [11], None, None, LOGPROBS[:1]))
-    last = completion_chunk("cmpl-1", 1, MODEL, ChoiceOutput(0, "lo", [13], "length", None, LOGPROBS[1:]),
-                            text_offset=3)
+    first = completion_chunk("cmpl-1", 1, MODEL, 0, out("Hel", [11], logprobs=LOGPROBS[:1]))
+    last = completion_chunk("cmpl-1", 1, MODEL, 0, out("lo", [13], "length", logprobs=LOGPROBS[1:]), text_offset=3)
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] is None
     assert last["choices"][0]["logprobs"]["text_offset"] == [3]
     Completion.model_validate(last)
@@ -318,8 +335,7 @@ def test_completion_chunks_and_usage_chunk():
 
 
 def test_chat_response_shape_and_openai_model():
-    body = chat_response("chatcmpl-1", 2, MODEL, [ChoiceOutput(0, "Hello", [11, 13], "stop", None, LOGPROBS)],
-                         Usage(7, 2, 0))
+    body = chat_response("chatcmpl-1", 2, MODEL, [out("Hello", [11, 13], "stop", None, LOGPROBS, prompt=7)])
     assert body["object"] == "chat.completion"
     choice = body["choices"][0]
     assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
@@ -330,15 +346,15 @@ def test_chat_response_shape_and_openai_model():
     assert choice["logprobs"]["content"][1]["logprob"] == -9999.0
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.content == "Hello" and parsed.usage.total_tokens == 9
-    plain = chat_response("c", 2, MODEL, [ChoiceOutput(0, "x", [], "length")], Usage(1, 1))
+    plain = chat_response("c", 2, MODEL, [out("x", [], "length", prompt=1, completion=1)])
     assert plain["choices"][0]["logprobs"] is None
     ChatCompletion.model_validate(plain)
 
 
 def test_chat_chunks():
-    first = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "He", [1]), first=True)
-    mid = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "llo", [2], None, None, LOGPROBS[1:]), first=False)
-    end = chat_chunk("c", 3, MODEL, ChoiceOutput(0, "", [], "stop"), first=False)
+    first = chat_chunk("c", 3, MODEL, 0, out("He", [1]), first=True)
+    mid = chat_chunk("c", 3, MODEL, 0, out("llo", [2], logprobs=LOGPROBS[1:]), first=False)
+    end = chat_chunk("c", 3, MODEL, 0, out("", [], "stop"), first=False)
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
     assert mid["choices"][0]["delta"] == {"content": "llo"}
@@ -348,8 +364,8 @@ def test_chat_chunks():
 
 
 def test_openai_client_reads_our_stream():
-    chunks = [chat_chunk("c", 3, MODEL, ChoiceOutput(0, "Hé", [1]), first=True),
-              chat_chunk("c", 3, MODEL, ChoiceOutput(0, "llo", [2], "stop"), first=False),
+    chunks = [chat_chunk("c", 3, MODEL, 0, out("Hé", [1]), first=True),
+              chat_chunk("c", 3, MODEL, 0, out("llo", [2], "stop"), first=False),
               usage_chunk("chat", "c", 3, MODEL, Usage(4, 2, 1))]
     payload = b"".join(sse(c) for c in chunks) + SSE_DONE
 
@@ -366,32 +382,41 @@ def test_openai_client_reads_our_stream():
 
 
 def test_generate_response():
-    out = ChoiceOutput(0, "Hello", [11, 13], "stop", "\n", LOGPROBS)
-    body = generate_response("r1", out, Usage(5, 2, 1), queue_time=0.25)
+    body = generate_response("r1", out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, cached=1))
     assert body["text"] == "Hello" and body["output_ids"] == [11, 13]
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "stop", "matched": "\n"}
     assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == ("r1", 5, 2, 1)
-    assert meta["queue_time"] == 0.25
     assert meta["output_token_logprobs"] == [[-0.5, 11, "Hel"], [-9999.0, 13, "lo"]]
     assert meta["output_top_logprobs"][0] == [[-0.5, 11, "Hel"], [-1.5, 12, "He"]]
-    running = generate_response("r1", ChoiceOutput(0, "He", [11]), Usage(5, 1))["meta_info"]
+    running = generate_response("r1", out("He", [11], prompt=5))["meta_info"]
     assert running["finish_reason"] is None and "output_token_logprobs" not in running
-    length = generate_response("r1", ChoiceOutput(0, "x", [1, 2], "length"), Usage(5, 2))["meta_info"]
+    length = generate_response("r1", out("x", [1, 2], "length", prompt=5))["meta_info"]
     assert length["finish_reason"] == {"type": "length", "length": 2}
-    abort = generate_response("r1", ChoiceOutput(0, "", [], "abort"), Usage(5, 0))["meta_info"]
+    abort = generate_response("r1", out("", [], "abort", prompt=5))["meta_info"]
     assert abort["finish_reason"]["type"] == "abort"
 
 
 def test_abort_finish_reason_passes_through():
-    body = completion_response("c", 1, MODEL, [ChoiceOutput(0, "", [], "abort")], Usage(1, 0))
+    body = completion_response("c", 1, MODEL, [out("", [], "abort", prompt=1)])
     assert body["choices"][0]["finish_reason"] == "abort"
 
 
-def test_usage_for_choices():
-    u = Usage.for_choices([Usage(10, 3, 4), Usage(10, 5, 8)])
-    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (10, 8, 4)
+def test_usage_of_choices():
+    """The shared prompt counts once and completions add up."""
+    u = Usage.of([out("", [1, 2, 3], prompt=10, cached=4), out("", [4] * 5, prompt=10, cached=8), None])
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (10, 8, 8)
     assert u.to_openai()["total_tokens"] == 18
+
+
+def test_records_merge_with_extend():
+    """The one merge rule: later tokens, text and logprobs follow; the finish and counts of
+    the later record win."""
+    a = out("Hel", [11], logprobs=LOGPROBS[:1], prompt=5, completion=1)
+    a.extend(out("lo", [13], "stop", "\n", LOGPROBS[1:], prompt=5, completion=2))
+    assert (a.text, a.token_ids, a.finish_reason, a.matched_stop, a.completion_tokens) == (
+        "Hello", [11, 13], "stop", "\n", 2)
+    assert a.token_texts == ["Hel", "lo"] and a.logprobs == [-0.5, -float("inf")] and len(a.top_logprobs) == 2
 
 
 def test_sse():

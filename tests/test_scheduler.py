@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from relay.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig
-from relay.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Req, TokenEvent
-from relay.sampling_params import SamplingParams
-from relay.scheduler import RequestRejected, Scheduler
+from relay.outputs import FinishReason, RequestOutput
+from relay.request import Req, Status
+from relay.sampling_params import InvalidParam, SamplingParams
+from relay.scheduler import Scheduler
 
 VOCAB = 64
 EOS = 63
@@ -50,8 +51,9 @@ class Harness:
         self.ps, self.budget, self.token_fn = page_size, budget, token_fn
         self.kv: dict[int, list[int | None]] = {}
         self.specs: dict[int, object] = {}
-        self.events: dict[str, list[TokenEvent]] = defaultdict(list)
-        self.final: dict[str, TokenEvent] = {}
+        self.events: dict[str, list[RequestOutput]] = defaultdict(list)
+        self.final: dict[str, RequestOutput] = {}
+        self.tables: dict[int, list[int]] = {}  # the runner's page tables, kept from the batches' changes
         self.reqs: dict[str, Req] = {}
         self.batches: list[tuple[BatchInput, list[Req]]] = []
         self.steps = 0
@@ -68,7 +70,7 @@ class Harness:
         if ev is not None:
             self._record(ev)
 
-    def _record(self, ev: TokenEvent) -> None:
+    def _record(self, ev: RequestOutput) -> None:
         assert ev.rid not in self.final, f"{ev.rid} got events after it finished"
         self.events[ev.rid].append(ev)
         if ev.finish_reason is not None:
@@ -109,9 +111,10 @@ class Harness:
         assert len(self.s.running) <= self.cfg.max_running_requests
         assert sum(batch.extend_lens) == batch.num_tokens
         assert len(set(batch.released_sids)) == len(batch.released_sids)
-        # The runner drops released sids before it installs the new specs.
+        # The runner drops released sids before it installs the new specs and page tables.
         for sid in batch.released_sids:
             self.specs.pop(sid, None)
+            self.tables.pop(sid, None)
         for spec in batch.new_specs:
             assert spec.sid not in self.specs, "a spec for a sid that is still live"
             self.specs[spec.sid] = spec
@@ -124,7 +127,12 @@ class Harness:
             assert batch.input_ids[pos:pos + n] == req.token_slice(p, p + n)
             assert batch.output_lens[i] == len(req.output_ids)
             assert batch.sample[i] == (p + n == req.seq_len)
-            table = batch.page_tables[i]
+            held = self.tables.setdefault(batch.sids[i], [])
+            assert batch.page_starts[i] <= len(held), "a page update with a gap"
+            del held[batch.page_starts[i]:]
+            held.extend(batch.new_pages[i])
+            table = held
+            assert table == req.pages[:len(table)], "the runner's page table differs from the scheduler's"
             assert len(table) == -(-(p + n) // self.ps)
             assert 0 not in table, "page 0 is scratch, never mapped"
             # New KV only goes into pages the request holds privately: never into a tree page
@@ -136,13 +144,13 @@ class Harness:
     def _run_model(self, batch: BatchInput, expected: list[list[int]]) -> BatchOutput:
         pos, out = 0, []
         for i in range(len(batch.sids)):
-            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], batch.page_tables[i]
+            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[batch.sids[i]]
             for q, tok in zip(range(p, p + n), batch.input_ids[pos:pos + n]):
                 self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
             pos += n
         for i in range(len(batch.sids)):
             if batch.sample[i]:
-                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], batch.page_tables[i]
+                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[batch.sids[i]]
                 history = [self.kv[table[q // self.ps]][q % self.ps] for q in range(p + n)]
                 assert history == expected[i], "the KV cache holds the wrong tokens"
                 out.append(self.token_fn(tuple(history)))
@@ -170,7 +178,7 @@ class Harness:
 
     # ---- expectations ---------------------------------------------------------------
     def outputs(self, rid: str) -> list[int]:
-        return [ev.token_id for ev in self.events[rid] if ev.token_id is not None]
+        return [t for ev in self.events[rid] for t in ev.token_ids]
 
     def assert_finished_correctly(self, rid: str) -> None:
         """The request ended once, with the reason its tokens call for."""
@@ -181,17 +189,17 @@ class Harness:
         # Every token is the runner's function of the history before it.
         for i, tok in enumerate(out):
             assert tok == self.token_fn(tuple(req.prompt_ids + out[:i]))
-        if ev.finish_reason == FINISH_ABORT:
+        if ev.finish_reason == FinishReason.ABORT:
             return
         p = req.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.s.eos_token_ids))
         for i, tok in enumerate(out[:-1]):
             assert not (i + 1 >= p.min_new_tokens and tok in stops), "ran past a stop token"
-        if ev.finish_reason == FINISH_STOP:
+        if ev.finish_reason == FinishReason.STOP:
             assert out[-1] in stops and len(out) >= p.min_new_tokens
             assert ev.matched_stop == out[-1]
         else:
-            assert ev.finish_reason == FINISH_LENGTH
+            assert ev.finish_reason == FinishReason.LENGTH
             assert ev.matched_stop is None
             # The next step would need KV for all seq_len tokens: past the pool it cannot run.
             seq_len, pool = len(req.prompt_ids) + len(out), self.s.allocator.capacity * self.ps
@@ -219,7 +227,7 @@ def test_length_at_max_new_tokens():
         h.add(f"r{i}", prompt(10 + i, i), max_new_tokens=5 + i)
     h.run()
     for i in range(4):
-        assert h.final[f"r{i}"].finish_reason == FINISH_LENGTH
+        assert h.final[f"r{i}"].finish_reason == FinishReason.LENGTH
         assert len(h.outputs(f"r{i}")) == 5 + i
         h.assert_finished_correctly(f"r{i}")
 
@@ -231,9 +239,9 @@ def test_stop_on_eos_unless_ignore_eos():
     h.add("ignore", list(range(10)), max_new_tokens=20, ignore_eos=True)
     h.run()
     assert h.outputs("eos") == [10, 11, 12, 13]
-    assert h.final["eos"].finish_reason == FINISH_STOP and h.final["eos"].matched_stop == 13
+    assert h.final["eos"].finish_reason == FinishReason.STOP and h.final["eos"].matched_stop == 13
     assert h.outputs("ignore") == list(range(10, 30))
-    assert h.final["ignore"].finish_reason == FINISH_LENGTH
+    assert h.final["ignore"].finish_reason == FinishReason.LENGTH
     for rid in ("eos", "ignore"):
         h.assert_finished_correctly(rid)
 
@@ -250,9 +258,9 @@ def test_stop_token_ids_and_min_new_tokens():
     # min_new_tokens=4 suppresses stopping on 11 (2nd) and eos 12 (3rd); 13 is no stop token,
     # and no stop comes later: it runs to the length limit.
     assert h.outputs("min_new") == list(range(10, 30))
-    assert h.final["min_new"].finish_reason == FINISH_LENGTH
+    assert h.final["min_new"].finish_reason == FinishReason.LENGTH
     # eos 12 is the 3rd token: exactly min_new_tokens, so it stops there.
-    assert h.outputs("min_new_eos") == [10, 11, 12] and h.final["min_new_eos"].finish_reason == FINISH_STOP
+    assert h.outputs("min_new_eos") == [10, 11, 12] and h.final["min_new_eos"].finish_reason == FinishReason.STOP
     assert h.outputs("stop_even_ignoring_eos") == [10, 11, 12, 13, 14]
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
@@ -262,7 +270,7 @@ def test_length_at_the_context_limit():
     h = Harness(eos=(), context_len=20)
     h.add("r", prompt(15, 1), max_new_tokens=100)
     h.run()
-    assert h.final["r"].finish_reason == FINISH_LENGTH
+    assert h.final["r"].finish_reason == FinishReason.LENGTH
     assert len(h.outputs("r")) == 5  # 15 + 5 == context_len
     h.assert_finished_correctly("r")
 
@@ -274,7 +282,7 @@ def test_length_when_the_sequence_outgrows_the_pool():
     h.add("r", prompt(10, 2), max_new_tokens=100)
     h.run(max_steps=100)
     assert "r" in h.final, "the request ended without telling the caller"
-    assert h.final["r"].finish_reason == FINISH_LENGTH
+    assert h.final["r"].finish_reason == FinishReason.LENGTH
     assert len(h.outputs("r")) == 7  # the 17th token is the last: the next step needs a 5th page
     h.assert_finished_correctly("r")
 
@@ -284,9 +292,10 @@ def test_finish_from_outside_the_scheduler():
     h.add("r", prompt(8, 3), max_new_tokens=50)
     h.step()
     h.step()
-    ev = h.s.finish("r", FINISH_STOP, matched_stop="stop string")
-    assert ev.finish_reason == FINISH_STOP and ev.matched_stop == "stop string"
-    assert h.s.finish("r", FINISH_STOP) is None
+    h.s.stop("r", "stop string")  # the detokenizer already told the client: no record back
+    assert h.reqs["r"].finished and h.reqs["r"].finish_reason == FinishReason.STOP
+    assert h.reqs["r"].matched_stop == "stop string" and "r" not in h.final
+    h.s.stop("r", "again")  # a second stop (or one for an unknown id) is a no-op
     h.assert_idle()
 
 
@@ -298,10 +307,10 @@ def test_runner_error_aborts_the_batch():
     h.add("waiting", prompt(8, 4), max_new_tokens=50, priority=-1)
     h.step()
     batch = h.s.schedule()
-    assert h.s.abort("c").finish_reason == FINISH_ABORT  # while the failing step runs
+    assert h.s.abort("c").finish_reason == FinishReason.ABORT  # while the failing step runs
     events = h.s.process_output(batch, BatchOutput(batch.step, [], error="boom"))
     assert {e.rid for e in events} == {"a", "b"}
-    assert all(e.finish_reason == FINISH_ABORT and e.error == "boom" for e in events)
+    assert all(e.finish_reason == FinishReason.ABORT and e.error == "boom" for e in events)
     h.s.check()
     assert [r.rid for r in h.s.reqs.values()] == ["waiting"]  # not in the batch: unharmed
     h.run()
@@ -316,7 +325,7 @@ def test_fail_all_ends_every_request():
     h.step()
     events = h.s.fail_all("runner died")
     assert sorted(e.rid for e in events) == ["prefill", "run", "wait"]
-    assert all(e.finish_reason == FINISH_ABORT and e.error == "runner died" for e in events)
+    assert all(e.finish_reason == FinishReason.ABORT and e.error == "runner died" for e in events)
     h.assert_idle()
 
 
@@ -331,7 +340,7 @@ def test_logprobs_follow_their_own_tokens():
     for rid in ("lp", "top"):
         toks = h.outputs(rid)
         assert h.reqs[rid].logprobs == [fake_logprob(t) for t in toks]
-        assert [ev.logprob for ev in h.events[rid] if ev.token_id is not None] == h.reqs[rid].logprobs
+        assert [lp for ev in h.events[rid] for lp in ev.logprobs or []] == h.reqs[rid].logprobs
     assert h.reqs["lp"].top_logprobs == []
     assert h.reqs["top"].top_logprobs == [[[t], [fake_logprob(t)]] for t in h.outputs("top")]
 
@@ -519,7 +528,7 @@ def test_high_priority_arrival_retracts_a_lower_priority_request():
     assert h.reqs["low"].num_retractions == 1
     assert h.s.stats().num_retractions_total == 1
     h.run()
-    assert h.final["high"].finish_reason == FINISH_LENGTH
+    assert h.final["high"].finish_reason == FinishReason.LENGTH
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
     # "high" finished before "low" resumed decoding.
@@ -607,7 +616,7 @@ def test_tiny_pool_forces_retraction_but_tokens_match_a_huge_pool(page_size):
     assert got == want
     for h in (big, small):
         for rid in h.reqs:
-            assert h.final[rid].finish_reason in (FINISH_STOP, FINISH_LENGTH)
+            assert h.final[rid].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             h.assert_finished_correctly(rid)
 
 
@@ -637,7 +646,7 @@ def test_retracted_request_resumes_from_its_cached_pages():
     retractions = record_retractions(h.s)
     h.step()
     assert h.batches[-1][1][0].rid == "high"
-    assert retractions == [("low", "waiting", [], 4)]  # its 4 whole pages stay cached
+    assert retractions == [("low", Status.WAITING, [], 4)]  # its 4 whole pages stay cached
     # (low's 1-page tail then fits again in the same step: admission keeps headroom only
     # for requests decoding when it starts.)
     h.run()
@@ -661,11 +670,11 @@ def test_abort_waiting_running_and_mid_prefill_frees_their_kv():
     h.step()
     h.step()
     assert h.reqs["prefill"].in_prefill and h.reqs["prefill"].kv_len > 0
-    assert h.reqs["waiting"].status == "waiting"
+    assert h.reqs["waiting"].status == Status.WAITING
     for rid in ("waiting", "prefill", "running"):
         h.abort(rid)
         h.s.check()
-        assert h.final[rid].finish_reason == FINISH_ABORT
+        assert h.final[rid].finish_reason == FinishReason.ABORT
     assert h.s.abort("running") is None  # already gone
     assert h.s.schedule() is None
     h.assert_idle()
@@ -682,7 +691,7 @@ def test_abort_while_the_step_runs():
     h.step()
     h.step(abort_mid_step=["b"])  # b is decoding
     h.run()
-    assert h.final["a"].finish_reason == h.final["b"].finish_reason == FINISH_ABORT
+    assert h.final["a"].finish_reason == h.final["b"].finish_reason == FinishReason.ABORT
     h.add("c", prompt(40, 1), max_new_tokens=3, ignore_eos=True)  # reuses a's cached chunk
     h.run()
     h.assert_finished_correctly("c")
@@ -764,22 +773,22 @@ def test_shared_prefix_deferral_needs_enough_shared_uncached_tokens():
 
 def test_rejections():
     h = Harness(num_pages=9, page_size=4, context_len=30)  # 32 KV tokens
-    with pytest.raises(RequestRejected) as e:
+    with pytest.raises(InvalidParam) as e:
         h.add("empty", [])
     assert e.value.field == "prompt"
-    with pytest.raises(RequestRejected):
+    with pytest.raises(InvalidParam):
         h.add("ctx", prompt(30, 1))  # prompt >= context
     h2 = Harness(num_pages=9, page_size=4, context_len=4096)
-    with pytest.raises(RequestRejected):
+    with pytest.raises(InvalidParam):
         h2.add("pool", prompt(32, 1))  # needs 33 KV tokens, the pool holds 32
     h2.add("fits", prompt(31, 1), max_new_tokens=4)
-    with pytest.raises(RequestRejected) as e:
+    with pytest.raises(InvalidParam) as e:
         h2.add("fits", prompt(3, 1))
     assert e.value.field == "rid"
     h.add("ok", prompt(29, 1), max_new_tokens=4)
     for x in (h, h2):
         x.run()
-    assert h.final["ok"].finish_reason in (FINISH_LENGTH, FINISH_STOP)
+    assert h.final["ok"].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert len(h.outputs("ok")) == 1  # 29 + 1 == context_len
     h2.assert_finished_correctly("fits")
 
@@ -871,5 +880,5 @@ def test_random_workloads_run_to_completion(w):
     aborted = {f"r{i}" for _, i, _ in w["aborts"]}
     for rid in h.reqs:
         if rid not in aborted:
-            assert h.final[rid].finish_reason in (FINISH_STOP, FINISH_LENGTH)
+            assert h.final[rid].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         h.assert_finished_correctly(rid)

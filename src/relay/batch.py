@@ -1,18 +1,16 @@
-"""The scheduler <-> model runner contract: a batch description in, sampled tokens out.
+"""The scheduler <-> model runner contract: a step's description in, sampled tokens out.
 
 These are the only objects that pass between the scheduling policy and the model runner,
 in one process (offline `Engine`) or across processes (the server, one runner per TP rank).
-They hold plain ints, floats and lists so the msgpack codec carries them as they are.
+A request's state reaches the runner once and then as changes: its sampling spec when it
+first runs, its page table as (first changed index, pages from there), its handle in
+released_sids when it ends. They hold plain ints, floats and lists for the msgpack codec.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from relay.sampling_params import SamplingParams
-
-# An input id the runner replaces with the token it sampled for that request one step
-# earlier; lets the scheduler build step N+1 before step N's tokens come back.
-PREVIOUS_TOKEN = -1
 
 
 @dataclass
@@ -31,15 +29,22 @@ class BatchInput:
     input_ids: list[int]  # new tokens of all requests, concatenated
     prefix_lens: list[int]  # tokens of each request already in the KV cache
     extend_lens: list[int]  # new tokens of each request in this step
-    page_tables: list[list[int]]  # KV pages holding prefix + new tokens, per request
+    # Per request: the runner's page table from this index on is replaced by these pages;
+    # afterwards it holds exactly the pages for prefix + new tokens.
+    page_starts: list[int]
+    new_pages: list[list[int]]
     sample: list[bool]  # False for a prefill chunk that is not the prompt's last
     output_lens: list[int]  # tokens each request has generated so far
     new_specs: list[SamplingSpec] = field(default_factory=list)
-    released_sids: list[int] = field(default_factory=list)
+    released_sids: list[int] = field(default_factory=list)  # ended: forget their state first
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
 
     def without(self, rows: set[int]) -> "BatchInput":
         """The same step minus some requests (and the sampling specs of their handles)."""
@@ -48,17 +53,14 @@ class BatchInput:
         for n in self.extend_lens:
             starts.append(starts[-1] + n)
         dropped = {self.sids[i] for i in rows}
+        pick = lambda values: [values[i] for i in keep]  # noqa: E731
         return BatchInput(
-            step=self.step, sids=[self.sids[i] for i in keep],
+            step=self.step, sids=pick(self.sids),
             input_ids=[t for i in keep for t in self.input_ids[starts[i]:starts[i + 1]]],
-            prefix_lens=[self.prefix_lens[i] for i in keep], extend_lens=[self.extend_lens[i] for i in keep],
-            page_tables=[self.page_tables[i] for i in keep], sample=[self.sample[i] for i in keep],
-            output_lens=[self.output_lens[i] for i in keep],
-            new_specs=[s for s in self.new_specs if s.sid not in dropped], released_sids=self.released_sids)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.extend_lens)
+            prefix_lens=pick(self.prefix_lens), extend_lens=pick(self.extend_lens),
+            page_starts=pick(self.page_starts), new_pages=pick(self.new_pages), sample=pick(self.sample),
+            output_lens=pick(self.output_lens), new_specs=[s for s in self.new_specs if s.sid not in dropped],
+            released_sids=self.released_sids)
 
 
 @dataclass

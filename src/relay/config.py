@@ -17,7 +17,7 @@ LOAD_FORMATS = ("auto", "dummy", "dummy-null")
 QUANTIZATIONS = (None, "int8")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # HF directory or .gguf file; None = the default model
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
@@ -69,11 +69,11 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def resolve_step_budget(self, device_type: str) -> int:
-        """Fix chunked_prefill_size for the device the model runs on; returns it."""
-        if self.chunked_prefill_size is None:
-            self.chunked_prefill_size = 8192 if device_type == "cuda" else 256
-        return self.chunked_prefill_size
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with what depends on the device resolved (the step budget)."""
+        if self.chunked_prefill_size is not None:
+            return self
+        return dataclasses.replace(self, chunked_prefill_size=8192 if device_type == "cuda" else 256)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":

@@ -103,11 +103,3 @@ class TPGroup:
             dist.all_gather(gathered, padded)
             parts = [g[..., :n] for g, n in zip(gathered, sizes)]
         return torch.cat(parts, dim=-1)
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
-    def shutdown(self) -> None:
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()

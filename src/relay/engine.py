@@ -4,44 +4,26 @@
     engine = Engine()  # the default model
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0))
 
-It drives the same scheduler and runner objects the server puts in separate processes.
+It drives the same objects the server puts in separate processes: the PromptPreparer, the
+Scheduler, the ModelRunner and the Detokenizer, and merges each request's RequestOutput
+records into one.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from relay.config import EngineConfig, ModelConfig
+from relay.detokenizer import Detokenizer, DetokenizeSpec
 from relay.model_files import resolve_model_dir
 from relay.model_runner import ModelRunner
-from relay.request import Req, TokenEvent
+from relay.outputs import RequestOutput
+from relay.request import Req
 from relay.sampling_params import SamplingParams
 from relay.scheduler import Scheduler
-from relay.tokenizer import DecodeStream, Tokenizer
+from relay.tokenizer import PromptPreparer, Tokenizer
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class RequestOutput:
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
-    prompt_tokens: int
-    cached_tokens: int
-    matched_stop: int | str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[list[float]]] | None = None
-    error: str | None = None
-
-
-@dataclass
-class _Tracked:
-    req: Req
-    stream: DecodeStream
-    text: list[str] = field(default_factory=list)
 
 
 def eos_ids(mc: ModelConfig, tokenizer: Tokenizer) -> list[int]:
@@ -59,53 +41,44 @@ class Engine:
         if self.config.load_format == "dummy-null":
             raise ValueError("load_format dummy-null only exists in the server (it measures the pipeline)")
         model_dir = resolve_model_dir(model_path)
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir)
-        self.runner = ModelRunner(self.config, model_dir, self.model_config)
-        self.scheduler = Scheduler(self.config, self.runner.num_pages, self.runner.context_len,
-                                   eos_ids(self.model_config, self.tokenizer),
-                                   attention_break_even=self.model_config.attention_break_even())
+        self.runner = ModelRunner(self.config, model_dir, mc)
+        self.prompts = PromptPreparer(self.tokenizer, self.runner.context_len, mc.vocab_size)
+        self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len,
+                                   eos_ids(mc, self.tokenizer), attention_break_even=mc.attention_break_even())
+        self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: int | Sequence[int] = 0) -> list[RequestOutput]:
-        """Run prompts (strings or token id lists) to completion; one output per prompt."""
+        """Run prompts (strings or token id lists) to completion; one merged RequestOutput
+        per prompt (text, token_ids, finish_reason, counts, logprobs when asked)."""
         prompts = _as_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _broadcast(priority, len(prompts), "priority")
-        tracked: dict[str, _Tracked] = {}
+        results: dict[str, RequestOutput] = {}
         for prompt, p, prio in zip(prompts, params, priorities):
             p.validate(self.tokenizer.vocab_size)
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            req = Req(f"offline-{next(self._ids)}", ids, p, priority=prio)
-            self.scheduler.add_request(req)
-            tracked[req.rid] = _Tracked(req, DecodeStream(self.tokenizer, ids, p))
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            ids = self.prompts.prompt_ids(text, ids)
+            p = self.prompts.fit_context(p, len(ids))
+            rid = f"offline-{next(self._ids)}"
+            self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
+            self.scheduler.add_request(Req(rid, ids, p, priority=prio))
+            results[rid] = RequestOutput(rid)
         while self.scheduler.has_work:
             batch = self.scheduler.schedule()
             if batch is None:
                 raise RuntimeError("scheduler has work but scheduled nothing")
-            out = self.runner.forward(batch)
-            for event in self.scheduler.process_output(batch, out):
-                self._on_event(tracked[event.rid], event)
-        return [self._output(t) for t in tracked.values()]
-
-    def _on_event(self, t: _Tracked, event: TokenEvent) -> None:
-        new = [event.token_id] if event.token_id is not None else []
-        t.text.append(t.stream.add(new, finished=event.finish_reason is not None))
-        if t.stream.stopped is not None and not t.req.finished:
-            self.scheduler.finish(t.req.rid, "stop", t.stream.stopped)
-
-    def _output(self, t: _Tracked) -> RequestOutput:
-        r = t.req
-        reason, matched = r.finish_reason, r.matched_stop
-        if t.stream.stopped is not None and reason == "length":  # the last token completed a stop string
-            reason, matched = "stop", t.stream.stopped
-        return RequestOutput(
-            rid=r.rid, text="".join(t.text), token_ids=list(r.output_ids), finish_reason=reason,
-            prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens, matched_stop=matched,
-            logprobs=list(r.logprobs) if r.params.logprobs else None,
-            top_logprobs=list(r.top_logprobs) if r.params.top_logprobs else None, error=r.error)
+            records = self.scheduler.process_output(batch, self.runner.forward(batch))
+            shown, stops = self.detokenizer.process(records)
+            for stop in stops:
+                self.scheduler.stop(stop.rid, stop.matched)
+            for record in shown:
+                results[record.rid].extend(record)
+        return list(results.values())
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

@@ -19,7 +19,6 @@ class Heartbeats:
     timeout: float
     outstanding: dict[int, float] = field(default_factory=dict)  # seq -> sent at
     next_seq: int = 0
-    last_back: float | None = None
     step_age: float = 0.0
 
     def ping(self, now: float) -> int:
@@ -29,9 +28,9 @@ class Heartbeats:
         self.outstanding[seq] = now
         return seq
 
-    def pong(self, seq: int, step_age: float, now: float) -> None:
+    def pong(self, seq: int, step_age: float) -> None:
         self.outstanding.pop(seq, None)
-        self.last_back, self.step_age = now, step_age
+        self.step_age = step_age
 
     def problem(self, now: float) -> str | None:
         """Why the pipeline cannot serve now, or None if it can."""

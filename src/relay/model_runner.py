@@ -1,8 +1,8 @@
 """The model runner: weights, the KV pool's tensors, attention, sampling. One per TP rank.
 
-`forward(BatchInput) -> BatchOutput` is its whole interface; it keeps no request state but
-the sampler's (keyed by the scheduler's request handles) and each request's last sampled
-token (for inputs the scheduler sent as PREVIOUS_TOKEN).
+`forward(BatchInput) -> BatchOutput` is its whole interface. It keeps what the scheduler sent
+once per request, keyed by the request's handle (sid): the sampler's state, and the page
+table that each step's changes are applied to.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from relay.attention import backend_class
 from relay.attention.base import StepMeta
-from relay.batch import PREVIOUS_TOKEN, BatchInput, BatchOutput
+from relay.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
@@ -55,11 +55,12 @@ def available_cores() -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: str, mc: ModelConfig, tp: TPGroup | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, model_dir: str, mc: ModelConfig, tp: TPGroup | None = None,
+                 device: torch.device | None = None):
         self.tp = tp or TPGroup()
         self.mc = mc
-        self.device = pick_device(cfg.device)
+        self.device = device or pick_device(cfg.device)
+        self.cfg = cfg = cfg.for_device(self.device.type)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else pick_dtype(cfg.kv_cache_dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
@@ -72,7 +73,6 @@ class ModelRunner:
         else:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
-        cfg.resolve_step_budget(self.device.type)
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
@@ -87,7 +87,7 @@ class ModelRunner:
         self.attn = attn_cls(kv=self.kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count,
                              head_dim=mc.head_dim, scale=mc.head_dim ** -0.5)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
-        self.last_tokens: dict[int, int] = {}
+        self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
         self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
 
     # ---- setup --------------------------------------------------------------------------
@@ -131,8 +131,12 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler.update(run.released_sids, run.new_specs)
         for sid in run.released_sids:
-            self.last_tokens.pop(sid, None)
-        logits = self.step_logits(run) if run.sids else None
+            self.page_tables.pop(sid, None)
+        for sid, start, pages in zip(run.sids, run.page_starts, run.new_pages):
+            table = self.page_tables.setdefault(sid, [])
+            del table[start:]
+            table.extend(pages)
+        logits = self.step_logits(run, [self.page_tables[sid] for sid in run.sids]) if run.sids else None
         if self.sampler is None:
             return BatchOutput(batch.step, [], row_errors=row_errors)
         kept = [i for i in range(len(batch.sids)) if i not in row_errors]
@@ -142,7 +146,6 @@ class ModelRunner:
             sids = [sid for sid, s in zip(run.sids, run.sample) if s]
             res, failed = self._sample(logits, sids, [n for n, s in zip(run.output_lens, run.sample) if s])
             row_errors.update({sampled[j]: why for j, why in failed.items()})
-            self.last_tokens.update((sid, t) for sid, t in zip(sids, res.token_ids) if t >= 0)
         return _scatter(batch, row_errors, sampled, res)
 
     def _sample(self, logits: torch.Tensor, sids: list[int], out_lens: list[int]
@@ -163,76 +166,75 @@ class ModelRunner:
         return _concat_results(parts), failed
 
     def invalid_rows(self, batch: BatchInput) -> dict[int, str]:
-        """Rows whose input would index outside the model or the KV pool, with why. The
-        scheduler never builds them; this keeps a bug (or a bad id that slipped past the
-        door) from failing a whole batch, or on a GPU from poisoning the device."""
-        vocab, ps = self.mc.vocab_size, self.page_size
-        ids = batch.input_ids
+        """Rows whose input would index outside the model, the KV pool or the request's page
+        table, with why. The scheduler never builds them; this keeps a bug (or a bad id that
+        slipped past the door) from failing a whole batch, or on a GPU from poisoning the
+        device. Every rank holds the same tables, so every rank reaches the same verdict."""
+        vocab = self.mc.vocab_size
         specs_ok = all(_ids_within(s.stop_token_ids, vocab) and _ids_within(s.prompt_ids, vocab)
                        for s in batch.new_specs)
-        fits = all(p + e <= min(len(t) * ps, self.context_len)
-                   for p, e, t in zip(batch.prefix_lens, batch.extend_lens, batch.page_tables))
-        pages_ok = all(_ids_within(table, self.num_pages) for table in batch.page_tables)
-        if (_ids_within(ids, vocab, PREVIOUS_TOKEN) and pages_ok and specs_ok and fits
-                and sum(batch.extend_lens) == len(ids)):
+        pages_ok = all(_ids_within(pages, self.num_pages, 1) for pages in batch.new_pages)
+        if (_ids_within(batch.input_ids, vocab) and pages_ok and specs_ok
+                and sum(batch.extend_lens) == len(batch.input_ids) and not self._bad_tables(batch)):
             return {}
         return self._find_invalid_rows(batch)
 
+    def _bad_tables(self, batch: BatchInput) -> list[int]:
+        """Rows whose page update leaves a gap, or whose table would not hold their tokens."""
+        released = set(batch.released_sids)
+        bad = []
+        for i, sid in enumerate(batch.sids):
+            held = 0 if sid in released else len(self.page_tables.get(sid, ()))
+            end = batch.prefix_lens[i] + batch.extend_lens[i]
+            start = batch.page_starts[i]
+            if start > held or (start + len(batch.new_pages[i])) * self.page_size < end or end > self.context_len:
+                bad.append(i)
+        return bad
+
     def _find_invalid_rows(self, batch: BatchInput) -> dict[int, str]:
-        vocab, ps = self.mc.vocab_size, self.page_size
+        vocab = self.mc.vocab_size
         bad_specs = {s.sid for s in batch.new_specs
                      if not (_ids_within(s.stop_token_ids, vocab) and _ids_within(s.prompt_ids, vocab))}
+        bad_tables = set(self._bad_tables(batch))
         errors: dict[int, str] = {}
         start = 0
         for i, (sid, n) in enumerate(zip(batch.sids, batch.extend_lens)):
-            table, end = batch.page_tables[i], batch.prefix_lens[i] + n
-            if not _ids_within(batch.input_ids[start:start + n], vocab, PREVIOUS_TOKEN):
+            if not _ids_within(batch.input_ids[start:start + n], vocab):
                 errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
             elif sid in bad_specs:
                 errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"
-            elif not _ids_within(table, self.num_pages) or end > len(table) * ps or end > self.context_len:
+            elif i in bad_tables or not _ids_within(batch.new_pages[i], self.num_pages, 1):
                 errors[i] = "the request's KV pages or positions are out of range"
             start += n
         if start != len(batch.input_ids):  # the lengths disagree: no row can be trusted
             errors = {i: "malformed batch: input ids and extend lengths disagree" for i in range(len(batch.sids))}
         return errors
 
-    def _prepare(self, batch: BatchInput) -> tuple[StepMeta, torch.Tensor]:
-        ids = batch.input_ids
-        if PREVIOUS_TOKEN in ids:
-            ids = self._resolve_previous(batch)
+    def _prepare(self, batch: BatchInput, tables: list[list[int]]) -> tuple[StepMeta, torch.Tensor]:
         ps = self.page_size
         if batch.is_decode:
             pos = np.asarray(batch.prefix_lens, dtype=np.int64)
-            last_pages = np.fromiter((pt[p // ps] for pt, p in zip(batch.page_tables, batch.prefix_lens)),
+            last_pages = np.fromiter((pt[p // ps] for pt, p in zip(tables, batch.prefix_lens)),
                                      dtype=np.int64, count=len(pos))
             slots = last_pages * ps + pos % ps
         else:
             pos = np.concatenate([np.arange(p, p + e) for p, e in zip(batch.prefix_lens, batch.extend_lens)])
             slots = np.concatenate([
                 np.asarray(pt, dtype=np.int64)[np.arange(p, p + e) // ps] * ps + np.arange(p, p + e) % ps
-                for pt, p, e in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)])
+                for pt, p, e in zip(tables, batch.prefix_lens, batch.extend_lens)])
         dev = self.device
-        meta = StepMeta(batch.prefix_lens, batch.extend_lens, batch.page_tables,
+        meta = StepMeta(batch.prefix_lens, batch.extend_lens, tables,
                         positions=torch.from_numpy(pos).to(dev), out_slots=torch.from_numpy(slots).to(dev))
-        return meta, torch.tensor(ids, dtype=torch.int64, device=dev)
-
-    def _resolve_previous(self, batch: BatchInput) -> list[int]:
-        ids, pos = list(batch.input_ids), 0
-        for sid, n in zip(batch.sids, batch.extend_lens):
-            for j in range(pos, pos + n):
-                if ids[j] == PREVIOUS_TOKEN:
-                    ids[j] = self.last_tokens[sid]
-            pos += n
-        return ids
+        return meta, torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
 
     # ---- GPU: CUDA graphs, the warm-up that sizes the KV pool ----------------------------
     @torch.inference_mode()
-    def step_logits(self, batch: BatchInput) -> torch.Tensor | None:
-        """Run one step's forward; float32 logits [rows, vocab] of the requests that sample
+    def step_logits(self, batch: BatchInput, tables: list[list[int]]) -> torch.Tensor | None:
+        """Run one step's forward over these page tables (one per request, covering its
+        prefix and new tokens); float32 logits [rows, vocab] of the requests that sample
         (None when none does). Decode steps that fit a captured CUDA graph replay it (logits
         included); everything else runs eagerly."""
-        meta, input_ids = self._prepare(batch)
+        meta, input_ids = self._prepare(batch, tables)
         ends = np.cumsum(batch.extend_lens) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch.sample) if s]
         graphs = self.cuda_graphs

@@ -1,14 +1,18 @@
-"""A request as the scheduler tracks it, and what it reports per step."""
+"""A request as the scheduler tracks it."""
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
 from relay.radix_cache import RadixNode
 from relay.sampling_params import SamplingParams
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -19,14 +23,15 @@ class Req:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     seq: int = 0  # admission order; FCFS tie-break within a priority
-    sid: int = -1  # handle the model runner keys sampling state by
-    status: str = WAITING
+    sid: int = -1  # handle the model runner keys this request's state by
+    status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    # KV state: pages[i] holds tokens [i*page_size, (i+1)*page_size) of all_ids.
+    # KV state: pages[i] holds tokens [i*page_size, (i+1)*page_size) of prompt + output.
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # leading tokens whose KV is written
     tree_len: int = 0  # leading tokens whose pages the radix tree owns (locked via last_node)
     last_node: RadixNode | None = None
+    pages_synced: int = 0  # leading pages the runner's copy of the page table has right
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     spec_sent: bool = False  # the runner has this request's sampling spec
     finish_reason: str | None = None
@@ -38,12 +43,8 @@ class Req:
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     num_retractions: int = 0
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def token_slice(self, lo: int, hi: int) -> list[int]:
-        """all_ids[lo:hi] without building all_ids."""
+        """(prompt + output)[lo:hi] without building the concatenation."""
         p = len(self.prompt_ids)
         if hi <= p:
             return self.prompt_ids[lo:hi]
@@ -51,31 +52,28 @@ class Req:
             return self.output_ids[lo - p:hi - p]
         return self.prompt_ids[lo:] + self.output_ids[:hi - p]
 
+    def set_pages(self, start: int, pages: list[int]) -> None:
+        """Replace pages[start:] (the whole table when start is 0)."""
+        del self.pages[start:]
+        self.pages.extend(pages)
+        self.pages_synced = min(self.pages_synced, start)
+
+    def page_update(self, num_pages: int) -> tuple[int, list[int]]:
+        """What the runner lacks of the first num_pages pages: (first index, pages from it).
+        The runner then has them all."""
+        start = min(self.pages_synced, num_pages)
+        self.pages_synced = num_pages
+        return start, self.pages[start:num_pages]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def finished(self) -> bool:
-        return self.status == FINISHED
+        return self.status == Status.FINISHED
 
     @property
     def in_prefill(self) -> bool:
         """More than one token still lacks KV (a prompt, or a recompute after retraction)."""
         return self.seq_len - self.kv_len > 1
-
-
-@dataclass
-class TokenEvent:
-    """One request's progress in one step, as the scheduler reports it."""
-    rid: str
-    token_id: int | None  # None: the request ended without a new token (abort, error)
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    logprob: float | None = None
-    top_logprobs: list[list[float]] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    queue_time: float | None = None
-    error: str | None = None

@@ -1,14 +1,21 @@
-"""Per-request sampling parameters and their validation."""
+"""Per-request sampling parameters, their ranges, and their validation.
+
+RANGES is the one declaration of each numeric parameter's legal values: validate() checks
+them here, and the HTTP parsers (relay.api) check the same table so their errors can name
+the API's own field.
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
-# max_new_tokens meaning "as many as the context allows" (OpenAI chat without max_tokens);
-# the tokenizer replaces it with the room the prompt leaves.
-UNTIL_CONTEXT = 2**31 - 1
+MAX_NEW_TOKENS = 1_000_000  # above this a budget is a client bug, not a real one
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
+_I64 = 2**63
 
 
 class InvalidParam(ValueError):
@@ -19,9 +26,47 @@ class InvalidParam(ValueError):
         self.field = field_name
 
 
+@dataclass(frozen=True)
+class Range:
+    """The legal values of one numeric parameter."""
+    lo: float
+    hi: float
+    integer: bool = False
+    lo_open: bool = False  # lo itself is excluded
+    what: str | None = None  # a description where the interval alone would mislead
+
+    def holds(self, x: Any) -> bool:
+        if isinstance(x, bool) or not isinstance(x, int if self.integer else (int, float)):
+            return False
+        if not self.integer and not math.isfinite(x):
+            return False
+        return (self.lo < x if self.lo_open else self.lo <= x) and x <= self.hi
+
+    def describe(self) -> str:
+        if self.what:
+            return self.what
+        lo = f"({self.lo:g}" if self.lo_open else f"[{self.lo:g}"
+        return f"{'an integer' if self.integer else 'a number'} in {lo}, {self.hi:g}]"
+
+
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(1, MAX_NEW_TOKENS, integer=True),
+    "min_new_tokens": Range(0, MAX_NEW_TOKENS, integer=True),
+    "temperature": Range(0, 100),  # OpenAI's routes narrow it to [0, 2]
+    "top_p": Range(0, 1, lo_open=True),
+    "top_k": Range(-1, 2**31 - 1, integer=True, what="-1 or 0 (off), or an integer >= 1"),
+    "min_p": Range(0, 1),
+    "repetition_penalty": Range(0, 10, lo_open=True),
+    "frequency_penalty": Range(-2, 2),
+    "presence_penalty": Range(-2, 2),
+    "seed": Range(-_I64, _I64 - 1, integer=True, what="a 64-bit integer"),
+    "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+}
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: as many as the context leaves (fit_context resolves it)
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -51,39 +96,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def has_penalty(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidParam naming the first bad field; return self for chaining."""
-        checks: list[tuple[str, bool, str]] = [
-            ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "must be an integer >= 1"),
-            ("min_new_tokens", _is_int(self.min_new_tokens) and 0 <= self.min_new_tokens, "must be an integer >= 0"),
-            ("min_new_tokens", not _is_int(self.min_new_tokens) or not _is_int(self.max_new_tokens)
-             or self.min_new_tokens <= self.max_new_tokens, "must be <= max_new_tokens"),
-            ("temperature", _is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_p", _is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "must be -1 (off) or >= 1"),
-            ("min_p", _is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", _is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-             "must be in (0, 10]"),
-            ("frequency_penalty", _is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-             "must be in [-2, 2]"),
-            ("presence_penalty", _is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-             "must be in [-2, 2]"),
-            ("seed", self.seed is None or _is_int(self.seed), "must be an integer"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
-             "must be up to 16 non-empty strings"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size)
-                                   for t in self.stop_token_ids), "must be token ids in the vocabulary"),
-            ("top_logprobs", _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-             f"must be in [0, {MAX_TOP_LOGPROBS}]"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise InvalidParam(name, f"{name} {why}, got {getattr(self, name)!r}")
+        for name, rule in RANGES.items():
+            value = getattr(self, name)
+            if (value is not None or name not in ("max_new_tokens", "seed")) and not rule.holds(value):
+                raise InvalidParam(name, f"{name} must be {rule.describe()}, got {value!r}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise InvalidParam("min_new_tokens", f"min_new_tokens must be <= max_new_tokens, got "
+                                                 f"{self.min_new_tokens!r}")
+        if not (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS):
+            raise InvalidParam("stop", f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        limit = vocab_size or 2**31
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
+            raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
+                                                 f"{self.stop_token_ids!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,9 +125,9 @@ class SamplingParams:
         return cls(**d)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+def check_prompt_length(num_tokens: int, context_len: int, field_name: str = "prompt",
+                        at_least: bool = False) -> None:
+    """The one rule for a prompt's length: it must leave room for one generated token."""
+    if num_tokens >= context_len:
+        raise InvalidParam(field_name, f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens; "
+                                       f"this model's context is {context_len} tokens, output included")

@@ -19,23 +19,16 @@ from typing import Callable
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
 from relay.kv_allocator import PageAllocator
+from relay.outputs import FinishReason, RequestOutput
 from relay.radix_cache import RadixCache
-from relay.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FINISHED, RUNNING, WAITING, Req,
-                           TokenEvent)
+from relay.request import Req, Status
+from relay.sampling_params import InvalidParam, check_prompt_length
 
 logger = logging.getLogger(__name__)
 
 # A waiting request is held back for a step when it shares at least this many uncached
 # tokens with a request whose prefill is in flight: next step it reuses that KV instead.
 SHARED_PREFIX_DEFER_TOKENS = 32
-
-
-class RequestRejected(ValueError):
-    """A request that can never run (its prompt does not fit the context or the KV pool)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name
 
 
 @dataclass
@@ -59,15 +52,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
                  eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
                  attention_break_even: int | None = None):
-        self.cfg = config
+        self.cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
         # ModelConfig.attention_break_even: prompt chunks deep into a long prompt cost more
         # per token (attention over the prefix) and get fewer tokens of the step budget, so
         # a step's cost stays bounded however long the prompt. None: one token, one unit.
         self.attn_even = attention_break_even
         self.on_finish = on_finish  # e.g. the server's per-request log line
-        if config.chunked_prefill_size is None:  # normally fixed by the runner for its device
-            config.resolve_step_budget("cpu")
-        self.page_size = config.page_size
+        self.page_size = self.cfg.page_size
         self.context_len = context_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = PageAllocator(num_pages, config.page_size)
@@ -88,39 +79,39 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a request; raises RequestRejected if it could never run."""
+        """Queue a request; raises InvalidParam if it could never run."""
         if req.rid in self.reqs:
-            raise RequestRejected("rid", f"request id {req.rid!r} is already in use")
+            raise InvalidParam("rid", f"request id {req.rid!r} is already in use")
         if not req.prompt_ids:
-            raise RequestRejected("prompt", "the prompt is empty")
-        if len(req.prompt_ids) >= self.context_len:
-            raise RequestRejected("prompt", f"the prompt has {len(req.prompt_ids)} tokens; the context "
-                                            f"holds {self.context_len} including at least one generated token")
+            raise InvalidParam("prompt", "the prompt is empty")
+        check_prompt_length(len(req.prompt_ids), self.context_len)
         need = self._pages_for(len(req.prompt_ids) + 1)
         if need > self.allocator.capacity:
-            raise RequestRejected("prompt", f"the prompt needs {need * self.page_size} KV tokens; the pool "
-                                            f"holds {self.allocator.capacity * self.page_size}")
+            raise InvalidParam("prompt", f"the prompt needs {need * self.page_size} KV tokens; the pool "
+                                         f"holds {self.allocator.capacity * self.page_size}")
         req.seq = next(self._seq)
         self.reqs[req.rid] = req
         self._push_waiting(req)
 
-    def abort(self, rid: str) -> TokenEvent | None:
-        """End a request wherever it is, freeing its KV; None if it is unknown or done."""
+    def abort(self, rid: str) -> RequestOutput | None:
+        """End a request wherever it is, freeing its KV; its last record, or None if it is
+        unknown or done."""
         req = self.reqs.get(rid)
         if req is None:
             return None
-        return self._finish(req, FINISH_ABORT)
+        return self._finish(req, FinishReason.ABORT)
 
-    def finish(self, rid: str, reason: str, matched_stop: int | str | None = None) -> TokenEvent | None:
-        """End a request for a reason found outside the scheduler (a stop string)."""
+    def stop(self, rid: str, matched_stop: str | None) -> None:
+        """Stop generating a request whose output already ended outside the scheduler (the
+        detokenizer found a stop string, or failed, and told its client): free it, report
+        nothing."""
         req = self.reqs.get(rid)
-        if req is None:
-            return None
-        req.matched_stop = matched_stop
-        return self._finish(req, reason)
+        if req is not None:
+            req.matched_stop = matched_stop
+            self._finish(req, FinishReason.STOP if matched_stop else FinishReason.ABORT)
 
-    def fail_all(self, error: str) -> list[TokenEvent]:
-        return [self._finish(req, FINISH_ABORT, error) for req in list(self.reqs.values())]
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        return [self._finish(req, FinishReason.ABORT, error) for req in list(self.reqs.values())]
 
     @property
     def has_work(self) -> bool:
@@ -160,7 +151,7 @@ class Scheduler:
         returns the tokens used."""
         used = 0
         for req in reqs:
-            if req.status != RUNNING or budget - used <= 0:
+            if req.status != Status.RUNNING or budget - used <= 0:
                 continue  # retracted to make room for a request ranked above it
             n = self._chunk(req, budget - used)
             if n > 0 and self._reserve_or_retract(req, req.kv_len + n, scheduled):
@@ -175,7 +166,7 @@ class Scheduler:
         for req in prompts:
             if budget <= 0:
                 return
-            if req.status != RUNNING:
+            if req.status != Status.RUNNING:
                 continue
             i = index.get(id(req))
             n = batch[i][1] if i is not None else 0
@@ -214,21 +205,22 @@ class Scheduler:
     def _can_admit(self) -> bool:
         return self._peek_waiting() is not None and len(self.running) < self.cfg.max_running_requests
 
-    def process_output(self, batch: BatchInput, out: BatchOutput) -> list[TokenEvent]:
-        """Apply a finished step: append sampled tokens, finish requests, share new prefixes."""
+    def process_output(self, batch: BatchInput, out: BatchOutput) -> list[RequestOutput]:
+        """Apply a finished step: append sampled tokens, finish requests, share new prefixes;
+        one record per request that produced a token or ended."""
         reqs = self._inflight.pop(batch.step)
         if out.error is not None:
-            return [self._finish(r, FINISH_ABORT, out.error) for r in reqs if not r.finished]
-        events: list[TokenEvent] = []
+            return [self._finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished]
+        events: list[RequestOutput] = []
         j = 0
         for i, req in enumerate(reqs):
             token = None
             if batch.sample[i]:
                 token, j = out.next_token_ids[j], j + 1
-            if req.status != RUNNING:
+            if req.status != Status.RUNNING:
                 continue  # aborted or retracted while the step ran
             if i in out.row_errors:  # this request alone failed; the rest of the batch ran
-                events.append(self._finish(req, FINISH_ABORT, out.row_errors[i]))
+                events.append(self._finish(req, FinishReason.ABORT, out.row_errors[i]))
                 continue
             req.kv_len += batch.extend_lens[i]
             self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
@@ -292,13 +284,15 @@ class Scheduler:
         # logits give the next token.
         pages, node = self.cache.match_prefix(req.token_slice(0, req.seq_len - 1))
         self.cache.lock(node)
-        req.pages, req.last_node = list(pages), node
+        req.set_pages(0, pages)
+        req.last_node = node
         req.kv_len = req.tree_len = len(pages) * self.page_size
 
     def _unmatch(self, req: Req) -> None:
         self.allocator.free(req.pages[req.tree_len // self.page_size:])
         self.cache.unlock(req.last_node)
-        req.pages, req.last_node, req.kv_len, req.tree_len = [], None, 0, 0
+        req.set_pages(0, [])
+        req.last_node, req.kv_len, req.tree_len = None, 0, 0
 
     def _start(self, req: Req) -> None:
         if req.sid < 0:
@@ -308,7 +302,7 @@ class Scheduler:
             req.cached_tokens = req.kv_len
             self._prompt_tokens_total += len(req.prompt_ids)
             self._cached_tokens_total += req.kv_len
-        req.status = RUNNING
+        req.status = Status.RUNNING
         self.running.append(req)
 
     def _take_new_sid(self) -> int:
@@ -349,7 +343,7 @@ class Scheduler:
     def _reserve_or_retract(self, req: Req, num_tokens: int, scheduled: set[int]) -> bool:
         """Reserve KV for a running request, retracting lower-ranked unscheduled ones if needed."""
         if self._pages_for(num_tokens) > self.allocator.capacity:
-            self._finish(req, FINISH_LENGTH)  # it alone fills the pool: stop, don't thrash
+            self._finish(req, FinishReason.LENGTH)  # it alone fills the pool: stop, don't thrash
             return False
         while not self._reserve(req, num_tokens):
             victim = self._lowest_ranked_running(scheduled) or req
@@ -366,7 +360,7 @@ class Scheduler:
         logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
         self._release_kv(req)
         self.running.remove(req)
-        req.status = WAITING
+        req.status = Status.WAITING
         req.num_retractions += 1
         self._retractions_total += 1
         self._push_waiting(req)
@@ -381,7 +375,9 @@ class Scheduler:
         if held > req.tree_len:  # someone cached the same tokens meanwhile: use theirs
             self.allocator.free(req.pages[req.tree_len // self.page_size:held // self.page_size])
         pages, node = self.cache.match_prefix(tokens)
-        req.pages[:len(pages)] = pages
+        first = req.tree_len // self.page_size  # pages before it were the tree's already
+        if pages[first:] != req.pages[first:len(pages)]:
+            req.set_pages(first, pages[first:] + req.pages[len(pages):])
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.tree_len = node, n
@@ -392,60 +388,59 @@ class Scheduler:
         self._cache_prefix(req)
         self.allocator.free(req.pages[req.tree_len // self.page_size:])
         self.cache.unlock(req.last_node)
-        req.pages, req.last_node, req.kv_len, req.tree_len = [], None, 0, 0
+        req.set_pages(0, [])
+        req.last_node, req.kv_len, req.tree_len = None, 0, 0
 
     # ---- finishing --------------------------------------------------------------------
-    def _append_token(self, req: Req, token: int, out: BatchOutput, j: int) -> TokenEvent:
+    def _append_token(self, req: Req, token: int, out: BatchOutput, j: int) -> RequestOutput:
         req.output_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        logprob = top = None
+        record = RequestOutput(req.rid, [token], prompt_tokens=len(req.prompt_ids),
+                               completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
         if req.params.logprobs and out.logprobs is not None:
-            logprob = out.logprobs[j]
-            req.logprobs.append(logprob)
+            req.logprobs.append(out.logprobs[j])
+            record.logprobs = [out.logprobs[j]]
             if req.params.top_logprobs and out.top_logprobs is not None:
-                top = out.top_logprobs[j]
-                req.top_logprobs.append(top)
+                req.top_logprobs.append(out.top_logprobs[j])
+                record.top_logprobs = [out.top_logprobs[j]]
         reason, stop = self._finish_reason(req, token)
-        if reason is None:  # counts ride along: a stop string may end it in the detokenizer
-            return TokenEvent(req.rid, token, logprob=logprob, top_logprobs=top,
-                              prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                              cached_tokens=req.cached_tokens)
-        req.matched_stop = stop
-        event = self._finish(req, reason)
-        event.token_id, event.logprob, event.top_logprobs = token, logprob, top
-        return event
+        if reason is not None:
+            req.matched_stop = stop
+            done = self._finish(req, reason)
+            record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+        return record
 
-    def _finish_reason(self, req: Req, token: int) -> tuple[str | None, int | None]:
+    def _finish_reason(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         p, n = req.params, len(req.output_ids)
         if n >= p.min_new_tokens and (token in p.stop_token_ids
                                       or (not p.ignore_eos and token in self.eos_token_ids)):
-            return FINISH_STOP, token
+            return FinishReason.STOP, token
         # The next step needs KV for all seq_len tokens. A request that alone would outgrow
-        # the pool ends here, where its event reaches the caller (schedule() has no way to
+        # the pool ends here, where its record reaches the caller (schedule() has no way to
         # report a finish), and never sits retracted with more KV than the pool holds.
         if (n >= p.max_new_tokens or req.seq_len >= self.context_len
                 or self._pages_for(req.seq_len) > self.allocator.capacity):
-            return FINISH_LENGTH, None
+            return FinishReason.LENGTH, None
         return None, None
 
-    def _finish(self, req: Req, reason: str, error: str | None = None) -> TokenEvent:
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> RequestOutput:
         req.finish_reason, req.error = reason, error
-        if req.status == RUNNING:
+        if req.status == Status.RUNNING:
             self._release_kv(req)
             self.running.remove(req)
-        elif req.status == WAITING:
+        elif req.status == Status.WAITING:
             self._num_waiting -= 1  # its heap entry is dropped when it surfaces
-        req.status = FINISHED
+        req.status = Status.FINISHED
         if req.sid >= 0:
             self._released_sids.append(req.sid)
             self._free_sids.append(req.sid)
         del self.reqs[req.rid]
         if self.on_finish is not None:
             self.on_finish(req)
-        return TokenEvent(req.rid, None, reason, req.matched_stop, prompt_tokens=len(req.prompt_ids),
-                          completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-                          queue_time=req.queue_time, error=error)
+        return RequestOutput(req.rid, finish_reason=reason, matched_stop=req.matched_stop,
+                             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                             cached_tokens=req.cached_tokens, queue_time=req.queue_time, error=error)
 
     # ---- waiting queue ----------------------------------------------------------------
     def _push_waiting(self, req: Req) -> None:
@@ -460,7 +455,7 @@ class Scheduler:
         return req
 
     def _peek_waiting(self) -> Req | None:
-        while self._waiting and self._waiting[0][2].status != WAITING:
+        while self._waiting and self._waiting[0][2].status != Status.WAITING:
             heapq.heappop(self._waiting)  # finished while it waited
         return self._waiting[0][2] if self._waiting else None
 
@@ -469,8 +464,10 @@ class Scheduler:
         self._step += 1
         input_ids: list[int] = []
         specs = []
+        updates = []
         for req, n in batch:
             input_ids.extend(req.token_slice(req.kv_len, req.kv_len + n))
+            updates.append(req.page_update(self._pages_for(req.kv_len + n)))
             if not req.spec_sent:
                 specs.append(self._spec(req))
                 req.spec_sent = True
@@ -482,7 +479,8 @@ class Scheduler:
             input_ids=input_ids,
             prefix_lens=[req.kv_len for req, _ in batch],
             extend_lens=[n for _, n in batch],
-            page_tables=[req.pages[:self._pages_for(req.kv_len + n)] for req, n in batch],
+            page_starts=[start for start, _ in updates],
+            new_pages=[pages for _, pages in updates],
             sample=[req.kv_len + n == req.seq_len for req, n in batch],
             output_lens=[len(req.output_ids) for req, _ in batch],
             new_specs=specs,

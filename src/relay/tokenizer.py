@@ -7,19 +7,20 @@ applied, and text that might be the start of a stop string held back until it is
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from relay.sampling_params import UNTIL_CONTEXT, InvalidParam, SamplingParams
+from relay.sampling_params import InvalidParam, SamplingParams, check_prompt_length
 
 logger = logging.getLogger(__name__)
 
 # Prompt tokens kept as left context so the first output token decodes with the right
 # leading space (SentencePiece-style tokenizers drop it at the start of a text).
-_CONTEXT_TOKENS = 5
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
@@ -138,27 +139,21 @@ class PromptPreparer:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise InvalidParam(field, f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.context_len:
-            raise InvalidParam(field, self._too_long(len(ids)))
+        check_prompt_length(len(ids), self.context_len, field)
         return ids
-
-    def _too_long(self, n: int, at_least: bool = False) -> str:
-        return (f"the prompt has {'at least ' if at_least else ''}{n} tokens; this model's context is "
-                f"{self.context_len} tokens, output included")
 
     def _refuse_if_too_long(self, texts: list[str], field: str) -> None:
         """Raise if these texts (tokenized apart, as a chat template's parts) cannot fit the
         context: first by length alone, then by tokenizing growing prefixes of the long ones."""
-        if sum(len(t) for t in texts) // self.tok.max_token_chars >= self.context_len:
-            raise InvalidParam(field, self._too_long(self.context_len, at_least=True))
+        check_prompt_length(sum(len(t) for t in texts) // self.tok.max_token_chars, self.context_len, field,
+                            at_least=True)
         probe = 4 * self.context_len  # characters: ~one context of ordinary text
         if all(len(t) <= probe for t in texts):
             return  # tokenizing it whole costs no more than probing would
         tokens = 0
         for text in sorted(texts, key=len, reverse=True):
             tokens += self._tokens_at_least(text, probe, self.context_len - tokens)
-            if tokens >= self.context_len:
-                raise InvalidParam(field, self._too_long(tokens, at_least=True))
+            check_prompt_length(tokens, self.context_len, field, at_least=True)
 
     def _tokens_at_least(self, text: str, probe: int, enough: int) -> int:
         """A lower bound on len(encode(text)), found by tokenizing prefixes of doubling length
@@ -176,14 +171,14 @@ class PromptPreparer:
         return n
 
     def fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """The params with max_new_tokens resolved (None: the room the prompt leaves);
+        InvalidParam if the budget does not fit the context."""
         room = self.context_len - prompt_len
-        if params.max_new_tokens == UNTIL_CONTEXT:
-            params.max_new_tokens = room
-        elif params.max_new_tokens > room:
+        if params.max_new_tokens is not None and params.max_new_tokens > room:
             raise InvalidParam("max_tokens", f"max_tokens {params.max_new_tokens} plus the prompt's {prompt_len} "
                                              f"tokens exceed this model's context of {self.context_len}")
-        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-        return params
+        budget = room if params.max_new_tokens is None else params.max_new_tokens
+        return dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
 
 
 # Tokens a prefix may hold beyond the same stretch of the whole text (its last word may
@@ -200,7 +195,7 @@ class DecodeStream:
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""  # all output text decoded so far (cut at a stop string, if one hit)

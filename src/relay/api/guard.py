@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import resource
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-from relay.protocol import ProtocolError, error_body
+from relay.api.fields import ProtocolError, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -1,16 +1,16 @@
 """The OpenAPI description of Relay's request bodies and error responses.
 
-Handlers parse their bodies themselves (relay.protocol: OpenAI-compatible rules, errors
-that name the field), so FastAPI cannot infer these schemas; they are declared here for
-/openapi.json, which clients and API fuzzers (schemathesis) read. The ranges are the
-parsers' own constants, so the documentation cannot drift from what is enforced.
+Routes parse their bodies themselves (OpenAI-compatible rules, errors that name the field),
+so FastAPI cannot infer these schemas; they are declared here for /openapi.json, which
+clients and API fuzzers (schemathesis) read. The ranges come from the parsers' own table
+(relay.sampling_params.RANGES), so the documentation cannot drift from what is enforced.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from relay import protocol as P
-from relay.sampling_params import MAX_TOP_LOGPROBS
+from relay.api.fields import MAX_N
+from relay.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, Range
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -23,29 +23,31 @@ def _int(lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
             **({"maximum": hi} if hi is not None else {})}
 
 
-def _num(lo: float, hi: float, exclusive_lo: bool = False) -> dict[str, Any]:
-    return {"type": "number", ("exclusiveMinimum" if exclusive_lo else "minimum"): lo, "maximum": hi}
+def _ranged(name: str, rule: Range | None = None) -> dict[str, Any]:
+    """The JSON schema of one of relay.sampling_params.RANGES."""
+    rule = rule or RANGES[name]
+    return {"type": "integer" if rule.integer else "number",
+            ("exclusiveMinimum" if rule.lo_open else "minimum"): rule.lo, "maximum": rule.hi}
 
 
 _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
 _TOKEN_IDS = {"type": "array", "items": _int(0)}
 _STOP = {"anyOf": [{"type": "string", "minLength": 1},
-                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": P.MAX_STOP_STRINGS}]}
+                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}]}
 
 _SAMPLING = {
-    "temperature": _num(0, 2), "top_p": _num(0, 1, exclusive_lo=True), "top_k": _int(-1),
-    "min_p": _num(0, 1), "repetition_penalty": _num(0, 10, exclusive_lo=True),
-    "frequency_penalty": _num(-2, 2), "presence_penalty": _num(-2, 2), "seed": _int(),
-    "stop": _STOP, "stop_token_ids": {**_TOKEN_IDS, "maxItems": P.MAX_STOP_TOKEN_IDS},
-    "min_tokens": _int(0, P.MAX_TOKENS_LIMIT), "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
+    **{name: _ranged(name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                        "frequency_penalty", "presence_penalty", "seed")},
+    "stop": _STOP, "stop_token_ids": {**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS},
+    "min_tokens": _ranged("min_new_tokens"), "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
     "include_stop_str_in_output": _BOOL,
 }
 _OPENAI_COMMON = {
-    "model": _STR, "n": _int(1, 16), "stream": _BOOL,
+    "model": _STR, "n": _int(1, MAX_N), "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-    "max_tokens": _int(1, P.MAX_TOKENS_LIMIT), "priority": _int(), "user": _STR,
-    **_SAMPLING,
+    "max_tokens": _ranged("max_new_tokens"), "priority": _int(), "user": _STR,
+    **_SAMPLING, "temperature": _ranged("temperature", Range(0, 2)),
 }
 
 
@@ -65,25 +67,24 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
 BODIES: dict[str, dict[str, Any]] = {
     "completion": _object({
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]},
-        "logprobs": _int(0, MAX_TOP_LOGPROBS), "echo": _BOOL, "best_of": _int(1, 16), "suffix": _STR,
+        "logprobs": _ranged("top_logprobs"), "echo": _BOOL, "best_of": _int(1, MAX_N), "suffix": _STR,
         "logit_bias": {"type": "object"}, **_OPENAI_COMMON,
     }, ["prompt"]),
     "chat": _object({
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-        "max_completion_tokens": _int(1, P.MAX_TOKENS_LIMIT), "logprobs": _BOOL,
-        "top_logprobs": _int(0, MAX_TOP_LOGPROBS), "chat_template_kwargs": {"type": "object"},
+        "max_completion_tokens": _ranged("max_new_tokens"), "logprobs": _BOOL,
+        "top_logprobs": _ranged("top_logprobs"), "chat_template_kwargs": {"type": "object"},
         "add_generation_prompt": _BOOL, "response_format": {"type": "object"}, "tools": {"type": "array"},
         "tool_choice": {}, "logit_bias": {"type": "object"}, **_OPENAI_COMMON,
     }, ["messages"]),
     "generate": _object({
         "text": {"type": "string", "minLength": 1}, "input_ids": {**_TOKEN_IDS, "minItems": 1},
         "sampling_params": {"type": "object", "properties": {
-            "max_new_tokens": _int(1, P.MAX_TOKENS_LIMIT), "min_new_tokens": _int(0, P.MAX_TOKENS_LIMIT),
-            "n": _int(1, 16), "no_stop_trim": _BOOL, "sampling_seed": _int(),
-            **{k: v for k, v in _SAMPLING.items() if k not in ("min_tokens", "include_stop_str_in_output")},
-            "temperature": _num(0, 100)}},
+            "max_new_tokens": _ranged("max_new_tokens"), "min_new_tokens": _ranged("min_new_tokens"),
+            "n": _int(1, MAX_N), "no_stop_trim": _BOOL, "sampling_seed": _ranged("seed"),
+            **{k: v for k, v in _SAMPLING.items() if k not in ("min_tokens", "include_stop_str_in_output")}}},
         "stream": _BOOL, "rid": {"type": "string", "minLength": 1, "maxLength": 256},
-        "return_logprob": _BOOL, "top_logprobs_num": _int(0, MAX_TOP_LOGPROBS), "priority": _int(),
+        "return_logprob": _BOOL, "top_logprobs_num": _ranged("top_logprobs"), "priority": _int(),
     }, []),
     "abort": _object({"rid": {"type": "string", "minLength": 1}}, ["rid"]),
 }

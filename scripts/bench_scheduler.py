@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The scheduler process's own cost per step, and the bytes it sends, under load.
+
+Starts a server (flags after `--`), runs C concurrent streaming requests (random prompts of
+128-256 tokens, --output-len tokens each, ignore_eos) and reads the scheduler's counters from
+/get_server_info before and after: steps, seconds spent building, encoding and applying steps
+(not waiting for the runner), and bytes sent to the runners and to the detokenizer.
+
+  python scripts/bench_scheduler.py -- --load-format dummy-null        # the pipeline alone
+  python scripts/bench_scheduler.py -- --dtype float32                 # the real model
+  python scripts/bench_scheduler.py --offline                          # no processes: exact per-part times
+
+--offline drives the Scheduler alone, in this process, with C running requests (prompts of
+128-256 tokens) and a runner that answers at once, and times each part of a decode step:
+schedule(), encoding the BatchInput, process_output(), encoding the OutputBatch. On a busy
+2-core machine the server's own counters include time the scheduler waited for a core.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
+         "point government company number group problem fact").split()
+
+
+def start(port: int, flags: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(port), *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "Relay is ready" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc
+    raise RuntimeError("the server did not start")
+
+
+async def load(url: str, concurrency: int, requests: int, output_len: int, seed: int) -> None:
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(128, 256))) for _ in range(requests)]
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def one(prompt: str) -> None:
+            async with gate:
+                body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+        await asyncio.gather(*(one(p) for p in prompts))
+
+
+def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+    import time
+
+    from ipc.codec import encode
+    from ipc.messages import OutputBatch
+    from relay.batch import BatchOutput
+    from relay.config import EngineConfig
+    from relay.request import Req
+    from relay.sampling_params import SamplingParams
+    from relay.scheduler import Scheduler
+
+    s = Scheduler(EngineConfig(page_size=16, chunked_prefill_size=256, max_running_requests=256), 20000, 8192, [2],
+                  attention_break_even=3072)
+    rng = random.Random(0)
+    for i in range(concurrency):
+        s.add_request(Req(f"cmpl-{i:032x}", [rng.randrange(3, 40000) for _ in range(rng.randint(128, 256))],
+                          SamplingParams(max_new_tokens=100_000, ignore_eos=True)))
+    parts = {"schedule": 0.0, "encode_batch": 0.0, "process_output": 0.0, "encode_outputs": 0.0}
+    sizes = {"batch": 0, "outputs": 0}
+    measured = 0
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = s.schedule()
+        t1 = time.perf_counter()
+        data = encode(batch)
+        t2 = time.perf_counter()
+        records = s.process_output(batch, BatchOutput(batch.step, [1000 + i % 7 for i, x in enumerate(batch.sample) if x]))
+        t3 = time.perf_counter()
+        out = encode(OutputBatch(records))
+        t4 = time.perf_counter()
+        if step >= warmup and batch.is_decode:
+            measured += 1
+            for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[k] += dt
+            sizes["batch"] += len(data)
+            sizes["outputs"] += len(out)
+    return {"concurrency": concurrency, "decode_steps": measured,
+            **{f"{k}_ms": round(1000 * v / measured, 3) for k, v in parts.items()},
+            "total_ms": round(1000 * sum(parts.values()) / measured, 3),
+            **{f"{k}_bytes": v // measured for k, v in sizes.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--port", type=int, default=30112)
+    ap.add_argument("--offline", action="store_true")
+    ap.add_argument("flags", nargs="*")
+    args = ap.parse_args()
+    if args.offline:
+        print(json.dumps(offline(args.concurrency)))
+        return
+    proc = start(args.port, args.flags)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        work = lambda: httpx.get(url + "/get_server_info", timeout=60).json()["scheduler"]["step_work"]  # noqa: E731
+        before = work()
+        asyncio.run(load(url, args.concurrency, args.requests, args.output_len, seed=0))
+        after = work()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+    steps = after["steps"] - before["steps"]
+    print(json.dumps({
+        "flags": args.flags, "concurrency": args.concurrency, "steps": steps,
+        "busy_ms_per_step": round(1000 * (after["busy_seconds"] - before["busy_seconds"]) / steps, 3),
+        "runner_bytes_per_step": round((after["runner_bytes"] - before["runner_bytes"]) / steps),
+        "detok_bytes_per_step": round((after["detok_bytes"] - before["detok_bytes"]) / steps),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Operating a server: health, server info, cache flush, Prometheus metrics."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from relay.api.docs import ERROR_RESPONSES, METRICS_RESPONSE
+from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.serving import EngineClient, collect, error_response
+from relay.sampling_params import SamplingParams
+
+HEALTH_GENERATE_TIMEOUT = 60.0
+
+
+def add_routes(app: FastAPI, client: EngineClient) -> None:
+    @app.get("/health", responses=ERROR_RESPONSES)
+    async def health():
+        """200 while every process's loop is turning (a heartbeat makes it through the
+        pipeline in time); 503 with the reason otherwise."""
+        problem = client.health_problem()
+        if problem:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/health_generate", responses=ERROR_RESPONSES)
+    async def health_generate(request: Request):
+        """Healthy only if a one-token generation makes it through every process."""
+        try:
+            api = client.submit(ParsedRequest(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0]),
+                                "health")
+        except ProtocolError as e:
+            return JSONResponse({"status": "unhealthy", "reason": e.message}, status_code=503)
+        try:
+            pieces = await asyncio.wait_for(collect(client, api, request), HEALTH_GENERATE_TIMEOUT)
+        except asyncio.TimeoutError:
+            client.release(api, abort=True, reason="health_check_timeout")
+            return JSONResponse({"status": "unhealthy", "reason": f"no token within {HEALTH_GENERATE_TIMEOUT:g} s"},
+                                status_code=503)
+        if pieces is None or any(r.error for _, r in pieces):
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/get_server_info", responses=ERROR_RESPONSES)
+    async def get_server_info():
+        try:
+            out = await client.control("get_info")
+        except ProtocolError as e:
+            return error_response(e)
+        return {**client.server_info, "scheduler": out.data, "num_http_requests": client.num_requests}
+
+    @app.post("/flush_cache", responses=ERROR_RESPONSES)
+    async def flush_cache():
+        try:
+            out = await client.control("flush_cache")
+        except ProtocolError as e:
+            return error_response(e)
+        if not out.ok:
+            return JSONResponse({"success": False, **out.data}, status_code=400)
+        return {"success": True}
+
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSE)
+    async def metrics():
+        try:
+            out = await client.control("get_info", timeout=2.0)
+            client.metrics.set_scheduler_stats(out.data)
+        except ProtocolError:
+            pass  # serve the histograms anyway
+        body, content_type = client.metrics.render()
+        return Response(body, media_type=content_type)

@@ -1,0 +1,243 @@
+"""What every API route shares: the error type and its OpenAI shape, JSON body decoding,
+strictly typed field access, the sampling fields (ranges from relay.sampling_params.RANGES),
+and the ParsedRequest that every parser produces.
+
+Conventions shared by all parsers:
+- A field that is absent or JSON null takes its default; many OpenAI clients send explicit
+  nulls for "not set", and treating them as errors would break those clients.
+- Types are strict: a bool is not an int, a numeric string is not a number.
+- Unknown top-level fields are ignored (OpenAI SDKs pass vendor extras through), except
+  inside SGLang's `sampling_params`, where a typo would otherwise be silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from relay.sampling_params import (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, InvalidParam, Range,
+                                   SamplingParams)
+
+MAX_N = 16  # choices per request
+_I32 = 2**31
+# Real bodies nest a few levels (a JSON schema a dozen); deeper ones are attacks on parsers.
+MAX_JSON_DEPTH = 64
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+_DEFAULT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                        429: "rate_limit_error"}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; maps one-to-one onto an OpenAI error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or _default_error_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.type)
+
+
+def _default_error_type(status: int) -> str:
+    if status >= 500:
+        return "internal_server_error" if status == 500 else "server_error"
+    return _DEFAULT_ERROR_TYPES.get(status, "invalid_request_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict[str, Any]:
+    # The nested "error" object is what the openai client reads to build BadRequestError etc.
+    return {"object": "error",
+            "error": {"message": message, "type": type or _default_error_type(status),
+                      "param": param, "code": status}}
+
+
+def bad(param: str | None, message: str) -> ProtocolError:
+    return ProtocolError(400, message, param)
+
+
+def show(value: Any) -> str:
+    # Bodies are attacker-sized; never echo a megabyte back in an error message.
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- JSON bodies -------------------------------------------------------------------------
+
+def decode_json_body(raw: bytes) -> Any:
+    """A request body as JSON, refusing (400) what would break later stages: invalid UTF-8,
+    nesting deeper than MAX_JSON_DEPTH, and strings that are not valid Unicode (JSON lets a
+    lone surrogate like "\\ud800" through; no encoder downstream accepts it)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad(None, "the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(None, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad(None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json_tree(body)
+    return body
+
+
+def _check_json_tree(body: Any) -> None:
+    """Iteratively (no recursion to exhaust): depth and Unicode validity of every string."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_valid_unicode(value):
+                raise bad(path or None, f"'{path or 'body'}' is not valid Unicode (a lone surrogate?)")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise bad(path or None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            if isinstance(key, str) and not _is_valid_unicode(key):
+                raise bad(path or None, f"a key in '{path or 'body'}' is not valid Unicode")
+            stack.append((child, (f"{path}.{key}" if path else str(key))[:200], depth + 1))
+
+
+def _is_valid_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad(None, "request body must be a JSON object")
+    return body
+
+
+# ---- the parsed request --------------------------------------------------------------------
+
+@dataclass
+class ParsedRequest:
+    """One validated API request, ready to become an ipc GenerateReq."""
+    params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    rid: str | None = None  # /generate only: a client-chosen request id
+
+
+# ---- typed field access --------------------------------------------------------------------
+
+def as_int(value: Any, param: str, lo: int, hi: int, what: str | None = None) -> int:
+    return _as(Range(lo, hi, integer=True, what=what), value, param)
+
+
+def as_bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise bad(param, f"'{param}' must be a boolean, got {show(value)}")
+    return value
+
+
+def as_dict(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad(param, f"'{param}' must be an object, got {show(value)}")
+    return value
+
+
+def as_token_ids(value: Any, param: str, allow_empty: bool, vocab_size: int | None = None) -> list[int]:
+    if not isinstance(value, list):
+        raise bad(param, f"'{param}' must be a list of token ids, got {show(value)}")
+    if not value and not allow_empty:
+        raise bad(param, f"'{param}' must not be empty")
+    limit = vocab_size or _I32
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise bad(param, f"'{param}' must hold token ids (integers >= 0); item {i} is {show(t)}")
+        if t >= limit:
+            raise bad(param, f"'{param}' item {i} is {show(t)}, outside the vocabulary [0, {limit})")
+    return value
+
+
+def opt(body: dict[str, Any], key: str, default: Any, convert: Callable[[Any, str], Any]) -> Any:
+    value = body.get(key)
+    return default if value is None else convert(value, key)
+
+
+def priority(body: dict[str, Any]) -> int:
+    return opt(body, "priority", 0, lambda v, p: as_int(v, p, -_I32, _I32 - 1))
+
+
+def _as(rule: Range, value: Any, param: str) -> Any:
+    if not rule.holds(value):
+        kind = "an integer" if rule.integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (rule.integer and isinstance(value, float)):
+            raise bad(param, f"'{param}' must be {kind}, got {show(value)}")
+        raise bad(param, f"'{param}' must be {rule.describe()}, got {show(value)}")
+    return float(value) if not rule.integer else value
+
+
+def ranged(name: str, rule: Range | None = None) -> Callable[[Any, str], Any]:
+    rule = rule or RANGES[name]
+    return lambda value, param: _as(rule, value, param)
+
+
+def _as_stop(value: Any, param: str) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list):
+        raise bad(param, f"'{param}' must be a string or a list of strings, got {show(value)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(param, f"'{param}' allows at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise bad(param, f"'{param}' must hold non-empty strings, got {show(s)}")
+    return list(stops)
+
+
+def _as_stop_ids(value: Any, param: str) -> list[int]:
+    ids = as_token_ids(value, param, allow_empty=True)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(param, f"'{param}' allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    return list(ids)
+
+
+# SamplingParams field -> converter(value, param) that type- and range-checks one value.
+FIELD_RULES: dict[str, Callable[[Any, str], Any]] = {
+    **{name: ranged(name) for name in RANGES},
+    "stop": _as_stop,
+    "stop_token_ids": _as_stop_ids,
+    "ignore_eos": as_bool,
+    "skip_special_tokens": as_bool,
+    "include_stop_str_in_output": as_bool,
+}
+
+
+def sampling_kwargs(body: dict[str, Any], keys: dict[str, str], rules: dict[str, Callable[[Any, str], Any]],
+                    prefix: str = "") -> dict[str, Any]:
+    """SamplingParams keyword arguments from the API keys present in body (key -> field)."""
+    return {name: rules[name](body[key], prefix + key) for key, name in keys.items() if body.get(key) is not None}
+
+
+def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None) -> SamplingParams:
+    """Run SamplingParams.validate(), reporting failures under the API's field names."""
+    try:
+        return params.validate(vocab_size)
+    except InvalidParam as e:
+        # Rename only in the "<field> <rule>" head: the ", got <value>" tail may quote user text.
+        head, sep, tail = str(e).partition(", got ")
+        head = re.sub(r"\w+", lambda m: names.get(m.group(), m.group()), head)
+        raise bad(names.get(e.field, e.field), head + sep + tail) from None

@@ -1,0 +1,358 @@
+"""OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models.
+
+Each route reads top to bottom: parse the body (a 4xx naming the field when it is bad),
+submit it, answer whole or as SSE chunks. The parsers and builders are pure functions.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+
+from relay.api import fields as F
+from relay.api.docs import ERROR_RESPONSES, request_body
+from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.serving import (SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole)
+from relay.outputs import RequestOutput
+from relay.sampling_params import MAX_TOP_LOGPROBS, Range, SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+# JSON has no -Infinity; OpenAI documents -9999.0 as its stand-in for "very unlikely".
+_LOGPROB_FLOOR = -9999.0
+_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Keys of HF apply_chat_template that would collide with the tokenizer's own call or let a
+# client swap in its own template; everything else reaches the template as a variable.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+# OpenAI caps temperature at 2 (SGLang's native API does not).
+_RULES = {**F.FIELD_RULES, "temperature": F.ranged("temperature", Range(0, 2))}
+# OpenAI body key -> SamplingParams field (max_tokens and logprobs are handled apart).
+_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop",
+    # vLLM/SGLang extras that OpenAI SDKs pass through via extra_body
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
+}
+
+
+# ---- routes --------------------------------------------------------------------------------
+
+def add_routes(app: FastAPI, client: EngineClient) -> None:
+    @app.post("/v1/completions", openapi_extra=request_body("completion"), responses=ERROR_RESPONSES)
+    async def completions(request: Request):
+        return await _serve(request, client, parse_completion, "completion")
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body("chat"), responses=ERROR_RESPONSES)
+    async def chat_completions(request: Request):
+        return await _serve(request, client, parse_chat, "chat")
+
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
+    async def models():
+        return {"object": "list", "data": [{"id": client.served_model, "object": "model", "created": 0,
+                                            "owned_by": "relay", "max_model_len": client.context_len}]}
+
+
+async def _serve(request: Request, client: EngineClient, parse: Callable[..., ParsedRequest], kind: str):
+    try:
+        parsed = parse(F.decode_json_body(await request.body()), client.served_model, vocab_size=client.vocab_size)
+        api = client.submit(parsed, kind)
+    except ProtocolError as e:
+        return error_response(e)
+    created, model = int(time.time()), client.served_model
+    if parsed.stream:
+        return await streamed(client, api, request,
+                              lambda outs: _events(outs, kind, api.rid, created, model, parsed))
+    done = await whole(client, api, request)
+    if not isinstance(done, list):
+        return done
+    build = completion_response if kind == "completion" else chat_response
+    return build(api.rid, created, model, done)
+
+
+async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int, model: str,
+                  parsed: ParsedRequest) -> AsyncIterator[bytes]:
+    started = [False] * parsed.n
+    offsets = [0] * parsed.n  # text_offset of each choice's next chunk (completions logprobs)
+    last: list[RequestOutput | None] = [None] * parsed.n
+    async for index, r in outs:
+        if r.error is not None:
+            yield sse(F.error_body(r.status, r.error, r.param))
+            return
+        if kind == "completion":
+            yield sse(completion_chunk(rid, created, model, index, r, offsets[index]))
+            offsets[index] += len(r.text)
+        else:
+            yield sse(chat_chunk(rid, created, model, index, r, first=not started[index]))
+        started[index], last[index] = True, r
+    if parsed.include_usage:
+        yield sse(usage_chunk(kind, rid, created, model, Usage.of(last)))
+    yield SSE_DONE
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+def _check_model(body: dict[str, Any], served_model: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {show(model)}")
+    if model != served_model:
+        raise ProtocolError(404, f"The model `{model[:100]}` does not exist; this server serves `{served_model}`.",
+                            "model", "not_found_error")
+
+
+def _reject_unsupported(body: dict[str, Any], harmless: dict[str, Callable[[Any], bool]]) -> None:
+    """Refuse fields whose effect we would silently drop; `harmless` says which values are no-ops."""
+    for key, is_noop in harmless.items():
+        value = body.get(key)
+        if value is not None and not is_noop(value):
+            raise bad(key, f"'{key}' is not supported by this server")
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = F.opt(body, "stream", False, F.as_bool)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    return stream, F.opt(F.as_dict(options, "stream_options"), "include_usage", False,
+                         lambda v, _: F.as_bool(v, "stream_options.include_usage"))
+
+
+def _common(body: dict[str, Any], served_model: str, max_n: int) -> dict[str, Any]:
+    """Fields the two endpoints share, as ParsedRequest keyword arguments."""
+    _check_model(body, served_model)
+    if F.opt(body, "echo", False, F.as_bool):
+        raise bad("echo", "'echo' is not supported by this server")
+    stream, include_usage = _stream_fields(body)
+    return {"stream": stream, "include_usage": include_usage, "priority": F.priority(body),
+            "n": F.opt(body, "n", 1, lambda v, p: F.as_int(v, p, 1, max_n))}
+
+
+def _max_tokens(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int | None]:
+    """The first of `keys` that is set, and its value; every set key is type-checked."""
+    given = [(k, F.FIELD_RULES["max_new_tokens"](body[k], k)) for k in keys if body.get(k) is not None]
+    return given[0] if given else (keys[0], None)
+
+
+def _prompt(value: Any, vocab_size: int | None) -> tuple[str | None, list[int] | None]:
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > 1:
+            raise bad("prompt", "batched prompts are not supported; use 'n' or send separate requests")
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad("prompt", "'prompt' must not be empty")
+        return value, None
+    if isinstance(value, list):
+        return None, F.as_token_ids(value, "prompt", allow_empty=False, vocab_size=vocab_size)
+    raise bad("prompt", f"'prompt' must be a string or a list of token ids, got {show(value)}")
+
+
+def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    k = body.get("logprobs")
+    if k is None:
+        return {}
+    return {"logprobs": True, "top_logprobs": F.as_int(k, "logprobs", 0, MAX_TOP_LOGPROBS)}
+
+
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+}
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+
+
+def parse_completion(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None
+                     ) -> ParsedRequest:
+    """POST /v1/completions. Token ids (prompt, stop_token_ids) are checked against
+    vocab_size when it is given."""
+    body = F.require_object(body)
+    common = _common(body, served_model, max_n)
+    _reject_unsupported(body, {**_COMPLETION_UNSUPPORTED, "best_of": lambda v: v == common["n"]})
+    if body.get("prompt") is None:
+        raise bad("prompt", "'prompt' is required")
+    text, input_ids = _prompt(body["prompt"], vocab_size)
+    _, max_tokens = _max_tokens(body, ("max_tokens",))
+    kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
+    kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    kwargs.update(_completion_logprobs(body))
+    params = F.validated(SamplingParams(**kwargs), _COMPLETION_NAMES, vocab_size)
+    return ParsedRequest(params=params, text=text, input_ids=input_ids, **common)
+
+
+def _content_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(param, f"'{param}' must be a string or a list of text parts, got {show(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(param, f"'{param}' part {j} must be {{\"type\": \"text\", \"text\": <string>}}; "
+                             "only text content is supported")
+        texts.append(part["text"])
+    # Separate parts the way other HF-template servers do, so words do not run together.
+    return "\n".join(texts)
+
+
+def _message(msg: Any, i: int) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise bad(f"messages.{i}", f"'messages.{i}' must be an object, got {show(msg)}")
+    role = msg.get("role")
+    if role not in _CHAT_ROLES:
+        raise bad(f"messages.{i}.role", f"'messages.{i}.role' must be one of {', '.join(_CHAT_ROLES)}, "
+                                        f"got {show(role)}")
+    content = msg.get("content")
+    # An assistant turn may carry no content (it made tool calls); render it as empty.
+    text = "" if content is None and role == "assistant" else _content_text(content, f"messages.{i}.content")
+    # HF chat templates predate "developer"; it is OpenAI's new name for the system role.
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+    for key in ("name", "tool_call_id"):
+        if isinstance(msg.get(key), str):
+            out[key] = msg[key]
+    return out
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages", "'messages' must be a non-empty list of message objects")
+    return [_message(m, i) for i, m in enumerate(value)]
+
+
+def _chat_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    extra = F.opt(body, "chat_template_kwargs", {}, F.as_dict)
+    for key in extra:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise bad(f"chat_template_kwargs.{key}", f"'chat_template_kwargs.{key}' may not be set")
+    kwargs = dict(extra)
+    add = body.get("add_generation_prompt", kwargs.get("add_generation_prompt"))
+    kwargs["add_generation_prompt"] = True if add is None else F.as_bool(add, "add_generation_prompt")
+    return kwargs
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    want = F.opt(body, "logprobs", False, F.as_bool)
+    top = F.opt(body, "top_logprobs", 0, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    if top and not want:
+        raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+    return {"logprobs": want, "top_logprobs": top} if want else {}
+
+
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+    "logit_bias": lambda v: v == {},
+}
+
+
+def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None) -> ParsedRequest:
+    """POST /v1/chat/completions. Without max_tokens the answer may fill the context."""
+    body = F.require_object(body)
+    common = _common(body, served_model, max_n)
+    _reject_unsupported(body, _CHAT_UNSUPPORTED)
+    messages = _messages(body.get("messages"))
+    budget_key, max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
+    kwargs["max_new_tokens"] = max_tokens
+    kwargs.update(_chat_logprobs(body))
+    names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
+    params = F.validated(SamplingParams(**kwargs), names, vocab_size)
+    return ParsedRequest(params=params, messages=messages, chat_kwargs=_chat_kwargs(body), **common)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def logprob(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else _LOGPROB_FLOOR
+
+
+def _tops(r: RequestOutput, k: int) -> list[tuple[int, str, float]]:
+    """The k-th token's alternatives as (id, text, logprob)."""
+    if r.top_logprobs is None or r.top_logprobs[k] is None:
+        return []
+    ids, lps = r.top_logprobs[k]
+    return list(zip(ids, r.top_texts[k], lps))
+
+
+def _completion_logprobs_body(r: RequestOutput, offset: int) -> dict[str, Any] | None:
+    if r.logprobs is None:
+        return None
+    texts = r.token_texts or []
+    offsets, pos = [], offset
+    for text in texts:
+        offsets.append(pos)
+        pos += len(text)
+    tops = None
+    if r.top_logprobs is not None and any(t is not None for t in r.top_logprobs):
+        # Legacy completions key alternatives by text; keep the likelier one on a text clash.
+        tops = [{t: logprob(lp) for _, t, lp in reversed(_tops(r, k))} for k in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [logprob(x) for x in r.logprobs], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _completion_choice(index: int, r: RequestOutput, offset: int = 0) -> dict[str, Any]:
+    return {"index": index, "text": r.text, "logprobs": _completion_logprobs_body(r, offset),
+            "finish_reason": r.finish_reason}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[RequestOutput]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [_completion_choice(i, c) for i, c in enumerate(choices)],
+            "usage": Usage.of(choices).to_openai()}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, delta: RequestOutput,
+                     text_offset: int = 0) -> dict[str, Any]:
+    """A streamed completions delta; text_offset is how many characters this choice already
+    streamed, so logprobs' text_offset keeps counting across chunks."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [_completion_choice(index, delta, text_offset)]}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+    """The last streamed chunk when stream_options.include_usage is set; kind "completion" | "chat"."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage.to_openai()}
+
+
+def _token_entry(token: str, lp: Any) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob(lp), "bytes": list(token.encode("utf-8"))}
+
+
+def _chat_logprobs_body(r: RequestOutput) -> dict[str, Any] | None:
+    if r.logprobs is None:
+        return None
+    return {"content": [{**_token_entry(text, lp), "top_logprobs": [_token_entry(t, l) for _, t, l in _tops(r, k)]}
+                        for k, (text, lp) in enumerate(zip(r.token_texts or [], r.logprobs))]}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[RequestOutput]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": _chat_logprobs_body(c), "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)],
+            "usage": Usage.of(choices).to_openai()}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: RequestOutput, first: bool) -> dict[str, Any]:
+    """A streamed chat delta; the first chunk of each choice announces the assistant role."""
+    # A finishing chunk with no new text carries an empty delta, as OpenAI sends it.
+    body: dict[str, Any] = {"role": "assistant"} if first else {}
+    if first or delta.text:
+        body["content"] = delta.text
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": body, "logprobs": _chat_logprobs_body(delta),
+                         "finish_reason": delta.finish_reason}]}
