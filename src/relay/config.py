@@ -22,7 +22,7 @@ class EngineConfig:
     model_path: str | None = None  # HF directory or .gguf file; None = the default model
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on GPUs and AMX CPUs, else float32
+    dtype: str = "auto"  # auto: bfloat16 on GPUs and CPUs with AVX512-BF16 or AMX, else float32
     # KV cache dtype; auto = the model's. bfloat16 under float32 weights halves the bytes
     # decode attention reads (CPU backend only).
     kv_cache_dtype: str = "auto"

@@ -8,12 +8,14 @@ all-reduce the partial sums.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from relay.distributed import TPGroup, split_evenly
+from relay.kernels import cpu as cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,16 +23,28 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.fused = False  # Relay's CPU kernel (set by the model where it runs); else torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # One fused op (float32 accumulation inside); in float32 it is bit-identical to the
         # reference formula w * x * rsqrt(mean(x^2) + eps).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's next value and its norm. The
+        CPU kernel adds in place (residual and x are the caller's to give up)."""
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
-# CPU GEMMs of at least this many rows go to oneDNN with a weight prepacked in its blocked
-# layout: 1.2-1.6x MKL's speed at 8-96 rows here; below, MKL's GEMV path is faster.
-PACKED_MIN_ROWS = 8
+
+# float32 CPU GEMMs of at least this many rows go to oneDNN with a weight prepacked in its
+# blocked layout: 1.2-1.6x MKL's speed at 8-96 rows; below, MKL's GEMV path is faster. bfloat16
+# ones always do: 1.3-1.8x F.linear's speed at every row count on a Zen 4 (AVX512-BF16).
+PACKED_MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 
 
 # With --quantization int8, GEMMs of fewer rows than this read int8 weights (torch's weight-only
@@ -42,11 +56,16 @@ Int8Weight = tuple[torch.Tensor, torch.Tensor]  # int8 [out, in], bfloat16 scale
 
 
 def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-               bias: torch.Tensor | None = None, int8: Int8Weight | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, int8: Int8Weight | None = None, gemv: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by the fastest path for this many rows; out_dtype float32 lets the
+    LM head write its logits in float32 directly."""
+    if gemv and x.shape[0] <= cpu_kernels.GEMM_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
+        return cpu_kernels.gemm_bf16(x, weight, bias, out_dtype or torch.bfloat16)
     if int8 is not None and x.shape[0] < INT8_MAX_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *int8).to(x.dtype)
         return y if bias is None else y + bias
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 8):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -80,9 +99,10 @@ class Linear(nn.Module):
         self.tp = tp  # set for row-parallel layers only
         self.packed: torch.Tensor | None = None  # see pack_for_cpu; set once weights are loaded
         self.int8: Int8Weight | None = None  # see quantize_int8; --quantization int8 only
+        self.gemv = False  # bfloat16 weights and Relay's small-batch kernel here (pack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8)
+        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8, self.gemv)
         return self.tp.all_reduce(y) if self.tp is not None else y
 
 
@@ -97,6 +117,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
         self.packed: torch.Tensor | None = None  # for the LM head, like Linear.packed
         self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8
+        self.gemv = False  # for the LM head, like Linear.gemv
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -109,7 +130,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
-        local = cpu_matmul(h, self.weight, self.packed, int8=self.int8).float()
+        local = cpu_matmul(h, self.weight, self.packed, int8=self.int8, gemv=self.gemv, out_dtype=torch.float32).float()
         return self.tp.all_gather_last_dim(local, self.shard_sizes)
 
 
@@ -140,6 +161,19 @@ class RotaryEmbedding(nn.Module):
         """Per-token tables, gathered once per step and shared by every layer."""
         return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
                 self.sin.index_select(0, positions).to(dtype).unsqueeze(1))
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> "StepRope":
+        if fused:  # Relay's CPU kernel reads the tables at each token's position itself
+            return StepRope(positions)
+        return StepRope(positions, *self.cos_sin(positions, dtype))
+
+
+@dataclass
+class StepRope:
+    """One step's rotary inputs: the positions, and (torch path) each token's gathered tables."""
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from relay.attention.base import StepMeta
 from relay.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
+from relay.kernels.cpu import cpu_flags
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
@@ -31,19 +32,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
+def cpu_has_fast_bf16() -> bool:
+    """bfloat16 dot-product instructions (AVX512-BF16, or AMX-BF16) in this CPU's flags."""
+    flags = cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on GPUs and AMX CPUs; float32 on other CPUs, where bf16 GEMMs measured
-    slower than fp32 (AVX512-BF16 without AMX: ~165 vs ~270 GFLOP/s, docs/benchmarks.md)."""
+    """auto: bfloat16 on GPUs and on CPUs with bf16 dot products (AVX512-BF16 or AMX), where bf16
+    GEMMs run 2.3-2.5x fp32's speed (docs/benchmarks.md); float32 on other CPUs, where torch
+    emulates bf16 and its GEMMs measured slower than fp32 (~165 vs ~270 GFLOP/s)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
     dtype = getattr(torch, name)
     if dtype == torch.float16 and device.type == "cpu":
         raise ValueError("float16 has no fast path on CPU (about 100x slower); use bfloat16 or float32")
@@ -76,8 +76,10 @@ class ModelRunner:
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
-        if self.device.type == "cpu" and os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
-            self.model.pack_for_cpu()
+        if self.device.type == "cpu":
+            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+                self.model.pack_for_cpu()
+            self.model.use_cpu_kernels()
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relay.attention import cpu_kernels
+from relay.kernels import cpu as cpu_kernels
 from relay.attention.base import AttentionBackend, StepMeta, register_backend
 
 
@@ -50,7 +50,8 @@ class TorchNativeBackend(AttentionBackend):
         # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
         # cached key/value once instead of gathering a padded copy first (3x less traffic).
         self.kernel = None
-        if self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16):
+        if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
+                and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
             self.kernel = cpu_kernels.load()
 
     def plan(self, meta: StepMeta) -> None:
@@ -65,12 +66,11 @@ class TorchNativeBackend(AttentionBackend):
             all_decode = len(dec) == len(meta.extend_lens)
             self.dec_rows = None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
             lens = [seq_lens[i] for i in dec]
+            if self.kernel is not None:
+                self.dec_plan = cpu_kernels.DecodePlan([meta.page_tables[i] for i in dec], lens)
+                return self._plan_prefills(meta, starts, seq_lens, device)
             slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
             self.dec_shape = slots.shape
-            if self.kernel is not None:
-                self.dec_slots = torch.from_numpy(np.ascontiguousarray(slots))
-                self.dec_lens = torch.tensor(lens, dtype=torch.int64)
-                return self._plan_prefills(meta, starts, seq_lens, device)
             self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
             self.dec_mask = None
             if min(lens) != max(lens):  # -inf on each request's padding, [1, batch, 1, max_len]
@@ -99,6 +99,10 @@ class TorchNativeBackend(AttentionBackend):
         return _Prefill(row, n, keys, mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.has_decode and self.dec_rows is None and self.kernel is not None:
+            # A pure decode step: the C kernel writes the new keys and values itself.
+            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer], self.kv.v[layer],
+                                                self.kv.page_size, self.scale, k, v).view(q.shape[0], -1)
         self.kv.write(layer, self.out_slots, k, v)
         if self.has_decode and self.dec_rows is None:  # a pure decode step
             return self._decode(q, layer).view(q.shape[0], -1)
@@ -111,9 +115,11 @@ class TorchNativeBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kernel is not None:
-            out = cpu_kernels.decode_attention(self.kernel, q.float().contiguous(), self.kv.k[layer],
-                                               self.kv.v[layer], self.dec_slots, self.dec_lens, self.scale)
-            return out.to(q.dtype)
+            if q.dtype not in (torch.float32, torch.bfloat16):
+                return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q.float(), self.kv.k[layer],
+                                                    self.kv.v[layer], self.kv.page_size, self.scale).to(q.dtype)
+            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer],
+                                                self.kv.v[layer], self.kv.page_size, self.scale)
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv

@@ -15,7 +15,8 @@ from torch import nn
 from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
-from relay.layers import (Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary,
+from relay.kernels import cpu as cpu_kernels
+from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
                           pack_for_cpu, quantize_int8)
 
 
@@ -33,18 +34,21 @@ class Attention(nn.Module):
         if mc.qk_norm:
             self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+        self.rotary: RotaryEmbedding | None = None  # the model's tables, for the fused CPU rotary
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRope, attn: AttentionBackend) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         nq, nk = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nk) * d:].view(t, nk, d)
-        if self.qk_norm:
+        if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
+            cpu_kernels.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
             q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
-            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        elif self.qk_norm:
+            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+            q, k = apply_rotary(self.q_norm(q), rope.cos, rope.sin), apply_rotary(self.k_norm(k), rope.cos, rope.sin)
         else:  # q and k sit side by side in qkv: rotate them in one pass
-            q, k = apply_rotary(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), cos, sin).split([nq, nk], dim=1)
+            q, k = apply_rotary(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin).split([nq, nk], dim=1)
         return self.o_proj(attn.forward(q, k, v, self.layer_id))
 
 
@@ -54,8 +58,11 @@ class MLP(nn.Module):
         self.inter = split_evenly(mc.intermediate_size, tp.size, tp.rank)[1]
         self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
         self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp)
+        self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -68,10 +75,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = MLP(mc, tp, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer adds them,
+        fused with its norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,15 +100,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
                         else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
         self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+        self.fused_cpu_ops = False  # see pack_for_cpu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        x = self.embed_tokens(input_ids)
+        rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
@@ -109,6 +124,20 @@ class LlamaForCausalLM(nn.Module):
         weights in memory, buys ~1.3x on batched GEMMs)."""
         for module in self.gemm_modules():
             module.packed = pack_for_cpu(module.weight)
+
+    def use_cpu_kernels(self) -> None:
+        """Relay's own CPU kernels where this CPU and dtype have them: the small-batch bfloat16
+        GEMM, and fused norm/rotary/silu ops for bfloat16 (float32 keeps torch's ops, whose
+        results are bit-identical to the transformers reference that tests compare against)."""
+        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
+        for module in self.gemm_modules():
+            module.gemv = gemv and module.int8 is None
+        self.fused_cpu_ops = self.dtype == torch.bfloat16 and cpu_kernels.available() and not self.config.qk_norm
+        if self.fused_cpu_ops:
+            self.norm.fused = True
+            for layer in self.layers:
+                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
+                layer.self_attn.rotary = self.rotary
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every GEMM; the float weights become the quantized values so that

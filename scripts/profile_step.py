@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Where a model step's time goes: the default model's decode step at several batch sizes and a
+prompt chunk, timed whole and broken down per op with torch.profiler.
+
+Builds the real ModelRunner (the server's, with its kernels and weight formats), fills the KV of
+B requests of --context tokens, then times decode steps (one token per request, logits and
+sampling included) and one --prefill-token chunk. The breakdown sorts each op's self time into
+GEMM, attention, sampler and small per-layer ops; what the ops do not account for is Python and
+dispatch overhead.
+
+    python scripts/profile_step.py                         # the server's defaults for this CPU
+    python scripts/profile_step.py --dtype float32 --batch 1,32
+    python scripts/profile_step.py --quantization int8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+
+import torch  # noqa: E402
+
+from relay.batch import BatchInput, SamplingSpec  # noqa: E402
+from relay.config import EngineConfig, ModelConfig  # noqa: E402
+from relay.model_files import resolve_model_dir  # noqa: E402
+from relay.model_runner import ModelRunner  # noqa: E402
+from relay.sampling_params import SamplingParams  # noqa: E402
+
+CATEGORIES = [  # (name, substrings of op names), first match wins
+    ("gemm", ("linear", "mm", "addmm", "matmul", "_weight_int", "relay::gemm")),
+    ("attention", ("scaled_dot_product", "decode_attention", "relay::attn", "bmm", "softmax")),
+    ("sampler", ("argmax", "sort", "topk", "searchsorted", "multinomial", "log_softmax")),
+]
+
+
+def category(name: str) -> str:
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "small ops"
+
+
+class Steps:
+    """B requests with `context` tokens of KV each, decoding one token per step."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, shared: int = 0, group: int = 16):
+        """shared: the first `shared` tokens' pages are common to each group of `group` requests
+        (a cached system prompt)."""
+        self.runner, self.b, self.ps = runner, batch, runner.page_size
+        shared_pages = shared // self.ps
+        pages_each = -(-(context + 64) // self.ps) - shared_pages
+        first = 1 + batch * pages_each
+        self.tables = [list(range(first + (i // group) * shared_pages, first + (i // group + 1) * shared_pages))
+                       + list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)) for i in range(batch)]
+        self.lens = [context] * batch
+        self.step = 0
+        specs = [SamplingSpec(sid, SamplingParams(temperature=0), [2]) for sid in range(batch)]
+        self.run(BatchInput(self._next(), list(range(batch)), [17] * (context * batch), [0] * batch,
+                            [context] * batch, [0] * batch, [t[:-(-context // self.ps)] for t in self.tables],
+                            [True] * batch, [0] * batch, specs))
+
+    def _next(self) -> int:
+        self.step += 1
+        return self.step
+
+    def run(self, batch: BatchInput):
+        return self.runner.forward(batch)
+
+    def decode(self):
+        prefix = list(self.lens)
+        starts = [p // self.ps for p in prefix]
+        new = [t[s:s + 1] if p % self.ps == 0 else [] for t, s, p in zip(self.tables, starts, prefix)]
+        batch = BatchInput(self._next(), list(range(self.b)), [17] * self.b, prefix, [1] * self.b,
+                           [s if n else len(t[:-(-p // self.ps)]) for s, n, t, p in zip(starts, new, self.tables, prefix)],
+                           new, [True] * self.b, [1] * self.b)
+        self.lens = [n + 1 for n in self.lens]
+        return self.run(batch)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def label_c_kernels() -> None:
+    """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
+    from relay.kernels import cpu as cpu_kernels
+
+    plain = cpu_kernels.decode_attention
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("relay::attn_decode"):
+            return plain(*args, **kwargs)
+
+    cpu_kernels.decode_attention = labelled
+
+
+def breakdown(fn) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]):
+        fn()  # the profiler's own start-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = (time.perf_counter() - t0) * 1000
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.key.startswith("ProfilerStep") or ev.self_cpu_time_total <= 0:
+            continue
+        # A labelled range's self time is its C kernel's (the torch ops inside count apart).
+        cats[category(ev.key)] = cats.get(category(ev.key), 0.0) + ev.self_cpu_time_total / 1000
+    ops = sum(cats.values())
+    cats["python/dispatch (rest)"] = max(0.0, wall - ops)
+    cats["total (profiled)"] = wall
+    return cats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--context", type=int, default=256, help="KV tokens per request before decoding")
+    ap.add_argument("--prefill", type=int, default=256, help="tokens of the prompt chunk timed")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens of --context that each group of 16 requests shares (page-aligned)")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    label_c_kernels()
+    model_dir = resolve_model_dir(None)
+    cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_gb=1.0)
+    runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
+    print(f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "
+          f"threads {torch.get_num_threads()}")
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        steps = Steps(runner, b, args.context, args.shared_prefix)
+        ms = timed(steps.decode, args.reps)
+        label = f"decode b={b}" + (f" ({args.shared_prefix} shared)" if args.shared_prefix else "")
+        rows.append((label, ms, b / ms * 1000, breakdown(steps.decode)))
+        runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
+    n = args.prefill
+
+    def chunk():
+        pages = list(range(1, -(-n // runner.page_size) + 1))
+        out = runner.forward(BatchInput(0, [900], [17] * n, [0], [n], [0], [pages], [True], [0],
+                                        [SamplingSpec(900, SamplingParams(temperature=0), [2])], [900]))
+        return out
+
+    ms = timed(chunk, max(3, args.reps // 4))
+    rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk)))
+    cats = ["gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
+    print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
+    print("|" + "---|" * (3 + len(cats)))
+    for name, ms, tps, cat in rows:
+        print(f"| {name} | {ms:.1f} | {tps:.0f} | " + " | ".join(f"{cat.get(c, 0.0):.1f}" for c in cats) + " |")
+    print("\nbreakdown columns: ms of one profiled step (profiling adds overhead; the median is unprofiled)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Relay's C kernels for CPUs, compiled on first use for this CPU and loaded with ctypes.
+
+The sources sit in csrc/; the shared library goes to the cache folder under a name derived
+from the sources, the compiler flags and this CPU's feature flags (it is built with
+-march=native, so a cache shared between machines never hands one CPU another's binary).
+Without a C compiler (or with RELAY_CPU_KERNELS=0) callers keep their pure-torch paths.
+`warm_up()` builds it ahead of the first request.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import torch
+
+from relay.model_files import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.c")))
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> str:
+    h = hashlib.sha256(" ".join(_FLAGS).encode() + cpu_flags().encode())
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    out = os.path.join(cache_dir(), "kernels", f"relay_cpu-{h.hexdigest()[:16]}.so")
+    if os.path.exists(out):
+        return out
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"compiling {_SOURCES} failed: {e.stderr.strip()[-2000:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None if it cannot be built here (logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("RELAY_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        torch.zeros(1).sum()  # make sure torch's OpenMP runtime is the one our library binds to
+        lib = ctypes.CDLL(_build())
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", e)
+        return None
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
+                                     f32, i32, i32]
+    lib.decode_attention.restype = None
+    lib.relay_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
+    lib.relay_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32]
+    lib.relay_silu_mul.argtypes = [p, p, i64, i64, i32]
+    lib.relay_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.relay_gemm_bf16.restype = None
+    lib.relay_gemm_bf16_available.restype = i32
+    _lib = lib
+    return lib
+
+
+warm_up = load
+
+# Tokens per decode-attention work item: long requests split so every thread gets work; short
+# ones stay whole (a split costs a merge).
+DECODE_CHUNK = 512
+MAX_GROUP = 16  # query heads per kv head the kernel takes (csrc/decode_attention.c)
+
+
+# csrc/gemm_bf16.c takes up to 8 rows; above 3 oneDNN's blocked GEMM is faster on a Zen 4 (the
+# kernel turns compute-bound), below it streams the weights at 1.6-2x oneDNN's speed.
+GEMM_BF16_MAX_ROWS = 3
+
+
+def gemm_bf16_available() -> bool:
+    lib = load()
+    return lib is not None and bool(lib.relay_gemm_bf16_available())
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] bf16 (M <= GEMM_BF16_MAX_ROWS), w [N, K] bf16 contiguous -> [M, N] in out_dtype
+    (bfloat16 or float32). Only where gemm_bf16_available()."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
+    _lib.relay_gemm_bf16(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                         m, n, k, int(out_dtype == torch.float32))
+    return y
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """rms_norm(x) * weight, or with a residual: residual += x in place, then its rms_norm, written
+    over x (which the caller no longer needs). x, residual [T, H] contiguous, float32 or bfloat16."""
+    out = x if residual is not None else torch.empty_like(x)
+    _lib.relay_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        out.data_ptr(), x.shape[0], x.shape[1], eps, _bf16(x))
+    return out
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, num_q: int, num_k: int,
+         head_dim: int) -> None:
+    """Rotate the q and k heads at the start of each qkv row in place (neox style); cos/sin are the
+    float32 [positions, head_dim] tables of RotaryEmbedding, positions int64 [T]."""
+    _lib.relay_rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0],
+                    qkv.stride(0), num_q, num_k, head_dim, _bf16(qkv))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [T, 2 * I] gate_up (gate first)."""
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    _lib.relay_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, _bf16(gate_up))
+    return out
+
+
+class DecodePlan:
+    """What every layer's decode attention call of one step shares (built once per step)."""
+
+    def __init__(self, page_tables: list[list[int]], lens: list[int]):
+        width = max(len(t) for t in page_tables)
+        tables = np.zeros((len(page_tables), width), dtype=np.int32)
+        for i, t in enumerate(page_tables):
+            tables[i, :len(t)] = t
+        self.tables = torch.from_numpy(tables)
+        self.lens = torch.tensor(lens, dtype=torch.int64)
+        # Requests that share their first page (a prefix) side by side: one thread then finds
+        # that prefix's KV in its cache for the next one.
+        self.order = torch.from_numpy(np.argsort(tables[:, 0], kind="stable").astype(np.int64))
+
+
+def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     page_size: int, scale: float, new_k: torch.Tensor | None = None,
+                     new_v: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (rows may be strided: a view into qkv), float32 or bfloat16; k/v caches
+    [HKV, S, D] float32 or bfloat16. new_k/new_v [B, HKV, D] (views into qkv, in q's dtype): the new
+    token's keys and values, written into the cache at each request's last position first.
+    Returns [B, H, D] in q's dtype."""
+    b, h, d = q.shape
+    hkv, s, _ = k.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    out = torch.empty(b, h, d, dtype=q.dtype)
+    write = new_k is not None
+    if write:
+        new_k, new_v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (new_k, new_v))
+    lib.decode_attention(q.data_ptr(), q.stride(0), new_k.data_ptr() if write else 0, new_k.stride(0) if write else 0,
+                         new_v.data_ptr() if write else 0, new_v.stride(0) if write else 0,
+                         k.data_ptr(), v.data_ptr(), plan.tables.data_ptr(),
+                         plan.lens.data_ptr(), plan.order.data_ptr(), out.data_ptr(), b, h, hkv, d, s,
+                         plan.tables.shape[1], page_size, DECODE_CHUNK, scale, int(q.dtype == torch.bfloat16),
+                         int(k.dtype == torch.bfloat16))
+    return out

@@ -1,0 +1,341 @@
+// Paged decode attention for CPUs: one query token per request over its KV pages.
+//
+// Flash-decoding: each (request, kv head, chunk of tokens) is one work item that streams its
+// keys and values once, page by page, with an online softmax (no score buffer, no second
+// pass), for all query heads that share the kv head (GQA). A request's chunks are merged at
+// the end by their log-sum-exp, so one long request still spreads over every thread.
+// Work items are ordered by (kv head, first page, chunk, request): requests that share a
+// prefix (the same first pages) run back to back on one thread and find its KV in cache.
+//
+// With AVX-512 the inner loops use 16-lane vectors (head_dim a multiple of 16); elsewhere a
+// plain C loop of the same algorithm. Built at first use with the system C compiler for this
+// CPU (-march=native) and loaded with ctypes (relay/attention/cpu_kernels.py); OpenMP resolves
+// to the runtime torch already loaded, so torch's thread count and pool are shared.
+//
+// Layouts: q, out [B, H, D] (float32 or bfloat16, the same); k, v caches "HND" [HKV, S, D]
+// (float32 or bfloat16); tables [B, P] int32 page ids; lens [B]; order [B] the requests in
+// the order to visit them. Slot of token l of request b: tables[b, l / PS] * PS + l % PS.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define TILE 16  // tokens whose scores are exponentiated together
+#define MAX_GROUP 16  // query heads per kv head this kernel takes (the caller checks)
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+// Row loads into float: is_bf16 says how the row is stored.
+static inline void load_row(float* dst, const void* src, int64_t D, int is_bf16) {
+    if (is_bf16) {
+        const uint16_t* s = (const uint16_t*)src;
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(s[d]);
+    } else {
+        memcpy(dst, src, sizeof(float) * D);
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 vload(const void* base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float*)base + i);
+}
+
+// 2^x for x <= 0 (scores are pre-multiplied by log2(e)); ~1 ulp over the range softmax uses.
+static inline __m512 vexp2(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, xi);  // [0, 1)
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(xi), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// One work item: query heads [G, D] (float, scaled by scale * log2 e) over tokens [t0, t1)
+// of one request and kv head. Leaves the unnormalised output in acc [G, D] and the running
+// max (base 2) and sum in m[G], l[G]. Tiles never cross a page, so a tile's key and value rows
+// are consecutive.
+#define TILE_LOOP_BEGIN                                                                           \
+    for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }                          \
+    memset(acc, 0, sizeof(float) * G * D);                                                      \
+    for (int64_t base = t0; base < t1;) {                                                       \
+        const int64_t page = base / PS, off = base - page * PS;                                 \
+        int64_t n = PS - off;                                                                   \
+        n = n < TILE ? n : TILE;                                                                \
+        n = n < t1 - base ? n : t1 - base;                                                      \
+        const int64_t slot0 = (int64_t)table[page] * PS + off;                                  \
+        base += n;
+
+// Online softmax over one tile's scores s[g, 0..n): rescale what came before when the max rises.
+static inline void softmax_tile(float* s, int64_t n, int64_t G, int64_t D, float* acc, float* m, float* l) {
+    for (int64_t g = 0; g < G; g++) {
+        float* sg = s + g * TILE;
+        float mx = m[g];
+        for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
+        const float alpha = exp2f(m[g] - mx);  // 0 on the first tile (m = -inf)
+        float sum = 0.f;
+#if defined(__AVX512F__)
+        __mmask16 live = (__mmask16)((1u << n) - 1u);
+        __m512 p = vexp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg), _mm512_set1_ps(mx)));
+        p = _mm512_maskz_mov_ps(live, p);
+        _mm512_storeu_ps(sg, p);
+        sum = _mm512_reduce_add_ps(p);
+#else
+        for (int64_t j = 0; j < n; j++) { sg[j] = exp2f(sg[j] - mx); sum += sg[j]; }
+#endif
+        l[g] = l[g] * alpha + sum;
+        m[g] = mx;
+        if (alpha != 1.f)
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] *= alpha;
+    }
+}
+
+static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh, const int32_t* table, int64_t PS,
+                                int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16,
+                                float* acc, float* m, float* l, float* rowbuf) {
+    const size_t esz = kv_bf16 ? 2 : 4;
+    float s[MAX_GROUP * TILE];
+    TILE_LOOP_BEGIN
+        for (int64_t j = 0; j < n; j++) {
+            load_row(rowbuf, (const char*)kh + (slot0 + j) * D * esz, D, kv_bf16);
+            for (int64_t g = 0; g < G; g++) {
+                float a = 0.f;
+                for (int64_t d = 0; d < D; d++) a += qf[g * D + d] * rowbuf[d];
+                s[g * TILE + j] = a;
+            }
+        }
+        softmax_tile(s, n, G, D, acc, m, l);
+        for (int64_t j = 0; j < n; j++) {
+            load_row(rowbuf, (const char*)vh + (slot0 + j) * D * esz, D, kv_bf16);
+            for (int64_t g = 0; g < G; g++) {
+                const float w = s[g * TILE + j];
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] += w * rowbuf[d];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+// Sixteen vectors in, one out: lane j is the sum of v[j]'s lanes (a 16x16 transpose and add in
+// 45 instructions, where 16 horizontal sums take ~130).
+static inline __m512 transpose_sum16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: v[2i] and v[2i+1], two partial sums each
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: one partial sum each of 4 vectors
+        b[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))));
+    for (int i = 0; i < 2; i++)  // across 128-bit lanes: halves
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// The same with G query heads and ND 16-float chunks of head_dim known at compile time (the
+// dispatcher below instantiates it), so the query and accumulators live in registers. Scores
+// for a tile come 16 at a time per head (transpose_sum16); with bfloat16 queries and keys on
+// a CPU with AVX512-BF16 the dot products are VDPBF16PS on the raw bf16 values (qb), scaled after.
+static inline __attribute__((always_inline)) void attend_chunk_avx512(
+        const int64_t G, const int64_t ND, const float* qf, const uint16_t* qb, const void* kh, const void* vh,
+        const int32_t* table, int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float qscale,
+        float* acc, float* m, float* l) {
+    const int64_t D = ND * 16;
+    const size_t esz = kv_bf16 ? 2 : 4;
+    float s[MAX_GROUP * TILE];
+    float kf[TILE * ND * 16];  // a tile's keys as floats (the FMA path)
+    TILE_LOOP_BEGIN
+        const char* krows = (const char*)kh + slot0 * D * esz;
+        const char* vrows = (const char*)vh + slot0 * D * esz;
+#if defined(__AVX512BF16__)
+        if (qb != NULL) {
+            for (int64_t g = 0; g < G; g++) {
+                __m512 dots[TILE];
+                for (int64_t j = 0; j < TILE; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j >= n) continue;
+                    for (int64_t c = 0; c < ND; c += 2)
+                        dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qb + g * D + c * 16),
+                                                   (__m512bh)_mm512_loadu_si512(krows + (j * D + c * 16) * 2));
+                }
+                _mm512_storeu_ps(s + g * TILE, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(qscale)));
+            }
+        } else
+#endif
+        {
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t c = 0; c < ND; c++) _mm512_storeu_ps(kf + (j * ND + c) * 16, vload(krows + j * D * esz, c * 16, kv_bf16));
+            for (int64_t g = 0; g < G; g++) {
+                __m512 dots[TILE];
+                for (int64_t j = 0; j < TILE; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j >= n) continue;
+                    for (int64_t c = 0; c < ND; c++)
+                        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c * 16), _mm512_loadu_ps(kf + (j * ND + c) * 16),
+                                                  dots[j]);
+                }
+                _mm512_storeu_ps(s + g * TILE, transpose_sum16(dots));
+            }
+        }
+        softmax_tile(s, n, G, D, acc, m, l);
+        for (int64_t c = 0; c < ND; c++) {
+            __m512 a[G];
+            for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + c * 16);
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 vv = vload(vrows + j * D * esz, c * 16, kv_bf16);
+                for (int64_t g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * TILE + j]), vv, a[g]);
+            }
+            for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c * 16, a[g]);
+        }
+    }
+}
+
+#define CASE_G(GV, NDV) case GV: attend_chunk_avx512(GV, NDV, qf, qb, kh, vh, table, PS, t0, t1, kv_bf16, qscale, \
+                                                     acc, m, l); return 1;
+#define CASES_G(NDV) switch (G) { CASE_G(1, NDV) CASE_G(2, NDV) CASE_G(3, NDV) CASE_G(4, NDV) \
+                                  CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: return 0; }
+
+// Runs the specialised kernel when (G, D) is one it was built for; returns 0 otherwise.
+static int attend_chunk_fast(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
+                             int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
+                             float* acc, float* m, float* l) {
+    switch (D) {
+        case 64: CASES_G(4)
+        case 128: CASES_G(8)
+        default: return 0;
+    }
+}
+#endif
+
+static void attend_chunk(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
+                         int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
+                         float* acc, float* m, float* l, float* rowbuf) {
+#if defined(__AVX512F__)
+    if (attend_chunk_fast(qf, qb, kh, vh, table, PS, t0, t1, G, D, kv_bf16, qscale, acc, m, l)) return;
+#else
+    (void)qb; (void)qscale;
+#endif
+    attend_chunk_scalar(qf, kh, vh, table, PS, t0, t1, G, D, kv_bf16, acc, m, l, rowbuf);
+}
+
+// q/out: io_bf16 says float32 or bfloat16; k/v: kv_bf16 likewise. chunk: tokens per work item.
+// q rows are q_stride elements apart (q may be a view into a fused qkv row). new_k/new_v, when
+// not NULL, hold each request's new token's keys and values ([B, HKV, D], rows k_stride and
+// v_stride apart, in q's dtype): they are written into the cache at the request's last position
+// first.
+void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
+                      int64_t v_stride,
+                      void* k, void* v, const int32_t* tables, const int64_t* lens,
+                      const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
+                      int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16) {
+    const int64_t G = H / HKV;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    const size_t esz = kv_bf16 ? 2 : 4;
+    // Work items: (h, rank of request in order, chunk), packed as h * B * C + rank * C + c.
+    int64_t C = 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t c = (lens[b] + chunk - 1) / chunk;
+        C = c > C ? c : C;
+    }
+    const int64_t items = HKV * B * C;
+    float* partial = (float*)malloc(sizeof(float) * items * G * (D + 2));  // acc, m, l per item and head
+    _Pragma("omp parallel")
+    {
+        float* qf = (float*)malloc(sizeof(float) * G * D);
+        float* rowbuf = (float*)malloc(sizeof(float) * D);
+        if (new_k != NULL) {
+            _Pragma("omp for schedule(static)")
+            for (int64_t pair = 0; pair < B * HKV; pair++) {
+                const int64_t b = pair / HKV, h = pair % HKV, t = lens[b] - 1;
+                const int64_t slot = (int64_t)tables[b * P + t / PS] * PS + t % PS;
+                const int64_t ks = b * k_stride + h * D, vs = b * v_stride + h * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const float kd = io_bf16 ? bf16_to_f32(((const uint16_t*)new_k)[ks + d]) : ((const float*)new_k)[ks + d];
+                    const float vd = io_bf16 ? bf16_to_f32(((const uint16_t*)new_v)[vs + d]) : ((const float*)new_v)[vs + d];
+                    const int64_t dst = (h * S + slot) * D + d;
+                    if (kv_bf16) { ((uint16_t*)k)[dst] = f32_to_bf16(kd); ((uint16_t*)v)[dst] = f32_to_bf16(vd); }
+                    else { ((float*)k)[dst] = kd; ((float*)v)[dst] = vd; }
+                }
+            }
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t h = it / (B * C), rank = (it / C) % B, c = it % C;
+            const int64_t b = order[rank];
+            const int64_t t0 = c * chunk, t1 = (c + 1) * chunk < lens[b] ? (c + 1) * chunk : lens[b];
+            float* acc = partial + it * G * (D + 2);
+            float* m = acc + G * D;
+            float* l = m + G;
+            if (t0 >= t1) { for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; } continue; }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t row = b * q_stride + (h * G + g) * D;
+                if (io_bf16) load_row(qf + g * D, (const uint16_t*)q + row, D, 1);
+                else memcpy(qf + g * D, (const float*)q + row, sizeof(float) * D);
+                for (int64_t d = 0; d < D; d++) qf[g * D + d] *= qscale;
+            }
+            // bf16 queries over bf16 keys: dot products on the raw values (AVX512-BF16), scaled after.
+            const uint16_t* qb = io_bf16 && kv_bf16 ? (const uint16_t*)q + b * q_stride + h * G * D : NULL;
+            attend_chunk(qf, qb, (const char*)k + h * S * D * esz, (const char*)v + h * S * D * esz, tables + b * P,
+                         PS, t0, t1, G, D, kv_bf16, qscale, acc, m, l, rowbuf);
+        }
+        // Merge each (request, kv head)'s chunks by their log-sum-exp and write the output.
+        _Pragma("omp for schedule(static)")
+        for (int64_t pair = 0; pair < HKV * B; pair++) {
+            const int64_t h = pair / B, rank = pair % B, b = order[rank];
+            const float* first = partial + (pair * C) * G * (D + 2);
+            for (int64_t g = 0; g < G; g++) {
+                float mx = -INFINITY;
+                for (int64_t c = 0; c < C; c++) {
+                    const float mc = first[c * G * (D + 2) + G * D + g];
+                    mx = mc > mx ? mc : mx;
+                }
+                float* o = rowbuf;
+                memset(o, 0, sizeof(float) * D);
+                float total = 0.f;
+                for (int64_t c = 0; c < C; c++) {
+                    const float* acc = first + c * G * (D + 2);
+                    const float mc = acc[G * D + g], lc = acc[G * D + G + g];
+                    if (lc == 0.f) continue;
+                    const float w = exp2f(mc - mx);
+                    total += w * lc;
+                    for (int64_t d = 0; d < D; d++) o[d] += w * acc[g * D + d];
+                }
+                const float inv = total > 0.f ? 1.f / total : 0.f;
+                const int64_t row = (b * H + h * G + g) * D;
+                if (io_bf16)
+                    for (int64_t d = 0; d < D; d++) ((uint16_t*)out)[row + d] = f32_to_bf16(o[d] * inv);
+                else
+                    for (int64_t d = 0; d < D; d++) ((float*)out)[row + d] = o[d] * inv;
+            }
+        }
+        free(rowbuf);
+        free(qf);
+    }
+    free(partial);
+}

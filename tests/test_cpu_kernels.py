@@ -1,0 +1,118 @@
+"""Relay's C kernels for CPUs against plain torch references: every specialised shape (head
+dims, query heads per kv head), dtype, and the cases that split or reorder work (requests
+longer than a chunk, requests sharing their first pages)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from relay.kernels import cpu
+
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu.load()
+    if lib is None:
+        pytest.skip("no C compiler: Relay's CPU kernels are unavailable here")
+    return lib
+
+
+def reference(q, k, v, tables, lens, scale):
+    """q [B, H, D]; k/v [HKV, S, D] paged; dense softmax attention over each request's tokens."""
+    b, h, d = q.shape
+    hkv = k.shape[0]
+    out = torch.empty(b, h, d)
+    for i in range(b):
+        slots = torch.tensor([tables[i][t // PS] * PS + t % PS for t in range(lens[i])])
+        keys = k[:, slots].float().repeat_interleave(h // hkv, dim=0)  # [H, L, D]
+        vals = v[:, slots].float().repeat_interleave(h // hkv, dim=0)
+        p = torch.softmax(torch.einsum("hd,hld->hl", q[i].float(), keys) * scale, dim=-1)
+        out[i] = torch.einsum("hl,hld->hd", p, vals)
+    return out
+
+
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 9])
+@pytest.mark.parametrize("io,kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                   (torch.float32, torch.bfloat16)])
+def test_decode_attention_matches_dense(lib, d, group, io, kv):
+    rng = np.random.default_rng(d * 31 + group)
+    hkv, b = 2, 5
+    lens = [1, 17, 600, 1300, 33]  # one token, part pages, and more than one chunk (DECODE_CHUNK)
+    shared = rng.permutation(np.arange(1, 400))[:20].tolist()  # requests 3 and 4 share their first pages
+    free = [p for p in rng.permutation(np.arange(1, 400)).tolist() if p not in shared]
+    tables = []
+    for i, n in enumerate(lens):
+        pages = -(-n // PS)
+        tables.append((shared[:2] if i >= 3 else []) + [free.pop() for _ in range(pages - (2 if i >= 3 else 0))])
+    k = torch.randn(hkv, 400 * PS, d).to(kv)
+    v = torch.randn(hkv, 400 * PS, d).to(kv)
+    q = torch.randn(b, hkv * group, d).to(io)
+    if group > cpu.MAX_GROUP:
+        pytest.skip("beyond the kernel's group limit (the backend uses torch there)")
+    plan = cpu.DecodePlan(tables, lens)
+    out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
+    assert out.dtype == io and out.shape == q.shape
+    tol = 1e-5 if io == torch.float32 and kv == torch.float32 else (2e-3 if io == torch.float32 else 2e-2)
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
+
+
+def test_decode_plan_puts_requests_that_share_a_prefix_side_by_side():
+    plan = cpu.DecodePlan([[7, 1], [3], [7, 2], [3, 9], [5]], [20, 5, 18, 30, 1])
+    order = plan.order.tolist()
+    assert sorted(order) == [0, 1, 2, 3, 4]
+    firsts = [[7, 3, 7, 3, 5][i] for i in order]
+    assert firsts == sorted(firsts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(lib, dtype):
+    x, res, w = torch.randn(7, 96).to(dtype), torch.randn(7, 96).to(dtype), torch.randn(96).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-6)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6).float(), ref, **tol)
+    total = (x.float() + res.float()).to(dtype)
+    ref = torch.nn.functional.rms_norm(total.float(), (96,), w.float(), 1e-6)
+    r = res.clone()
+    out = cpu.rms_norm(x.clone(), w, 1e-6, r)
+    torch.testing.assert_close(r, total)  # the residual stream, updated in place
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_q_and_k_in_place_like_the_torch_path(lib, dtype):
+    from relay.layers import RotaryEmbedding, apply_rotary
+
+    rot = RotaryEmbedding(64, 512, 10000.0, None)
+    nq, nk, d, t = 4, 2, 64, 5
+    qkv = torch.randn(t, (nq + 2 * nk) * d).to(dtype)
+    positions = torch.tensor([0, 3, 17, 200, 511])
+    cos, sin = rot.cos_sin(positions, torch.float32)
+    ref = apply_rotary(qkv[:, :(nq + nk) * d].float().view(t, nq + nk, d), cos, sin).view(t, -1)
+    out = qkv.clone()
+    cpu.rope(out, rot.cos, rot.sin, positions, nq, nk, d)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out[:, :(nq + nk) * d].float(), ref, **tol)
+    assert torch.equal(out[:, (nq + nk) * d:], qkv[:, (nq + nk) * d:]), "v is left alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(lib, dtype):
+    gate_up = torch.randn(6, 2 * 40).to(dtype)
+    g, u = gate_up.float().split(40, dim=-1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cpu.silu_mul(gate_up).float(), torch.nn.functional.silu(g) * u, **tol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (200, 576)])
+def test_small_batch_bf16_gemm(lib, m, n, k):
+    if not cpu.gemm_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    ref = x.float() @ w.float().T + b.float()
+    torch.testing.assert_close(cpu.gemm_bf16(x, w, b, torch.float32), ref, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(cpu.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2)
