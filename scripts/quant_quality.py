@@ -1,8 +1,9 @@
-"""How much does `--quantization int8` change the model? Teacher-forced comparison with transformers.
+"""How much do `--quantization int8` and `int4` change the model? Teacher-forced comparison with transformers.
 
-Runs transformers on a text twice, with the checkpoint's weights and with every GEMM weight replaced
-by Relay's int8 quantization of it (`relay.layers.quantize_int8`, dequantized), and reports top-1
-agreement of the next-token predictions, the mean KL divergence, and perplexity on the text.
+Runs transformers on a text with the checkpoint's weights, then with every GEMM weight replaced by
+Relay's int8 and int4 quantization of it (`relay.layers.quantize_int8` / `quantize_int4`,
+dequantized), and reports top-1 agreement of the next-token predictions, the mean KL divergence,
+and perplexity on the text.
 
     python scripts/quant_quality.py                    # default model, README.md + docs/*.md
     python scripts/quant_quality.py --model-path DIR --text some.txt --max-tokens 4096
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relay.layers import quantize_int8
+    from relay.layers import quantize_int4, quantize_int8
     from relay.model_files import resolve_model_dir
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,23 +36,30 @@ def main() -> None:
     text = "\n\n".join(open(path).read() for path in paths)
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids[:, :args.max_tokens]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
+    schemes = [("int8, one scale per row", lambda w: quantize_int8(w)[1]),
+               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1])]
     with torch.inference_mode():
         ref = model(ids).logits[0].float()
-        for param in model.parameters():
-            if param.dim() == 2:  # every GEMM weight (a tied embedding with the LM head)
-                param.data = quantize_int8(param.data)[1]
-        quant = model(ids).logits[0].float()
+        results = []
+        for label, quantize in schemes:
+            for name, param in model.named_parameters():
+                if name in original:  # every GEMM weight (a tied embedding with the LM head)
+                    param.data = quantize(original[name])
+            results.append((label, model(ids).logits[0].float()))
 
-    log_ref, log_quant = torch.log_softmax(ref, -1), torch.log_softmax(quant, -1)
-    agreement = (ref.argmax(-1) == quant.argmax(-1)).float().mean().item()
-    kl = (log_ref.exp() * (log_ref - log_quant)).sum(-1).mean().item()
+    log_ref = torch.log_softmax(ref, -1)
     target = ids[0, 1:]
-    ppl = [torch.nn.functional.nll_loss(lp[:-1], target).exp().item() for lp in (log_ref, log_quant)]
+    ppl = lambda lp: torch.nn.functional.nll_loss(lp[:-1], target).exp().item()  # noqa: E731
     print(f"{ids.shape[1]} tokens of {len(paths)} file(s); model {os.path.basename(model_dir.rstrip('/'))}")
     print("| weights | top-1 agreement with the checkpoint | mean KL (nats) | perplexity |")
     print("|---|---|---|---|")
-    print(f"| checkpoint (float32) | – | – | {ppl[0]:.3f} |")
-    print(f"| int8, one scale per row | {agreement:.2%} | {kl:.4f} | {ppl[1]:.3f} |")
+    print(f"| checkpoint (float32) | – | – | {ppl(log_ref):.3f} |")
+    for label, logits in results:
+        log_q = torch.log_softmax(logits, -1)
+        agreement = (ref.argmax(-1) == logits.argmax(-1)).float().mean().item()
+        kl = (log_ref.exp() * (log_ref - log_q)).sum(-1).mean().item()
+        print(f"| {label} | {agreement:.2%} | {kl:.4f} | {ppl(log_q):.3f} |")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,70 @@ def test_small_batch_bf16_gemm(lib, m, n, k):
     ref = x.float() @ w.float().T + b.float()
     torch.testing.assert_close(cpu.gemm_bf16(x, w, b, torch.float32), ref, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(cpu.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2)
+
+
+def dense_causal(q, k, v, table, prefix, n, scale):
+    """q [n, H, D] new tokens at positions prefix..prefix+n-1 over the cache's first prefix+n tokens."""
+    h, d = q.shape[1], q.shape[2]
+    hkv = k.shape[0]
+    slots = torch.tensor([table[t // PS] * PS + t % PS for t in range(prefix + n)])
+    keys = k[:, slots].float().repeat_interleave(h // hkv, dim=0)
+    vals = v[:, slots].float().repeat_interleave(h // hkv, dim=0)
+    scores = torch.einsum("nhd,hld->hnl", q.float(), keys) * scale
+    allowed = torch.arange(prefix + n)[None, :] <= (prefix + torch.arange(n))[:, None]
+    p = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+    return torch.einsum("hnl,hld->nhd", p, vals)
+
+
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_attention_matches_dense(lib, d, group, dtype):
+    rng = np.random.default_rng(d + group)
+    hkv = 2
+    prefix_lens, extend_lens = [0, 37, 16, 300], [40, 5, 33, 17]
+    free = rng.permutation(np.arange(1, 300)).tolist()
+    tables = [[free.pop() for _ in range(-(-(p + e) // PS))] for p, e in zip(prefix_lens, extend_lens)]
+    k = torch.randn(hkv, 300 * PS, d).to(dtype)
+    v = torch.randn(hkv, 300 * PS, d).to(dtype)
+    total = sum(extend_lens)
+    qkv = torch.randn(total, hkv * group * d + 7).to(dtype)  # q as a strided view into a wider row
+    q = qkv[:, :hkv * group * d].view(total, hkv * group, d)
+    starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).tolist()
+    plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
+    out = torch.zeros(total, hkv * group, d, dtype=dtype)
+    supported = dtype == torch.bfloat16 and d % 32 == 0 and cpu.gemm_bf16_available()  # needs AVX512-BF16
+    assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d ** -0.5) == supported
+    if not supported:
+        return  # the backend keeps torch's SDPA there
+    tol = 3e-2
+    for table, p, e, s0 in zip(tables, prefix_lens, extend_lens, starts):
+        ref = dense_causal(q[s0:s0 + e], k, v, table, p, e, d ** -0.5)
+        torch.testing.assert_close(out[s0:s0 + e].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
+def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group):
+    """Requests that share a cached prefix's pages attend it in one pass (cascade): same result."""
+    if not cpu.gemm_bf16_available():
+        pytest.skip("cascade attention needs AVX512-BF16")
+    rng = np.random.default_rng(d)
+    hkv = 2
+    free = rng.permutation(np.arange(1, 500)).tolist()
+    system_a = [free.pop() for _ in range(70)]  # 1,120 tokens, more than two chunks
+    system_b = [free.pop() for _ in range(5)]
+    lens = [1130, 1200, 1125, 90, 95, 85, 300, 1121]
+    prefixes = [system_a, system_a, system_a, system_b, system_b, [], [], system_a[:30]]
+    tables = []
+    for n, pre in zip(lens, prefixes):
+        own = -(-n // PS) - len(pre)
+        tables.append(pre + [free.pop() for _ in range(own)])
+    k = torch.randn(hkv, 500 * PS, d).bfloat16()
+    v = torch.randn(hkv, 500 * PS, d).bfloat16()
+    q = torch.randn(len(lens), hkv * group, d).bfloat16()
+    plan = cpu.DecodePlan(tables, lens, PS, share=True)
+    assert plan.num_groups == 2  # system_a's four (one only partly) and system_b's two
+    out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=2e-2, rtol=2e-2)
+    alone = cpu.decode_attention(lib, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
+    torch.testing.assert_close(out.float(), alone.float(), atol=2e-2, rtol=2e-2)

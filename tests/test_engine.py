@@ -92,3 +92,33 @@ def test_default_model_matches_transformers(default_model_dir):
     # SmolLM2: 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KB per token; ~24 pages of 8.
     small = 24 * 8 * 46080 / (1 << 30)
     check_three_ways(default_model_dir, prompts, small, page_size=8, chunked_prefill_size=64, kv_cache_gb=0.05)
+
+
+@pytest.mark.slow
+def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model_dir):
+    """bfloat16 is the default on CPUs with bf16 dot products and takes Relay's own kernels
+    (fused norms, rotary, small-batch GEMM, prompt and decode attention). Exactness is checked in
+    float32; here: teacher-forced next-token predictions agree with transformers in bfloat16
+    (which rounds differently: near-ties may flip), batched and alone, and the answers are sensible."""
+    from transformers import AutoModelForCausalLM
+
+    from relay.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
+    engine = Engine(default_model_dir, dtype="bfloat16", kv_cache_gb=0.2)
+    outs = engine.generate(prompts, GREEDY)
+    alone = [engine.generate([p], GREEDY)[0] for p in prompts[:3]]
+    assert outs[0].text.startswith(" Paris")
+    assert [o.token_ids for o in alone] == [o.token_ids for o in outs[:3]] or sum(
+        a.token_ids[:4] == o.token_ids[:4] for a, o in zip(alone, outs)) >= 2
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16)
+    agree = total = 0
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs):
+            seq = torch.tensor([p + o.token_ids[:-1]])
+            predicted = model(seq).logits[0, len(p) - 1:].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(predicted, o.token_ids))
+            total += len(o.token_ids)
+    assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    engine.check()

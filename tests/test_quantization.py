@@ -1,4 +1,5 @@
-"""--quantization int8: weight-only int8 weights with one scale per output row (CPU).
+"""--quantization int8 (one scale per output row) and int4 (a scale and zero point per 32 input
+features): weight-only quantized weights on CPU.
 
 Small GEMMs (fewer than INT8_MAX_ROWS rows) run torch's int8 kernel; larger ones the float copy
 of the same quantized values. So with enough requests in a batch, greedy output equals
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from relay import Engine
-from relay.layers import INT8_MAX_ROWS, Linear, quantize_int8
+from relay.layers import INT4_MAX_ROWS, INT8_MAX_ROWS, Linear, int4_supported, quantize_int4, quantize_int8
 from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
@@ -74,4 +75,47 @@ def test_unknown_quantization_is_rejected():
     from relay.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int3")
+
+
+needs_int4 = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 kernels")
+
+
+@needs_int4
+def test_quantize_int4_rounds_each_group_to_its_grid():
+    torch.manual_seed(0)
+    w = torch.randn(48, 128) * torch.logspace(-3, 1, 48)[:, None]
+    q4, dequantized = quantize_int4(w)
+    groups = w.view(48, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (dequantized - w).view(48, 4, 32).abs()
+    assert (err <= step[..., None] * 0.51 + 1e-2 * groups.abs().amax(-1, keepdim=True)).all()  # bf16 scales
+    assert q4.packed.dtype == torch.uint8 and q4.scales_and_zeros.shape == (4, 48, 2)
+
+
+@needs_int4
+def test_int4_kernel_and_float_path_agree():
+    torch.manual_seed(1)
+    layer = Linear(128, 80, bias=True, dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.int4, layer.weight.data = quantize_int4(layer.weight.data)
+    x = torch.randn(INT4_MAX_ROWS + 1, 128)
+    exact = x @ layer.weight.data.T + layer.bias.data
+    assert torch.allclose(layer(x), exact, atol=1e-4)  # the float path over the quantized values
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the int4 kernel, bf16 activations
+    assert ((rows - exact).norm() / exact.norm()) < 1e-2
+    assert not torch.equal(rows, layer(x)), "a single row must take the int4 kernel"
+
+
+@needs_int4
+@pytest.mark.slow
+def test_default_model_int4_is_still_the_model(default_model_dir):
+    """A lone request takes the int4 kernel every step: its greedy answers stay sensible."""
+    from relay.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    engine = Engine(default_model_dir, quantization="int4", kv_cache_gb=0.2)
+    out = engine.generate(["The capital of France is"], GREEDY)[0]
+    assert out.text.startswith(" Paris"), out.text
+    engine.check()

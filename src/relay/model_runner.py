@@ -20,6 +20,7 @@ from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.kernels.cpu import cpu_flags
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
+from relay.layers import int4_supported
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
 
@@ -65,8 +66,10 @@ class ModelRunner:
         self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else pick_dtype(cfg.kv_cache_dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("a kv_cache_dtype other than the model dtype is only supported on CPU")
-        if cfg.quantization == "int8" and self.device.type != "cpu":
-            raise ValueError("quantization='int8' runs on CPU only")
+        if cfg.quantization and self.device.type != "cpu":
+            raise ValueError(f"quantization={cfg.quantization!r} runs on CPU only")
+        if cfg.quantization == "int4" and not int4_supported():
+            raise ValueError("quantization='int4' needs torch's CPU int4 kernels (torch >= 2.6)")
         if self.device.type == "cpu":
             # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
             torch.set_num_threads(cfg.num_threads or max(1, available_cores() // self.tp.size))
@@ -76,6 +79,8 @@ class ModelRunner:
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
+        elif cfg.quantization == "int4":
+            self.model.quantize_int4()
         if self.device.type == "cpu":
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 self.model.pack_for_cpu()

@@ -24,7 +24,9 @@ from relay.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.c")))
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.c")))
+_HEADERS = sorted(glob.glob(os.path.join(_CSRC, "*.h")))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -43,7 +45,7 @@ def cpu_flags() -> str:
 
 def _build() -> str:
     h = hashlib.sha256(" ".join(_FLAGS).encode() + cpu_flags().encode())
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
     out = os.path.join(cache_dir(), "kernels", f"relay_cpu-{h.hexdigest()[:16]}.so")
@@ -82,8 +84,10 @@ def load() -> ctypes.CDLL | None:
         return None
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                     f32, i32, i32]
+                                     f32, i32, i32, i64, p, p, p]
     lib.decode_attention.restype = None
+    lib.extend_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i32, i32]
+    lib.extend_attention.restype = i32
     lib.relay_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.relay_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32]
     lib.relay_silu_mul.argtypes = [p, p, i64, i64, i32]
@@ -159,10 +163,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class DecodePlan:
-    """What every layer's decode attention call of one step shares (built once per step)."""
+# Requests that share at least this many leading tokens' pages attend them together (cascade).
+MIN_SHARED_TOKENS = 64
 
-    def __init__(self, page_tables: list[list[int]], lens: list[int]):
+
+class DecodePlan:
+    """What every layer's decode attention call of one step shares (built once per step).
+
+    share: find requests whose first pages are the same (a cached shared prefix), for the
+    kernel to attend those keys once for all of them (bfloat16 only: see decode_attention)."""
+
+    def __init__(self, page_tables: list[list[int]], lens: list[int], page_size: int = 16, share: bool = False):
         width = max(len(t) for t in page_tables)
         tables = np.zeros((len(page_tables), width), dtype=np.int32)
         for i, t in enumerate(page_tables):
@@ -170,8 +181,32 @@ class DecodePlan:
         self.tables = torch.from_numpy(tables)
         self.lens = torch.tensor(lens, dtype=torch.int64)
         # Requests that share their first page (a prefix) side by side: one thread then finds
-        # that prefix's KV in its cache for the next one.
-        self.order = torch.from_numpy(np.argsort(tables[:, 0], kind="stable").astype(np.int64))
+        # that prefix's KV in its cache for the next one, and a group is a run of this order.
+        order = np.argsort(tables[:, 0], kind="stable")
+        self.order = torch.from_numpy(order.astype(np.int64))
+        groups = _shared_groups(tables[order], np.asarray(lens)[order], page_size) if share else []
+        self.num_groups = len(groups)
+        self.groups = torch.tensor(groups, dtype=torch.int64).T.contiguous() if groups else torch.zeros(3, 1,
+                                                                                                      dtype=torch.int64)
+
+
+def _shared_groups(tables: np.ndarray, lens: np.ndarray, page_size: int) -> list[tuple[int, int, int]]:
+    """(first rank, size, shared tokens) of each run of requests (in this order) that share at
+    least MIN_SHARED_TOKENS leading tokens' pages; each keeps at least its newest token its own."""
+    groups = []
+    start = 0
+    for end in range(1, len(tables) + 1):
+        if end < len(tables) and tables[end, 0] == tables[start, 0]:
+            continue
+        if end - start >= 2:
+            run = tables[start:end]
+            differs = (run != run[0]).any(axis=0)
+            common = int(np.argmax(differs)) if differs.any() else run.shape[1]
+            keys = min(common * page_size, (int(lens[start:end].min()) - 1) // page_size * page_size)
+            if keys >= MIN_SHARED_TOKENS:
+                groups.append((start, end - start, keys))
+        start = end
+    return groups
 
 
 def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -194,5 +229,38 @@ def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: tor
                          k.data_ptr(), v.data_ptr(), plan.tables.data_ptr(),
                          plan.lens.data_ptr(), plan.order.data_ptr(), out.data_ptr(), b, h, hkv, d, s,
                          plan.tables.shape[1], page_size, DECODE_CHUNK, scale, int(q.dtype == torch.bfloat16),
-                         int(k.dtype == torch.bfloat16))
+                         int(k.dtype == torch.bfloat16),
+                         plan.num_groups if q.dtype == k.dtype == torch.bfloat16 else 0, plan.groups[0].data_ptr(),
+                         plan.groups[1].data_ptr(), plan.groups[2].data_ptr())
     return out
+
+
+class ExtendPlan:
+    """What every layer's prompt-chunk attention call of one step shares: the requests with more
+    than one new token, their page tables, and where their tokens sit among the step's rows."""
+
+    def __init__(self, page_tables: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
+                 q_starts: list[int]):
+        width = max(len(t) for t in page_tables)
+        tables = np.zeros((len(page_tables), width), dtype=np.int32)
+        for i, t in enumerate(page_tables):
+            tables[i, :len(t)] = t
+        self.tables = torch.from_numpy(tables)
+        self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64)
+        self.extend_lens = torch.tensor(extend_lens, dtype=torch.int64)
+        self.q_starts = torch.tensor(q_starts, dtype=torch.int64)
+
+
+def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, page_size: int, scale: float) -> bool:
+    """Attention of each planned request's new tokens (rows of q [T, H, D], strided rows allowed)
+    over its cached prefix and themselves, written into out [T, H, D] (contiguous, q's dtype);
+    their keys and values must be in the cache already. False if this shape is not supported."""
+    t, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    hkv, s, _ = k.shape
+    return bool(lib.extend_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), plan.tables.data_ptr(),
+                                     plan.tables.shape[1], plan.q_starts.data_ptr(), plan.prefix_lens.data_ptr(),
+                                     plan.extend_lens.data_ptr(), len(plan.q_starts), out.data_ptr(), h, hkv, d, s,
+                                     page_size, scale, int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16)))

@@ -17,7 +17,7 @@ from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
 from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
-                          pack_for_cpu, quantize_int8)
+                          pack_for_cpu, quantize_int4, quantize_int8)
 
 
 class Attention(nn.Module):
@@ -131,13 +131,19 @@ class LlamaForCausalLM(nn.Module):
         results are bit-identical to the transformers reference that tests compare against)."""
         gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
         for module in self.gemm_modules():
-            module.gemv = gemv and module.int8 is None
+            module.gemv = gemv and module.int8 is None and module.int4 is None
         self.fused_cpu_ops = self.dtype == torch.bfloat16 and cpu_kernels.available() and not self.config.qk_norm
         if self.fused_cpu_ops:
             self.norm.fused = True
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
                 layer.self_attn.rotary = self.rotary
+
+    def quantize_int4(self) -> None:
+        """Weight-only 4-bit (groups of 32, scale and zero point) for every GEMM; like int8, the
+        float weights become the quantized values."""
+        for module in self.gemm_modules():
+            module.int4, module.weight.data = quantize_int4(module.weight)
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every GEMM; the float weights become the quantized values so that

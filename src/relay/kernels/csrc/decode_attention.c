@@ -19,63 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define TILE 16  // tokens whose scores are exponentiated together
 #define MAX_GROUP 16  // query heads per kv head this kernel takes (the caller checks)
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-// Row loads into float: is_bf16 says how the row is stored.
-static inline void load_row(float* dst, const void* src, int64_t D, int is_bf16) {
-    if (is_bf16) {
-        const uint16_t* s = (const uint16_t*)src;
-        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(s[d]);
-    } else {
-        memcpy(dst, src, sizeof(float) * D);
-    }
-}
-
-#if defined(__AVX512F__)
-static inline __m512 vload(const void* base, int64_t i, int is_bf16) {
-    if (is_bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float*)base + i);
-}
-
-// 2^x for x <= 0 (scores are pre-multiplied by log2(e)); ~1 ulp over the range softmax uses.
-static inline __m512 vexp2(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, xi);  // [0, 1)
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(xi), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#endif
+#include "simd.h"
 
 // One work item: query heads [G, D] (float, scaled by scale * log2 e) over tokens [t0, t1)
 // of one request and kv head. Leaves the unnormalised output in acc [G, D] and the running
@@ -142,22 +90,6 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 }
 
 #if defined(__AVX512F__)
-// Sixteen vectors in, one out: lane j is the sum of v[j]'s lanes (a 16x16 transpose and add in
-// 45 instructions, where 16 horizontal sums take ~130).
-static inline __m512 transpose_sum16(const __m512* v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)  // per 128-bit lane: v[2i] and v[2i+1], two partial sums each
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  // per 128-bit lane: one partial sum each of 4 vectors
-        b[i] = _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))));
-    for (int i = 0; i < 2; i++)  // across 128-bit lanes: halves
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 // The same with G query heads and ND 16-float chunks of head_dim known at compile time (the
 // dispatcher below instantiates it), so the query and accumulators live in registers. Scores
 // for a tile come 16 at a time per head (transpose_sum16); with bfloat16 queries and keys on
@@ -249,26 +181,60 @@ static void attend_chunk(const float* qf, const uint16_t* qb, const void* kh, co
 // not NULL, hold each request's new token's keys and values ([B, HKV, D], rows k_stride and
 // v_stride apart, in q's dtype): they are written into the cache at the request's last position
 // first.
+int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16_t* kh, const uint16_t* vh,
+                        const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D, float qscale,
+                        float* const* acc_out, float* const* m_out, float* const* l_out);  // extend_attention.c
+
+typedef struct {
+    int64_t group;  // >= 0: a shared-prefix item of this group; -1: a request's own keys
+    int64_t h, rank, c;  // kv head; the request (its rank in order) or the group's; the chunk
+} DecodeItem;
+
+// Groups (optional, n_groups > 0; bfloat16 queries and cache only): requests order[first[g]],
+// ..., order[first[g] + size[g] - 1] share the pages of their first keys[g] tokens (a cached
+// system prompt). Those keys are attended once for all of the group's queries (cascade
+// attention: one pass over the shared KV instead of one per request), and each request's own
+// keys after them as usual; the parts merge by their log-sum-exp like any other chunks.
 void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
                       int64_t v_stride,
                       void* k, void* v, const int32_t* tables, const int64_t* lens,
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
-                      int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16) {
+                      int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16,
+                      int64_t n_groups, const int64_t* group_first, const int64_t* group_size,
+                      const int64_t* group_keys) {
     const int64_t G = H / HKV;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const size_t esz = kv_bf16 ? 2 : 4;
-    // Work items: (h, rank of request in order, chunk), packed as h * B * C + rank * C + c.
-    int64_t C = 1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t c = (lens[b] + chunk - 1) / chunk;
-        C = c > C ? c : C;
+    int64_t* shared = (int64_t*)calloc((size_t)B, sizeof(int64_t));  // by rank
+    for (int64_t g = 0; g < n_groups; g++)
+        for (int64_t r = group_first[g]; r < group_first[g] + group_size[g]; r++) shared[r] = group_keys[g];
+    // Partial slots per (kv head, rank): the shared prefix's chunks first, then the request's own.
+    int64_t C = 1, count = 0;
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t pre = (shared[r] + chunk - 1) / chunk, own = (lens[order[r]] - shared[r] + chunk - 1) / chunk;
+        C = pre + own > C ? pre + own : C;
+        count += HKV * own;
     }
-    const int64_t items = HKV * B * C;
-    float* partial = (float*)malloc(sizeof(float) * items * G * (D + 2));  // acc, m, l per item and head
+    for (int64_t g = 0; g < n_groups; g++) count += HKV * ((group_keys[g] + chunk - 1) / chunk);
+    DecodeItem* items = (DecodeItem*)malloc(sizeof(DecodeItem) * (size_t)(count ? count : 1));
+    int64_t n = 0;
+    for (int64_t g = 0; g < n_groups; g++)  // the heavy ones first
+        for (int64_t h = 0; h < HKV; h++)
+            for (int64_t c = 0; c * chunk < group_keys[g]; c++) items[n++] = (DecodeItem){g, h, group_first[g], c};
+    for (int64_t h = 0; h < HKV; h++)
+        for (int64_t r = 0; r < B; r++)
+            for (int64_t c = 0; shared[r] + c * chunk < lens[order[r]]; c++) items[n++] = (DecodeItem){-1, h, r, c};
+    const int64_t slot_floats = G * (D + 2);  // acc [G, D], m [G], l [G]
+    float* partial = (float*)malloc(sizeof(float) * (size_t)(HKV * B * C * slot_floats));
     _Pragma("omp parallel")
     {
         float* qf = (float*)malloc(sizeof(float) * G * D);
         float* rowbuf = (float*)malloc(sizeof(float) * D);
+        _Pragma("omp for schedule(static)")
+        for (int64_t sl = 0; sl < HKV * B * C; sl++) {  // every slot starts empty
+            float* m = partial + sl * slot_floats + G * D;
+            for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; m[G + g] = 0.f; }
+        }
         if (new_k != NULL) {
             _Pragma("omp for schedule(static)")
             for (int64_t pair = 0; pair < B * HKV; pair++) {
@@ -284,15 +250,37 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                 }
             }
         }
-        _Pragma("omp for schedule(static)")
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t h = it / (B * C), rank = (it / C) % B, c = it % C;
-            const int64_t b = order[rank];
-            const int64_t t0 = c * chunk, t1 = (c + 1) * chunk < lens[b] ? (c + 1) * chunk : lens[b];
-            float* acc = partial + it * G * (D + 2);
-            float* m = acc + G * D;
-            float* l = m + G;
-            if (t0 >= t1) { for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; } continue; }
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t i = 0; i < n; i++) {
+            const DecodeItem it = items[i];
+            const int64_t h = it.h;
+            const char* kh = (const char*)k + h * S * D * esz;
+            const char* vh = (const char*)v + h * S * D * esz;
+            if (it.group >= 0) {  // one chunk of a group's shared keys, for all its queries
+                const int64_t size = group_size[it.group], rows = size * G;
+                const uint16_t** qrows = (const uint16_t**)malloc(sizeof(void*) * (size_t)rows);
+                float** outs = (float**)malloc(sizeof(void*) * (size_t)rows * 3);
+                for (int64_t rr = 0; rr < rows; rr++) {
+                    const int64_t rank = it.rank + rr / G, g = rr % G, b = order[rank];
+                    float* slot = partial + ((h * B + rank) * C + it.c) * slot_floats;
+                    qrows[rr] = (const uint16_t*)q + b * q_stride + (h * G + g) * D;
+                    outs[rr] = slot + g * D;
+                    outs[rows + rr] = slot + G * D + g;
+                    outs[2 * rows + rr] = slot + G * D + G + g;
+                }
+                const int64_t k0 = it.c * chunk, k1 = (it.c + 1) * chunk < group_keys[it.group] ? (it.c + 1) * chunk
+                                                                                                : group_keys[it.group];
+                relay_attend_shared(qrows, rows, (const uint16_t*)kh, (const uint16_t*)vh,
+                                    tables + order[it.rank] * P, PS, k0, k1, D, qscale, outs, outs + rows,
+                                    outs + 2 * rows);
+                free(outs);
+                free(qrows);
+                continue;
+            }
+            const int64_t b = order[it.rank], pre = (shared[it.rank] + chunk - 1) / chunk;
+            const int64_t t0 = shared[it.rank] + it.c * chunk;
+            const int64_t t1 = t0 + chunk < lens[b] ? t0 + chunk : lens[b];
+            float* acc = partial + ((h * B + it.rank) * C + pre + it.c) * slot_floats;
             for (int64_t g = 0; g < G; g++) {
                 const int64_t row = b * q_stride + (h * G + g) * D;
                 if (io_bf16) load_row(qf + g * D, (const uint16_t*)q + row, D, 1);
@@ -301,25 +289,25 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
             }
             // bf16 queries over bf16 keys: dot products on the raw values (AVX512-BF16), scaled after.
             const uint16_t* qb = io_bf16 && kv_bf16 ? (const uint16_t*)q + b * q_stride + h * G * D : NULL;
-            attend_chunk(qf, qb, (const char*)k + h * S * D * esz, (const char*)v + h * S * D * esz, tables + b * P,
-                         PS, t0, t1, G, D, kv_bf16, qscale, acc, m, l, rowbuf);
+            attend_chunk(qf, qb, kh, vh, tables + b * P, PS, t0, t1, G, D, kv_bf16, qscale, acc, acc + G * D,
+                         acc + G * D + G, rowbuf);
         }
         // Merge each (request, kv head)'s chunks by their log-sum-exp and write the output.
         _Pragma("omp for schedule(static)")
         for (int64_t pair = 0; pair < HKV * B; pair++) {
             const int64_t h = pair / B, rank = pair % B, b = order[rank];
-            const float* first = partial + (pair * C) * G * (D + 2);
+            const float* first = partial + (pair * C) * slot_floats;
             for (int64_t g = 0; g < G; g++) {
                 float mx = -INFINITY;
                 for (int64_t c = 0; c < C; c++) {
-                    const float mc = first[c * G * (D + 2) + G * D + g];
+                    const float mc = first[c * slot_floats + G * D + g];
                     mx = mc > mx ? mc : mx;
                 }
                 float* o = rowbuf;
                 memset(o, 0, sizeof(float) * D);
                 float total = 0.f;
                 for (int64_t c = 0; c < C; c++) {
-                    const float* acc = first + c * G * (D + 2);
+                    const float* acc = first + c * slot_floats;
                     const float mc = acc[G * D + g], lc = acc[G * D + G + g];
                     if (lc == 0.f) continue;
                     const float w = exp2f(mc - mx);
@@ -338,4 +326,6 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
         free(qf);
     }
     free(partial);
+    free(items);
+    free(shared);
 }

@@ -7,11 +7,7 @@
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU);
 // relay_gemm_bf16_available() tells the caller.
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 int relay_gemm_bf16_available(void) {
 #if defined(__AVX512BF16__)
@@ -22,21 +18,6 @@ int relay_gemm_bf16_available(void) {
 }
 
 #if defined(__AVX512BF16__)
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // One output feature for all M rows: its weight row is read front to back (each thread walks a
 // contiguous range of rows: one sequential stream the prefetchers follow), two accumulators per
 // row of x so consecutive VDPBF16PS do not wait on each other.
@@ -72,10 +53,10 @@ static inline __attribute__((always_inline)) void gemm_m(const int64_t M, const 
     for (int64_t n = 0; n < N; n++) {
         float sums[8];
         row(M, x, w + n * K, K, sums);
-        const float b = bias ? from_bf16(bias[n]) : 0.f;
+        const float b = bias ? bf16_to_f32(bias[n]) : 0.f;
         for (int64_t m = 0; m < M; m++) {
             if (out_f32) ((float*)y)[m * N + n] = sums[m] + b;
-            else ((uint16_t*)y)[m * N + n] = to_bf16(sums[m] + b);
+            else ((uint16_t*)y)[m * N + n] = f32_to_bf16(sums[m] + b);
         }
     }
 }

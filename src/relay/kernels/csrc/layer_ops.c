@@ -6,62 +6,29 @@
 //   relay_silu_mul   out = silu(gate) * up from a fused gate_up row
 //
 // Activations are float32 or bfloat16 (is_bf16); math in float32, one rounding per stored value.
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 static inline float ld(const void* p, int64_t i, int bf16) {
-    if (!bf16) return ((const float*)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
 static inline void st(void* p, int64_t i, float f, int bf16) {
-    if (!bf16) { ((float*)p)[i] = f; return; }
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { ((uint16_t*)p)[i] = (uint16_t)((bits >> 16) | 0x40); return; }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    ((uint16_t*)p)[i] = (uint16_t)(bits >> 16);
+    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(f);
+    else ((float*)p)[i] = f;
 }
 
 #if defined(__AVX512F__)
-static inline __m512 vld(const void* p, int64_t i, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float*)p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+static inline __m512 vld(const void* p, int64_t i, int bf16) { return vload(p, i, bf16); }
 
 static inline void vst(void* p, int64_t i, __m512 v, int bf16) {
-    if (!bf16) { _mm512_storeu_ps((float*)p + i, v); return; }
-    __m512i bits = _mm512_castps_si512(v);  // round to nearest even (inputs here are never NaN)
-    __m512i round = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16),
-                                                                                 _mm512_set1_epi32(1)));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, round), 16)));
+    if (bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)p + i), vcvt_bf16(v));
+    else _mm512_storeu_ps((float*)p + i, v);
 }
 
-// e^x, x clamped to [-87, 87]: 2^(x log2 e) split into integer and fraction, a degree-6
-// polynomial for the fraction (~1 ulp).
+// e^x for |x| <= 87 (clamped): 2^(x log2 e).
 static inline __m512 vexp(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(87.f));
-    x = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, xi);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(xi), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return vexp2(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
 }
 #endif
 
