@@ -44,7 +44,7 @@ FLAG_HELP = {
                     "bfloat16: faster single streams, slightly different outputs); default: none",
     "device": "cpu, cuda, or auto",
     "tp_size": "tensor-parallel ranks (one model-runner process each); gloo on CPU, NCCL on GPU",
-    "page_size": "tokens per KV page (also the prefix cache's matching granularity)",
+    "page_size": "tokens per KV page (also the prefix cache's matching granularity); default 32 on CPU, 16 on GPU",
     "kv_cache_gb": "KV pool size in GiB (wins over --mem-fraction-static)",
     "mem_fraction_static": "KV pool as a fraction of free memory after the weights are loaded",
     "max_running_requests": "most requests decoding at once",

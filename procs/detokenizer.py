@@ -16,7 +16,9 @@ from relay.tokenizer import Tokenizer
 
 def main(args: ProcArgs) -> None:
     cfg = args.engine_config
-    detok = Detokenizer(Tokenizer(cfg.tokenizer_path or args.model_dir))
+    tok = Tokenizer(cfg.tokenizer_path or args.model_dir)
+    tok.warm_up()
+    detok = Detokenizer(tok)
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, DETOKENIZER))
     to_http = push(ctx, endpoint(args.ipc_dir, HTTP))

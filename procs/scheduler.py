@@ -40,8 +40,9 @@ class SchedulerLoop:
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
         info = self._wait_for_runner()
-        # The step budget as the runner resolved it for its device.
-        cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"])
+        # The step budget and page size as the runner resolved them for its device.
+        cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"],
+                                  page_size=info["page_size"])
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=ModelConfig.from_dir(args.model_dir).attention_break_even())

@@ -37,7 +37,7 @@ def main(args: ProcArgs) -> None:
     mc = ModelConfig.from_dir(args.model_dir)
     prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir),
                           cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
-    prep.tok.max_token_chars  # computed once now, not on the first long prompt
+    prep.tok.warm_up()
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))

@@ -96,13 +96,17 @@ def label_c_kernels() -> None:
     """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
     from relay.kernels import cpu as cpu_kernels
 
-    plain = cpu_kernels.decode_attention
+    labels = {"decode_attention": "relay::attn_decode", "extend_attention": "relay::attn_extend",
+              "gemm_bf16": "relay::gemm_bf16", "rms_norm": "relay::rms_norm", "rope": "relay::rope",
+              "silu_mul": "relay::silu_mul"}
+    for name, label in labels.items():
+        plain = getattr(cpu_kernels, name)
 
-    def labelled(*args, **kwargs):
-        with torch.profiler.record_function("relay::attn_decode"):
-            return plain(*args, **kwargs)
+        def labelled(*args, _plain=plain, _label=label, **kwargs):
+            with torch.profiler.record_function(_label):
+                return _plain(*args, **kwargs)
 
-    cpu_kernels.decode_attention = labelled
+        setattr(cpu_kernels, name, labelled)
 
 
 def breakdown(fn) -> dict[str, float]:

@@ -108,3 +108,21 @@ def test_bf16_cpu_kernels_match_the_torch_path(tiny_model_dir):
         b = plain.step_logits(batch, batch.new_pages)
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() < 0.05 * scale
+
+
+def test_start_up_runs_each_kind_of_step_once_and_leaves_nothing_behind(tiny_model_dir, monkeypatch):
+    """The first request after "ready" must not pay for a kernel build or a first-call path: the
+    runner runs a prompt, a mixed step, decode steps and a release before it is handed out."""
+    seen = []
+    real = ModelRunner.forward
+
+    def recording(self, batch):
+        seen.append("release" if not batch.sids else "decode" if batch.is_decode
+                    else "mixed" if 1 in batch.extend_lens else "prompt")
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "forward", recording)
+    path = tiny_model_dir("llama")
+    fresh = ModelRunner(EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+    assert seen == ["prompt", "mixed", "decode", "decode", "release"]
+    assert fresh.page_tables == {} and fresh.sampler.states == {}

@@ -32,7 +32,10 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "auto"  # auto: cuda when available, else cpu
     tp_size: int = 1
-    page_size: int = 16
+    # Tokens per KV page; None: 32 on CPU, 16 on GPU. A CPU reads a page's keys as one run of
+    # page_size x head_dim values per kv head, and this machine reads scattered 2 KiB runs at half
+    # the speed of 4 KiB ones (docs/benchmarks.md). Also the prefix cache's matching granularity.
+    page_size: int | None = None
     kv_cache_gb: float | None = None  # KV budget; wins over mem_fraction_static
     mem_fraction_static: float | None = None  # of free memory after weights
     max_running_requests: int = 256
@@ -71,10 +74,11 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     def for_device(self, device_type: str) -> "EngineConfig":
-        """This config with what depends on the device resolved (the step budget)."""
-        if self.chunked_prefill_size is not None:
-            return self
-        return dataclasses.replace(self, chunked_prefill_size=8192 if device_type == "cuda" else 256)
+        """This config with what depends on the device resolved (step budget, page size)."""
+        gpu = device_type == "cuda"
+        return dataclasses.replace(
+            self, chunked_prefill_size=self.chunked_prefill_size or (8192 if gpu else 256),
+            page_size=self.page_size or (16 if gpu else 32))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":

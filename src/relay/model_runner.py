@@ -15,7 +15,7 @@ import torch
 
 from relay.attention import backend_class
 from relay.attention.base import StepMeta
-from relay.batch import BatchInput, BatchOutput
+from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.kernels.cpu import cpu_flags
@@ -23,8 +23,11 @@ from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.layers import int4_supported
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
+from relay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+WARM_UP_SIDS = (-2, -1)  # request handles of the start-up warm-up; the scheduler's are >= 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -96,6 +99,30 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
         self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run every kind of step once before the server says it is ready, so the first request
+        pays for no kernel build, oneDNN primitive or first-call path: two prompts (one sampled
+        greedily, one with temperature, top-p and top-k), a mixed step, two decode steps."""
+        lens = [min(40, self.context_len - 4), min(17, self.context_len - 4)]
+        counts = [-(-(n + 3) // self.page_size) for n in lens]  # room for the decode steps' tokens
+        if 1 + sum(counts) > self.num_pages:
+            return  # a pool this small serves tests only
+        pages = [list(range(1, 1 + counts[0])), list(range(1 + counts[0], 1 + sum(counts)))]
+        specs = [SamplingSpec(WARM_UP_SIDS[0], SamplingParams(temperature=0), []),
+                 SamplingSpec(WARM_UP_SIDS[1], SamplingParams(temperature=1.0, top_p=0.9, top_k=20), [])]
+        steps = [BatchInput(-1, [WARM_UP_SIDS[0]], [1] * lens[0], [0], [lens[0]], [0], [pages[0]], [True], [0],
+                            specs[:1]),
+                 BatchInput(-1, list(WARM_UP_SIDS), [1] * (1 + lens[1]), [lens[0], 0], [1, lens[1]], [len(pages[0]), 0],
+                            [[], pages[1]], [True, True], [1, 0], specs[1:])]
+        steps += [BatchInput(-1, list(WARM_UP_SIDS), [1, 1], [lens[0] + 1 + i, lens[1] + i], [1, 1],
+                             [len(pages[0]), len(pages[1])], [[], []], [True, True], [2 + i, 1 + i]) for i in range(2)]
+        steps.append(BatchInput(-1, [], [], [], [], [], [], [], [], released_sids=list(WARM_UP_SIDS)))
+        for batch in steps:
+            out = self.forward(batch)
+            if out.row_errors or out.error:
+                raise RuntimeError(f"the warm-up step failed: {out.error or out.row_errors}")
 
     # ---- setup --------------------------------------------------------------------------
     def _load_model(self, model_dir: str) -> torch.nn.Module:

@@ -19,7 +19,7 @@ class NullModelRunner:
     def __init__(self, cfg: EngineConfig, mc: ModelConfig):
         import torch
 
-        self.cfg = cfg.for_device("cpu")
+        self.cfg = cfg = cfg.for_device("cpu")
         self.page_size = cfg.page_size
         self.context_len = cfg.context_length or mc.max_position_embeddings
         bytes_per_token = mc.kv_bytes_per_token(2, cfg.tp_size)

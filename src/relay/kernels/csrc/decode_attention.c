@@ -90,6 +90,50 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 }
 
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+// acc [G, D] += p [G, TILE] . v [n, D] with VDPBF16PS over pairs of keys: one instruction is 16
+// output dimensions times two keys, where a float FMA per key also needs the value widened and the
+// weight broadcast (a third of the instructions). The weights are rounded to bfloat16, as the values
+// are. acc comes out in VPUNPCK{L,H}WD order (dim_of); unpack_order puts it back once per chunk.
+static inline __attribute__((always_inline)) void attend_values_bf16(const int64_t G, const int64_t ND,
+                                                                     const float* s, int64_t n, const uint16_t* vrows,
+                                                                     float* acc) {
+    const int64_t D = ND * 16;
+    uint32_t pp[MAX_GROUP][TILE / 2];  // weights of keys 2i and 2i+1 as one bf16 pair
+    for (int64_t g = 0; g < G; g++) _mm256_storeu_si256((__m256i*)pp[g], vcvt_bf16(_mm512_loadu_ps(s + g * TILE)));
+    for (int64_t c = 0; c < ND; c += 2) {
+        __m512 lo[G], hi[G];
+        for (int64_t g = 0; g < G; g++) {
+            lo[g] = _mm512_loadu_ps(acc + g * D + c * 16);
+            hi[g] = _mm512_loadu_ps(acc + g * D + c * 16 + 16);
+        }
+        for (int64_t jp = 0; 2 * jp < n; jp++) {
+            const __m512i a = _mm512_loadu_si512(vrows + 2 * jp * D + c * 16);
+            // past the tile: zeros (its weight is 0, and 0 x stale memory could be NaN)
+            const __m512i b = 2 * jp + 1 < n ? _mm512_loadu_si512(vrows + (2 * jp + 1) * D + c * 16) : _mm512_setzero_si512();
+            const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int64_t g = 0; g < G; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[g][jp]);
+                lo[g] = _mm512_dpbf16_ps(lo[g], w, vlo);
+                hi[g] = _mm512_dpbf16_ps(hi[g], w, vhi);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c * 16, lo[g]);
+            _mm512_storeu_ps(acc + g * D + c * 16 + 16, hi[g]);
+        }
+    }
+}
+
+static void unpack_order(float* acc, int64_t G, int64_t D) {
+    float tmp[MAX_GROUP * 256];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < D / 16; c++)
+            for (int64_t i = 0; i < 16; i++) tmp[g * D + dim_of(c, i)] = acc[g * D + c * 16 + i];
+    memcpy(acc, tmp, sizeof(float) * (size_t)(G * D));
+}
+#endif
+
 // The same with G query heads and ND 16-float chunks of head_dim known at compile time (the
 // dispatcher below instantiates it), so the query and accumulators live in registers. Scores
 // for a tile come 16 at a time per head (transpose_sum16); with bfloat16 queries and keys on
@@ -136,6 +180,12 @@ static inline __attribute__((always_inline)) void attend_chunk_avx512(
             }
         }
         softmax_tile(s, n, G, D, acc, m, l);
+#if defined(__AVX512BF16__)
+        if (qb != NULL) {
+            attend_values_bf16(G, ND, s, n, (const uint16_t*)vrows, acc);
+            continue;
+        }
+#endif
         for (int64_t c = 0; c < ND; c++) {
             __m512 a[G];
             for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + c * 16);
@@ -146,6 +196,9 @@ static inline __attribute__((always_inline)) void attend_chunk_avx512(
             for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c * 16, a[g]);
         }
     }
+#if defined(__AVX512BF16__)
+    if (qb != NULL) unpack_order(acc, G, D);
+#endif
 }
 
 #define CASE_G(GV, NDV) case GV: attend_chunk_avx512(GV, NDV, qf, qb, kh, vh, table, PS, t0, t1, kv_bf16, qscale, \

@@ -37,12 +37,6 @@ static int by_cost_desc(const void* a, const void* b) {  // the dearest first: d
 }
 
 #if defined(__AVX512BF16__)
-// Lane i of the c-th 16-dim accumulator holds output dimension dim_of(c, i) (VPUNPCK order).
-static inline int64_t dim_of(int64_t c, int64_t i) {
-    const int64_t chunk = c / 2, hi = c % 2;  // 32 dims per chunk, lo/hi halves
-    return chunk * 32 + (i / 4) * 8 + hi * 4 + (i % 4);
-}
-
 // Query rows (raw bfloat16, scores scaled by qscale in base 2) over keys [k0, k1) of one kv head,
 // each row seeing keys below its own limit[r] only; updates each row's online-softmax state m, l
 // and acc [rows, D] (VPUNPCK order). scratch: D * KT uint32 for a tile's key and value pairs.

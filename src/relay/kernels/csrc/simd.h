@@ -33,6 +33,13 @@ static inline void load_row(float* dst, const void* src, int64_t D, int is_bf16)
     }
 }
 
+// Products of VDPBF16PS over values unpacked in pairs (VPUNPCK{L,H}WD of two rows, 32 dims at a
+// time) come out permuted: lane i of the c-th 16-dim accumulator holds output dimension dim_of(c, i).
+static inline int64_t dim_of(int64_t c, int64_t i) {
+    const int64_t chunk = c / 2, hi = c % 2;  // 32 dims per chunk, lo/hi halves
+    return chunk * 32 + (i / 4) * 8 + hi * 4 + (i % 4);
+}
+
 #if defined(__AVX512F__)
 static inline __m512 vload(const void* base, int64_t i, int is_bf16) {
     if (is_bf16) {
