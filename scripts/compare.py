@@ -413,6 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only rebuild the table, plot and doc from results files (runs of all of them)")
     p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--skip-no-radix", action="store_true", help="gsp: skip Relay's --disable-radix-cache run")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
     p.add_argument("--relay-port", type=int, default=30123)
     p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = []
         if "random" in args.workload_names or "gsp" in args.workload_names:
             plans.append(("radix", [], [w for w in ("random", "gsp") if w in args.workload_names]))
-        if "gsp" in args.workload_names:
+        if "gsp" in args.workload_names and not args.skip_no_radix:
             plans.append(("no-radix", ["--disable-radix-cache"], ["gsp"]))
         if "null" in args.workload_names:
             plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))

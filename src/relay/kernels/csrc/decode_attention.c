@@ -44,23 +44,37 @@
 static inline void softmax_tile(float* s, int64_t n, int64_t G, int64_t D, float* acc, float* m, float* l) {
     for (int64_t g = 0; g < G; g++) {
         float* sg = s + g * TILE;
+#if defined(__AVX512F__)
+        // Vector max, exp and sum: a scalar pass over the tile cost as much as its dot products.
+        const __mmask16 live = (__mmask16)((1u << n) - 1u);
+        const __m512 sv = _mm512_maskz_loadu_ps(live, sg);
+        const float tile_mx = _mm512_mask_reduce_max_ps(live, sv);
+        const float mx = tile_mx > m[g] ? tile_mx : m[g];
+        const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+        _mm512_storeu_ps(sg, p);
+        const float sum = _mm512_reduce_add_ps(p);
+        if (mx > m[g]) {  // 0 on the first tile (m = -inf)
+            const float alpha = exp2f(m[g] - mx);
+            const __m512 av = _mm512_set1_ps(alpha);
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16)
+                _mm512_storeu_ps(acc + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), av));
+            for (; d < D; d++) acc[g * D + d] *= alpha;  // the scalar kernel's odd head sizes
+            l[g] *= alpha;
+        }
+        l[g] += sum;
+        m[g] = mx;
+#else
         float mx = m[g];
         for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
         const float alpha = exp2f(m[g] - mx);  // 0 on the first tile (m = -inf)
         float sum = 0.f;
-#if defined(__AVX512F__)
-        __mmask16 live = (__mmask16)((1u << n) - 1u);
-        __m512 p = vexp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg), _mm512_set1_ps(mx)));
-        p = _mm512_maskz_mov_ps(live, p);
-        _mm512_storeu_ps(sg, p);
-        sum = _mm512_reduce_add_ps(p);
-#else
         for (int64_t j = 0; j < n; j++) { sg[j] = exp2f(sg[j] - mx); sum += sg[j]; }
-#endif
         l[g] = l[g] * alpha + sum;
         m[g] = mx;
         if (alpha != 1.f)
             for (int64_t d = 0; d < D; d++) acc[g * D + d] *= alpha;
+#endif
     }
 }
 
