@@ -48,7 +48,8 @@ FLAG_HELP = {
     "kv_cache_gb": "KV pool size in GiB (wins over --mem-fraction-static)",
     "mem_fraction_static": "KV pool as a fraction of free memory after the weights are loaded",
     "max_running_requests": "most requests decoding at once",
-    "chunked_prefill_size": "token budget of one forward step; longer prompts are prefilled in chunks",
+    "chunked_prefill_size": ("token budget of one forward step; longer prompts are prefilled in chunks; default 256 on CPU "
+                             "(a step stays near 0.2 s), 8192 on GPU"),
     "max_queued_requests": "requests in flight beyond which new ones get 503",
     "disable_radix_cache": "turn off prefix caching",
     "context_length": "override the model's context length",

@@ -34,6 +34,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -315,6 +316,31 @@ def _fmt(x: Any, digits: int = 1) -> str:
     return str(x)
 
 
+def median_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per (engine, config, workload, concurrency): each metric's median over its rounds,
+    with `rounds` saying how many there were."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        if not r.get("error"):
+            groups.setdefault((r["engine"], r["config"], r["workload"], r.get("max_concurrency")), []).append(r)
+    merged = []
+    for r in runs:
+        key = (r["engine"], r["config"], r["workload"], r.get("max_concurrency"))
+        if r.get("error"):
+            merged.append(r)
+        elif key in groups:
+            rounds = groups.pop(key)
+            m = dict(rounds[len(rounds) // 2])
+            for name, value in m.items():
+                values = [x.get(name) for x in rounds]
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and len(set(values)) > 1 and all(
+                        isinstance(v, (int, float)) for v in values):
+                    m[name] = statistics.median(values)
+            m["rounds"] = len(rounds)
+            merged.append(m)
+    return merged
+
+
 def markdown_table(runs: list[dict[str, Any]]) -> str:
     head = ("| engine | config | workload | conc. | req | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
             "| ITL p50 (ms) | ITL p99 (ms) | cache hit |")
@@ -330,7 +356,8 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
             hit_text = f"{r['usage_cache_hit_rate']:.1%}*"  # from the responses' usage.cached_tokens
         lines.append("| " + " | ".join([
             r["engine"], r["config"], r["workload"], _fmt(r.get("max_concurrency")),
-            f"{r.get('completed')}" + (f" ({r['failed']} failed)" if r.get("failed") else ""),
+            f"{r.get('completed'):.0f}" + (f" ({r['failed']:.0f} failed)" if r.get("failed") else "")
+            + (f" ×{r['rounds']}" if r.get("rounds", 1) > 1 else ""),
             _fmt(r.get("output_throughput")), _fmt(r.get("median_ttft_ms"), 0), _fmt(r.get("p99_ttft_ms"), 0),
             _fmt(r.get("median_itl_ms")), _fmt(r.get("p99_itl_ms")),
             hit_text]) + " |")
@@ -391,7 +418,7 @@ def write_doc(results_paths: list[str], meta: dict[str, Any], runs: list[dict[st
             "ITL: a streamed chunk carrying k tokens counts as k gaps of gap/k; TTFT and ITL are measured by "
             "the client. Cache hit: Relay's scheduler counters over the run (* = from llama.cpp's "
             "usage.cached_tokens). transformers does not stream: its output tok/s counts each request's "
-            "requested tokens only.", ""]
+            "requested tokens only. ×N: the median of N rounds (engines alternating which ran first).", ""]
     if plot and os.path.exists(plot):
         body += [f"![concurrency sweep]({os.path.relpath(plot, os.path.dirname(DOC))})", ""]
     body.append(DOC_END)
@@ -413,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only rebuild the table, plot and doc from results files (runs of all of them)")
     p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run Relay and vLLM this many times, alternating which goes first; the table gives medians")
     p.add_argument("--skip-no-radix", action="store_true", help="gsp: skip Relay's --disable-radix-cache run")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
     p.add_argument("--relay-port", type=int, default=30123)
@@ -463,10 +492,59 @@ def git_rev() -> str | None:
         return None
 
 
+def run_relay(args, wl, results: Results, tokenizer, first_round: bool) -> None:
+    """One Relay server per configuration, each used for every workload that needs it (the
+    no-radix and pipeline-ceiling configurations only in the first round)."""
+    plans = []
+    if "random" in args.workload_names or "gsp" in args.workload_names:
+        plans.append(("radix", [], [w for w in ("random", "gsp") if w in args.workload_names]))
+    if first_round and "gsp" in args.workload_names and not args.skip_no_radix:
+        plans.append(("no-radix", ["--disable-radix-cache"], ["gsp"]))
+    if first_round and "null" in args.workload_names:
+        plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
+    for tag, extra, names in plans:
+        config = f"{tag} {args.relay_args}".strip()  # --relay-args shows in the table
+        try:
+            with relay_server(args, tag, extra) as server:
+                for name in names:
+                    bench(server, "relay-openai", wl[name], "relay", config, results, tokenizer, args, flush=True)
+        except Exception as e:  # noqa: BLE001 - go on with the other engines
+            print(f"!!! relay ({config}) failed: {type(e).__name__}: {e}", flush=True)
+            results.add({"engine": "relay", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+
+
+def run_vllm(args, wl, results: Results, tokenizer, first_round: bool) -> None:
+    names = [w for w in ("random", "gsp") if w in args.workload_names]
+    config = f"{args.vllm_dtype} {args.vllm_args}".strip()
+    try:
+        with vllm_server(args) as server:
+            for name in names:
+                bench(server, "openai", wl[name], "vllm", config, results, tokenizer, args, flush=False)
+    except Exception as e:  # noqa: BLE001
+        print(f"!!! vLLM failed: {type(e).__name__}: {e}", flush=True)
+        results.add({"engine": "vllm", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+
+
+def run_llamacpp(args, wl, results: Results, tokenizer) -> None:
+    names = [w for w in ("random", "gsp") if w in args.workload_names]
+    if not names:
+        return
+    results.meta["llama_server_cmd"] = llama_server_cmd(args)
+    config = f"np{args.llamacpp_parallel} kvu cb"
+    try:
+        with llama_server(args) as server:
+            for name in names:
+                bench(server, "openai", wl[name], "llama.cpp", config, results, tokenizer, args, flush=False)
+    except Exception as e:  # noqa: BLE001
+        print(f"!!! llama.cpp failed: {type(e).__name__}: {e}", flush=True)
+        results.add({"engine": "llama.cpp", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         meta, runs = merge_saved(args.from_json)
+        runs = median_runs(runs)
         print(markdown_table(runs))
         if not args.no_doc:
             plot_random_sweep(runs, args.plot, quick=False)
@@ -486,61 +564,30 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = bs.load_tokenizer(args.tokenizer)
     t_start = time.monotonic()
 
-    if "relay" in args.engines:
-        # One server per configuration, each used for every workload that needs it.
-        plans = []
-        if "random" in args.workload_names or "gsp" in args.workload_names:
-            plans.append(("radix", [], [w for w in ("random", "gsp") if w in args.workload_names]))
-        if "gsp" in args.workload_names and not args.skip_no_radix:
-            plans.append(("no-radix", ["--disable-radix-cache"], ["gsp"]))
-        if "null" in args.workload_names:
-            plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
-        for tag, extra, names in plans:
-            config = f"{tag} {args.relay_args}".strip()  # --relay-args shows in the table
-            try:
-                with relay_server(args, tag, extra) as server:
-                    for name in names:
-                        bench(server, "relay-openai", wl[name], "relay", config, results, tokenizer, args, flush=True)
-            except Exception as e:  # noqa: BLE001 - go on with the other engines
-                print(f"!!! relay ({config}) failed: {type(e).__name__}: {e}", flush=True)
-                results.add({"engine": "relay", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
-
-    if "vllm" in args.engines:
-        names = [w for w in ("random", "gsp") if w in args.workload_names]
-        config = f"{args.vllm_dtype} {args.vllm_args}".strip()
-        try:
-            with vllm_server(args) as server:
-                for name in names:
-                    bench(server, "openai", wl[name], "vllm", config, results, tokenizer, args, flush=False)
-        except Exception as e:  # noqa: BLE001
-            print(f"!!! vLLM failed: {type(e).__name__}: {e}", flush=True)
-            results.add({"engine": "vllm", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
-
-    if "llamacpp" in args.engines:
-        names = [w for w in ("random", "gsp") if w in args.workload_names]
-        if names:
-            results.meta["llama_server_cmd"] = llama_server_cmd(args)
-            config = f"np{args.llamacpp_parallel} kvu cb"
-            try:
-                with llama_server(args) as server:
-                    for name in names:
-                        bench(server, "openai", wl[name], "llama.cpp", config, results, tokenizer, args, flush=False)
-            except Exception as e:  # noqa: BLE001
-                print(f"!!! llama.cpp failed: {type(e).__name__}: {e}", flush=True)
-                results.add({"engine": "llama.cpp", "config": config, "workload": ",".join(names),
-                             "error": str(e)[:500]})
+    # Rounds alternate which engine goes first, so drift in the machine's speed (other jobs on the
+    # host) hits every engine alike; the table gives each point's median over the rounds.
+    for rnd in range(args.rounds):
+        order = [e for e in ("relay", "vllm") if e in args.engines]
+        for engine in order if rnd % 2 == 0 else order[::-1]:
+            (run_relay if engine == "relay" else run_vllm)(args, wl, results, tokenizer, first_round=rnd == 0)
+            for r in results.runs:
+                r.setdefault("round", rnd)
+        if rnd == 0 and "llamacpp" in args.engines:  # far behind from concurrency 8 on: once is enough
+            run_llamacpp(args, wl, results, tokenizer)
+    results.save()
 
     if "hf" in args.engines and "random" in args.workload_names:
         run_hf(args, results)
 
     results.save()
     ok = [r for r in results.runs if not r.get("error")]
-    sweep = plot_random_sweep(ok, args.plot, args.quick)
+    table = median_runs(results.runs)
+    sweep = plot_random_sweep(median_runs(ok), args.plot, args.quick)
 
     print(f"\n## Results ({'quick smoke run, ' if args.quick else ''}{meta['date']}, "
           f"{os.cpu_count()} CPUs; load average at start {meta['load_avg_start'][0]:.1f}: "
           f"other jobs may have been running)\n")
-    print(markdown_table(results.runs))
+    print(markdown_table(table))
     print("\nITL: a streamed chunk carrying k tokens counts as k gaps of gap/k. TTFT/ITL are client-side. "
           "Cache hit: Relay's scheduler counters over the run; * = from the responses' usage.cached_tokens. "
           "HF static batching does not stream: output tok/s counts only each request's requested tokens.")
@@ -549,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot:    {os.path.relpath(args.plot, ROOT)}")
     print(f"total time: {time.monotonic() - t_start:.0f} s")
     if not args.quick and not args.no_doc:
-        write_doc([out_path], meta, results.runs, args.plot if sweep else None)
+        write_doc([out_path], meta, table, args.plot if sweep else None)
     return 0 if ok and len(ok) == len(results.runs) else 1
 
 
