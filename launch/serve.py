@@ -40,8 +40,9 @@ FLAG_HELP = {
     "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and CPUs with bf16 dot products (AVX512-BF16 or AMX), else float32",
     "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "
                       "the KV memory and the bytes decode attention reads (CPU)",
-    "quantization": "int8 or int4: weight-only quantized weights on CPU (2-4x fewer weight bytes per step than "
-                    "bfloat16: faster single streams, slightly different outputs); default: none",
+    "quantization": ("int8 or int4: weight-only quantized weights on CPU (2-4x fewer weight bytes per step than "
+                     "bfloat16: faster single streams); w8a8: int8 weights, and int8 activations in batched GEMMs "
+                     "(faster prompts and large batches); all change outputs slightly; default: none"),
     "device": "cpu, cuda, or auto",
     "tp_size": "tensor-parallel ranks (one model-runner process each); gloo on CPU, NCCL on GPU",
     "page_size": "tokens per KV page (also the prefix cache's matching granularity); default 32 on CPU, 16 on GPU",

@@ -1,9 +1,11 @@
-"""How much do `--quantization int8` and `int4` change the model? Teacher-forced comparison with transformers.
+"""How much do `--quantization int8`, `int4` and `w8a8` change the model? Teacher-forced comparison
+with transformers.
 
 Runs transformers on a text with the checkpoint's weights, then with every GEMM weight replaced by
 Relay's int8 and int4 quantization of it (`relay.layers.quantize_int8` / `quantize_int4`,
-dequantized), and reports top-1 agreement of the next-token predictions, the mean KL divergence,
-and perplexity on the text.
+dequantized), and for w8a8 also every decoder linear layer's input rounded as Relay's kernel rounds
+it (int8 per token, csrc/w8a8.c), and reports top-1 agreement of the next-token predictions, the
+mean KL divergence, and perplexity on the text.
 
     python scripts/quant_quality.py                    # default model, README.md + docs/*.md
     python scripts/quant_quality.py --model-path DIR --text some.txt --max-tokens 4096
@@ -17,6 +19,14 @@ import os
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x with each row on its int8 grid, as relay_quantize_rows rounds it: s = max|x| / 127,
+    round(x * (1 / s)) * s."""
+    s = x.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x * (1 / s)).clamp(-127, 127) * s
 
 
 def main() -> None:
@@ -37,16 +47,24 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids[:, :args.max_tokens]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
-    schemes = [("int8, one scale per row", lambda w: quantize_int8(w)[1]),
-               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1])]
+    int8 = lambda w: quantize_int8(w)[1]  # noqa: E731
+    schemes = [("int8, one scale per row", int8, False),
+               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], False),
+               ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, True)]
     with torch.inference_mode():
         ref = model(ids).logits[0].float()
         results = []
-        for label, quantize in schemes:
+        for label, quantize, activations in schemes:
             for name, param in model.named_parameters():
-                if name in original:  # every GEMM weight (a tied embedding with the LM head)
-                    param.data = quantize(original[name])
+                if name in original:  # every GEMM weight (a tied embedding with the LM head; w8a8 leaves it)
+                    head = "embed_tokens" in name or "lm_head" in name
+                    param.data = original[name] if activations and head else quantize(original[name])
+            hooks = [m.register_forward_pre_hook(lambda _, args: (round_rows_int8(args[0]),))
+                     for name, m in model.named_modules()
+                     if activations and isinstance(m, torch.nn.Linear) and "lm_head" not in name]
             results.append((label, model(ids).logits[0].float()))
+            for hook in hooks:
+                hook.remove()
 
     log_ref = torch.log_softmax(ref, -1)
     target = ids[0, 1:]

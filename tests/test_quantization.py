@@ -1,5 +1,6 @@
 """--quantization int8 (one scale per output row) and int4 (a scale and zero point per 32 input
-features): weight-only quantized weights on CPU.
+features): weight-only quantized weights on CPU; w8a8: int8 weights times activations quantized
+to int8 per row for GEMMs of at least W8A8_MIN_ROWS rows.
 
 Small GEMMs (fewer than INT8_MAX_ROWS rows) run torch's int8 kernel; larger ones the float copy
 of the same quantized values. So with enough requests in a batch, greedy output equals
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from relay import Engine
-from relay.layers import INT4_MAX_ROWS, INT8_MAX_ROWS, Linear, int4_supported, quantize_int4, quantize_int8
+from relay.kernels import cpu as cpu_kernels
+from relay.layers import (INT4_MAX_ROWS, INT8_MAX_ROWS, W8A8_MIN_ROWS, Linear, int4_supported, quantize_int4,
+                          quantize_int8, w8a8_weight)
 from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
@@ -118,4 +121,53 @@ def test_default_model_int4_is_still_the_model(default_model_dir):
     engine = Engine(default_model_dir, quantization="int4", kv_cache_gb=0.2)
     out = engine.generate(["The capital of France is"], GREEDY)[0]
     assert out.text.startswith(" Paris"), out.text
+    engine.check()
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="Relay's CPU kernels are not built here")
+
+
+def int8_rows_reference(x: torch.Tensor, int8, bias: torch.Tensor) -> torch.Tensor:
+    """What w8a8 computes, in float64: x rounded to int8 per row (s = max|x| / 127), the exact
+    integer product with the int8 weight, scaled back."""
+    q, w_scale = int8
+    s = x.float().abs().amax(1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    qx = torch.round(x.float() * (1 / s)).clamp(-127, 127)
+    return (qx.double() @ q.double().T) * s.double() * w_scale.double() + bias.double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_is_the_integer_product_of_rows_rounded_to_int8(dtype):
+    torch.manual_seed(2)
+    layer = Linear(100, 70, bias=True, dtype=dtype)  # 100 inputs: vector body and scalar tail
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    int8, layer.weight.data = quantize_int8(layer.weight.data)
+    layer.w8a8 = w8a8_weight(int8)  # as quantize_w8a8 leaves a layer: no weight-only int8 path
+    x = torch.randn(W8A8_MIN_ROWS + 5, 100).to(dtype)
+    x[3] = 0  # an all-zero row has scale 1, not a division by zero
+    ref = int8_rows_reference(x, int8, layer.bias.data)
+    y = layer(x)
+    assert y.dtype == dtype and torch.all(y[3] == layer.bias.data)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bfloat16: the output's own rounding
+    assert ((y.double() - ref).abs().max() / ref.abs().max()) < tolerance
+    few = x[:W8A8_MIN_ROWS - 1]  # below the threshold: float activations over the same int8 weights
+    assert ((layer(few).double() - ref[:W8A8_MIN_ROWS - 1]).abs().max() / ref.abs().max()) > tolerance
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
+    """16 requests at once: prompts and decode steps take the int8 x int8 GEMMs, and the answers
+    stay the model's."""
+    calls = []
+    real = cpu_kernels.int8_matmul
+    monkeypatch.setattr(cpu_kernels, "int8_matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    engine = Engine(default_model_dir, quantization="w8a8", kv_cache_gb=0.2)
+    prompts = ["The capital of France is"] + [f"Count from {i} to {i + 5}:" for i in range(W8A8_MIN_ROWS - 1)]
+    outs = engine.generate(prompts, GREEDY)
+    assert outs[0].text.startswith(" Paris"), outs[0].text
+    assert calls and max(calls) >= W8A8_MIN_ROWS
     engine.check()

@@ -14,7 +14,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "dummy-null")
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)

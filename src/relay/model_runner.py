@@ -18,6 +18,7 @@ from relay.attention.base import StepMeta
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
+from relay.kernels import cpu as cpu_kernels
 from relay.kernels.cpu import cpu_flags
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.layers import int4_supported
@@ -71,6 +72,8 @@ class ModelRunner:
             raise ValueError("a kv_cache_dtype other than the model dtype is only supported on CPU")
         if cfg.quantization and self.device.type != "cpu":
             raise ValueError(f"quantization={cfg.quantization!r} runs on CPU only")
+        if cfg.quantization == "w8a8" and not cpu_kernels.available():
+            raise ValueError("quantization='w8a8' needs Relay's CPU kernels (a C compiler; RELAY_CPU_KERNELS not 0)")
         if cfg.quantization == "int4" and not int4_supported():
             raise ValueError("quantization='int4' needs torch's CPU int4 kernels (torch >= 2.6)")
         if self.device.type == "cpu":
@@ -82,6 +85,8 @@ class ModelRunner:
         self.model = self._load_model(model_dir)
         if cfg.quantization == "int8":
             self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
+        elif cfg.quantization == "w8a8":
+            self.model.quantize_w8a8()
         elif cfg.quantization == "int4":
             self.model.quantize_int4()
         if self.device.type == "cpu":

@@ -94,6 +94,8 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.relay_gemm_bf16.restype = None
     lib.relay_gemm_bf16_available.restype = i32
+    lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
+    lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
     _lib = lib
     return lib
 
@@ -130,6 +132,24 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=out_dtype)
     _lib.relay_gemm_bf16(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                          m, n, k, int(out_dtype == torch.float32))
+    return y
+
+
+def int8_matmul(x: torch.Tensor, qt: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) times an int8 weight qt [K, N] with float32 scales w_scale [N]
+    per output: x quantized to int8 per row, multiplied in int8 (torch._int_mm, int32 sums), scaled
+    back (+ bias) into out_dtype."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    x_scale = torch.empty(m, dtype=torch.float32)
+    _lib.relay_quantize_rows(x.data_ptr(), m, k, _bf16(x), q.data_ptr(), x_scale.data_ptr())
+    acc = torch._int_mm(q, qt)
+    y = torch.empty(m, qt.shape[1], dtype=out_dtype)
+    _lib.relay_dequantize_rows(acc.data_ptr(), m, qt.shape[1], x_scale.data_ptr(), w_scale.data_ptr(),
+                               0 if bias is None else bias.data_ptr(), 0 if bias is None else _bf16(bias),
+                               y.data_ptr(), _bf16(y))
     return y
 
 

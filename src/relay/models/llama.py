@@ -17,7 +17,7 @@ from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
 from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
-                          pack_for_cpu, quantize_int4, quantize_int8)
+                          pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
 
 
 class Attention(nn.Module):
@@ -150,6 +150,17 @@ class LlamaForCausalLM(nn.Module):
         every batch size computes with the same weights (a tied embedding included)."""
         for module in self.gemm_modules():
             module.int8, module.weight.data = quantize_int8(module.weight)
+
+    def quantize_w8a8(self) -> None:
+        """int8 weights (one scale per output row) for the decoder layers' GEMMs, computed in int8 x
+        int8 from W8A8_MIN_ROWS rows on (activations quantized per token). Smaller GEMMs take the
+        bfloat16 paths over the same quantized values: at 1-3 rows Relay's kernel streams bf16
+        weights faster than torch's weight-only int8 kernel computes. The LM head stays as it is:
+        its logits are what sampling reads."""
+        for module in self.gemm_modules():
+            if isinstance(module, Linear):
+                int8, module.weight.data = quantize_int8(module.weight)
+                module.w8a8 = w8a8_weight(int8)
 
     # ---- checkpoint loading -------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
