@@ -9,8 +9,9 @@ workload, then writes
   docs/img/concurrency-sweep.png     output throughput and median ITL vs concurrency, random workload
                                      (--quick writes .bench/concurrency-sweep-quick.png instead)
 
-and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL p50/p99, prefix-cache hit rate)
-for a person to paste into docs/benchmarks.md; this script does not edit the docs.
+and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL p50/p99, prefix-cache hit rate),
+which it also writes between the compare markers of docs/benchmarks.md (not with --no-doc or --quick).
+With --rounds N, Relay and vLLM run N times, alternating which goes first, and the table gives medians.
 
 Workloads (--workloads):
   random  input 128-256, output 64-128 tokens, ignore_eos, at max concurrency 1, 8 and 32 (4 x c requests,
@@ -24,6 +25,7 @@ scripts/build_llama_cpp.sh first), hf.
   python scripts/compare.py                                   # everything (tens of minutes)
   python scripts/compare.py --quick                           # a smoke run: few, short requests
   python scripts/compare.py --only relay,llamacpp --workloads random --quick
+  python scripts/compare.py --only relay,vllm --workloads random,gsp --rounds 3 --no-doc
 """
 from __future__ import annotations
 
@@ -429,7 +431,7 @@ def write_doc(results_paths: list[str], meta: dict[str, Any], runs: list[dict[st
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Relay vs llama.cpp vs transformers on the same workloads",
+    p = argparse.ArgumentParser(description="Relay vs vLLM, llama.cpp and transformers on the same workloads",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", default="relay,vllm,llamacpp", help=f"engines, comma-separated, of {ENGINES}")
     p.add_argument("--workloads", default="random,gsp,null", help=f"comma-separated, of {WORKLOADS}")
@@ -492,6 +494,19 @@ def git_rev() -> str | None:
         return None
 
 
+def run_server(start, engine: str, config: str, backend: str, names: list[str], wl, results: Results,
+               tokenizer, args, flush: bool) -> None:
+    """Start a server, run the named workloads against it, and record a failure instead of raising,
+    so that the other engines still run."""
+    try:
+        with start() as server:
+            for name in names:
+                bench(server, backend, wl[name], engine, config, results, tokenizer, args, flush=flush)
+    except Exception as e:  # noqa: BLE001 - go on with the other engines
+        print(f"!!! {engine} ({config}) failed: {type(e).__name__}: {e}", flush=True)
+        results.add({"engine": engine, "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+
+
 def run_relay(args, wl, results: Results, tokenizer, first_round: bool) -> None:
     """One Relay server per configuration, each used for every workload that needs it (the
     no-radix and pipeline-ceiling configurations only in the first round)."""
@@ -504,40 +519,22 @@ def run_relay(args, wl, results: Results, tokenizer, first_round: bool) -> None:
         plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
     for tag, extra, names in plans:
         config = f"{tag} {args.relay_args}".strip()  # --relay-args shows in the table
-        try:
-            with relay_server(args, tag, extra) as server:
-                for name in names:
-                    bench(server, "relay-openai", wl[name], "relay", config, results, tokenizer, args, flush=True)
-        except Exception as e:  # noqa: BLE001 - go on with the other engines
-            print(f"!!! relay ({config}) failed: {type(e).__name__}: {e}", flush=True)
-            results.add({"engine": "relay", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+        run_server(lambda: relay_server(args, tag, extra), "relay", config, "relay-openai", names, wl, results,
+                   tokenizer, args, flush=True)
 
 
 def run_vllm(args, wl, results: Results, tokenizer, first_round: bool) -> None:
     names = [w for w in ("random", "gsp") if w in args.workload_names]
     config = f"{args.vllm_dtype} {args.vllm_args}".strip()
-    try:
-        with vllm_server(args) as server:
-            for name in names:
-                bench(server, "openai", wl[name], "vllm", config, results, tokenizer, args, flush=False)
-    except Exception as e:  # noqa: BLE001
-        print(f"!!! vLLM failed: {type(e).__name__}: {e}", flush=True)
-        results.add({"engine": "vllm", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+    run_server(lambda: vllm_server(args), "vllm", config, "openai", names, wl, results, tokenizer, args, flush=False)
 
 
 def run_llamacpp(args, wl, results: Results, tokenizer) -> None:
     names = [w for w in ("random", "gsp") if w in args.workload_names]
-    if not names:
-        return
-    results.meta["llama_server_cmd"] = llama_server_cmd(args)
-    config = f"np{args.llamacpp_parallel} kvu cb"
-    try:
-        with llama_server(args) as server:
-            for name in names:
-                bench(server, "openai", wl[name], "llama.cpp", config, results, tokenizer, args, flush=False)
-    except Exception as e:  # noqa: BLE001
-        print(f"!!! llama.cpp failed: {type(e).__name__}: {e}", flush=True)
-        results.add({"engine": "llama.cpp", "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+    if names:
+        results.meta["llama_server_cmd"] = llama_server_cmd(args)
+        run_server(lambda: llama_server(args), "llama.cpp", f"np{args.llamacpp_parallel} kvu cb", "openai", names,
+                   wl, results, tokenizer, args, flush=False)
 
 
 def main(argv: list[str] | None = None) -> int:
