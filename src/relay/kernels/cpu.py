@@ -187,6 +187,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 MIN_SHARED_TOKENS = 64
 
 
+def padded_tables(page_tables: list[list[int]]) -> np.ndarray:
+    """The requests' page tables as one int32 [requests, longest] array, zero-padded (the kernels
+    read a table only up to its request's length)."""
+    tables = np.zeros((len(page_tables), max(len(t) for t in page_tables)), dtype=np.int32)
+    for i, t in enumerate(page_tables):
+        tables[i, :len(t)] = t
+    return tables
+
+
 class DecodePlan:
     """What every layer's decode attention call of one step shares (built once per step).
 
@@ -194,10 +203,7 @@ class DecodePlan:
     kernel to attend those keys once for all of them (bfloat16 only: see decode_attention)."""
 
     def __init__(self, page_tables: list[list[int]], lens: list[int], page_size: int = 16, share: bool = False):
-        width = max(len(t) for t in page_tables)
-        tables = np.zeros((len(page_tables), width), dtype=np.int32)
-        for i, t in enumerate(page_tables):
-            tables[i, :len(t)] = t
+        tables = padded_tables(page_tables)
         self.tables = torch.from_numpy(tables)
         self.lens = torch.tensor(lens, dtype=torch.int64)
         # Requests that share their first page (a prefix) side by side: one thread then finds
@@ -261,11 +267,7 @@ class ExtendPlan:
 
     def __init__(self, page_tables: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
                  q_starts: list[int]):
-        width = max(len(t) for t in page_tables)
-        tables = np.zeros((len(page_tables), width), dtype=np.int32)
-        for i, t in enumerate(page_tables):
-            tables[i, :len(t)] = t
-        self.tables = torch.from_numpy(tables)
+        self.tables = torch.from_numpy(padded_tables(page_tables))
         self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64)
         self.extend_lens = torch.tensor(extend_lens, dtype=torch.int64)
         self.q_starts = torch.tensor(q_starts, dtype=torch.int64)
