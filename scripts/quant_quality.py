@@ -21,18 +21,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
-    """x with each row on its int8 grid, as relay_quantize_rows rounds it: s = max|x| / 127,
-    round(x * (1 / s)) * s."""
-    s = x.abs().amax(-1, keepdim=True) / 127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x * (1 / s)).clamp(-127, 127) * s
-
-
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relay.layers import quantize_int4, quantize_int8
+    from relay.layers import quantize_int4, quantize_int8, quantize_rows_int8
+
+    def round_rows_int8(x: torch.Tensor) -> torch.Tensor:  # x on its rows' int8 grids, as Relay's kernel rounds it
+        q, s = quantize_rows_int8(x)
+        return q * s
     from relay.model_files import resolve_model_dir
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

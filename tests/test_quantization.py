@@ -15,7 +15,7 @@ import torch
 from relay import Engine
 from relay.kernels import cpu as cpu_kernels
 from relay.layers import (INT4_MAX_ROWS, INT8_MAX_ROWS, W8A8_MIN_ROWS, Linear, int4_supported, quantize_int4,
-                          quantize_int8, w8a8_weight)
+                          quantize_int8, quantize_rows_int8, w8a8_weight)
 from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
@@ -131,9 +131,7 @@ def int8_rows_reference(x: torch.Tensor, int8, bias: torch.Tensor) -> torch.Tens
     """What w8a8 computes, in float64: x rounded to int8 per row (s = max|x| / 127), the exact
     integer product with the int8 weight, scaled back."""
     q, w_scale = int8
-    s = x.float().abs().amax(1, keepdim=True) / 127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    qx = torch.round(x.float() * (1 / s)).clamp(-127, 127)
+    qx, s = quantize_rows_int8(x)
     return (qx.double() @ q.double().T) * s.double() * w_scale.double() + bias.double()
 
 

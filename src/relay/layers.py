@@ -147,6 +147,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
     return (q, scale), (q.float() * scale.float()[:, None]).to(weight.dtype)
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule csrc/w8a8.c quantizes activations by, in torch (for references and simulations):
+    per row s = max|x| / 127 (1 for an all-zero row) and q = round(x * (1 / s)), as float32
+    values on the int8 grid [rows, cols] and s [rows, 1]."""
+    s = x.float().abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x.float() * (1 / s)).clamp(-127, 127), s
+
+
 def w8a8_weight(int8: Int8Weight) -> W8A8Weight:
     """The int8 x int8 GEMM's copy of an int8 weight (the same values and scales)."""
     q, scale = int8

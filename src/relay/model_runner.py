@@ -19,7 +19,6 @@ from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.kernels import cpu as cpu_kernels
-from relay.kernels.cpu import cpu_flags
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.layers import int4_supported
 from relay.models import model_class
@@ -39,7 +38,7 @@ def pick_device(name: str) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """bfloat16 dot-product instructions (AVX512-BF16, or AMX-BF16) in this CPU's flags."""
-    flags = cpu_flags().split()
+    flags = cpu_kernels.cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize_w8a8(self) -> None:
         """int8 weights (one scale per output row) for the decoder layers' GEMMs, computed in int8 x
         int8 from W8A8_MIN_ROWS rows on (activations quantized per token). Smaller GEMMs take the
-        bfloat16 paths over the same quantized values: at 1-3 rows Relay's kernel streams bf16
+        float paths over the same quantized values: at 1-3 rows Relay's kernel streams bf16
         weights faster than torch's weight-only int8 kernel computes. The LM head stays as it is:
         its logits are what sampling reads."""
         for module in self.gemm_modules():
