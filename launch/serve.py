@@ -27,6 +27,7 @@ from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
 from relay.model_files import model_name, resolve_model_dir
+from relay.speculative.draft_check import check_draft_model, draft_model_dir
 
 logger = logging.getLogger("relay.launch")
 
@@ -61,6 +62,15 @@ FLAG_HELP = {
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
+    "speculative_algorithm": ("speculative decoding: ngram (prompt lookup: proposals copied from the request's own "
+                              "prompt and output) or standalone (a draft model); default: off"),
+    "speculative_num_draft_tokens": "tokens proposed per request and step, verified in one target pass",
+    "speculative_draft_model_path": ("standalone: the draft model (HF directory or .gguf sharing the target's "
+                                     "vocabulary); default: the target's own weights, quantized"),
+    "speculative_draft_quantization": "standalone: none, int8 or int4 draft weights (default: int4 for a self-draft)",
+    "speculative_ngram_min_match_window_size": "ngram: fewest trailing tokens that must match to propose",
+    "speculative_ngram_max_match_window_size": "ngram: most trailing tokens compared when picking a match",
+    "speculative_disable_by_batch_size": "decode without speculation while more requests than this run",
 }
 FLAG_ALIASES = {"tp_size": ["--tp"]}
 
@@ -267,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config(ns)
     model_dir = resolve_model_dir(cfg.model_path)
     mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
+    if cfg.speculative_algorithm == "standalone":
+        try:
+            check_draft_model(mc, draft_model_dir(cfg, model_dir), model_dir)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 2
     served_model = cfg.served_model_name or model_name(cfg.model_path)
     for path in remove_stale_ipc_dirs():
         logger.info("removed %s, left behind by a server that was killed", path)

@@ -187,9 +187,9 @@ def log_request(req: Req) -> None:
     ttft = -1.0 if req.first_token_time is None else req.first_token_time - req.arrival_time
     reason = getattr(req.finish_reason, "value", req.finish_reason)
     logger.info("request rid=%s finish=%s e2e=%.3fs ttft=%.3fs queue=%.3fs prompt_tokens=%d cached_tokens=%d "
-                "completion_tokens=%d retractions=%d prompt_ids=%s output_ids=%s", req.rid, reason,
-                e2e, ttft, queue, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
-                req.num_retractions, req.prompt_ids, req.output_ids)
+                "completion_tokens=%d retractions=%d spec_proposed=%d spec_accepted=%d prompt_ids=%s output_ids=%s",
+                req.rid, reason, e2e, ttft, queue, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
+                req.num_retractions, req.spec_proposed, req.spec_accepted, req.prompt_ids, req.output_ids)
 
 
 def main(args: ProcArgs) -> None:

@@ -37,6 +37,17 @@ class BatchInput:
     output_lens: list[int]  # tokens each request has generated so far
     new_specs: list[SamplingSpec] = field(default_factory=list)
     released_sids: list[int] = field(default_factory=list)  # ended: forget their state first
+    # Speculative decoding. spec_lens: per row, tokens proposed after its input token, to be
+    # verified in this step (0: none; empty list: no row speculates). The page table covers
+    # them. proposed_ids: the scheduler's proposals (n-gram), concatenated. catchup_ids and
+    # catchup_lens (a draft model): per speculating row, the tokens before its input token
+    # that its draft KV lacks (from draft_prefix_lens on), which the draft model reads first;
+    # a row that only catches up (spec_len 0) reads part of them.
+    spec_lens: list[int] = field(default_factory=list)
+    proposed_ids: list[int] = field(default_factory=list)
+    catchup_ids: list[int] = field(default_factory=list)
+    catchup_lens: list[int] = field(default_factory=list)
+    draft_prefix_lens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -54,13 +65,37 @@ class BatchInput:
             starts.append(starts[-1] + n)
         dropped = {self.sids[i] for i in rows}
         pick = lambda values: [values[i] for i in keep]  # noqa: E731
+        spec_lens = self.spec_lens or [0] * len(self.sids)
+        catchup_lens = self.catchup_lens or [0] * len(self.sids)
         return BatchInput(
             step=self.step, sids=pick(self.sids),
             input_ids=[t for i in keep for t in self.input_ids[starts[i]:starts[i + 1]]],
             prefix_lens=pick(self.prefix_lens), extend_lens=pick(self.extend_lens),
             page_starts=pick(self.page_starts), new_pages=pick(self.new_pages), sample=pick(self.sample),
             output_lens=pick(self.output_lens), new_specs=[s for s in self.new_specs if s.sid not in dropped],
-            released_sids=self.released_sids)
+            released_sids=self.released_sids,
+            spec_lens=pick(self.spec_lens) if self.spec_lens else [],
+            proposed_ids=_pick_runs(self.proposed_ids, spec_lens, keep) if self.proposed_ids else [],
+            catchup_ids=_pick_runs(self.catchup_ids, catchup_lens, keep) if self.catchup_ids else [],
+            catchup_lens=pick(self.catchup_lens) if self.catchup_lens else [],
+            draft_prefix_lens=pick(self.draft_prefix_lens) if self.draft_prefix_lens else [])
+
+    def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
+        """values split into one run per row by lens (e.g. proposed_ids by spec_lens)."""
+        return _split(values, lens or [0] * len(self.sids))
+
+
+def _split(values: list[int], lens: list[int]) -> list[list[int]]:
+    out, at = [], 0
+    for n in lens:
+        out.append(values[at:at + n])
+        at += n
+    return out
+
+
+def _pick_runs(values: list[int], lens: list[int], keep: list[int]) -> list[int]:
+    runs = _split(values, lens)
+    return [t for i in keep for t in runs[i]]
 
 
 @dataclass
@@ -73,3 +108,6 @@ class BatchOutput:
     # Batch rows that failed on their own (bad input caught before the forward, or their
     # sampling raised), with why; the other rows ran. A failed row's token is -1.
     row_errors: dict[int, str] = field(default_factory=dict)
+    # Speculative decoding: per sampling row, the tokens verified after next_token_ids' one,
+    # in order (accepted proposals, then the target's own next token); None: no row speculated.
+    spec_token_ids: list[list[int]] | None = None

@@ -15,6 +15,8 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "dummy-null")
 QUANTIZATIONS = (None, "int8", "int4", "w8a8")
+SPECULATIVE_ALGORITHMS = (None, "ngram", "standalone")
+DRAFT_QUANTIZATIONS = (None, "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,19 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
+    # Speculative decoding (SGLang's flag names). ngram: proposals continue the last earlier
+    # occurrence of a request's final tokens in its own prompt and output; standalone: a draft
+    # model (speculative_draft_model_path, or when unset the target's own weights quantized with
+    # speculative_draft_quantization) proposes them. The target verifies k proposals per step.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+    speculative_draft_quantization: str | None = None  # None: int4 for a self-draft, else none
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    # Above this many running requests a step is no longer bound by reading the weights, and
+    # verifying proposals costs more than it saves: decode normally.
+    speculative_disable_by_batch_size: int = 8
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -60,15 +75,36 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                             f"got {self.speculative_algorithm!r}")
+        if self.speculative_draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative_draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.speculative_draft_quantization!r}")
+        if self.speculative_algorithm == "standalone" and self.tp_size != 1:
+            raise ValueError("speculative_algorithm='standalone' runs with tp_size=1 only; ngram works with any tp_size")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size"):
+        for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",
+                     "speculative_num_draft_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be >= 0")
+
+    @property
+    def draft_quantization(self) -> str | None:
+        """The standalone draft's weight quantization: int4 for a self-draft unless set."""
+        q = self.speculative_draft_quantization
+        if q is None:
+            return None if self.speculative_draft_model_path else "int4"
+        return None if q == "none" else q
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # 1 ms .. 60 s: a CPU-served token can take tens of ms, a queued long prompt tens of seconds.
@@ -79,6 +80,8 @@ class ServerMetrics:
         self.kv_used = Gauge("relay:kv_used_tokens", "KV cache tokens held by running requests.", registry=r)
         self.hit_rate = Gauge("relay:prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache.",
                               registry=r)
+        self.spec = SpecCollector()
+        r.register(self.spec)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -134,9 +137,39 @@ class ServerMetrics:
         rate = _hit_rate(d)
         if rate is not None:
             self.hit_rate.set(rate)
+        if d.get("spec"):
+            self.spec.latest = d["spec"]
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class SpecCollector:
+    """Speculative decoding's counters as the scheduler last reported them (SpecStats.to_dict):
+    the scheduler counts every verify step, this only exposes its totals."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] | None = None
+
+    def collect(self):
+        d = self.latest
+        if not d:
+            return
+        yield CounterMetricFamily("relay:spec_proposed_tokens", "Tokens proposed by speculative decoding.",
+                                  value=d["spec_proposed_tokens"])
+        yield CounterMetricFamily("relay:spec_accepted_tokens", "Proposed tokens the target model accepted.",
+                                  value=d["spec_accepted_tokens"])
+        yield GaugeMetricFamily("relay:spec_acceptance_rate", "Share of proposed tokens accepted.",
+                                value=d["spec_acceptance_rate"])
+        yield GaugeMetricFamily("relay:spec_accept_length", "Tokens emitted per verify step (accepted + 1).",
+                                value=d["spec_accept_length"])
+        hist, cumulative, buckets = d["spec_accepted_hist"], 0, []
+        for accepted, n in enumerate(hist):
+            cumulative += n
+            buckets.append((str(float(accepted)), cumulative))
+        buckets.append(("+Inf", cumulative))
+        yield HistogramMetricFamily("relay:spec_accepted_per_verify", "Proposals accepted per verify step.",
+                                    buckets=buckets, sum_value=float(d["spec_accepted_tokens"]))
 
 
 def _kv_used(d: dict[str, Any]) -> float | None:

@@ -6,6 +6,7 @@ table that each step's changes are applied to.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -24,6 +25,8 @@ from relay.layers import int4_supported
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
 from relay.sampling_params import SamplingParams
+from relay.speculative.draft_check import check_draft_model, draft_model_dir
+from relay.speculative.draft_model import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +84,19 @@ class ModelRunner:
         else:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
-        self.model = self._load_model(model_dir)
-        if cfg.quantization == "int8":
-            self.model.quantize_int8()  # before packing: the packed copy holds the quantized values
-        elif cfg.quantization == "w8a8":
-            self.model.quantize_w8a8()
-        elif cfg.quantization == "int4":
-            self.model.quantize_int4()
-        if self.device.type == "cpu":
-            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
-                self.model.pack_for_cpu()
-            self.model.use_cpu_kernels()
+        self.model = self._load_model(model_dir, mc, cfg.quantization)
+        self.draft_mc = self.draft_model = None
+        if cfg.speculative_algorithm == "standalone":
+            draft_dir = draft_model_dir(cfg, model_dir)
+            self.draft_mc = check_draft_model(mc, draft_dir, model_dir)
+            self.draft_model = self._load_model(draft_dir, self.draft_mc, cfg.draft_quantization)
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
-        shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
-        attn_cls = backend_class(cfg.attention_backend, self.device, self.dtype)
-        self.kv = KVCache(mc.num_layers, self.num_pages, cfg.page_size, shard.kv_count, mc.head_dim,
-                          self.kv_dtype, self.device, layout=attn_cls.kv_layout)
-        self.attn = attn_cls(kv=self.kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count,
-                             head_dim=mc.head_dim, scale=mc.head_dim ** -0.5)
+        self.kv, self.attn = self._kv_and_attention(mc)
+        self.drafter = None
+        if self.draft_model is not None:
+            _, draft_attn = self._kv_and_attention(self.draft_mc)
+            self.drafter = Drafter(self.draft_model, draft_attn, self.run_model)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
         self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
@@ -108,9 +105,10 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Run every kind of step once before the server says it is ready, so the first request
         pays for no kernel build, oneDNN primitive or first-call path: two prompts (one sampled
-        greedily, one with temperature, top-p and top-k), a mixed step, two decode steps."""
-        lens = [min(40, self.context_len - 4), min(17, self.context_len - 4)]
-        counts = [-(-(n + 3) // self.page_size) for n in lens]  # room for the decode steps' tokens
+        greedily, one with temperature, top-p and top-k), a mixed step, two decode steps, and
+        with speculative decoding a step that verifies proposals."""
+        lens = [min(40, self.context_len - 7), min(17, self.context_len - 7)]
+        counts = [-(-(n + 6) // self.page_size) for n in lens]  # room for the decode and verify steps' tokens
         if 1 + sum(counts) > self.num_pages:
             return  # a pool this small serves tests only
         pages = [list(range(1, 1 + counts[0])), list(range(1 + counts[0], 1 + sum(counts)))]
@@ -122,6 +120,15 @@ class ModelRunner:
                             [[], pages[1]], [True, True], [1, 0], specs[1:])]
         steps += [BatchInput(-1, list(WARM_UP_SIDS), [1, 1], [lens[0] + 1 + i, lens[1] + i], [1, 1],
                              [len(pages[0]), len(pages[1])], [[], []], [True, True], [2 + i, 1 + i]) for i in range(2)]
+        if self.cfg.speculative_algorithm:
+            verify = dataclasses.replace(steps[-1], input_ids=[1, 1], prefix_lens=[lens[0] + 3, lens[1] + 2],
+                                         output_lens=[4, 3], spec_lens=[2, 2])
+            if self.drafter is None:
+                verify.proposed_ids = [1, 1, 1, 1]
+            else:  # the draft has read nothing of these requests yet
+                verify.catchup_lens, verify.draft_prefix_lens = [lens[0] + 3, lens[1] + 2], [0, 0]
+                verify.catchup_ids = [1] * sum(verify.catchup_lens)
+            steps.append(verify)
         steps.append(BatchInput(-1, [], [], [], [], [], [], [], [], released_sids=list(WARM_UP_SIDS)))
         for batch in steps:
             out = self.forward(batch)
@@ -129,10 +136,11 @@ class ModelRunner:
                 raise RuntimeError(f"the warm-up step failed: {out.error or out.row_errors}")
 
     # ---- setup --------------------------------------------------------------------------
-    def _load_model(self, model_dir: str) -> torch.nn.Module:
-        cls = model_class(self.mc.architecture)
+    def _load_model(self, model_dir: str, mc: ModelConfig, quantization: str | None) -> torch.nn.Module:
+        """The model's weights, quantized, and on CPU packed for its GEMMs."""
+        cls = model_class(mc.architecture)
         with torch.device(self.device):
-            model = cls(self.mc, self.tp, self.dtype, self.context_len)
+            model = cls(mc, self.tp, self.dtype, self.context_len)
         model.eval()
         if self.cfg.load_format == "dummy":
             torch.manual_seed(self.cfg.seed)
@@ -141,10 +149,32 @@ class ModelRunner:
         else:
             with torch.no_grad():
                 model.load_weights(iter_safetensors(model_dir, show_progress=self.tp.is_leader))
+        if quantization == "int8":
+            model.quantize_int8()  # before packing: the packed copy holds the quantized values
+        elif quantization == "w8a8":
+            model.quantize_w8a8()
+        elif quantization == "int4":
+            model.quantize_int4()
+        if self.device.type == "cpu":
+            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+                model.pack_for_cpu()
+            model.use_cpu_kernels()
         return model
+
+    def _kv_and_attention(self, mc: ModelConfig):
+        """A KV pool of num_pages pages for this model's layers, and an attention backend on it."""
+        shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
+        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype)
+        kv = KVCache(mc.num_layers, self.num_pages, self.page_size, shard.kv_count, mc.head_dim,
+                     self.kv_dtype, self.device, layout=attn_cls.kv_layout)
+        attn = attn_cls(kv=kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count, head_dim=mc.head_dim,
+                        scale=mc.head_dim ** -0.5)
+        return kv, attn
 
     def _agree_on_pages(self) -> int:
         bytes_per_token = self.mc.kv_bytes_per_token(self.kv_dtype.itemsize, self.tp.size)
+        if self.draft_mc is not None:  # the draft's pool has as many pages, of its own size
+            bytes_per_token += self.draft_mc.kv_bytes_per_token(self.kv_dtype.itemsize, self.tp.size)
         free = None
         if self.device.type == "cuda" and self.cfg.kv_cache_gb is None:
             free = self._free_bytes_after_warmup()
@@ -174,17 +204,81 @@ class ModelRunner:
             table = self.page_tables.setdefault(sid, [])
             del table[start:]
             table.extend(pages)
-        logits = self.step_logits(run, [self.page_tables[sid] for sid in run.sids]) if run.sids else None
+        tables = [self.page_tables[sid] for sid in run.sids]
+        speculative = bool(run.spec_lens or run.catchup_lens)
+        proposals, dists = self._proposals(run, tables) if speculative else (None, None)
+        logits = None
+        if run.sids and speculative:
+            verify, rows = _with_proposals(run, proposals)
+            logits = self.step_logits(verify, tables, rows)
+        elif run.sids:
+            logits = self.step_logits(run, tables)
         if self.sampler is None:
             return BatchOutput(batch.step, [], row_errors=row_errors)
         kept = [i for i in range(len(batch.sids)) if i not in row_errors]
-        sampled = [kept[j] for j, s in enumerate(run.sample) if s]  # batch row of each logits row
+        sampled = [kept[j] for j, s in enumerate(run.sample) if s]  # batch row of each sampling row
         res = SampleResult([])
         if logits is not None:
-            sids = [sid for sid, s in zip(run.sids, run.sample) if s]
-            res, failed = self._sample(logits, sids, [n for n, s in zip(run.output_lens, run.sample) if s])
+            picked = [i for i, s in enumerate(run.sample) if s]
+            sids = [run.sids[i] for i in picked]
+            lens = [run.output_lens[i] for i in picked]
+            if proposals is None:
+                res, failed = self._sample(logits, sids, lens)
+            else:
+                res, failed = self._sample_and_verify(logits, sids, lens, [proposals[i] for i in picked],
+                                                      [dists[i] for i in picked])
             row_errors.update({sampled[j]: why for j, why in failed.items()})
         return _scatter(batch, row_errors, sampled, res)
+
+    def _proposals(self, batch: BatchInput, tables: list[list[int]]
+                   ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Per row, the tokens to verify after its input token, and for sampled requests the
+        draft distributions they came from (None: the proposals were certain, as n-gram's)."""
+        if self.drafter is not None:
+            return self.drafter.propose(batch, tables, self.sampler)
+        return batch.row_runs(batch.proposed_ids, batch.spec_lens), [None] * len(batch.sids)
+
+    def _sample_and_verify(self, logits: torch.Tensor, sids: list[int], out_lens: list[int],
+                           proposals: list[list[int]], dists: list[torch.Tensor | None]
+                           ) -> tuple[SampleResult, dict[int, str]]:
+        """Sample the rows without proposals and verify those with: logits holds one row per
+        plain row and len(proposals) + 1 per speculating one, in order."""
+        starts = np.cumsum([0] + [len(p) + 1 for p in proposals]).tolist()
+        plain = [j for j, p in enumerate(proposals) if not p]
+        spec = [j for j, p in enumerate(proposals) if p]
+        tokens: list[list[int]] = [[-1] for _ in sids]
+        failed: dict[int, str] = {}
+        res = SampleResult([])
+        if plain:
+            res, bad = self._sample(logits[[starts[j] for j in plain]], [sids[j] for j in plain],
+                                    [out_lens[j] for j in plain])
+            failed.update({plain[j]: why for j, why in bad.items()})
+            for j, tok in zip(plain, res.token_ids):
+                tokens[j] = [tok]
+        def verify(js: list[int]) -> None:
+            rows = [r for j in js for r in range(starts[j], starts[j + 1])]
+            out = self.sampler.verify(logits[rows], [sids[j] for j in js], [out_lens[j] for j in js],
+                                      [proposals[j] for j in js], [dists[j] for j in js])
+            for j, emitted in zip(js, out):
+                tokens[j] = emitted
+
+        try:
+            if spec:
+                verify(spec)
+        except Exception:
+            logger.exception("verifying %d requests failed; retrying request by request", len(spec))
+            for j in spec:
+                try:
+                    verify([j])
+                except Exception as e:
+                    failed[j] = f"verifying proposals failed for this request: {type(e).__name__}: {e}"
+        merged = SampleResult([t[0] for t in tokens], spec_token_ids=[t[1:] for t in tokens])
+        if res.logprobs is not None:
+            at = {j: n for n, j in enumerate(plain)}
+            merged.logprobs = [res.logprobs[at[j]] if j in at else None for j in range(len(sids))]
+            if res.top_logprobs is not None:
+                merged.top_logprobs = [res.top_logprobs[at[j]] if j in at else None for j in range(len(sids))]
+        return merged, failed
 
     def _sample(self, logits: torch.Tensor, sids: list[int], out_lens: list[int]
                 ) -> tuple[SampleResult, dict[int, str]]:
@@ -212,7 +306,10 @@ class ModelRunner:
         specs_ok = all(_ids_within(s.stop_token_ids, vocab) and _ids_within(s.prompt_ids, vocab)
                        for s in batch.new_specs)
         pages_ok = all(_ids_within(pages, self.num_pages, 1) for pages in batch.new_pages)
-        if (_ids_within(batch.input_ids, vocab) and pages_ok and specs_ok
+        spec_ok = (_ids_within(batch.proposed_ids, vocab) and _ids_within(batch.catchup_ids, vocab)
+                   and len(batch.proposed_ids) == (0 if self.drafter else sum(batch.spec_lens))
+                   and len(batch.catchup_ids) == sum(batch.catchup_lens))
+        if (_ids_within(batch.input_ids, vocab) and pages_ok and specs_ok and spec_ok
                 and sum(batch.extend_lens) == len(batch.input_ids) and not self._bad_tables(batch)):
             return {}
         return self._find_invalid_rows(batch)
@@ -223,7 +320,7 @@ class ModelRunner:
         bad = []
         for i, sid in enumerate(batch.sids):
             held = 0 if sid in released else len(self.page_tables.get(sid, ()))
-            end = batch.prefix_lens[i] + batch.extend_lens[i]
+            end = batch.prefix_lens[i] + batch.extend_lens[i] + (batch.spec_lens[i] if batch.spec_lens else 0)
             start = batch.page_starts[i]
             if start > held or (start + len(batch.new_pages[i])) * self.page_size < end or end > self.context_len:
                 bad.append(i)
@@ -236,15 +333,19 @@ class ModelRunner:
         bad_tables = set(self._bad_tables(batch))
         errors: dict[int, str] = {}
         start = 0
+        proposed = batch.row_runs(batch.proposed_ids, batch.spec_lens)
+        catchup = batch.row_runs(batch.catchup_ids, batch.catchup_lens)
         for i, (sid, n) in enumerate(zip(batch.sids, batch.extend_lens)):
-            if not _ids_within(batch.input_ids[start:start + n], vocab):
+            if not _ids_within(batch.input_ids[start:start + n] + proposed[i] + catchup[i], vocab):
                 errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
             elif sid in bad_specs:
                 errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"
             elif i in bad_tables or not _ids_within(batch.new_pages[i], self.num_pages, 1):
                 errors[i] = "the request's KV pages or positions are out of range"
             start += n
-        if start != len(batch.input_ids):  # the lengths disagree: no row can be trusted
+        spec_lens_ok = (len(batch.proposed_ids) == (0 if self.drafter else sum(batch.spec_lens))
+                        and len(batch.catchup_ids) == sum(batch.catchup_lens))
+        if start != len(batch.input_ids) or not spec_lens_ok:  # the lengths disagree: no row can be trusted
             errors = {i: "malformed batch: input ids and extend lengths disagree" for i in range(len(batch.sids))}
         return errors
 
@@ -267,25 +368,33 @@ class ModelRunner:
 
     # ---- GPU: CUDA graphs, the warm-up that sizes the KV pool ----------------------------
     @torch.inference_mode()
-    def step_logits(self, batch: BatchInput, tables: list[list[int]]) -> torch.Tensor | None:
+    def step_logits(self, batch: BatchInput, tables: list[list[int]], rows: list[int] | None = None
+                    ) -> torch.Tensor | None:
         """Run one step's forward over these page tables (one per request, covering its
-        prefix and new tokens); float32 logits [rows, vocab] of the requests that sample
-        (None when none does). Decode steps that fit a captured CUDA graph replay it (logits
-        included); everything else runs eagerly."""
-        meta, input_ids = self._prepare(batch, tables)
-        ends = np.cumsum(batch.extend_lens) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch.sample) if s]
+        prefix and new tokens); float32 logits [rows, vocab] of the given token rows (default:
+        each sampling request's last token; None when there are none). Decode steps that fit a
+        captured CUDA graph replay it (logits included); everything else runs eagerly."""
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(len(batch.extend_lens), batch.is_decode):
+            meta, input_ids = self._prepare(batch, tables)
+            rows = _last_rows(batch) if rows is None else rows
             logits = graphs.replay(meta, input_ids)
             if not rows:
                 return None
             return logits[rows] if len(rows) < logits.shape[0] else logits
-        self.attn.plan(meta)
-        hidden = self.model(input_ids, meta.positions, self.attn)
+        return self.run_model(self.model, self.attn, batch, tables, rows)
+
+    def run_model(self, model: torch.nn.Module, attn, batch: BatchInput, tables: list[list[int]],
+                  rows: list[int] | None = None) -> torch.Tensor | None:
+        """An eager forward of model over its KV pool (attn's) and these page tables; float32
+        logits of the given token rows (default: each sampling request's last token)."""
+        meta, input_ids = self._prepare(batch, tables)
+        rows = _last_rows(batch) if rows is None else rows
+        attn.plan(meta)
+        hidden = model(input_ids, meta.positions, attn)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
+        return model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
 
     def _build_cuda_graphs(self):
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
@@ -329,6 +438,25 @@ class ModelRunner:
         return free
 
 
+def _last_rows(batch: BatchInput) -> list[int]:
+    ends = np.cumsum(batch.extend_lens) - 1
+    return [int(ends[i]) for i, s in enumerate(batch.sample) if s]
+
+
+def _with_proposals(batch: BatchInput, proposals: list[list[int]]) -> tuple[BatchInput, list[int]]:
+    """The verify step: every row's proposals appended to its input tokens, and the token rows
+    whose logits are needed (all of a speculating row's, the last of another sampling row)."""
+    ids, lens, rows, at = [], [], [], 0
+    for n, props, sample in zip(batch.extend_lens, proposals, batch.sample):
+        ids += batch.input_ids[at:at + n] + props
+        lens.append(n + len(props))
+        at += n
+        start = len(ids) - len(props) - 1
+        if sample:
+            rows += list(range(start, len(ids)))
+    return dataclasses.replace(batch, input_ids=ids, extend_lens=lens), rows
+
+
 def _ids_within(ids: list[int], hi: int, lo: int = 0) -> bool:
     return not ids or (min(ids) >= lo and max(ids) < hi)
 
@@ -346,14 +474,16 @@ def _concat_results(parts: list[SampleResult | None]) -> SampleResult:
 def _scatter(batch: BatchInput, row_errors: dict[int, str], sampled: list[int], res: SampleResult) -> BatchOutput:
     """The output in the batch's own row order: one entry per sampling row, -1 where it failed."""
     if not row_errors:
-        return BatchOutput(batch.step, res.token_ids, res.logprobs, res.top_logprobs)
+        return BatchOutput(batch.step, res.token_ids, res.logprobs, res.top_logprobs,
+                           spec_token_ids=res.spec_token_ids)
     at = {row: j for j, row in enumerate(sampled)}
     rows = [i for i, s in enumerate(batch.sample) if s]
     pick = lambda values, default: [values[at[r]] if r in at and r not in row_errors else default  # noqa: E731
                                     for r in rows]
     return BatchOutput(batch.step, pick(res.token_ids, -1),
                        None if res.logprobs is None else pick(res.logprobs, None),
-                       None if res.top_logprobs is None else pick(res.top_logprobs, None), row_errors=row_errors)
+                       None if res.top_logprobs is None else pick(res.top_logprobs, None), row_errors=row_errors,
+                       spec_token_ids=None if res.spec_token_ids is None else pick(res.spec_token_ids, []))
 
 
 def iter_safetensors(model_dir: str, show_progress: bool = True):

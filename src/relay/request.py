@@ -4,9 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from relay.radix_cache import RadixNode
 from relay.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from relay.speculative.ngram import NgramIndex
 
 
 class Status(enum.Enum):
@@ -42,6 +46,12 @@ class Req:
     queue_time: float | None = None  # seconds from arrival to first scheduling
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     num_retractions: int = 0
+    # Speculative decoding: leading tokens whose draft-model KV is written (a draft model's
+    # KV pages are the target's page ids in its own pool), and the n-gram index of the tokens.
+    draft_len: int = 0
+    ngram: NgramIndex | None = None
+    spec_proposed: int = 0  # proposals verified and accepted over the request's life
+    spec_accepted: int = 0
 
     def token_slice(self, lo: int, hi: int) -> list[int]:
         """(prompt + output)[lo:hi] without building the concatenation."""

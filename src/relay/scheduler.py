@@ -23,6 +23,8 @@ from relay.outputs import FinishReason, RequestOutput
 from relay.radix_cache import RadixCache
 from relay.request import Req, Status
 from relay.sampling_params import InvalidParam, check_prompt_length
+from relay.speculative import SpecStats
+from relay.speculative.planner import SpecPlanner, SpecRow
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class SchedulerStats:
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     num_retractions_total: int
+    spec: dict | None = None  # SpecStats.to_dict() while speculative decoding is on
 
     @property
     def cache_hit_rate(self) -> float:
@@ -76,6 +79,8 @@ class Scheduler:
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
         self._retractions_total = 0
+        self.spec = SpecPlanner(self.cfg, context_len) if self.cfg.speculative_algorithm else None
+        self.spec_stats = SpecStats(self.cfg.speculative_num_draft_tokens)
 
     # ---- requests in and out ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -136,6 +141,8 @@ class Scheduler:
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
         # In rank order, so retraction victims are never already in the batch.
         budget -= self._schedule_running([r for r in by_rank if not r.in_prefill], batch, scheduled, budget)
+        spec_rows = self._speculate(batch, budget)
+        budget -= sum(row.cost for row in spec_rows.values())
         prompts = [r for r in by_rank if r.in_prefill]
         held = budget // 2 if self._can_admit() else 0
         budget -= self._schedule_running(prompts, batch, scheduled, budget - held)
@@ -143,7 +150,23 @@ class Scheduler:
         self._extend_chunks(prompts, batch, budget)
         if not batch:
             return None
-        return self._build_batch(batch)
+        return self._build_batch(batch, spec_rows)
+
+    def _speculate(self, decodes: list[tuple[Req, int]], budget: int) -> dict[int, SpecRow]:
+        """Proposals to verify (or draft KV to catch up on) for decoding requests, by id(req),
+        while the batch is small enough for speculation to pay; each gets its KV pages here
+        or decodes plainly."""
+        if self.spec is None or not self.spec.active(len(self.running)):
+            return {}
+        rows: dict[int, SpecRow] = {}
+        headroom = self._decode_headroom()
+        for req, _ in decodes:
+            row = self.spec.plan(req, budget)
+            if row is None or not self._reserve(req, req.kv_len + 1 + row.k, headroom):
+                continue
+            rows[id(req)] = row
+            budget -= row.cost
+        return rows
 
     def _schedule_running(self, reqs: list[Req], batch: list[tuple[Req, int]], scheduled: set[int],
                           budget: int) -> int:
@@ -222,11 +245,34 @@ class Scheduler:
             if i in out.row_errors:  # this request alone failed; the rest of the batch ran
                 events.append(self._finish(req, FinishReason.ABORT, out.row_errors[i]))
                 continue
+            start = req.kv_len
             req.kv_len += batch.extend_lens[i]
-            self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
             if token is not None:
-                events.append(self._append_token(req, token, out, j - 1))
+                more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
+                events.append(self._append_tokens(req, [token, *more], out, j - 1))
+                if batch.spec_lens or batch.catchup_lens:
+                    self._after_speculation(req, batch, i, start, len(more))
+            if req.status == Status.RUNNING:
+                self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
         return events
+
+    def _after_speculation(self, req: Req, batch: BatchInput, i: int, start: int, accepted: int) -> None:
+        """Count a verified row; give back the pages of rejected proposals; advance the draft
+        model's KV over what it read and what was kept."""
+        k = batch.spec_lens[i] if batch.spec_lens else 0
+        if k:
+            self.spec_stats.record(k, accepted)
+            req.spec_proposed += k
+            req.spec_accepted += accepted
+        if req.status != Status.RUNNING:
+            return
+        keep = self._pages_for(req.kv_len)
+        self.allocator.free(req.pages[keep:])  # pages beyond kv_len are private: tree_len <= kv_len
+        req.set_pages(keep, [])
+        if batch.catchup_lens:
+            # The draft read its catch-up tokens; proposing, also the input token and every
+            # proposal but the last (through position start + k - 1), valid while kept.
+            req.draft_len = min(req.kv_len, start + k) if k else req.draft_len + batch.catchup_lens[i]
 
     # ---- admission ------------------------------------------------------------------
     def _admit(self, batch: list[tuple[Req, int]], budget: int) -> int:
@@ -286,13 +332,15 @@ class Scheduler:
         self.cache.lock(node)
         req.set_pages(0, pages)
         req.last_node = node
-        req.kv_len = req.tree_len = len(pages) * self.page_size
+        # A cached page's draft KV is trusted: if whoever wrote the page never ran the draft
+        # over it, proposals get worse, never the output (the target verifies them).
+        req.kv_len = req.tree_len = req.draft_len = len(pages) * self.page_size
 
     def _unmatch(self, req: Req) -> None:
         self.allocator.free(req.pages[req.tree_len // self.page_size:])
         self.cache.unlock(req.last_node)
         req.set_pages(0, [])
-        req.last_node, req.kv_len, req.tree_len = None, 0, 0
+        req.last_node, req.kv_len, req.tree_len, req.draft_len = None, 0, 0, 0
 
     def _start(self, req: Req) -> None:
         if req.sid < 0:
@@ -389,26 +437,33 @@ class Scheduler:
         self.allocator.free(req.pages[req.tree_len // self.page_size:])
         self.cache.unlock(req.last_node)
         req.set_pages(0, [])
-        req.last_node, req.kv_len, req.tree_len = None, 0, 0
+        req.last_node, req.kv_len, req.tree_len, req.draft_len = None, 0, 0, 0
 
     # ---- finishing --------------------------------------------------------------------
-    def _append_token(self, req: Req, token: int, out: BatchOutput, j: int) -> RequestOutput:
-        req.output_ids.append(token)
+    def _append_tokens(self, req: Req, tokens: list[int], out: BatchOutput, j: int) -> RequestOutput:
+        """Append a step's tokens (several when proposals were accepted) up to the first that
+        ends the request; one record of those appended."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        record = RequestOutput(req.rid, [token], prompt_tokens=len(req.prompt_ids),
-                               completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
-        if req.params.logprobs and out.logprobs is not None:
+        record = RequestOutput(req.rid, [], prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+        if req.params.logprobs and out.logprobs is not None:  # such requests never speculate: one token
             req.logprobs.append(out.logprobs[j])
             record.logprobs = [out.logprobs[j]]
             if req.params.top_logprobs and out.top_logprobs is not None:
                 req.top_logprobs.append(out.top_logprobs[j])
                 record.top_logprobs = [out.top_logprobs[j]]
-        reason, stop = self._finish_reason(req, token)
-        if reason is not None:
-            req.matched_stop = stop
-            done = self._finish(req, reason)
-            record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+        for m, token in enumerate(tokens):
+            if m:
+                req.kv_len += 1  # the token before it was an accepted proposal: its KV is written
+            req.output_ids.append(token)
+            record.token_ids.append(token)
+            reason, stop = self._finish_reason(req, token)
+            if reason is not None:
+                req.matched_stop = stop
+                done = self._finish(req, reason)
+                record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+                break
+        record.completion_tokens = len(req.output_ids)
         return record
 
     def _finish_reason(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
@@ -460,14 +515,15 @@ class Scheduler:
         return self._waiting[0][2] if self._waiting else None
 
     # ---- the batch message ------------------------------------------------------------
-    def _build_batch(self, batch: list[tuple[Req, int]]) -> BatchInput:
+    def _build_batch(self, batch: list[tuple[Req, int]], spec_rows: dict[int, SpecRow]) -> BatchInput:
         self._step += 1
         input_ids: list[int] = []
         specs = []
         updates = []
         for req, n in batch:
             input_ids.extend(req.token_slice(req.kv_len, req.kv_len + n))
-            updates.append(req.page_update(self._pages_for(req.kv_len + n)))
+            k = spec_rows[id(req)].k if id(req) in spec_rows else 0
+            updates.append(req.page_update(self._pages_for(req.kv_len + n + k)))
             if not req.spec_sent:
                 specs.append(self._spec(req))
                 req.spec_sent = True
@@ -485,7 +541,20 @@ class Scheduler:
             output_lens=[len(req.output_ids) for req, _ in batch],
             new_specs=specs,
             released_sids=released,
+            **self._spec_fields(batch, spec_rows),
         )
+
+    def _spec_fields(self, batch: list[tuple[Req, int]], spec_rows: dict[int, SpecRow]) -> dict:
+        if not spec_rows:
+            return {}
+        rows = [spec_rows.get(id(req)) for req, _ in batch]
+        fields = {"spec_lens": [row.k if row else 0 for row in rows],
+                  "proposed_ids": [t for row in rows if row for t in row.proposals]}
+        if self.spec.algorithm == "standalone":
+            fields["catchup_lens"] = [len(row.catchup) if row else 0 for row in rows]
+            fields["catchup_ids"] = [t for row in rows if row for t in row.catchup]
+            fields["draft_prefix_lens"] = [req.draft_len for req, _ in batch]
+        return fields
 
     def _spec(self, req: Req) -> SamplingSpec:
         p = req.params
@@ -507,6 +576,7 @@ class Scheduler:
             prompt_tokens_total=self._prompt_tokens_total,
             cached_prompt_tokens_total=self._cached_tokens_total,
             num_retractions_total=self._retractions_total,
+            spec=self.spec_stats.to_dict() if self.spec is not None else None,
         )
 
     def check(self) -> None:
