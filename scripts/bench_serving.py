@@ -592,6 +592,9 @@ def print_report(args, m: dict[str, Any]) -> None:
         line("Output tokens copied from the prompt:", m["copied_output_share"], "{:<10.4f}")
     if m.get("cache_hit_rate") is not None:
         line("Prefix cache hit rate (server):", m["cache_hit_rate"], "{:<10.4f}")
+    if m.get("spec_verify_rows"):
+        line("Speculation acceptance rate:", m["spec_acceptance_rate"], "{:<10.4f}")
+        line("Speculation accept length:", m["spec_accept_length"])
     if m.get("usage_cache_hit_rate") is not None:
         line("Cached prompt tokens (usage):", f"{m['usage_cached_tokens']} of {m['usage_prompt_tokens']} "
              f"({m['usage_cache_hit_rate']:.2%})", "{}")
@@ -619,6 +622,15 @@ async def _get_json(session, url: str) -> Any:
             return await resp.json(content_type=None)
     except Exception:  # noqa: BLE001 - not every server has every endpoint
         return None
+
+
+def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding over the run, from Relay's scheduler counters: the share of proposed tokens
+    accepted, and tokens emitted per verify step (accepted + the target's own)."""
+    rows, proposed, accepted = (after[k] - before[k] for k in
+                                ("spec_verify_rows", "spec_proposed_tokens", "spec_accepted_tokens"))
+    return {"spec_verify_rows": rows, "spec_acceptance_rate": accepted / max(1, proposed),
+            "spec_accept_length": (accepted + rows) / max(1, rows)}
 
 
 async def _relay_counters(session, base_url: str) -> dict[str, Any] | None:
@@ -727,6 +739,8 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
         m["server_prompt_tokens"] = dp
         m["server_cached_prompt_tokens"] = dc
         m["cache_hit_rate"] = dc / dp if dp > 0 else 0.0
+        if before.get("spec") and after.get("spec"):
+            m.update(spec_delta(before["spec"], after["spec"]))
     # What the responses' usage says (any server that reports prompt_tokens_details.cached_tokens, llama.cpp
     # included): cached prompt tokens / prompt tokens, and the server's own prompt token count.
     reported = [o for o in outputs if o.success and o.server_cached_tokens is not None and o.server_prompt_len]

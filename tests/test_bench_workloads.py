@@ -108,3 +108,12 @@ def test_compare_relay_variants():
     for bad in ("base", "=--flag", "a=;a=--flag", "a b=--flag"):
         with pytest.raises(ValueError):
             compare.parse_relay_variants(bad)
+
+
+def test_spec_delta_reports_the_runs_own_acceptance():
+    before = {"spec_verify_rows": 10, "spec_proposed_tokens": 40, "spec_accepted_tokens": 30}
+    after = {"spec_verify_rows": 30, "spec_proposed_tokens": 120, "spec_accepted_tokens": 70}
+    d = bs.spec_delta(before, after)
+    assert d["spec_verify_rows"] == 20
+    assert d["spec_acceptance_rate"] == pytest.approx(40 / 80)
+    assert d["spec_accept_length"] == pytest.approx((40 + 20) / 20)

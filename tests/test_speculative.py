@@ -245,6 +245,28 @@ def test_no_kv_leaks_after_many_requests_with_aborts_and_stops(tiny_model_dir):
     sched.check()
 
 
+def test_default_model_greedy_output_is_unchanged_by_a_quantized_self_draft(default_model_dir):
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4, 5,", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    plain = Engine(default_model_dir, dtype="float32").generate(prompts, params)
+    engine = Engine(default_model_dir, dtype="float32", speculative_algorithm="standalone")  # int4 self-draft
+    spec = engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.scheduler.stats().spec["spec_acceptance_rate"] > 0.5
+
+
+def test_stop_strings_end_speculating_requests_and_free_their_kv(default_model_dir):
+    engine = Engine(default_model_dir, speculative_algorithm="ngram")
+    prompts = ["red green blue red green blue red green blue red", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1,"]
+    free = engine.generate(prompts, greedy(30))
+    stop = engine.tokenizer.decode(free[0].token_ids[2:4])  # text from the middle of the first output
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, stop=[stop]))
+    assert outs[0].finish_reason == "stop" and stop not in outs[0].text
+    assert engine.scheduler.stats().spec["spec_verify_rows"] > 0
+    assert engine.scheduler.stats().kv_locked_tokens == 0
+    engine.check()
+
+
 def test_sampled_output_with_a_different_draft_keeps_the_targets_distribution(tiny_model_dir):
     """The second output token of 800 sampled requests, with and without a draft model that
     differs from the target: the same distribution (a chi-square test of homogeneity)."""
