@@ -33,6 +33,7 @@ def test_ngram_continues_the_longest_earlier_match():
     idx = index_of([2, 5, 6, 7, 3, 4, 0, 1, 5, 6, 7, 8, 9, 0, 2, 5, 6, 7])
     assert idx.propose(2) == [3, 4]
     assert idx.propose(10) == [3, 4, 0, 1, 5, 6, 7, 8, 9, 0]
+    assert idx.propose(16)[10:] == [2, 5, 6, 7, 3, 4]  # past the end: the copy reads itself
 
 
 def test_ngram_prefers_the_most_recent_of_equal_matches_and_grows_incrementally():
@@ -42,11 +43,16 @@ def test_ngram_prefers_the_most_recent_of_equal_matches_and_grows_incrementally(
     assert idx.propose(1) == [3]
 
 
+def test_ngram_continues_a_repeating_pattern_past_the_end_of_the_sequence():
+    assert index_of([7, 7, 7, 7]).propose(4) == [7, 7, 7, 7]
+    assert index_of([3, 1, 2, 1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]
+
+
 def test_ngram_proposes_nothing_without_a_match_of_min_window():
     assert index_of(list(range(50))).propose(4) == []
     idx = index_of([1, 2, 9, 2], lo=2)
     assert idx.propose(4) == []  # "9 2" never occurred before: one-token matches don't count
-    assert index_of([1, 2, 3, 1, 2], lo=2).propose(4) == [3, 1, 2]
+    assert index_of([1, 2, 3, 1, 2], lo=2).propose(4) == [3, 1, 2, 3]
 
 
 # ---- verification -----------------------------------------------------------------------

@@ -39,8 +39,8 @@ class NgramIndex:
                     del ends[0]
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier match (ties: the most recent) of
-        the sequence's last tokens; [] when not even min_window of them occurred before."""
+        """k tokens that followed the longest earlier match (ties: the most recent) of the
+        sequence's last tokens; [] when not even min_window of them occurred before."""
         toks, w = self.tokens, self.min_window
         n = len(toks)
         if k <= 0 or n <= w:
@@ -54,4 +54,12 @@ class NgramIndex:
                 best_len, best_end = length, end
                 if length == self.max_window:
                     break
-        return toks[best_end:best_end + k] if best_end >= 0 else []
+        if best_end < 0:
+            return []
+        # Copy on from the match; past the end, the copy reads its own proposals (a repeating
+        # pattern, whose last occurrence runs into the end of the sequence, keeps repeating).
+        out: list[int] = []
+        for i in range(k):
+            src = best_end + i
+            out.append(toks[src] if src < n else out[src - n])
+        return out
