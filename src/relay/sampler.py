@@ -127,10 +127,8 @@ class Sampler:
         # Per-row knobs travel to the device in one copy: temperature, top-k, top-p, min-p, u.
         fresh = iter(torch.rand(sum(p.seed is None for p in params), generator=self.rng,
                                 dtype=torch.float64).tolist())  # seeded rows leave the runner RNG alone
-        knobs = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab,
-                               p.top_p if p.top_p < 1.0 else 2.0,  # 1.0 keeps all, even past rounding
-                               p.min_p, seeded_uniform(p.seed, k) if p.seed is not None else next(fresh)]
-                              for p, k in zip(params, output_lens)], dtype=torch.float64)
+        u = [seeded_uniform(p.seed, k) if p.seed is not None else next(fresh) for p, k in zip(params, output_lens)]
+        knobs = torch.tensor([_filter_knobs(p, vocab) + [x] for p, x in zip(params, u)], dtype=torch.float64)
         knobs = knobs.to(dev, non_blocking=True)
         probs, order = self._filter(logits, params, knobs)
         return _draw(probs, knobs[:, 4:5], order)
@@ -157,8 +155,7 @@ class Sampler:
         """Each row's sampling distribution [rows, vocab] in token order, normalised: what a
         sampled token is drawn from (speculative decoding compares these of draft and target)."""
         vocab = logits.shape[1]
-        knobs = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p if p.top_p < 1.0 else 2.0,
-                               p.min_p] for p in params], dtype=torch.float64).to(logits.device)
+        knobs = torch.tensor([_filter_knobs(p, vocab) for p in params], dtype=torch.float64).to(logits.device)
         probs, order = self._filter(logits, params, knobs)
         if order is not None:
             probs = torch.zeros_like(probs).scatter_(1, order, probs)
@@ -271,6 +268,13 @@ class Sampler:
                 st.counts[tok] += 1
             if st.seen is not None:
                 st.seen[tok] = True
+
+
+def _filter_knobs(p, vocab: int) -> list[float]:
+    """A request's temperature, top-k, top-p and min-p as _filter reads them."""
+    return [p.temperature, p.top_k if p.top_k > 0 else vocab,
+            p.top_p if p.top_p < 1.0 else 2.0,  # 1.0 keeps all, even past rounding
+            p.min_p]
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
