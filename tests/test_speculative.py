@@ -174,6 +174,18 @@ def test_speculation_never_overshoots_max_new_tokens_and_stops_above_the_batch_l
     assert not batch.spec_lens, "two running requests exceed speculative_disable_by_batch_size=1"
 
 
+def test_speculation_only_takes_the_budget_prompts_leave():
+    sched = spec_scheduler()  # a 64-token step budget
+    sched.add_request(Req("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_new_tokens=20)))
+    run_step(sched, lambda i, p: [3])
+    sched.add_request(Req("b", list(range(10, 73)), SamplingParams(temperature=0, max_new_tokens=4)))
+    batch, _ = run_step(sched, lambda i, p: [1])  # a's decode and 63 of b's 63 prompt tokens
+    assert batch.extend_lens == [1, 63] and not any(batch.spec_lens), "the prompt comes first"
+    batch, _ = run_step(sched, lambda i, p: [1] + p)
+    assert batch.spec_lens and batch.spec_lens[0] > 0, "with no prompt work, a speculates again"
+    sched.check()
+
+
 # ---- end to end (Engine) ------------------------------------------------------------------
 def mixed_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)

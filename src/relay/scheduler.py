@@ -141,13 +141,14 @@ class Scheduler:
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
         # In rank order, so retraction victims are never already in the batch.
         budget -= self._schedule_running([r for r in by_rank if not r.in_prefill], batch, scheduled, budget)
-        spec_rows = self._speculate(batch, budget)
-        budget -= sum(row.cost for row in spec_rows.values())
+        decodes = list(batch)
         prompts = [r for r in by_rank if r.in_prefill]
         held = budget // 2 if self._can_admit() else 0
         budget -= self._schedule_running(prompts, batch, scheduled, budget - held)
         budget = self._admit(batch, budget)
-        self._extend_chunks(prompts, batch, budget)
+        budget = self._extend_chunks(prompts, batch, budget)
+        # Speculation takes only what prompts left: it never delays a first token.
+        spec_rows = self._speculate(decodes, budget)
         if not batch:
             return None
         return self._build_batch(batch, spec_rows)
@@ -183,12 +184,13 @@ class Scheduler:
                 used += self._cost(req, n)
         return used
 
-    def _extend_chunks(self, prompts: list[Req], batch: list[tuple[Req, int]], budget: int) -> None:
-        """Give budget that admission left unused to running prompts (longer chunks)."""
+    def _extend_chunks(self, prompts: list[Req], batch: list[tuple[Req, int]], budget: int) -> int:
+        """Give budget that admission left unused to running prompts (longer chunks); returns
+        the budget left."""
         index = {id(req): i for i, (req, _) in enumerate(batch)}
         for req in prompts:
             if budget <= 0:
-                return
+                return budget
             if req.status != Status.RUNNING:
                 continue
             i = index.get(id(req))
@@ -202,6 +204,7 @@ class Scheduler:
             else:
                 batch[i] = (req, total)
             budget -= self._cost(req, total) - cost
+        return budget
 
     def _chunk(self, req: Req, budget: int) -> int:
         """The most next tokens of req whose _cost fits budget; at least one while any budget
