@@ -50,6 +50,28 @@ def test_greedy_output_through_the_server_is_the_engines_without_speculation(ser
     assert "spec_accepted=" in server.log
 
 
+def test_a_draft_model_through_the_server_keeps_greedy_output(tiny_model_dir):
+    """standalone speculation (the target's own weights in int4 as the draft) on a tiny
+    full-vocabulary model: 16 concurrent requests, each the Engine's tokens without speculation."""
+    path = tiny_model_dir("llama-fullvocab")
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(path, dtype="float32").generate(PROMPTS, params)]
+    s = Server("--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.25", "--speculative-algorithm",
+               "standalone", "--speculative-disable-by-batch-size", "16")
+    try:
+        def generate(prompt: str) -> list[int]:
+            with s.client() as c:
+                body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}
+                return c.post("/generate", json=body).json()["output_ids"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(generate, PROMPTS)) == expected
+        with s.client() as c:
+            assert c.get("/get_server_info").json()["scheduler"]["spec"]["spec_verify_rows"] > 0
+    finally:
+        s.stop()
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused_at_start(tiny_model_dir):
     out = subprocess.run([sys.executable, "-m", "launch.serve", "--speculative-algorithm", "standalone",
                           "--speculative-draft-model-path", tiny_model_dir("llama")],

@@ -82,7 +82,8 @@ class EngineConfig:
             raise ValueError(f"speculative_draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
                              f"got {self.speculative_draft_quantization!r}")
         if self.speculative_algorithm == "standalone" and self.tp_size != 1:
-            raise ValueError("speculative_algorithm='standalone' runs with tp_size=1 only; ngram works with any tp_size")
+            raise ValueError("speculative_algorithm='standalone' runs with tp_size=1 only; "
+                             "ngram works with any tp_size")
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
         if self.load_format not in LOAD_FORMATS:
