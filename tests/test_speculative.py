@@ -118,6 +118,18 @@ def test_rejection_sampling_emits_the_targets_distribution(draft):
         assert chisquare(counts[support.numpy()], expected * counts.sum() / expected.sum()).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"speculative_algorithm": "eagle"}, "speculative_algorithm must be one of"),
+    ({"speculative_algorithm": "standalone", "tp_size": 2}, "runs with tp_size=1 only"),
+    ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens must be >= 1"),
+    ({"speculative_ngram_min_match_window_size": 4, "speculative_ngram_max_match_window_size": 2}, "1 <= min <= max"),
+    ({"speculative_draft_quantization": "int2"}, "speculative_draft_quantization must be one of"),
+])
+def test_bad_speculative_options_are_refused_with_the_option_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
 # ---- scheduler bookkeeping ----------------------------------------------------------------
 def spec_scheduler(num_pages: int = 64, **kw) -> Scheduler:
     cfg = EngineConfig(page_size=4, chunked_prefill_size=64, speculative_algorithm="ngram",
