@@ -40,8 +40,11 @@ class ZmqEngineClient:
         self.ctx = zmq.asyncio.Context()
         self.to_tokenizer = push(self.ctx, endpoint(ipc_dir, TOKENIZER), bind=True)
         self.to_sched = push(self.ctx, endpoint(ipc_dir, SCHEDULER))
-        # Sends through the sync twin complete at once (no high-water mark): an abort is
-        # queued for delivery even when the route sending it is being cancelled.
+        # Sends through the sync twins never wait: an abort is queued for delivery even when
+        # the route sending it is being cancelled. to_sched connects, so with no high-water
+        # mark its sends always queue; to_tokenizer binds, and a bound PUSH with no peer left
+        # (every tokenizer died) would block the event loop for ever, so it is sent with
+        # NOBLOCK (_to_tokenizer) and a refusal means no tokenizer is there.
         self._sync_to_tokenizer = zmq.Socket.shadow(self.to_tokenizer.underlying)
         self._sync_to_sched = zmq.Socket.shadow(self.to_sched.underlying)
         self.inbox = AsyncPull(self.ctx, endpoint(ipc_dir, HTTP))
@@ -76,8 +79,18 @@ class ZmqEngineClient:
         for i, r in enumerate(api.rids):
             self.routes[r] = (api, i)
         self.num_requests += 1
-        self._sync_to_tokenizer.send(data, copy=False)
+        if not self._to_tokenizer(data):
+            self.release(api, abort=False)
+            raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
         return api
+
+    def _to_tokenizer(self, data: bytes) -> bool:
+        """Hand a message to a tokenizer worker; False if none is connected."""
+        try:
+            self._sync_to_tokenizer.send(data, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     def release(self, api: ApiRequest, abort: bool, reason: str = "client_disconnect") -> None:
         """Forget a request (idempotent); if it may still be running, make the scheduler end
@@ -119,8 +132,16 @@ class ZmqEngineClient:
 
     async def heartbeat_forever(self) -> None:
         while True:
-            send(self._sync_to_tokenizer, Heartbeat(self.heartbeats.ping(time.monotonic())))
+            self.heartbeat()
             await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        seq = self.heartbeats.ping(now)
+        if self._to_tokenizer(encode(Heartbeat(seq))):
+            self.heartbeats.delivered()
+        else:
+            self.heartbeats.undelivered(seq, now)
 
     def health_problem(self) -> str | None:
         return self.dead or self.heartbeats.problem(time.monotonic())

@@ -7,12 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
 from ipc.sockets import make_ipc_dir, remove_ipc_dir, remove_stale_ipc_dirs
+from procs.http_server import ZmqEngineClient
+from relay.api.fields import ParsedRequest, ProtocolError
 from relay.health import Heartbeats
+from relay.sampling_params import SamplingParams
 from relay.api.guard import (GuardConfig, RequestGuard, _evict_longest_idle, close_idle_connections,
                               default_allowed_hosts)
 
@@ -161,6 +165,32 @@ def test_heartbeats_report_a_stalled_pipeline_and_a_stuck_step():
     assert hb.problem(6.0) is None
     hb.pong(hb.ping(7.0), 6.0)  # the scheduler says a step has run for 6 s
     assert "model step" in hb.problem(7.2)
+
+
+def test_with_every_tokenizer_gone_the_http_process_never_blocks_and_reports_it():
+    """A bound PUSH with no peer blocks its sender: one heartbeat once froze the event loop of a
+    server whose tokenizer had died, so it ignored SIGTERM for ever."""
+    ipc_dir = make_ipc_dir()
+    client = ZmqEngineClient(ipc_dir, "m", 100, 8, {}, health_timeout=5.0)
+    try:
+        client.heartbeat()  # returns: nothing is connected to take it
+        assert client.health_problem() is None, "an outage shorter than the health timeout is tolerated"
+        assert "no tokenizer" in client.heartbeats.problem(time.monotonic() + 6.0)
+        with pytest.raises(ProtocolError) as refused:
+            client.submit(ParsedRequest(SamplingParams(max_new_tokens=4), text="hi"), "completion")
+        assert refused.value.status == 503 and not client.routes and client.num_requests == 0
+    finally:
+        client.ctx.destroy(linger=0)
+        remove_ipc_dir(ipc_dir)
+
+
+def test_a_delivered_heartbeat_ends_a_tokenizer_outage():
+    hb = Heartbeats(timeout=5.0)
+    hb.undelivered(hb.ping(0.0), 0.0)
+    assert "no tokenizer" in hb.problem(5.5)
+    hb.ping(6.0)
+    hb.delivered()
+    assert hb.problem(6.5) is None
 
 
 # ---- stale ipc directories ----------------------------------------------------------------

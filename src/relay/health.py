@@ -20,6 +20,8 @@ class Heartbeats:
     outstanding: dict[int, float] = field(default_factory=dict)  # seq -> sent at
     next_seq: int = 0
     step_age: float = 0.0
+    undelivered_since: float | None = None  # heartbeats found no process to take them
+
 
     def ping(self, now: float) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -28,12 +30,24 @@ class Heartbeats:
         self.outstanding[seq] = now
         return seq
 
+    def undelivered(self, seq: int, now: float) -> None:
+        """The ping could not be handed to the pipeline (no tokenizer connected): it will
+        never come back, so it is not waited for; the outage is dated instead."""
+        self.outstanding.pop(seq, None)
+        if self.undelivered_since is None:
+            self.undelivered_since = now
+
+    def delivered(self) -> None:
+        self.undelivered_since = None
+
     def pong(self, seq: int, step_age: float) -> None:
         self.outstanding.pop(seq, None)
         self.step_age = step_age
 
     def problem(self, now: float) -> str | None:
         """Why the pipeline cannot serve now, or None if it can."""
+        if self.undelivered_since is not None and now - self.undelivered_since > self.timeout:
+            return f"no tokenizer process has taken a heartbeat for {now - self.undelivered_since:.1f} s"
         if self.outstanding:
             waited = now - min(self.outstanding.values())
             if waited > self.timeout:
