@@ -71,6 +71,12 @@ FLAG_HELP = {
     "speculative_ngram_min_match_window_size": "ngram: fewest trailing tokens that must match to propose",
     "speculative_ngram_max_match_window_size": "ngram: most trailing tokens compared when picking a match",
     "speculative_disable_by_batch_size": "decode without speculation while more requests than this run",
+    "target_itl_ms": "adaptive batching: the p99 inter-token latency (ms) to keep; the scheduler then steers the "
+                     "prefill tokens per step and the running cap (at most --chunked-prefill-size and "
+                     "--max-running-requests) from what it measures (default: fixed limits)",
+    "target_ttft_ms": "adaptive batching: the p99 time to first token (ms) to aim for; while it is exceeded and "
+                      "ITL has room, the limits grow",
+    "adaptive_window_s": "adaptive batching: seconds of latency samples each decision looks at",
 }
 FLAG_ALIASES = {"tp_size": ["--tp"]}
 
@@ -252,6 +258,10 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
             server.should_exit = True
 
         launcher.watch(lambda child, code: loop.call_soon_threadsafe(child_died, child, code))
+        if not await client.wait_for_tokenizer(ns.startup_timeout):
+            logger.error("no tokenizer process connected within %g s", ns.startup_timeout)
+            exit_code = exit_code or 1
+            return
         tasks = [asyncio.create_task(client.dispatch_forever()), asyncio.create_task(client.heartbeat_forever()),
                  asyncio.create_task(close_idle_forever(server.server_state.connections, ns.http_timeout))]
         try:

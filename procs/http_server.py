@@ -84,6 +84,16 @@ class ZmqEngineClient:
             raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
         return api
 
+    async def wait_for_tokenizer(self, timeout: float) -> bool:
+        """Whether a tokenizer connected within `timeout` s. Tokenizers connect before this
+        socket is bound and zmq retries their connect only every 100 ms, so a server that
+        answered before this returned would refuse its first requests with 503."""
+        deadline = time.monotonic() + timeout
+        while not self.dead and time.monotonic() < deadline:  # wakes to notice a child's death
+            if await self.to_tokenizer.poll(100, zmq.POLLOUT):
+                return True
+        return False
+
     def _to_tokenizer(self, data: bytes) -> bool:
         """Hand a message to a tokenizer worker; False if none is connected."""
         try:

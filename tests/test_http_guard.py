@@ -12,7 +12,11 @@ import time
 import httpx
 import pytest
 
-from ipc.sockets import make_ipc_dir, remove_ipc_dir, remove_stale_ipc_dirs
+import zmq
+
+from ipc.codec import decode
+from ipc.messages import Heartbeat
+from ipc.sockets import TOKENIZER, endpoint, make_ipc_dir, pull, remove_ipc_dir, remove_stale_ipc_dirs
 from procs.http_server import ZmqEngineClient
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.health import Heartbeats
@@ -180,6 +184,24 @@ def test_with_every_tokenizer_gone_the_http_process_never_blocks_and_reports_it(
             client.submit(ParsedRequest(SamplingParams(max_new_tokens=4), text="hi"), "completion")
         assert refused.value.status == 503 and not client.routes and client.num_requests == 0
     finally:
+        client.ctx.destroy(linger=0)
+        remove_ipc_dir(ipc_dir)
+
+
+def test_the_server_answers_only_once_a_tokenizer_has_connected():
+    """Tokenizers connect before the http process binds, and zmq retries a connect only every
+    100 ms: a server that answered at once refused its first requests with 503."""
+    ipc_dir = make_ipc_dir()
+    client = ZmqEngineClient(ipc_dir, "m", 100, 8, {}, health_timeout=5.0)
+    ctx = zmq.Context()
+    try:
+        assert not asyncio.run(client.wait_for_tokenizer(0.05))
+        tokenizer = pull(ctx, endpoint(ipc_dir, TOKENIZER), bind=False)
+        assert asyncio.run(client.wait_for_tokenizer(5.0))
+        client.heartbeat()
+        assert isinstance(decode(tokenizer.recv()), Heartbeat)
+    finally:
+        ctx.destroy(linger=0)
         client.ctx.destroy(linger=0)
         remove_ipc_dir(ipc_dir)
 
