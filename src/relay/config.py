@@ -68,6 +68,13 @@ class EngineConfig:
     # Above this many running requests a step is no longer bound by reading the weights, and
     # verifying proposals costs more than it saves: decode normally.
     speculative_disable_by_batch_size: int = 8
+    # Adaptive batching: with a p99 inter-token latency target (ms) the scheduler steers the
+    # step's prefill budget and the running cap (at most the two above) from measured latency,
+    # over a window of adaptive_window_s seconds; target_ttft_ms makes it grow them back while
+    # first tokens come too late. None: the fixed limits.
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
+    adaptive_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):
@@ -96,6 +103,9 @@ class EngineConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
+        for name in ("target_itl_ms", "target_ttft_ms", "adaptive_window_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
 

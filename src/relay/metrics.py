@@ -82,6 +82,8 @@ class ServerMetrics:
                               registry=r)
         self.spec = SpecCollector()
         r.register(self.spec)
+        self.adaptive = AdaptiveCollector()
+        r.register(self.adaptive)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -139,22 +141,32 @@ class ServerMetrics:
             self.hit_rate.set(rate)
         if d.get("spec"):
             self.spec.latest = d["spec"]
+        if d.get("adaptive"):
+            self.adaptive.latest = d["adaptive"]
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class SpecCollector:
-    """Speculative decoding's counters as the scheduler last reported them (SpecStats.to_dict):
-    the scheduler counts every verify step, this only exposes its totals."""
+class LatestCollector:
+    """Metric families made from the dict the scheduler last reported (none before it has)."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Any] | None = None
 
     def collect(self):
-        d = self.latest
-        if not d:
-            return
+        if self.latest:
+            yield from self.families(self.latest)
+
+    def families(self, d: dict[str, Any]):
+        raise NotImplementedError
+
+
+class SpecCollector(LatestCollector):
+    """Speculative decoding's counters as the scheduler last reported them (SpecStats.to_dict):
+    the scheduler counts every verify step, this only exposes its totals."""
+
+    def families(self, d: dict[str, Any]):
         yield CounterMetricFamily("relay:spec_proposed_tokens", "Tokens proposed by speculative decoding.",
                                   value=d["spec_proposed_tokens"])
         yield CounterMetricFamily("relay:spec_accepted_tokens", "Proposed tokens the target model accepted.",
@@ -170,6 +182,36 @@ class SpecCollector:
         buckets.append(("+Inf", cumulative))
         yield HistogramMetricFamily("relay:spec_accepted_per_verify", "Proposals accepted per verify step.",
                                     buckets=buckets, sum_value=float(d["spec_accepted_tokens"]))
+
+
+class AdaptiveCollector(LatestCollector):
+    """Adaptive batching's limits, windowed latencies and step-time model as the scheduler
+    last reported them (AdaptiveLimits.to_dict)."""
+
+    def families(self, d: dict[str, Any]):
+        yield GaugeMetricFamily("relay:adaptive_prefill_budget_tokens", "Prompt tokens a step may compute now.",
+                                value=d["prefill_budget"])
+        yield GaugeMetricFamily("relay:adaptive_max_running_reqs", "Requests that may run at once now.",
+                                value=d["max_running"])
+        yield CounterMetricFamily("relay:adaptive_limit_changes", "Changes the controller made to the limits.",
+                                  value=d["changes"])
+        for name, key in (("itl", "itl"), ("ttft", "ttft")):
+            target = d.get(f"target_{key}_ms")
+            if target is not None:
+                yield GaugeMetricFamily(f"relay:adaptive_target_{name}_seconds", f"The p99 {name.upper()} target.",
+                                        value=target / 1e3)
+            p99 = d.get(f"p99_{key}_ms")
+            if p99 is not None:
+                yield GaugeMetricFamily(f"relay:adaptive_p99_{name}_seconds",
+                                        f"Windowed p99 {name.upper()} the scheduler measures.", value=p99 / 1e3)
+        model = d.get("step_model")
+        if model:
+            g = GaugeMetricFamily("relay:adaptive_step_cost_seconds",
+                                  "The learnt step-time model: base, per decode token, per prefill token.",
+                                  labels=["part"])
+            for part in ("base", "per_decode_token", "per_prefill_token"):
+                g.add_metric([part], model[f"{part}_ms"] / 1e3)
+            yield g
 
 
 def _kv_used(d: dict[str, Any]) -> float | None:

@@ -45,6 +45,7 @@ class Req:
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     queue_time: float | None = None  # seconds from arrival to first scheduling
     first_token_time: float | None = None  # time.monotonic() when the first token came out
+    last_token_time: float | None = None  # when the scheduler last appended tokens (ITL)
     num_retractions: int = 0
     # Speculative decoding: leading tokens whose draft-model KV is written (a draft model's
     # KV pages are the target's page ids in its own pool), and the n-gram index of the tokens.

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from relay.adaptive_batching import AdaptiveLimits, StepLimits
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
 from relay.kv_allocator import PageAllocator
@@ -34,6 +35,15 @@ SHARED_PREFIX_DEFER_TOKENS = 32
 
 
 @dataclass
+class StepInFlight:
+    """A step sent to the runner: who is in it, and what the step-time model learns from it."""
+    reqs: list[Req]
+    started: float
+    decode_tokens: int = 0  # including proposals to verify
+    prefill_cost: int = 0  # budget units of prompt chunks
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -45,6 +55,7 @@ class SchedulerStats:
     cached_prompt_tokens_total: int
     num_retractions_total: int
     spec: dict | None = None  # SpecStats.to_dict() while speculative decoding is on
+    adaptive: dict | None = None  # AdaptiveLimits.to_dict() while adaptive batching is on
 
     @property
     def cache_hit_rate(self) -> float:
@@ -54,13 +65,14 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
                  eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
-                 attention_break_even: int | None = None):
+                 attention_break_even: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
         # ModelConfig.attention_break_even: prompt chunks deep into a long prompt cost more
         # per token (attention over the prefix) and get fewer tokens of the step budget, so
         # a step's cost stays bounded however long the prompt. None: one token, one unit.
         self.attn_even = attention_break_even
         self.on_finish = on_finish  # e.g. the server's per-request log line
+        self.clock = clock  # time.monotonic; a simulated clock in tests of the latency policy
         self.page_size = self.cfg.page_size
         self.context_len = context_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -72,7 +84,7 @@ class Scheduler:
         self._num_waiting = 0
         self._seq = itertools.count()
         self._step = 0
-        self._inflight: dict[int, list[Req]] = {}
+        self._inflight: dict[int, StepInFlight] = {}
         self._free_sids: list[int] = []
         self._next_sid = 0
         self._released_sids: list[int] = []
@@ -81,6 +93,7 @@ class Scheduler:
         self._retractions_total = 0
         self.spec = SpecPlanner(self.cfg, context_len) if self.cfg.speculative_algorithm else None
         self.spec_stats = SpecStats(self.cfg.speculative_num_draft_tokens)
+        self.limits = make_limits(self.cfg, self.allocator.capacity * self.page_size)
 
     # ---- requests in and out ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -134,11 +147,11 @@ class Scheduler:
         requests. While requests wait, running prompts' chunks take at most half of what the
         decodes leave, so a short request that arrives behind a long prompt starts within a
         step instead of after the whole prompt; whatever admission leaves goes back to them."""
-        budget = self.cfg.chunked_prefill_size
+        by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
+        budget = self.limits.step_budget(sum(1 for r in by_rank if not r.in_prefill))
         self._preempt_for_waiting(budget)
         batch: list[tuple[Req, int]] = []
         scheduled: set[int] = set()
-        by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
         # In rank order, so retraction victims are never already in the batch.
         budget -= self._schedule_running([r for r in by_rank if not r.in_prefill], batch, scheduled, budget)
         decodes = list(batch)
@@ -229,15 +242,19 @@ class Scheduler:
         return math.ceil(n * (1 + (req.kv_len + n / 2) / self.attn_even))
 
     def _can_admit(self) -> bool:
-        return self._peek_waiting() is not None and len(self.running) < self.cfg.max_running_requests
+        return self._peek_waiting() is not None and len(self.running) < self.limits.max_running
 
     def process_output(self, batch: BatchInput, out: BatchOutput) -> list[RequestOutput]:
         """Apply a finished step: append sampled tokens, finish requests, share new prefixes;
         one record per request that produced a token or ended."""
-        reqs = self._inflight.pop(batch.step)
+        step = self._inflight.pop(batch.step)
+        reqs = step.reqs
         if out.error is not None:
             return [self._finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished]
         events: list[RequestOutput] = []
+        now = self.clock()
+        gaps: dict[float, int] = {}  # inter-token gap -> tokens with it (decodes of a step share one)
+        ttfts: list[float] = []
         j = 0
         for i, req in enumerate(reqs):
             token = None
@@ -253,11 +270,24 @@ class Scheduler:
             if token is not None:
                 more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
                 events.append(self._append_tokens(req, [token, *more], out, j - 1))
+                self._time_tokens(req, now, len(events[-1].token_ids), gaps, ttfts)
                 if batch.spec_lens or batch.catchup_lens:
                     self._after_speculation(req, batch, i, start, len(more))
             if req.status == Status.RUNNING:
                 self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
+        self.limits.on_step(now, now - step.started, step.decode_tokens, step.prefill_cost, list(gaps.items()), ttfts,
+                            self._num_waiting, len(self.running))
         return events
+
+    @staticmethod
+    def _time_tokens(req: Req, now: float, k: int, gaps: dict[float, int], ttfts: list[float]) -> None:
+        """A first token's TTFT, or the gap each of k tokens that came out together stands for."""
+        if req.last_token_time is None:
+            ttfts.append(now - req.arrival_time)
+        elif k:
+            gap = (now - req.last_token_time) / k
+            gaps[gap] = gaps.get(gap, 0) + k
+        req.last_token_time = now
 
     def _after_speculation(self, req: Req, batch: BatchInput, i: int, start: int, accepted: int) -> None:
         """Count a verified row; give back the pages of rejected proposals; advance the draft
@@ -283,7 +313,7 @@ class Scheduler:
         budget left."""
         held_back: list[Req] = []
         headroom = self._decode_headroom()
-        while budget > 0 and len(self.running) < self.cfg.max_running_requests:
+        while budget > 0 and len(self.running) < self.limits.max_running:
             req = self._pop_waiting()
             if req is None:
                 break
@@ -310,7 +340,7 @@ class Scheduler:
             victim = self._lowest_ranked_running(set())
             if victim.priority >= top.priority:
                 return
-            if len(self.running) < self.cfg.max_running_requests and self._fits(top, budget):
+            if len(self.running) < self.limits.max_running and self._fits(top, budget):
                 return
             self._retract(victim)
 
@@ -349,10 +379,12 @@ class Scheduler:
         if req.sid < 0:
             req.sid = self._free_sids.pop() if self._free_sids else self._take_new_sid()
         if req.queue_time is None:  # first start, not a restart after retraction
-            req.queue_time = time.monotonic() - req.arrival_time
+            req.queue_time = self.clock() - req.arrival_time
             req.cached_tokens = req.kv_len
             self._prompt_tokens_total += len(req.prompt_ids)
             self._cached_tokens_total += req.kv_len
+            most = req.params.max_new_tokens or self.context_len
+            self.limits.on_admit(self.clock(), min(self.context_len, len(req.prompt_ids) + most))
         req.status = Status.RUNNING
         self.running.append(req)
 
@@ -447,7 +479,7 @@ class Scheduler:
         """Append a step's tokens (several when proposals were accepted) up to the first that
         ends the request; one record of those appended."""
         if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+            req.first_token_time = self.clock()
         record = RequestOutput(req.rid, [], prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
         if req.params.logprobs and out.logprobs is not None:  # such requests never speculate: one token
             req.logprobs.append(out.logprobs[j])
@@ -523,15 +555,20 @@ class Scheduler:
         input_ids: list[int] = []
         specs = []
         updates = []
+        step = StepInFlight([req for req, _ in batch], self.clock())
         for req, n in batch:
             input_ids.extend(req.token_slice(req.kv_len, req.kv_len + n))
             k = spec_rows[id(req)].k if id(req) in spec_rows else 0
+            if req.in_prefill:
+                step.prefill_cost += self._cost(req, n)
+            else:
+                step.decode_tokens += n + k
             updates.append(req.page_update(self._pages_for(req.kv_len + n + k)))
             if not req.spec_sent:
                 specs.append(self._spec(req))
                 req.spec_sent = True
         released, self._released_sids = self._released_sids, []
-        self._inflight[self._step] = [req for req, _ in batch]
+        self._inflight[self._step] = step
         return BatchInput(
             step=self._step,
             sids=[req.sid for req, _ in batch],
@@ -580,6 +617,7 @@ class Scheduler:
             cached_prompt_tokens_total=self._cached_tokens_total,
             num_retractions_total=self._retractions_total,
             spec=self.spec_stats.to_dict() if self.spec is not None else None,
+            adaptive=self.limits.to_dict(),
         )
 
     def check(self) -> None:
@@ -598,3 +636,12 @@ class Scheduler:
         assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"
         if not self.running:
             assert self.cache.locked_pages == 0, "locked pages with no running request"
+
+
+def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
+    """Fixed limits, or adaptive ones when a latency target is set."""
+    if cfg.target_itl_ms is None:
+        return StepLimits(cfg.chunked_prefill_size, cfg.max_running_requests)
+    ttft = None if cfg.target_ttft_ms is None else cfg.target_ttft_ms / 1e3
+    return AdaptiveLimits(cfg.chunked_prefill_size, cfg.max_running_requests, kv_total_tokens,
+                          cfg.target_itl_ms / 1e3, ttft, cfg.adaptive_window_s)
