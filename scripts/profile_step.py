@@ -11,6 +11,7 @@ dispatch overhead.
     python scripts/profile_step.py                         # the server's defaults for this CPU
     python scripts/profile_step.py --dtype float32 --batch 1,32
     python scripts/profile_step.py --quantization int8
+    python scripts/profile_step.py --kv-cache-dtype bfloat16       # float32 weights, half the KV bytes
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="KV tokens per request before decoding")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prompt chunk timed")
@@ -144,7 +146,8 @@ def main() -> None:
     args = ap.parse_args()
     label_c_kernels()
     model_dir = resolve_model_dir(None)
-    cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_gb=1.0)
+    cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       kv_cache_gb=1.0)
     runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
     print(f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "
           f"threads {torch.get_num_threads()}")
