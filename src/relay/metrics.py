@@ -195,12 +195,12 @@ class AdaptiveCollector(LatestCollector):
                                 value=d["max_running"])
         yield CounterMetricFamily("relay:adaptive_limit_changes", "Changes the controller made to the limits.",
                                   value=d["changes"])
-        for name, key in (("itl", "itl"), ("ttft", "ttft")):
-            target = d.get(f"target_{key}_ms")
+        for name in ("itl", "ttft"):
+            target = d.get(f"target_{name}_ms")
             if target is not None:
                 yield GaugeMetricFamily(f"relay:adaptive_target_{name}_seconds", f"The p99 {name.upper()} target.",
                                         value=target / 1e3)
-            p99 = d.get(f"p99_{key}_ms")
+            p99 = d.get(f"p99_{name}_ms")
             if p99 is not None:
                 yield GaugeMetricFamily(f"relay:adaptive_p99_{name}_seconds",
                                         f"Windowed p99 {name.upper()} the scheduler measures.", value=p99 / 1e3)

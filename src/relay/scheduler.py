@@ -379,12 +379,13 @@ class Scheduler:
         if req.sid < 0:
             req.sid = self._free_sids.pop() if self._free_sids else self._take_new_sid()
         if req.queue_time is None:  # first start, not a restart after retraction
-            req.queue_time = self.clock() - req.arrival_time
+            now = self.clock()
+            req.queue_time = now - req.arrival_time
             req.cached_tokens = req.kv_len
             self._prompt_tokens_total += len(req.prompt_ids)
             self._cached_tokens_total += req.kv_len
             most = req.params.max_new_tokens or self.context_len
-            self.limits.on_admit(self.clock(), min(self.context_len, len(req.prompt_ids) + most))
+            self.limits.on_admit(now, min(self.context_len, len(req.prompt_ids) + most))
         req.status = Status.RUNNING
         self.running.append(req)
 
