@@ -110,7 +110,7 @@ def label_c_kernels() -> None:
         setattr(cpu_kernels, name, labelled)
 
 
-def breakdown(fn) -> dict[str, float]:
+def breakdown(fn, top: int = 0) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -127,6 +127,8 @@ def breakdown(fn) -> dict[str, float]:
         # A labelled range's self time is its C kernel's (the torch ops inside count apart).
         cats[category(ev.key)] = cats.get(category(ev.key), 0.0) + ev.self_cpu_time_total / 1000
     ops = sum(cats.values())
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     cats["python/dispatch (rest)"] = max(0.0, wall - ops)
     cats["total (profiled)"] = wall
     return cats
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens of --context that each group of 16 requests shares (page-aligned)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=0, help="also print the N ops with the most self time, per step")
     args = ap.parse_args()
     label_c_kernels()
     model_dir = resolve_model_dir(None)
@@ -156,7 +159,7 @@ def main() -> None:
         steps = Steps(runner, b, args.context, args.shared_prefix)
         ms = timed(steps.decode, args.reps)
         label = f"decode b={b}" + (f" ({args.shared_prefix} shared)" if args.shared_prefix else "")
-        rows.append((label, ms, b / ms * 1000, breakdown(steps.decode)))
+        rows.append((label, ms, b / ms * 1000, breakdown(steps.decode, args.top)))
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     n = args.prefill
 
@@ -167,7 +170,7 @@ def main() -> None:
         return out
 
     ms = timed(chunk, max(3, args.reps // 4))
-    rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk)))
+    rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk, args.top)))
     cats = ["gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))

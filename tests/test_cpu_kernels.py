@@ -148,21 +148,22 @@ def test_extend_attention_matches_dense(lib, d, group, dtype):
     starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).tolist()
     plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
     out = torch.zeros(total, hkv * group, d, dtype=dtype)
-    supported = dtype == torch.bfloat16 and d % 32 == 0 and cpu.gemm_bf16_available()  # needs AVX512-BF16
+    supported = cpu.tiled_attention_available(dtype, dtype, d)  # AVX-512 (bf16 x bf16: AVX512-BF16)
     assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d ** -0.5) == supported
     if not supported:
         return  # the backend keeps torch's SDPA there
-    tol = 3e-2
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for table, p, e, s0 in zip(tables, prefix_lens, extend_lens, starts):
         ref = dense_causal(q[s0:s0 + e], k, v, table, p, e, d ** -0.5)
         torch.testing.assert_close(out[s0:s0 + e].float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
-def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group):
+def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group, dtype):
     """Requests that share a cached prefix's pages attend it in one pass (cascade): same result."""
-    if not cpu.gemm_bf16_available():
-        pytest.skip("cascade attention needs AVX512-BF16")
+    if not cpu.tiled_attention_available(dtype, dtype, d):
+        pytest.skip("cascade attention needs AVX-512 (AVX512-BF16 for bfloat16)")
     rng = np.random.default_rng(d)
     hkv = 2
     free = rng.permutation(np.arange(1, 500)).tolist()
@@ -174,12 +175,13 @@ def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group):
     for n, pre in zip(lens, prefixes):
         own = -(-n // PS) - len(pre)
         tables.append(pre + [free.pop() for _ in range(own)])
-    k = torch.randn(hkv, 500 * PS, d).bfloat16()
-    v = torch.randn(hkv, 500 * PS, d).bfloat16()
-    q = torch.randn(len(lens), hkv * group, d).bfloat16()
+    k = torch.randn(hkv, 500 * PS, d).to(dtype)
+    v = torch.randn(hkv, 500 * PS, d).to(dtype)
+    q = torch.randn(len(lens), hkv * group, d).to(dtype)
     plan = cpu.DecodePlan(tables, lens, PS, share=True)
     assert plan.num_groups == 2  # system_a's four (one only partly) and system_b's two
     out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
-    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=2e-2, rtol=2e-2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
     alone = cpu.decode_attention(lib, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
-    torch.testing.assert_close(out.float(), alone.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), alone.float(), atol=tol, rtol=tol)

@@ -53,9 +53,10 @@ class TorchNativeBackend(AttentionBackend):
         if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
                 and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
             self.kernel = cpu_kernels.load()
-        # Cascade attention over shared prefixes: bfloat16 caches on CPUs with AVX512-BF16.
-        self.share_prefixes = (self.kernel is not None and self.kv.k[0].dtype == torch.bfloat16
-                               and self.head_dim % 32 == 0 and cpu_kernels.gemm_bf16_available())
+        # Cascade attention over shared prefixes, where the kernel has it for this cache.
+        kv_dtype = self.kv.k[0].dtype
+        self.share_prefixes = self.kernel is not None and cpu_kernels.tiled_attention_available(kv_dtype, kv_dtype,
+                                                                                         self.head_dim)
 
     def plan(self, meta: StepMeta) -> None:
         device = self.kv.k[0].device
@@ -86,10 +87,10 @@ class TorchNativeBackend(AttentionBackend):
 
     def _plan_prefills(self, meta: StepMeta, starts: list[int], seq_lens: list[int], device) -> None:
         chunks = [i for i, e in enumerate(meta.extend_lens) if e > 1]
-        # bfloat16 prompt chunks go to Relay's C kernel where it takes them (1.8-2.2x SDPA here);
+        # Prompt chunks go to Relay's C kernel where it takes them (reading the cache in place);
         # the SDPA plan below is the fallback.
         self.ext_plan = None
-        if chunks and self.kernel is not None and self.kv.k[0].dtype == torch.bfloat16:
+        if chunks and self.kernel is not None:
             self.ext_plan = cpu_kernels.ExtendPlan([meta.page_tables[i] for i in chunks],
                                                    [meta.prefix_lens[i] for i in chunks],
                                                    [meta.extend_lens[i] for i in chunks], [starts[i] for i in chunks])

@@ -94,6 +94,8 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.relay_gemm_bf16.restype = None
     lib.relay_gemm_bf16_available.restype = i32
+    lib.relay_tiled_attention_available.argtypes = [i32, i32, i64]
+    lib.relay_tiled_attention_available.restype = i32
     lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
     lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
     _lib = lib
@@ -111,6 +113,16 @@ MAX_GROUP = 16  # query heads per kv head the kernel takes (csrc/decode_attentio
 # csrc/gemm_bf16.c takes up to 8 rows; above 3 oneDNN's blocked GEMM is faster on a Zen 4 (the
 # kernel turns compute-bound), below it streams the weights at 1.6-2x oneDNN's speed.
 GEMM_BF16_MAX_ROWS = 3
+
+
+def tiled_attention_available(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels that take many query rows per tile of keys run with these query and
+    cache dtypes here: extend_attention (prompt chunks) and decode_attention's cascade (a group's
+    shared prefix attended once for all of it). bfloat16 with AVX512-BF16; float32, or bfloat16
+    widened, with AVX-512."""
+    lib = load()
+    return lib is not None and bool(lib.relay_tiled_attention_available(int(q_dtype == torch.bfloat16),
+                                                                int(kv_dtype == torch.bfloat16), head_dim))
 
 
 def gemm_bf16_available() -> bool:
@@ -200,7 +212,7 @@ class DecodePlan:
     """What every layer's decode attention call of one step shares (built once per step).
 
     share: find requests whose first pages are the same (a cached shared prefix), for the
-    kernel to attend those keys once for all of them (bfloat16 only: see decode_attention)."""
+    kernel to attend those keys once for all of them (where tiled_attention_available)."""
 
     def __init__(self, page_tables: list[list[int]], lens: list[int], page_size: int = 16, share: bool = False):
         tables = padded_tables(page_tables)
@@ -256,7 +268,8 @@ def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: tor
                          plan.lens.data_ptr(), plan.order.data_ptr(), out.data_ptr(), b, h, hkv, d, s,
                          plan.tables.shape[1], page_size, DECODE_CHUNK, scale, int(q.dtype == torch.bfloat16),
                          int(k.dtype == torch.bfloat16),
-                         plan.num_groups if q.dtype == k.dtype == torch.bfloat16 else 0, plan.groups[0].data_ptr(),
+                         plan.num_groups if plan.num_groups and tiled_attention_available(q.dtype, k.dtype, d) else 0,
+                         plan.groups[0].data_ptr(),
                          plan.groups[1].data_ptr(), plan.groups[2].data_ptr())
     return out
 

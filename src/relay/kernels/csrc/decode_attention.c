@@ -38,7 +38,18 @@
         n = n < TILE ? n : TILE;                                                                \
         n = n < t1 - base ? n : t1 - base;                                                      \
         const int64_t slot0 = (int64_t)table[page] * PS + off;                                  \
-        base += n;
+        base += n;                                                                              \
+        if (base < t1) {                                                                        \
+            prefetch_rows(kh, (int64_t)table[base / PS] * PS + base % PS, D * esz);             \
+            prefetch_rows(vh, (int64_t)table[base / PS] * PS + base % PS, D * esz);             \
+        }
+
+// The next page is somewhere else in the pool, where the hardware prefetcher does not look: ask
+// for its first TILE rows while this one computes.
+static inline void prefetch_rows(const void* base, int64_t slot, int64_t row_bytes) {
+    const char* p = (const char*)base + slot * row_bytes;
+    for (int64_t o = 0; o < TILE * row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 
 // Online softmax over one tile's scores s[g, 0..n): rescale what came before when the max rises.
 static inline void softmax_tile(float* s, int64_t n, int64_t G, int64_t D, float* acc, float* m, float* l) {
@@ -215,8 +226,86 @@ static inline __attribute__((always_inline)) void attend_chunk_avx512(
 #endif
 }
 
-#define CASE_G(GV, NDV) case GV: attend_chunk_avx512(GV, NDV, qf, qb, kh, vh, table, PS, t0, t1, kv_bf16, qscale, \
-                                                     acc, m, l); return 1;
+// Float queries (already scaled) over at most TWO_PASS_MAX keys: every score of the chunk first,
+// then one softmax pass, then the values. Against the online softmax of attend_chunk_avx512 this
+// drops the per-tile max, sum and rescale of the accumulators (three dependent reductions per
+// head every 16 keys, which cost as much as the dot products), and reads float32 keys in place.
+#define TWO_PASS_MAX 512
+static inline __attribute__((always_inline)) void attend_chunk_two_pass(
+        const int64_t G, const int64_t ND, const float* qf, const void* kh, const void* vh, const int32_t* table,
+        int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float* acc, float* m, float* l) {
+    const int64_t D = ND * 16, n_all = t1 - t0;
+    const size_t esz = kv_bf16 ? 2 : 4;
+    float s[MAX_GROUP * TWO_PASS_MAX] __attribute__((aligned(64)));
+    __m512 q[G][ND];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < ND; c++) q[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
+    for (int64_t base = t0; base < t1;) {  // scores, a page's run of up to 16 keys at a time
+        const int64_t page = base / PS, off = base - page * PS;
+        int64_t n = PS - off < TILE ? PS - off : TILE;
+        n = n < t1 - base ? n : t1 - base;
+        const char* krows = (const char*)kh + ((int64_t)table[page] * PS + off) * D * esz;
+        const int64_t j0 = base - t0;
+        base += n;
+        if (base < t1) prefetch_rows(kh, (int64_t)table[base / PS] * PS + base % PS, D * esz);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 dots[TILE];
+            for (int64_t j = 0; j < TILE; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j >= n) continue;
+                for (int64_t c = 0; c < ND; c++)
+                    dots[j] = _mm512_fmadd_ps(q[g][c], vload(krows + j * D * esz, c * 16, kv_bf16), dots[j]);
+            }
+            _mm512_storeu_ps(s + g * TWO_PASS_MAX + j0, transpose_sum16(dots));  // lanes past n: 0, overwritten
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
+        float* sg = s + g * TWO_PASS_MAX;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= n_all; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sg + j));
+        const __mmask16 tail = (__mmask16)((1u << (n_all - j)) - 1u);
+        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + j));
+        const float mg = _mm512_reduce_max_ps(mx);
+        const __m512 mv = _mm512_set1_ps(mg);
+        __m512 sum = _mm512_setzero_ps();
+        for (j = 0; j < n_all; j += 16) {
+            const __mmask16 live = n_all - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_all - j)) - 1u);
+            const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
+            _mm512_storeu_ps(sg + j, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        m[g] = mg;
+        l[g] = _mm512_reduce_add_ps(sum);
+    }
+    __m512 a[G][ND];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < ND; c++) a[g][c] = _mm512_setzero_ps();
+    for (int64_t base = t0; base < t1;) {  // values, page by page
+        const int64_t page = base / PS, off = base - page * PS;
+        int64_t n = PS - off < t1 - base ? PS - off : t1 - base;
+        const char* vrows = (const char*)vh + ((int64_t)table[page] * PS + off) * D * esz;
+        const int64_t j0 = base - t0;
+        base += n;
+        if (base < t1) prefetch_rows(vh, (int64_t)table[base / PS] * PS + base % PS, D * esz);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t c = 0; c < ND; c++) {
+                const __m512 vv = vload(vrows + j * D * esz, c * 16, kv_bf16);
+                for (int64_t g = 0; g < G; g++)
+                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * TWO_PASS_MAX + j0 + j]), vv, a[g][c]);
+            }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < ND; c++) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+#define CASE_G(GV, NDV) case GV:                                                                               \
+    if (qb == NULL && t1 - t0 <= TWO_PASS_MAX && kv_bf16)                                                       \
+        attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, acc, m, l);                              \
+    else if (qb == NULL && t1 - t0 <= TWO_PASS_MAX)                                                               \
+        attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                              \
+    else attend_chunk_avx512(GV, NDV, qf, qb, kh, vh, table, PS, t0, t1, kv_bf16, qscale, acc, m, l);             \
+    return 1;
 #define CASES_G(NDV) switch (G) { CASE_G(1, NDV) CASE_G(2, NDV) CASE_G(3, NDV) CASE_G(4, NDV) \
                                   CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: return 0; }
 
@@ -251,13 +340,16 @@ static void attend_chunk(const float* qf, const uint16_t* qb, const void* kh, co
 int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16_t* kh, const uint16_t* vh,
                         const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D, float qscale,
                         float* const* acc_out, float* const* m_out, float* const* l_out);  // extend_attention.c
+int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows, const void* kh, const void* vh,
+                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                            float qscale, float* const* acc_out, float* const* m_out, float* const* l_out);
 
 typedef struct {
     int64_t group;  // >= 0: a shared-prefix item of this group; -1: a request's own keys
     int64_t h, rank, c;  // kv head; the request (its rank in order) or the group's; the chunk
 } DecodeItem;
 
-// Groups (optional, n_groups > 0; bfloat16 queries and cache only): requests order[first[g]],
+// Groups (optional, n_groups > 0, where relay_tiled_attention_available says so): requests order[first[g]],
 // ..., order[first[g] + size[g] - 1] share the pages of their first keys[g] tokens (a cached
 // system prompt). Those keys are attended once for all of the group's queries (cascade
 // attention: one pass over the shared KV instead of one per request), and each request's own
@@ -325,21 +417,28 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
             const char* vh = (const char*)v + h * S * D * esz;
             if (it.group >= 0) {  // one chunk of a group's shared keys, for all its queries
                 const int64_t size = group_size[it.group], rows = size * G;
-                const uint16_t** qrows = (const uint16_t**)malloc(sizeof(void*) * (size_t)rows);
+                const void** qrows = (const void**)malloc(sizeof(void*) * (size_t)rows);
                 float** outs = (float**)malloc(sizeof(void*) * (size_t)rows * 3);
+                const size_t qsz = io_bf16 ? 2 : 4;
                 for (int64_t rr = 0; rr < rows; rr++) {
                     const int64_t rank = it.rank + rr / G, g = rr % G, b = order[rank];
                     float* slot = partial + ((h * B + rank) * C + it.c) * slot_floats;
-                    qrows[rr] = (const uint16_t*)q + b * q_stride + (h * G + g) * D;
+                    qrows[rr] = (const char*)q + (b * q_stride + (h * G + g) * D) * qsz;
                     outs[rr] = slot + g * D;
                     outs[rows + rr] = slot + G * D + g;
                     outs[2 * rows + rr] = slot + G * D + G + g;
                 }
                 const int64_t k0 = it.c * chunk, k1 = (it.c + 1) * chunk < group_keys[it.group] ? (it.c + 1) * chunk
                                                                                                 : group_keys[it.group];
-                relay_attend_shared(qrows, rows, (const uint16_t*)kh, (const uint16_t*)vh,
-                                    tables + order[it.rank] * P, PS, k0, k1, D, qscale, outs, outs + rows,
-                                    outs + 2 * rows);
+                const int32_t* table = tables + order[it.rank] * P;
+#if defined(__AVX512BF16__)
+                if (io_bf16 && kv_bf16)
+                    relay_attend_shared((const uint16_t* const*)qrows, rows, (const uint16_t*)kh, (const uint16_t*)vh,
+                                        table, PS, k0, k1, D, qscale, outs, outs + rows, outs + 2 * rows);
+                else
+#endif
+                    relay_attend_shared_f32(qrows, io_bf16, rows, kh, vh, kv_bf16, table, PS, k0, k1, D, qscale, outs,
+                                            outs + rows, outs + 2 * rows);
                 free(outs);
                 free(qrows);
                 continue;

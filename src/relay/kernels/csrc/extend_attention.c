@@ -1,21 +1,25 @@
-// Paged attention of prompt chunks for CPUs with AVX512-BF16: each request's new tokens over its
-// cached prefix and themselves (causal), reading the bfloat16 KV cache in place.
+// Paged attention of prompt chunks for CPUs with AVX-512: each request's new tokens over its
+// cached prefix and themselves (causal), reading the KV cache in place.
 //
 // A work item is (request, kv head, block of up to 16 new tokens): its 16 x G query rows share
-// every tile of 64 keys they read. A tile is laid out once per item for VDPBF16PS: keys as
+// every tile of 64 keys they read, so each tile is a small GEMM. bfloat16 queries and cache on a
+// CPU with AVX512-BF16 (attend_rows): a tile is laid out once per item for VDPBF16PS, keys as
 // [head_dim / 2][64] pairs of dimensions (one instruction: 16 keys' scores for two dimensions of
 // a query row, no horizontal sums), values as [32 key pairs][head_dim] pairs of keys (one
-// instruction: 16 output dimensions for two keys). Softmax is online (flash attention) in base
-// 2; the probabilities are rounded to bfloat16 for the value products, as the values are.
-// Output dimensions come out of the value products in the order of VPUNPCK{L,H}WD and are put
-// back in order when written. Only bfloat16 queries, keys and values with head_dim a multiple
-// of 32 take this kernel (extend_attention returns 0 otherwise: the caller uses torch's SDPA).
+// instruction: 16 output dimensions for two keys); the probabilities are rounded to bfloat16 for
+// the value products, as the values are, and output dimensions come out in the order of
+// VPUNPCK{L,H}WD, put back in order when written. Everything else (attend_rows_f32): float32
+// math, keys transposed to [head_dim][64] floats, bfloat16 values widened as they load.
+// Softmax is online (flash attention) in base 2. head_dim must be a multiple of 16 (32 for the
+// bfloat16 kernel); extend_attention returns 0 otherwise and the caller uses torch's SDPA.
 //
 // Layouts: q rows q_stride elements apart, the heads of a token at (h * G + g) * D in its row;
 // out [T, H, D]; k, v caches "HND" [HKV, S, D]; tables [R, P] int32 page ids; per request r its
 // first new token's row q_starts[r], prefix_lens[r] cached tokens and extend_lens[r] new ones
 // (whose keys and values are already in the cache).
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -219,13 +223,206 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
 }
 #endif
 
+#if defined(__AVX512F__)
+// The float32 twin of attend_rows, for float32 caches and for CPUs without AVX512-BF16 (bfloat16
+// values are widened as they load). qs [rows, D]: the query rows as floats, already scaled by
+// qscale; acc comes out in order. A tile's keys are transposed once into kt [D][KT] so a row's
+// scores for 16 keys are one FMA per dimension with no horizontal sums, and each loaded key or
+// value vector serves RB rows: a small GEMM per tile rather than a dot product per key.
+static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
+                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                            float* m, float* l, float* acc, float* kt) {
+    const int64_t NC = D / 16;
+    const size_t esz = kv_bf16 ? 2 : 4;
+    int64_t row[KT];  // byte offset of each of the tile's tokens in a kv head's [S, D] block
+    for (int64_t base = k0; base < k1; base += KT) {
+        const int64_t n = k1 - base < KT ? k1 - base : KT;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = base + j;
+            row[j] = ((int64_t)table[t / PS] * PS + t % PS) * D * (int64_t)esz;
+        }
+        for (int64_t w = 0; w < KT / 16; w++)
+            for (int64_t dc = 0; dc < NC; dc++) {
+                __m512i r[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    const int64_t key = w * 16 + j;
+                    r[j] = key < n ? _mm512_castps_si512(vload((const char*)kh + row[key], dc * 16, kv_bf16))
+                                   : _mm512_setzero_si512();
+                }
+                transpose16_epi32(r);
+                for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(kt + (dc * 16 + i) * KT + w * 16, r[i]);
+            }
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            int64_t visible[RB], seen = 0;
+            for (int64_t b = 0; b < RB; b++) {
+                const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
+                visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
+                seen = visible[b] > seen ? visible[b] : seen;
+            }
+            if (seen == 0) continue;
+            __m512 sc[RB][KT / 16];
+            for (int64_t b = 0; b < RB; b++)
+                for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                __m512 qq[RB];
+                for (int64_t b = 0; b < RB; b++) qq[b] = _mm512_set1_ps(qs[(r0 + (b < nr ? b : 0)) * D + d]);
+                for (int64_t w = 0; w < KT / 16; w++) {
+                    const __m512 kk = _mm512_loadu_ps(kt + d * KT + w * 16);
+                    for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_fmadd_ps(qq[b], kk, sc[b][w]);
+                }
+            }
+            float pf[RB][KT] __attribute__((aligned(64)));
+            float alpha[RB];
+            for (int64_t b = 0; b < RB; b++) {
+                alpha[b] = 1.f;
+                if (visible[b] == 0) {
+                    memset(pf[b], 0, sizeof(pf[b]));
+                    continue;
+                }
+                const int64_t rr = r0 + b;
+                __mmask16 live[KT / 16];
+                __m512 mxv = _mm512_set1_ps(-INFINITY);
+                for (int64_t w = 0; w < KT / 16; w++) {
+                    const int64_t left = visible[b] - w * 16;
+                    live[w] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+                    mxv = _mm512_mask_max_ps(mxv, live[w], mxv, sc[b][w]);
+                }
+                const float mx_tile = _mm512_reduce_max_ps(mxv);
+                const float mx = mx_tile > m[rr] ? mx_tile : m[rr];
+                alpha[b] = exp2f(m[rr] - mx);  // 0 on the first tile (m = -inf)
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t w = 0; w < KT / 16; w++) {
+                    const __m512 p = _mm512_maskz_mov_ps(live[w], vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx))));
+                    sum = _mm512_add_ps(sum, p);
+                    _mm512_store_ps(pf[b] + w * 16, p);
+                }
+                l[rr] = l[rr] * alpha[b] + _mm512_reduce_add_ps(sum);
+                m[rr] = mx;
+            }
+            for (int64_t c0 = 0; c0 < NC; c0 += 4) {  // acc += p . V, 64 output dims at a time
+                const int64_t nc = NC - c0 < 4 ? NC - c0 : 4;
+                __m512 av[RB][4];
+                for (int64_t b = 0; b < RB; b++)
+                    for (int64_t c = 0; c < nc; c++)
+                        av[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + (b < nr ? b : 0)) * D + (c0 + c) * 16),
+                                                 _mm512_set1_ps(alpha[b]));
+                for (int64_t j = 0; j < seen; j++) {
+                    __m512 pw[RB];
+                    for (int64_t b = 0; b < RB; b++) pw[b] = _mm512_set1_ps(pf[b][j]);
+                    for (int64_t c = 0; c < nc; c++) {
+                        const __m512 vv = vload((const char*)vh + row[j], (c0 + c) * 16, kv_bf16);
+                        for (int64_t b = 0; b < RB; b++) av[b][c] = _mm512_fmadd_ps(pw[b], vv, av[b][c]);
+                    }
+                }
+                for (int64_t b = 0; b < nr; b++)
+                    for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(acc + (r0 + b) * D + (c0 + c) * 16, av[b][c]);
+            }
+        }
+    }
+}
+
+// Query row i (float32 or bfloat16) as floats times qscale into qs [i, D].
+static void scaled_rows(const void* const* qrows, int64_t rows, int64_t D, int io_bf16, float qscale, float* qs) {
+    for (int64_t rr = 0; rr < rows; rr++)
+        for (int64_t c = 0; c < D; c += 16)
+            _mm512_storeu_ps(qs + rr * D + c, _mm512_mul_ps(vload(qrows[rr], c, io_bf16), _mm512_set1_ps(qscale)));
+}
+
+// extend_item's float32 twin: out rows in the queries' dtype.
+static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, const void* k, const void* v,
+                            int io_bf16, int kv_bf16, const int32_t* table, int64_t prefix, int64_t q_start, void* out,
+                            int64_t H, int64_t G, int64_t D, int64_t S, int64_t PS, float qscale, float* work) {
+    const int64_t rows = it->n * G;
+    const size_t qsz = io_bf16 ? 2 : 4, ksz = kv_bf16 ? 2 : 4;
+    float* acc = work;             // [rows, D]
+    float* qs = acc + rows * D;    // [rows, D]
+    float* m = qs + rows * D;      // [rows]
+    float* l = m + rows;           // [rows]
+    float* kt = l + rows;          // [D, KT]
+    const void* qrows[EXT_MAX_ROWS];
+    int64_t limit[EXT_MAX_ROWS];
+    for (int64_t rr = 0; rr < rows; rr++) {
+        const int64_t tok = it->i0 + rr / G;
+        qrows[rr] = (const char*)q + ((q_start + tok) * q_stride + (it->h * G + rr % G) * D) * qsz;
+        limit[rr] = prefix + tok + 1;  // causal: keys [0, position]
+        m[rr] = -INFINITY;
+        l[rr] = 0.f;
+    }
+    scaled_rows(qrows, rows, D, io_bf16, qscale, qs);
+    memset(acc, 0, sizeof(float) * rows * D);
+    attend_rows_f32(qs, limit, rows, (const char*)k + it->h * S * D * ksz, (const char*)v + it->h * S * D * ksz,
+                    kv_bf16, table, PS, 0, prefix + it->i0 + it->n, D, m, l, acc, kt);
+    for (int64_t rr = 0; rr < rows; rr++) {
+        const int64_t o = ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
+        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            const float x = acc[rr * D + d] * inv;
+            if (io_bf16) ((uint16_t*)out)[o + d] = f32_to_bf16(x);
+            else ((float*)out)[o + d] = x;
+        }
+    }
+}
+#endif
+
+// relay_attend_shared for float32 (or bfloat16 without AVX512-BF16) queries and caches, with
+// attend_rows_f32; acc_out rows come out in order. Returns 0 without AVX-512.
+int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows, const void* kh, const void* vh,
+                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                            float qscale, float* const* acc_out, float* const* m_out, float* const* l_out) {
+#if defined(__AVX512F__)
+    if (D % 16 || D > EXT_MAX_D) return 0;
+    float* work = (float*)malloc(sizeof(float) * (size_t)(rows * (2 * D + 2) + D * KT));
+    float* acc = work;
+    float* qs = acc + rows * D;
+    float* m = qs + rows * D;
+    float* l = m + rows;
+    int64_t* limit = (int64_t*)malloc(sizeof(int64_t) * (size_t)rows);
+    for (int64_t rr = 0; rr < rows; rr++) { m[rr] = -INFINITY; l[rr] = 0.f; limit[rr] = k1; }
+    scaled_rows(qrows, rows, D, io_bf16, qscale, qs);
+    memset(acc, 0, sizeof(float) * rows * D);
+    attend_rows_f32(qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, D, m, l, acc, l + rows);
+    for (int64_t rr = 0; rr < rows; rr++) {
+        memcpy(acc_out[rr], acc + rr * D, sizeof(float) * (size_t)D);
+        *m_out[rr] = m[rr];
+        *l_out[rr] = l[rr];
+    }
+    free(limit);
+    free(work);
+    return 1;
+#else
+    (void)qrows; (void)io_bf16; (void)rows; (void)kh; (void)vh; (void)kv_bf16; (void)table; (void)PS; (void)k0;
+    (void)k1; (void)D; (void)qscale; (void)acc_out; (void)m_out; (void)l_out;
+    return 0;
+#endif
+}
+
+// Which query/cache dtypes extend_attention and the cascade (relay_attend_shared*) take here.
+int relay_tiled_attention_available(int io_bf16, int kv_bf16, int64_t D) {
+#if defined(__AVX512BF16__)
+    if (io_bf16 && kv_bf16) return D % 32 == 0 && D <= EXT_MAX_D;
+#endif
+#if defined(__AVX512F__)
+    (void)io_bf16; (void)kv_bf16;
+    return D % 16 == 0 && D <= EXT_MAX_D;
+#else
+    (void)io_bf16; (void)kv_bf16; (void)D;
+    return 0;
+#endif
+}
+
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, const int32_t* tables,
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
                      int io_bf16, int kv_bf16) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     const int64_t G = H / HKV;
-    if (!io_bf16 || !kv_bf16 || QB * G > EXT_MAX_ROWS || D > EXT_MAX_D || D % 32) return 0;
+#if defined(__AVX512BF16__)
+    const int bf16 = io_bf16 && kv_bf16;  // VDPBF16PS on the raw values
+#else
+    const int bf16 = 0;
+#endif
+    if (QB * G > EXT_MAX_ROWS || D > EXT_MAX_D || D % (bf16 ? 32 : 16)) return 0;
     int64_t count = 0;
     for (int64_t r = 0; r < R; r++) count += HKV * ((extend_lens[r] + QB - 1) / QB);
     Item* items = (Item*)malloc(sizeof(Item) * (count ? count : 1));
@@ -239,16 +436,23 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
             }
     qsort(items, (size_t)count, sizeof(Item), by_cost_desc);
     const float qscale = scale * 1.4426950408889634f;
-    const size_t work_bytes = sizeof(float) * (size_t)(QB * G * (D + 2)) + sizeof(uint32_t) * (size_t)(D * KT);
-    (void)EXT_MAX_ROWS;
+    const size_t work_bytes = bf16 ? sizeof(float) * (size_t)(QB * G * (D + 2)) + sizeof(uint32_t) * (size_t)(D * KT)
+                                   : sizeof(float) * (size_t)(QB * G * (2 * D + 2) + D * KT);
     _Pragma("omp parallel")
     {
         void* work = malloc(work_bytes + 64);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t i = 0; i < count; i++) {
             const Item* it = items + i;
-            extend_item(it, (const uint16_t*)q, q_stride, (const uint16_t*)k, (const uint16_t*)v, tables + it->r * P,
-                        prefix_lens[it->r], q_starts[it->r], (uint16_t*)out, H, G, D, S, PS, qscale, work);
+#if defined(__AVX512BF16__)
+            if (bf16) {
+                extend_item(it, (const uint16_t*)q, q_stride, (const uint16_t*)k, (const uint16_t*)v, tables + it->r * P,
+                            prefix_lens[it->r], q_starts[it->r], (uint16_t*)out, H, G, D, S, PS, qscale, work);
+                continue;
+            }
+#endif
+            extend_item_f32(it, q, q_stride, k, v, io_bf16, kv_bf16, tables + it->r * P, prefix_lens[it->r],
+                            q_starts[it->r], out, H, G, D, S, PS, qscale, (float*)work);
         }
         free(work);
     }
