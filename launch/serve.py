@@ -60,6 +60,9 @@ FLAG_HELP = {
     "seed": "seed for sampling requests that set no seed",
     "load_format": f"one of {LOAD_FORMATS}: dummy = random weights; dummy-null = no model (pipeline benchmark)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
+    "disable_weight_blocks": ("CPU, float32: multiply by float weights even where the checkpoint's weights are "
+                              "exactly GGUF Q4_1/Q8_0 blocks (by default small-batch GEMMs read those blocks: "
+                              "same weights, 4-7x fewer bytes)"),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
     "speculative_algorithm": ("speculative decoding: ngram (prompt lookup: proposals copied from the request's own "

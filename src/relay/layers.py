@@ -16,6 +16,7 @@ from torch import nn
 
 from relay.distributed import TPGroup, split_evenly
 from relay.kernels import cpu as cpu_kernels
+from relay.weight_blocks import BlockWeight
 
 
 class RMSNorm(nn.Module):
@@ -62,6 +63,12 @@ INT4_MAX_ROWS = 4
 INT4_GROUP = 32  # weights per scale and zero point along the input features (as GGUF's Q4_1 blocks)
 
 
+# GEMMs of at most this many rows read weights kept in their checkpoint's GGUF blocks
+# (weight_blocks.py, csrc/gemm_blocks.c) where those are exact: a float32 decode step's GEMMs on a
+# 2-core Xeon (AVX-512, no BF16), blocks vs the best float path: 1.4x at 1 row, 2.1x at 8, 1.5x at
+# 32, 1.3x at 64, even at 128 (scripts/bench_gemm_blocks.py).
+BLOCKS_MAX_ROWS = 96
+
 # With --quantization w8a8, GEMMs of at least this many rows quantize their activations to int8
 # per row and multiply int8 by int8 (csrc/w8a8.c around torch._int_mm). A decoder layer's four
 # GEMMs on a Zen 4 (AVX512-VNNI), bf16 (oneDNN) against w8a8 with its quantizing: 0.89-0.98x at
@@ -85,9 +92,12 @@ class Int4Weight:
 def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                bias: torch.Tensor | None = None, int8: Int8Weight | None = None, gemv: bool = False,
                out_dtype: torch.dtype | None = None, int4: Int4Weight | None = None,
-               w8a8: W8A8Weight | None = None) -> torch.Tensor:
+               w8a8: W8A8Weight | None = None, blocks: BlockWeight | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for this many rows; out_dtype float32 lets the
     LM head write its logits in float32 directly."""
+    if blocks is not None and x.shape[0] <= BLOCKS_MAX_ROWS:
+        y = cpu_kernels.gemm_blocks(x, blocks).to(out_dtype or x.dtype)
+        return y if bias is None else y + bias
     if w8a8 is not None and x.shape[0] >= W8A8_MIN_ROWS:
         return cpu_kernels.int8_matmul(x, w8a8.qt, w8a8.scale, bias, out_dtype or x.dtype)
     if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
@@ -176,9 +186,11 @@ class Linear(nn.Module):
         self.int4: Int4Weight | None = None  # see quantize_int4; --quantization int4 only
         self.w8a8: W8A8Weight | None = None  # see w8a8_weight; --quantization w8a8 only
         self.gemv = False  # bfloat16 weights and Relay's small-batch kernel here (pack_for_cpu)
+        self.blocks: BlockWeight | None = None  # the weight's exact GGUF blocks (see weight_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8, self.gemv, int4=self.int4, w8a8=self.w8a8)
+        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8, self.gemv, int4=self.int4, w8a8=self.w8a8,
+                       blocks=self.blocks)
         return self.tp.all_reduce(y) if self.tp is not None else y
 
 
@@ -195,6 +207,7 @@ class VocabParallelEmbedding(nn.Module):
         self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8
         self.int4: Int4Weight | None = None  # for the LM head, like Linear.int4
         self.gemv = False  # for the LM head, like Linear.gemv
+        self.blocks: BlockWeight | None = None  # for the LM head, like Linear.blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -208,7 +221,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
         local = cpu_matmul(h, self.weight, self.packed, int8=self.int8, gemv=self.gemv, out_dtype=torch.float32,
-                           int4=self.int4).float()
+                           int4=self.int4, blocks=self.blocks).float()
         return self.tp.all_gather_last_dim(local, self.shard_sizes)
 
 

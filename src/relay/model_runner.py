@@ -159,6 +159,12 @@ class ModelRunner:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
+            if (quantization is None and self.dtype == torch.float32 and not self.cfg.disable_weight_blocks
+                    and cpu_kernels.gemm_blocks_available()):
+                kept = model.use_weight_blocks()
+                if kept:
+                    logger.info("%d of %d GEMM weights are exact GGUF blocks: small batches read those",
+                                kept, len(model.gemm_modules()))
         return model
 
     def _kv_and_attention(self, mc: ModelConfig):

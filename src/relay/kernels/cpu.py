@@ -16,11 +16,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from relay.model_files import cache_dir
+
+if TYPE_CHECKING:
+    from relay.weight_blocks import BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,9 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_bf16_available.restype = i32
     lib.relay_tiled_attention_available.argtypes = [i32, i32, i64]
     lib.relay_tiled_attention_available.restype = i32
+    lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64]
+    lib.relay_gemm_blocks.restype = i32
+    lib.relay_gemm_blocks_available.restype = i32
     lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
     lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
     _lib = lib
@@ -144,6 +151,23 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=out_dtype)
     _lib.relay_gemm_bf16(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                          m, n, k, int(out_dtype == torch.float32))
+    return y
+
+
+def gemm_blocks_available() -> bool:
+    lib = load()
+    return lib is not None and bool(lib.relay_gemm_blocks_available())
+
+
+def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """x [M, K] float32 times a weight kept in GGUF blocks (relay.weight_blocks) -> [M, N] float32.
+    Only where gemm_blocks_available()."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    _lib.relay_gemm_blocks(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
+                           y.data_ptr(), y.stride(0), m, w.out_features, w.in_features)
     return y
 
 

@@ -16,6 +16,7 @@ from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
+from relay.weight_blocks import recover
 from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
                           pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
 
@@ -139,6 +140,15 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
                 layer.self_attn.rotary = self.rotary
+
+    def use_weight_blocks(self) -> int:
+        """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
+        dequantized floats) also as those blocks, for small-batch GEMMs; returns how many are."""
+        kept = 0
+        for module in self.gemm_modules():
+            module.blocks = recover(module.weight)
+            kept += module.blocks is not None
+        return kept
 
     def quantize_int4(self) -> None:
         """Weight-only 4-bit (groups of 32, scale and zero point) for every GEMM; like int8, the

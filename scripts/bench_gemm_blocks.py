@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""A float32 decode step's GEMMs on the default model's own weights: GGUF blocks vs float paths.
+
+Loads SmolLM2-135M's float32 weights (Relay's conversion of the shipped Q4_1 GGUF), fuses them as
+Relay does (qkv, gate_up; 30 layers plus the 49152 x 576 LM head, every one distinct so they
+stream from memory as in a real step), recovers their GGUF blocks (relay/weight_blocks.py) and
+times all of one step's GEMMs at each row count with:
+  blocks  Relay's kernel on the Q4_1/Q8_0 blocks (csrc/gemm_blocks.c),
+  linear  torch's F.linear on the float32 weights (MKL),
+  packed  oneDNN on a prepacked float32 copy (what Relay used from 8 rows on).
+
+    python scripts/bench_gemm_blocks.py
+    python scripts/bench_gemm_blocks.py --rows 1,32 --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from relay.kernels import cpu as cpu_kernels  # noqa: E402
+from relay.model_files import resolve_model_dir  # noqa: E402
+from relay.weight_blocks import recover  # noqa: E402
+
+
+def step_weights() -> list[torch.Tensor]:
+    sd = load_file(os.path.join(resolve_model_dir(None), "model.safetensors"))
+    out = []
+    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
+    for i in range(layers):
+        def g(part: str) -> torch.Tensor:
+            return sd[f"model.layers.{i}.{part}.weight"]
+        out += [torch.cat([g("self_attn.q_proj"), g("self_attn.k_proj"), g("self_attn.v_proj")]),
+                g("self_attn.o_proj"), torch.cat([g("mlp.gate_proj"), g("mlp.up_proj")]), g("mlp.down_proj")]
+    out.append(sd["model.embed_tokens.weight"])  # the tied LM head
+    return out
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    if not cpu_kernels.gemm_blocks_available():
+        sys.exit("the block GEMM needs AVX-512 and a C compiler")
+    weights = step_weights()
+    blocks = [recover(w) for w in weights]
+    if any(b is None for b in blocks):
+        sys.exit("these weights are not exact GGUF blocks")
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    flags = cpu_kernels.cpu_flags().split()
+    print(f"threads {torch.get_num_threads()}, " + " ".join(f for f in flags if f.startswith(("avx512", "amx"))))
+    print("| rows | blocks ms | linear ms | packed ms | best float / blocks |\n|---|---|---|---|---|")
+    for m in [int(r) for r in args.rows.split(",")]:
+        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
+        t_blocks = median_ms(lambda: [cpu_kernels.gemm_blocks(xs[b.in_features], b) for b in blocks], args.repeats)
+        t_linear = median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
+        t_packed = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                      for w, p in zip(weights, packed)], args.repeats)
+        print(f"| {m} | {t_blocks:.2f} | {t_linear:.2f} | {t_packed:.2f} | {min(t_linear, t_packed) / t_blocks:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

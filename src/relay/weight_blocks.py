@@ -1,0 +1,130 @@
+"""Weights that came from GGUF blocks, found again in their float32 values and kept in blocks.
+
+A GGUF checkpoint of Q4_1 (each block of 32 weights w = d * q + m, q in 0..15, d and m float16)
+or Q8_0 (w = d * q, q in -127..127) is dequantized into float32 when Relay converts it. Those
+floats hold nothing the blocks did not: recovering d, m and q from them and checking that every
+weight comes back bit for bit gives the same model in 4.5 or 8.5 bits per weight, which a
+decode step's GEMMs, bound by reading weights, run on (csrc/gemm_blocks.c). A weight that is not
+exactly such blocks (a dense checkpoint, a tensor-parallel shard that cuts a block) stays float.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+STRIP = 32  # output features the kernel takes together (csrc/gemm_blocks.c); rows padded with zeros
+PROBE_BLOCKS = 64  # blocks tried first: a dense weight fails here, before a full pass
+
+
+@dataclass
+class BlockWeight:
+    """A [N, K] weight as blocks of 32 along K, in the kernel's strips of STRIP output features
+    (feature-minor: see csrc/gemm_blocks.c)."""
+
+    bits: int  # 4: Q4_1; 8: Q8_0
+    q: torch.Tensor  # uint8 [strips, K / 2, STRIP] (inputs 2p, 2p + 1 in the low, high nibble) or int8 [strips, K, STRIP]
+    d: torch.Tensor  # float32 [strips, K / 32, STRIP]
+    m: torch.Tensor  # float32 [strips, K / 32, STRIP] (zeros for Q8_0)
+    out_features: int
+    in_features: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these blocks stand for, computed as the dequantizer did."""
+        n, k = self.out_features, self.in_features
+        if self.bits == 4:
+            q = torch.stack([self.q & 0x0F, self.q >> 4], dim=2).reshape(-1, k, STRIP).float()
+        else:
+            q = self.q.float()
+        d = self.d.repeat_interleave(BLOCK, dim=1)
+        w = d * q
+        if self.bits == 4:
+            w = w + self.m.repeat_interleave(BLOCK, dim=1)
+        return w.permute(0, 2, 1).reshape(-1, k)[:n]
+
+
+def recover(weight: torch.Tensor) -> BlockWeight | None:
+    """The Q4_1 or Q8_0 blocks a float32 [N, K] weight was dequantized from, or None if it was
+    not (checked exactly: every weight must come back bit for bit)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    probe = blocks.reshape(-1, BLOCK)[:PROBE_BLOCKS]
+    for bits, fit in ((4, _fit_q4_1), (8, _fit_q8_0)):
+        if fit(probe) is None:
+            continue
+        found = fit(blocks.reshape(-1, BLOCK))
+        if found is not None:
+            return _pack(bits, *found, weight.shape[0], weight.shape[1])
+    return None
+
+
+def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
+    """x rounded to float16 and the float16 values on either side, as float32 (non-negative x)."""
+    h = x.to(torch.float16)
+    bits = h.view(torch.int16)
+    below = torch.where(bits > 0, bits - 1, bits).view(torch.float16)
+    above = (bits + 1).view(torch.float16)
+    return [t.float() for t in (h, below, above)]
+
+
+def _choose(candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """candidates: (ok [B], d [B], q [B, 32]); per block the first ok one, or None if a block has none."""
+    ok_any = torch.zeros_like(candidates[0][0])
+    d = torch.zeros_like(candidates[0][1])
+    q = torch.zeros_like(candidates[0][2])
+    for ok, dc, qc in candidates:
+        take = ok & ~ok_any
+        d = torch.where(take, dc, d)
+        q = torch.where(take[:, None], qc, q)
+        ok_any |= ok
+    return (d, q) if bool(ok_any.all()) else None
+
+
+def _fit_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(d, m, q) with blocks == d * q + m exactly (two roundings, as the dequantizer), or None."""
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    if not torch.equal(lo.to(torch.float16).float(), lo):  # m is a float16, and the minimum has q = 0
+        return None
+    candidates = []
+    for d in _fp16_neighbours((hi - lo) / 15):
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((blocks - lo[:, None]) / safe[:, None]).clamp_(0, 15)
+        ok = ((d[:, None] * q + lo[:, None]) == blocks).all(-1)
+        candidates.append((ok, d, q))
+    chosen = _choose(candidates)
+    return None if chosen is None else (chosen[0], lo, chosen[1])
+
+
+def _fit_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(d, zeros, q) with blocks == d * q exactly, or None."""
+    amax = blocks.abs().amax(-1)
+    candidates = []
+    for d in _fp16_neighbours(amax / 127):
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127)
+        ok = ((d[:, None] * q) == blocks).all(-1)
+        candidates.append((ok, d, q))
+    chosen = _choose(candidates)
+    return None if chosen is None else (chosen[0], torch.zeros_like(amax), chosen[1])
+
+
+def _pack(bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, k: int) -> BlockWeight:
+    strips = -(-n // STRIP)
+    pad = strips * STRIP - n
+    nblk = k // BLOCK
+
+    def strip_minor(t: torch.Tensor, cols: int) -> torch.Tensor:  # [n, cols] -> [strips, cols, STRIP]
+        t = torch.cat([t.reshape(n, cols), t.new_zeros(pad, cols)])
+        return t.reshape(strips, STRIP, cols).transpose(1, 2).contiguous()
+
+    if bits == 4:
+        qi = q.reshape(n, k).to(torch.uint8)
+        data = qi[:, 0::2] | (qi[:, 1::2] << 4)
+        data = strip_minor(data, k // 2)
+    else:
+        data = strip_minor(q.reshape(n, k).to(torch.int8), k)
+    return BlockWeight(bits=bits, q=data, d=strip_minor(d, nblk), m=strip_minor(m, nblk), out_features=n,
+                       in_features=k)
