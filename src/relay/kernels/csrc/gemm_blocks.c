@@ -24,7 +24,7 @@
 
 #define NS 32  // output features per strip
 #define KC 128  // inputs unpacked at a time (the last chunk of a row may be shorter)
-#define MB 8  // rows of x per register tile
+#define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
 
 int relay_gemm_blocks_available(void) {
 #if defined(__AVX512F__)
@@ -65,34 +65,46 @@ static inline void unpack(int bits, const uint8_t* q, const float* d, const floa
     }
 }
 
-// y[m0 .. m0 + MB, strip s] (+)= x[.., k0 .. k0 + kn] . wbuf; rows past M are computed on a
-// repeated row and not stored, features past N masked off.
-static inline void tile(const float* x, int64_t x_stride, int64_t M, int64_t m0, const float* wbuf, int64_t k0,
-                        int64_t kn, float* y, int64_t y_stride, int64_t n0, int64_t N, int first) {
+// y[m0 .. m0 + R, strip s] (+)= x[.., k0 .. k0 + kn] . wbuf for R <= MB rows (a compile-time
+// constant after inlining, so the accumulators stay in registers and a short last tile does
+// no work for rows that do not exist); features past N masked off.
+static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
+                                                       int64_t m0, const float* wbuf, int64_t k0, int64_t kn,
+                                                       float* y, int64_t y_stride, int64_t n0, int64_t N, int first) {
     const float* xr[MB];
-    for (int64_t i = 0; i < MB; i++) xr[i] = x + (m0 + i < M ? m0 + i : M - 1) * x_stride + k0;
+    for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
     const int64_t left = N - n0;
     const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
     const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
     __m512 acc[MB][2];
-    for (int64_t i = 0; i < MB; i++) {
+    for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
-        const int store = m0 + i < M && !first;
-        acc[i][0] = store ? _mm512_maskz_loadu_ps(live0, yr) : _mm512_setzero_ps();
-        acc[i][1] = store ? _mm512_maskz_loadu_ps(live1, yr + 16) : _mm512_setzero_ps();
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live0, yr);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live1, yr + 16);
     }
     for (int64_t k = 0; k < kn; k++) {
         const __m512 w0 = _mm512_load_ps(wbuf + k * NS), w1 = _mm512_load_ps(wbuf + k * NS + 16);
-        for (int64_t i = 0; i < MB; i++) {
+        for (int64_t i = 0; i < R; i++) {
             const __m512 xv = _mm512_set1_ps(xr[i][k]);
             acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
         }
     }
-    for (int64_t i = 0; i < MB && m0 + i < M; i++) {
+    for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
         _mm512_mask_storeu_ps(yr, live0, acc[i][0]);
         _mm512_mask_storeu_ps(yr + 16, live1, acc[i][1]);
+    }
+}
+
+#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, k0, kn, y, y_stride, n0, N, first); break;
+
+static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf, int64_t k0, int64_t kn, float* y,
+                  int64_t y_stride, int64_t n0, int64_t N, int first) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        switch (M - m0 < MB ? M - m0 : MB) {
+            TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
+        }
     }
 }
 #endif
@@ -112,8 +124,7 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kn = K - k0 < KC ? K - k0 : KC;
                 unpack(bits, q, d, m, s, K, k0, kn, wbuf);
-                for (int64_t m0 = 0; m0 < M; m0 += MB)
-                    tile(x, x_stride, M, m0, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
+                tiles(x, x_stride, M, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
             }
     }
     return 1;
