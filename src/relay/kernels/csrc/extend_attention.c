@@ -26,6 +26,7 @@
 #define QB 16  // new tokens per work item
 #define KT 64  // keys per tile
 #define RB 4   // query rows computed together
+#define RBF 6  // the same for the float32 kernel (24 accumulators)
 #define EXT_MAX_ROWS (QB * 8)  // query rows per item (group up to 8)
 #define EXT_MAX_D 256
 
@@ -252,29 +253,29 @@ static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows,
                 transpose16_epi32(r);
                 for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(kt + (dc * 16 + i) * KT + w * 16, r[i]);
             }
-        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-            int64_t visible[RB], seen = 0;
-            for (int64_t b = 0; b < RB; b++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += RBF) {
+            const int64_t nr = rows - r0 < RBF ? rows - r0 : RBF;
+            int64_t visible[RBF], seen = 0;
+            for (int64_t b = 0; b < RBF; b++) {
                 const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
                 visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
                 seen = visible[b] > seen ? visible[b] : seen;
             }
             if (seen == 0) continue;
-            __m512 sc[RB][KT / 16];
-            for (int64_t b = 0; b < RB; b++)
+            __m512 sc[RBF][KT / 16];
+            for (int64_t b = 0; b < RBF; b++)
                 for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d++) {
-                __m512 qq[RB];
-                for (int64_t b = 0; b < RB; b++) qq[b] = _mm512_set1_ps(qs[(r0 + (b < nr ? b : 0)) * D + d]);
+                __m512 qq[RBF];
+                for (int64_t b = 0; b < RBF; b++) qq[b] = _mm512_set1_ps(qs[(r0 + (b < nr ? b : 0)) * D + d]);
                 for (int64_t w = 0; w < KT / 16; w++) {
                     const __m512 kk = _mm512_loadu_ps(kt + d * KT + w * 16);
-                    for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_fmadd_ps(qq[b], kk, sc[b][w]);
+                    for (int64_t b = 0; b < RBF; b++) sc[b][w] = _mm512_fmadd_ps(qq[b], kk, sc[b][w]);
                 }
             }
-            float pf[RB][KT] __attribute__((aligned(64)));
-            float alpha[RB];
-            for (int64_t b = 0; b < RB; b++) {
+            float pf[RBF][KT] __attribute__((aligned(64)));
+            float alpha[RBF];
+            for (int64_t b = 0; b < RBF; b++) {
                 alpha[b] = 1.f;
                 if (visible[b] == 0) {
                     memset(pf[b], 0, sizeof(pf[b]));
@@ -302,17 +303,17 @@ static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows,
             }
             for (int64_t c0 = 0; c0 < NC; c0 += 4) {  // acc += p . V, 64 output dims at a time
                 const int64_t nc = NC - c0 < 4 ? NC - c0 : 4;
-                __m512 av[RB][4];
-                for (int64_t b = 0; b < RB; b++)
+                __m512 av[RBF][4];
+                for (int64_t b = 0; b < RBF; b++)
                     for (int64_t c = 0; c < nc; c++)
                         av[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + (b < nr ? b : 0)) * D + (c0 + c) * 16),
                                                  _mm512_set1_ps(alpha[b]));
                 for (int64_t j = 0; j < seen; j++) {
-                    __m512 pw[RB];
-                    for (int64_t b = 0; b < RB; b++) pw[b] = _mm512_set1_ps(pf[b][j]);
+                    __m512 pw[RBF];
+                    for (int64_t b = 0; b < RBF; b++) pw[b] = _mm512_set1_ps(pf[b][j]);
                     for (int64_t c = 0; c < nc; c++) {
                         const __m512 vv = vload((const char*)vh + row[j], (c0 + c) * 16, kv_bf16);
-                        for (int64_t b = 0; b < RB; b++) av[b][c] = _mm512_fmadd_ps(pw[b], vv, av[b][c]);
+                        for (int64_t b = 0; b < RBF; b++) av[b][c] = _mm512_fmadd_ps(pw[b], vv, av[b][c]);
                     }
                 }
                 for (int64_t b = 0; b < nr; b++)
