@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from relay import weight_blocks
 from relay.kernels import cpu
 from relay.weight_blocks import recover
 
@@ -34,19 +35,23 @@ def weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy({"q4_1": gguf_q4_1, "q8_0": gguf_q8_0, "dense": lambda a: a}[kind](w))
 
 
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
 @pytest.mark.parametrize("kind,bits", [("q4_1", 4), ("q8_0", 8)])
-def test_blocks_come_back_bit_for_bit(kind, bits):
+def test_blocks_come_back_bit_for_bit(kind, bits, chunk, monkeypatch):
+    monkeypatch.setattr(weight_blocks, "CHUNK_BLOCKS", chunk)  # a large weight is fitted in parts
     w = weight(70, 96, kind)
     blocks = recover(w)
     assert blocks is not None and blocks.bits == bits
     assert torch.equal(blocks.dequantize(), w)
 
 
-def test_weights_that_are_not_blocks_stay_float():
+def test_weights_that_are_not_blocks_stay_float(monkeypatch):
     assert recover(weight(64, 64, "dense")) is None
     w = weight(64, 64, "q4_1")
     w[40, 7] = torch.nextafter(w[40, 7], torch.tensor(1.0))  # one weight one ulp off its block
     assert recover(w) is None
+    monkeypatch.setattr(weight_blocks, "CHUNK_BLOCKS", 5)
+    assert recover(w) is None, "a bad block in a later part fails the whole weight"
     assert recover(weight(64, 48, "q4_1")[:, :40]) is None  # not whole blocks
     assert recover(weight(64, 64, "q4_1").bfloat16()) is None
 

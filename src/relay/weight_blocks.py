@@ -16,6 +16,7 @@ import torch
 BLOCK = 32
 STRIP = 32  # output features the kernel takes together (csrc/gemm_blocks.c); rows padded with zeros
 PROBE_BLOCKS = 64  # blocks tried first: a dense weight fails here, before a full pass
+CHUNK_BLOCKS = 1 << 20  # blocks fitted at a time (each needs ~0.5 KB of float32 scratch)
 
 
 @dataclass
@@ -49,14 +50,20 @@ def recover(weight: torch.Tensor) -> BlockWeight | None:
     not (checked exactly: every weight must come back bit for bit)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK)
-    probe = blocks.reshape(-1, BLOCK)[:PROBE_BLOCKS]
+    blocks = weight.detach().reshape(-1, BLOCK)
     for bits, fit in ((4, _fit_q4_1), (8, _fit_q8_0)):
-        if fit(probe) is None:
+        if fit(blocks[:PROBE_BLOCKS]) is None:
             continue
-        found = fit(blocks.reshape(-1, BLOCK))
-        if found is not None:
-            return _pack(bits, *found, weight.shape[0], weight.shape[1])
+        parts = []
+        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # bounded scratch for a large vocabulary
+            found = fit(blocks[start:start + CHUNK_BLOCKS])
+            if found is None:
+                break
+            d, m, q = found
+            parts.append((d, m, q.to(torch.int8)))
+        else:
+            d, m, q = (torch.cat(t) for t in zip(*parts))
+            return _pack(bits, d, m, q, weight.shape[0], weight.shape[1])
     return None
 
 
