@@ -258,7 +258,8 @@ def test_server_info_shows_the_limits_the_model_and_the_latency():
 def test_the_server_steers_its_limits_under_load_and_shows_them():
     """A target no step can meet (50 us): under load the controller cuts the prefill budget and
     then admission, says so in the log and on /get_server_info and /metrics, and every request
-    still ends with all its tokens."""
+    still ends with all its tokens. Prompts are short so that most steps only decode: the decodes'
+    measured time, which admission cuts are judged on, is then not a step-model estimate."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.server_utils import Server
@@ -267,7 +268,7 @@ def test_the_server_steers_its_limits_under_load_and_shows_them():
     try:
         def one(i: int) -> int:
             with s.client() as c:
-                r = c.post("/generate", json={"input_ids": [5 + i] * 300,
+                r = c.post("/generate", json={"input_ids": [5 + i] * 40,
                                               "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
                 assert r.status_code == 200, r.text
                 return r.json()["meta_info"]["completion_tokens"]
