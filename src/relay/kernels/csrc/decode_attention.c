@@ -157,77 +157,40 @@ static void unpack_order(float* acc, int64_t G, int64_t D) {
             for (int64_t i = 0; i < 16; i++) tmp[g * D + dim_of(c, i)] = acc[g * D + c * 16 + i];
     memcpy(acc, tmp, sizeof(float) * (size_t)(G * D));
 }
-#endif
 
-// The same with G query heads and ND 16-float chunks of head_dim known at compile time (the
-// dispatcher below instantiates it), so the query and accumulators live in registers. Scores
-// for a tile come 16 at a time per head (transpose_sum16); with bfloat16 queries and keys on
-// a CPU with AVX512-BF16 the dot products are VDPBF16PS on the raw bf16 values (qb), scaled after.
-static inline __attribute__((always_inline)) void attend_chunk_avx512(
-        const int64_t G, const int64_t ND, const float* qf, const uint16_t* qb, const void* kh, const void* vh,
-        const int32_t* table, int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float qscale,
-        float* acc, float* m, float* l) {
+// bfloat16 queries over a bfloat16 cache on a CPU with AVX512-BF16, G query heads and ND 16-float
+// chunks of head_dim known at compile time (the dispatcher below instantiates it), so the query
+// and accumulators live in registers: scores for a tile come 16 at a time per head
+// (transpose_sum16) from VDPBF16PS on the raw bf16 values, scaled after; online softmax per tile.
+static inline __attribute__((always_inline)) void attend_chunk_bf16(
+        const int64_t G, const int64_t ND, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
+        int64_t PS, int64_t t0, int64_t t1, float qscale, float* acc, float* m, float* l) {
     const int64_t D = ND * 16;
-    const size_t esz = kv_bf16 ? 2 : 4;
+    const size_t esz = 2;
     float s[MAX_GROUP * TILE];
-    float kf[TILE * ND * 16];  // a tile's keys as floats (the FMA path)
     TILE_LOOP_BEGIN
         const char* krows = (const char*)kh + slot0 * D * esz;
         const char* vrows = (const char*)vh + slot0 * D * esz;
-#if defined(__AVX512BF16__)
-        if (qb != NULL) {
-            for (int64_t g = 0; g < G; g++) {
-                __m512 dots[TILE];
-                for (int64_t j = 0; j < TILE; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    if (j >= n) continue;
-                    for (int64_t c = 0; c < ND; c += 2)
-                        dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qb + g * D + c * 16),
-                                                   (__m512bh)_mm512_loadu_si512(krows + (j * D + c * 16) * 2));
-                }
-                _mm512_storeu_ps(s + g * TILE, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(qscale)));
+        for (int64_t g = 0; g < G; g++) {
+            __m512 dots[TILE];
+            for (int64_t j = 0; j < TILE; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j >= n) continue;
+                for (int64_t c = 0; c < ND; c += 2)
+                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qb + g * D + c * 16),
+                                               (__m512bh)_mm512_loadu_si512(krows + (j * D + c * 16) * 2));
             }
-        } else
-#endif
-        {
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t c = 0; c < ND; c++) _mm512_storeu_ps(kf + (j * ND + c) * 16, vload(krows + j * D * esz, c * 16, kv_bf16));
-            for (int64_t g = 0; g < G; g++) {
-                __m512 dots[TILE];
-                for (int64_t j = 0; j < TILE; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    if (j >= n) continue;
-                    for (int64_t c = 0; c < ND; c++)
-                        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c * 16), _mm512_loadu_ps(kf + (j * ND + c) * 16),
-                                                  dots[j]);
-                }
-                _mm512_storeu_ps(s + g * TILE, transpose_sum16(dots));
-            }
+            _mm512_storeu_ps(s + g * TILE, _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(qscale)));
         }
         softmax_tile(s, n, G, D, acc, m, l);
-#if defined(__AVX512BF16__)
-        if (qb != NULL) {
-            attend_values_bf16(G, ND, s, n, (const uint16_t*)vrows, acc);
-            continue;
-        }
-#endif
-        for (int64_t c = 0; c < ND; c++) {
-            __m512 a[G];
-            for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + c * 16);
-            for (int64_t j = 0; j < n; j++) {
-                const __m512 vv = vload(vrows + j * D * esz, c * 16, kv_bf16);
-                for (int64_t g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * TILE + j]), vv, a[g]);
-            }
-            for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c * 16, a[g]);
-        }
+        attend_values_bf16(G, ND, s, n, (const uint16_t*)vrows, acc);
     }
-#if defined(__AVX512BF16__)
-    if (qb != NULL) unpack_order(acc, G, D);
-#endif
+    unpack_order(acc, G, D);
 }
+#endif
 
 // Float queries (already scaled) over at most TWO_PASS_MAX keys: every score of the chunk first,
-// then one softmax pass, then the values. Against the online softmax of attend_chunk_avx512 this
+// then one softmax pass, then the values. Against an online softmax (attend_chunk_bf16) this
 // drops the per-tile max, sum and rescale of the accumulators (three dependent reductions per
 // head every 16 keys, which cost as much as the dot products), and reads float32 keys in place.
 #define TWO_PASS_MAX 512
@@ -299,12 +262,17 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         for (int64_t c = 0; c < ND; c++) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
 }
 
-#define CASE_G(GV, NDV) case GV:                                                                               \
-    if (qb == NULL && t1 - t0 <= TWO_PASS_MAX && kv_bf16)                                                       \
-        attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, acc, m, l);                              \
-    else if (qb == NULL && t1 - t0 <= TWO_PASS_MAX)                                                               \
-        attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                              \
-    else attend_chunk_avx512(GV, NDV, qf, qb, kh, vh, table, PS, t0, t1, kv_bf16, qscale, acc, m, l);             \
+#if defined(__AVX512BF16__)
+#define CASE_BF16(GV, NDV) \
+    if (qb != NULL) { attend_chunk_bf16(GV, NDV, qb, kh, vh, table, PS, t0, t1, qscale, acc, m, l); return 1; }
+#else
+#define CASE_BF16(GV, NDV)  // bfloat16 queries take the float path: qf holds them too
+#endif
+#define CASE_G(GV, NDV) case GV:                                                                         \
+    CASE_BF16(GV, NDV)                                                                                     \
+    if (t1 - t0 > TWO_PASS_MAX) return 0;                                                                  \
+    if (kv_bf16) attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, acc, m, l);              \
+    else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                      \
     return 1;
 #define CASES_G(NDV) switch (G) { CASE_G(1, NDV) CASE_G(2, NDV) CASE_G(3, NDV) CASE_G(4, NDV) \
                                   CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: return 0; }
