@@ -65,8 +65,8 @@ INT4_GROUP = 32  # weights per scale and zero point along the input features (as
 
 # GEMMs of at most this many rows read weights kept in their checkpoint's GGUF blocks
 # (weight_blocks.py, csrc/gemm_blocks.c) where those are exact: a float32 decode step's GEMMs on a
-# 2-core Xeon (AVX-512, no BF16), blocks vs the best float path: 1.4x at 1 row, 2.1x at 8, 1.5x at
-# 32, 1.3x at 64, even at 128 (scripts/bench_gemm_blocks.py).
+# 2-core Xeon (AVX-512, no BF16), blocks vs the best float path: 1.9x at 1 row, 2.1x at 8, 1.5x at
+# 32, 1.4x at 64, even at 128 (scripts/bench_gemm_blocks.py).
 BLOCKS_MAX_ROWS = 96
 
 # With --quantization w8a8, GEMMs of at least this many rows quantize their activations to int8

@@ -16,9 +16,9 @@ from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
-from relay.weight_blocks import recover
 from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
                           pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
+from relay.weight_blocks import recover
 
 
 class Attention(nn.Module):
@@ -128,9 +128,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self) -> None:
         """Relay's own CPU kernels where this CPU and dtype have them: the small-batch bfloat16
-        GEMM, and fused norm/rotary/silu ops (float32 too: a batch-32 step's small ops 10 -> 6 ms
-        and a 256-token chunk's 32 -> 16 ms on a 2-core Xeon; greedy output still matches
-        transformers token for token)."""
+        GEMM, and fused norm/rotary/silu ops (float32 too: they halve a step's small-op time on a
+        2-core Xeon, docs/benchmarks.md, and greedy output still matches transformers token for
+        token)."""
         gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
         for module in self.gemm_modules():
             module.gemv = gemv and module.int8 is None and module.int4 is None
