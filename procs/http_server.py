@@ -68,7 +68,7 @@ class ZmqEngineClient:
         if self.num_requests >= self.max_queued:
             raise ProtocolError(503, f"server overloaded: {self.num_requests} requests in flight; retry later",
                                 None, "server_error")
-        api = ApiRequest(parsed.rid or f"{kind[:4]}-{uuid.uuid4().hex}", parsed.n)
+        api = ApiRequest(parsed.rid or f"{kind[:4]}-{uuid.uuid4().hex}", parsed.n, parsed.param_names)
         if any(r in self.routes for r in api.rids):
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
         # Encoded before anything is registered: a request that cannot cross the wire leaves

@@ -19,6 +19,7 @@ from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, 
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.batch import BatchInput, BatchOutput
 from relay.config import ModelConfig
+from relay.grammar import make_backend
 from relay.lifecycle import Tombstones
 from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.request import Req
@@ -28,7 +29,8 @@ from relay.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_SECONDS = 5.0  # KV accounting check when idle: report, never kill the server
-ABORT_TOMBSTONE_SECONDS = 60.0  # how long an abort waits for a request still in the tokenizer
+ABORT_TOMBSTONE_SECONDS = 60.0
+COMPILE_POLL_SECONDS = 0.002  # how long an abort waits for a request still in the tokenizer
 
 
 class SchedulerLoop:
@@ -43,9 +45,11 @@ class SchedulerLoop:
         # The step budget and page size as the runner resolved them for its device.
         cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"],
                                   page_size=info["page_size"])
+        mc = ModelConfig.from_dir(args.model_dir)
+        grammars = make_backend(cfg.tokenizer_path or args.model_dir, mc.vocab_size, info["eos_token_ids"])
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
                                on_finish=log_request if cfg.log_requests else None,
-                               attention_break_even=ModelConfig.from_dir(args.model_dir).attention_break_even())
+                               attention_break_even=mc.attention_break_even(), grammars=grammars)
         self.info = info
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
@@ -68,12 +72,15 @@ class SchedulerLoop:
         poller.register(self.inbox, zmq.POLLIN)
         while True:
             self.handle(recv_ready(self.inbox))
+            self.pending.extend(self.sched.poll_constraints())
             start = time.perf_counter()
             batch = self.sched.schedule() if self.sched.has_work else None
             if batch is None:
                 self.flush()
                 self.idle_check()
-                poller.poll(timeout=IDLE_CHECK_SECONDS * 1000)
+                # A compiling grammar wakes no socket: look again soon while one is.
+                poller.poll(timeout=COMPILE_POLL_SECONDS * 1000 if self.sched.compiling
+                            else IDLE_CHECK_SECONDS * 1000)
                 continue
             out = self.run_step(batch, start)
             start = time.perf_counter()

@@ -16,6 +16,7 @@ from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull,
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
 from relay.detokenizer import DetokenizeSpec
+from relay.grammar import check_constraint, warm_up_constraints
 from relay.outputs import error_output
 from relay.sampling_params import InvalidParam
 from relay.tokenizer import PromptPreparer, Tokenizer
@@ -27,6 +28,7 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
     """One TokenizedReq per choice; choice i > 0 of a seeded request gets seed + i."""
     ids = prep.prompt_ids(req.text, req.input_ids, req.messages, req.chat_kwargs)
     params = prep.fit_context(req.params, len(ids))
+    check_constraint(params)
     return [TokenizedReq(rid, ids, params if i == 0 or params.seed is None
                          else dataclasses.replace(params, seed=params.seed + i), req.priority, req.arrival_time)
             for i, rid in enumerate(req.rids)]
@@ -38,6 +40,7 @@ def main(args: ProcArgs) -> None:
     prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir),
                           cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
     prep.tok.warm_up()
+    warm_up_constraints()
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))

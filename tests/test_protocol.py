@@ -117,7 +117,17 @@ BAD_REQUESTS = [
      "messages.0.content"),
     ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat", chat(tool_choice="required"), 400, "tool_choice"),
-    ("chat", chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat", chat(response_format={"type": "xml"}), 400, "response_format.type"),
+    ("chat", chat(response_format="json"), 400, "response_format"),
+    ("chat", chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
+    ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}), 400,
+     "response_format.json_schema.schema"),
+    ("completion", comp(response_format={"type": "json_object"}, regex="a+"), 400, "response_format"),
+    ("completion", comp(regex=""), 400, "regex"),
+    ("completion", comp(ebnf=7), 400, "ebnf"),
+    ("completion", comp(json_schema=[1]), 400, "json_schema"),
+    ("generate", gen(sampling_params={"regex": 5}), 400, "sampling_params.regex"),
+    ("generate", gen(sampling_params={"regex": "a", "ebnf": "root ::= \"a\""}), 400, "sampling_params.ebnf"),
     ("chat", chat(logprobs="yes"), 400, "logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat", chat(top_logprobs=3), 400, "top_logprobs"),
@@ -265,6 +275,22 @@ def test_chat_fields():
     assert req.chat_kwargs == {"enable_thinking": False, "add_generation_prompt": False}
     assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, req.priority) == (5, 0.1, 1.2, True, 3)
     assert parse_chat(chat(max_tokens=7), MODEL).params.max_new_tokens == 7
+
+
+def test_output_constraints():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_chat(chat(response_format={"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": schema, "strict": True}}), MODEL)
+    assert json.loads(req.params.json_schema) == schema
+    assert req.param_names == {"json_schema": "response_format.json_schema.schema"}
+    assert json.loads(parse_chat(chat(response_format={"type": "json_object"}), MODEL).params.json_schema) == {
+        "type": "object"}
+    assert parse_completion(comp(regex=r"\d+"), MODEL).params.constraint == ("regex", r"\d+")
+    assert parse_completion(comp(guided_grammar='root ::= "a"'), MODEL).params.ebnf == 'root ::= "a"'
+    req = parse_generate(gen(sampling_params={"json_schema": schema}))
+    assert json.loads(req.params.json_schema) == schema
+    assert req.param_names == {"json_schema": "sampling_params.json_schema"}
+    assert parse_chat(chat(response_format={"type": "text"}), MODEL).params.constraint is None
 
 
 def test_generate():

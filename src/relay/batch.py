@@ -48,6 +48,9 @@ class BatchInput:
     catchup_ids: list[int] = field(default_factory=list)
     catchup_lens: list[int] = field(default_factory=list)
     draft_prefix_lens: list[int] = field(default_factory=list)
+    # Constrained decoding: batch row -> bitmask of the tokens its next token may be
+    # (relay.grammar.apply_token_masks); such rows never speculate.
+    token_masks: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +81,8 @@ class BatchInput:
             proposed_ids=_pick_runs(self.proposed_ids, spec_lens, keep) if self.proposed_ids else [],
             catchup_ids=_pick_runs(self.catchup_ids, catchup_lens, keep) if self.catchup_ids else [],
             catchup_lens=pick(self.catchup_lens) if self.catchup_lens else [],
-            draft_prefix_lens=pick(self.draft_prefix_lens) if self.draft_prefix_lens else [])
+            draft_prefix_lens=pick(self.draft_prefix_lens) if self.draft_prefix_lens else [],
+            token_masks={new: self.token_masks[old] for new, old in enumerate(keep) if old in self.token_masks})
 
     def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
         """values split into one run per row by lens (e.g. proposed_ids by spec_lens)."""

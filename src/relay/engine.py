@@ -15,6 +15,7 @@ from typing import Sequence, Union
 
 from relay.config import EngineConfig, ModelConfig
 from relay.detokenizer import Detokenizer, DetokenizeSpec
+from relay.grammar import check_constraint, make_backend
 from relay.model_files import resolve_model_dir
 from relay.model_runner import ModelRunner
 from relay.outputs import RequestOutput
@@ -45,8 +46,10 @@ class Engine:
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir)
         self.runner = ModelRunner(self.config, model_dir, mc)
         self.prompts = PromptPreparer(self.tokenizer, self.runner.context_len, mc.vocab_size)
-        self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len,
-                                   eos_ids(mc, self.tokenizer), attention_break_even=mc.attention_break_even())
+        eos = eos_ids(mc, self.tokenizer)
+        grammars = make_backend(self.config.tokenizer_path or model_dir, mc.vocab_size, eos)
+        self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len, eos,
+                                   attention_break_even=mc.attention_break_even(), grammars=grammars)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 
@@ -61,6 +64,7 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         for prompt, p, prio in zip(prompts, params, priorities):
             p.validate(self.tokenizer.vocab_size)
+            check_constraint(p)
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
             ids = self.prompts.prompt_ids(text, ids)
             p = self.prompts.fit_context(p, len(ids))
@@ -69,10 +73,14 @@ class Engine:
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
         while self.scheduler.has_work:
+            records = self.scheduler.poll_constraints()  # grammars that failed to compile
             batch = self.scheduler.schedule()
-            if batch is None:
+            if batch is not None:
+                records += self.scheduler.process_output(batch, self.runner.forward(batch))
+            elif self.scheduler.compiling:
+                self.scheduler.wait_for_constraints()
+            elif not records:
                 raise RuntimeError("scheduler has work but scheduled nothing")
-            records = self.scheduler.process_output(batch, self.runner.forward(batch))
             shown, stops = self.detokenizer.process(records)
             for stop in stops:
                 self.scheduler.stop(stop.rid, stop.matched)

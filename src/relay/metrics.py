@@ -84,6 +84,8 @@ class ServerMetrics:
         r.register(self.spec)
         self.adaptive = AdaptiveCollector()
         r.register(self.adaptive)
+        self.grammar = GrammarCollector()
+        r.register(self.grammar)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -143,6 +145,8 @@ class ServerMetrics:
             self.spec.latest = d["spec"]
         if d.get("adaptive"):
             self.adaptive.latest = d["adaptive"]
+        if d.get("grammar"):
+            self.grammar.latest = d["grammar"]
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -212,6 +216,24 @@ class AdaptiveCollector(LatestCollector):
             for part in ("base", "per_decode_token", "per_prefill_token"):
                 g.add_metric([part], model[f"{part}_ms"] / 1e3)
             yield g
+
+
+class GrammarCollector(LatestCollector):
+    """Constrained decoding's counters as the scheduler last reported them."""
+
+    def families(self, d: dict[str, Any]):
+        buckets, cumulative = [], 0
+        for bound, n in zip([*map(str, d["compile_seconds_buckets"]), "+Inf"], d["compile_seconds_counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily("relay:grammar_compile_seconds", "Time to compile a grammar (cache misses).",
+                                    buckets=buckets, sum_value=d["compile_seconds_sum"])
+        yield CounterMetricFamily("relay:grammar_cache_hits", "Constrained requests whose grammar was compiled "
+                                  "already.", value=d["cache_hits"])
+        yield GaugeMetricFamily("relay:grammar_matchers", "Grammar matchers held by unfinished requests.",
+                                value=d["live_matchers"])
+        yield GaugeMetricFamily("relay:grammar_mask_step_share", "Share of step time the scheduler spent filling "
+                                "token masks.", value=d["mask_step_share"])
 
 
 def _kv_used(d: dict[str, Any]) -> float | None:

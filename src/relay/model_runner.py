@@ -19,6 +19,7 @@ from relay.attention.base import StepMeta
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
+from relay.grammar import apply_token_masks
 from relay.kernels import cpu as cpu_kernels
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.layers import int4_supported
@@ -226,6 +227,8 @@ class ModelRunner:
         res = SampleResult([])
         if logits is not None:
             picked = [i for i, s in enumerate(run.sample) if s]
+            if run.token_masks:
+                apply_token_masks(logits, _mask_rows(run, picked, proposals), list(run.token_masks.values()))
             sids = [run.sids[i] for i in picked]
             lens = [run.output_lens[i] for i in picked]
             if proposals is None:
@@ -447,6 +450,16 @@ class ModelRunner:
 def _last_rows(batch: BatchInput) -> list[int]:
     ends = np.cumsum(batch.extend_lens) - 1
     return [int(ends[i]) for i, s in enumerate(batch.sample) if s]
+
+
+def _mask_rows(batch: BatchInput, picked: list[int], proposals: list[list[int]] | None) -> list[int]:
+    """The logits row of each masked batch row's next token (masked rows never speculate, but
+    other rows' proposals shift the rows of a verify step)."""
+    at = {row: j for j, row in enumerate(picked)}
+    if proposals is None:
+        return [at[i] for i in batch.token_masks]
+    starts = np.cumsum([0] + [len(proposals[i]) + 1 for i in picked]).tolist()
+    return [starts[at[i]] for i in batch.token_masks]
 
 
 def _with_proposals(batch: BatchInput, proposals: list[list[int]]) -> tuple[BatchInput, list[int]]:

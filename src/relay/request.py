@@ -10,6 +10,7 @@ from relay.radix_cache import RadixNode
 from relay.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from relay.grammar import Constraint
     from relay.speculative.ngram import NgramIndex
 
 
@@ -53,6 +54,7 @@ class Req:
     ngram: NgramIndex | None = None
     spec_proposed: int = 0  # proposals verified and accepted over the request's life
     spec_accepted: int = 0
+    constraint: Constraint | None = None  # the output's grammar (SamplingParams.constraint)
 
     def token_slice(self, lo: int, hi: int) -> list[int]:
         """(prompt + output)[lo:hi] without building the concatenation."""

@@ -16,6 +16,7 @@ MAX_NEW_TOKENS = 1_000_000  # above this a budget is a client bug, not a real on
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
 _I64 = 2**63
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
 
 
 class InvalidParam(ValueError):
@@ -83,6 +84,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the n most likely tokens at each step
+    # Constrained decoding (relay.grammar), at most one: the output matches a JSON schema
+    # (JSON text; '{"type": "object"}' for any JSON object), a regex, or an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,11 +113,30 @@ class SamplingParams:
                                                  f"{self.min_new_tokens!r}")
         if not (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS):
             raise InvalidParam("stop", f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        self._validate_constraint()
         limit = vocab_size or 2**31
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
                                                  f"{self.stop_token_ids!r}")
         return self
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output's grammar: kind is one of CONSTRAINT_KINDS; None if free."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
+    def _validate_constraint(self) -> None:
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise InvalidParam(kind, f"{kind} must be a non-empty string, got {text!r:.60}")
+        if len(given) > 1:
+            raise InvalidParam(given[1], f"give at most one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

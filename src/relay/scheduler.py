@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from relay.adaptive_batching import AdaptiveLimits, StepLimits
 from relay.batch import BatchInput, BatchOutput, SamplingSpec
@@ -26,6 +26,9 @@ from relay.request import Req, Status
 from relay.sampling_params import InvalidParam, check_prompt_length
 from relay.speculative import SpecStats
 from relay.speculative.planner import SpecPlanner, SpecRow
+
+if TYPE_CHECKING:
+    from relay.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class SchedulerStats:
     num_retractions_total: int
     spec: dict | None = None  # SpecStats.to_dict() while speculative decoding is on
     adaptive: dict | None = None  # AdaptiveLimits.to_dict() while adaptive batching is on
+    grammar: dict | None = None  # constrained decoding's counters, where the server has xgrammar
 
     @property
     def cache_hit_rate(self) -> float:
@@ -65,7 +69,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
                  eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
-                 attention_break_even: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 attention_break_even: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 grammars: GrammarBackend | None = None):
         self.cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
         # ModelConfig.attention_break_even: prompt chunks deep into a long prompt cost more
         # per token (attention over the prefix) and get fewer tokens of the step budget, so
@@ -94,6 +99,12 @@ class Scheduler:
         self.spec = SpecPlanner(self.cfg, context_len) if self.cfg.speculative_algorithm else None
         self.spec_stats = SpecStats(self.cfg.speculative_num_draft_tokens)
         self.limits = make_limits(self.cfg, self.allocator.capacity * self.page_size)
+        # Constrained decoding: requests whose grammar is compiling wait (in the queue, not
+        # admitted) until poll_constraints() finds it ready.
+        self.grammars = grammars
+        self._compiling: list[Req] = []
+        self._mask_seconds = 0.0
+        self._step_seconds = 0.0
 
     # ---- requests in and out ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -107,9 +118,40 @@ class Scheduler:
         if need > self.allocator.capacity:
             raise InvalidParam("prompt", f"the prompt needs {need * self.page_size} KV tokens; the pool "
                                          f"holds {self.allocator.capacity * self.page_size}")
+        constraint = req.params.constraint
+        if constraint is not None:
+            if self.grammars is None:
+                raise InvalidParam(constraint[0], f"{constraint[0]} needs xgrammar, which this server lacks")
+            req.constraint = self.grammars.start(*constraint)
+            self._compiling.append(req)
         req.seq = next(self._seq)
         self.reqs[req.rid] = req
         self._push_waiting(req)
+
+    def poll_constraints(self) -> list[RequestOutput]:
+        """Make requests whose grammar compiled schedulable; end those whose grammar failed
+        to compile (a 400 naming the field), returning their records."""
+        failed = []
+        for req in [r for r in self._compiling if r.status != Status.WAITING or r.constraint.ready()]:
+            self._compiling.remove(req)
+            error = req.constraint.error if req.status == Status.WAITING else None
+            if error is not None:
+                kind = req.params.constraint[0]
+                out = self._finish(req, FinishReason.ABORT, f"invalid {kind}: {error}")
+                out.status, out.param = 400, kind
+                failed.append(out)
+        return failed
+
+    @property
+    def compiling(self) -> bool:
+        """Some request waits for its grammar to compile (poll_constraints() soon)."""
+        return bool(self._compiling)
+
+    def wait_for_constraints(self) -> None:
+        """Block until every compiling grammar is compiled (the offline engine, when nothing
+        else can run)."""
+        for req in self._compiling:
+            req.constraint.wait()
 
     def abort(self, rid: str) -> RequestOutput | None:
         """End a request wherever it is, freeing its KV; its last record, or None if it is
@@ -175,6 +217,8 @@ class Scheduler:
         rows: dict[int, SpecRow] = {}
         headroom = self._decode_headroom()
         for req, _ in decodes:
+            if req.constraint is not None:
+                continue  # its proposals would need a mask per position
             row = self.spec.plan(req, budget)
             if row is None or not self._reserve(req, req.kv_len + 1 + row.k, headroom):
                 continue
@@ -275,6 +319,7 @@ class Scheduler:
                     self._after_speculation(req, batch, i, start, len(more))
             if req.status == Status.RUNNING:
                 self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
+        self._step_seconds += now - step.started
         self.limits.on_step(now, now - step.started, step.decode_tokens, step.prefill_cost, list(gaps.items()), ttfts,
                             self._num_waiting, len(self.running))
         return events
@@ -317,6 +362,9 @@ class Scheduler:
             req = self._pop_waiting()
             if req is None:
                 break
+            if req.constraint is not None and req.constraint.matcher is None:
+                held_back.append(req)  # compiling: the requests behind it go first
+                continue
             self._match(req)
             n = self._chunk(req, budget)
             defer = self._shares_inflight_prefix(req)
@@ -336,6 +384,8 @@ class Scheduler:
     def _preempt_for_waiting(self, budget: int) -> None:
         """Retract lower-priority running requests a waiting one needs room (or a slot) from."""
         top = self._peek_waiting()
+        if top is not None and top.constraint is not None and top.constraint.matcher is None:
+            return  # it cannot run yet: room made now would sit idle
         while top is not None and self.running:
             victim = self._lowest_ranked_running(set())
             if victim.priority >= top.priority:
@@ -494,13 +544,25 @@ class Scheduler:
             req.output_ids.append(token)
             record.token_ids.append(token)
             reason, stop = self._finish_reason(req, token)
+            if req.constraint is not None and reason is None:
+                reason, stop = self._grammar_finish(req, token)
             if reason is not None:
                 req.matched_stop = stop
-                done = self._finish(req, reason)
+                done = self._finish(req, reason, req.error)
                 record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+                record.error = done.error
                 break
         record.completion_tokens = len(req.output_ids)
         return record
+
+    def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
+        """Advance req's matcher over token: STOP once the grammar is complete."""
+        if not req.constraint.accept(token):
+            # The sampler only draws allowed tokens; one that is not means the mask and
+            # the matcher disagree. End the request rather than emit off-grammar text.
+            req.error = f"token {token} does not match the grammar"
+            return FinishReason.ABORT, None
+        return (FinishReason.STOP, None) if req.constraint.terminated else (None, None)
 
     def _finish_reason(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         p, n = req.params, len(req.output_ids)
@@ -517,6 +579,9 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> RequestOutput:
         req.finish_reason, req.error = reason, error
+        if req.constraint is not None:
+            req.constraint.release()
+            req.constraint = None
         if req.status == Status.RUNNING:
             self._release_kv(req)
             self.running.remove(req)
@@ -582,8 +647,19 @@ class Scheduler:
             output_lens=[len(req.output_ids) for req, _ in batch],
             new_specs=specs,
             released_sids=released,
+            token_masks=self._token_masks(batch),
             **self._spec_fields(batch, spec_rows),
         )
+
+    def _token_masks(self, batch: list[tuple[Req, int]]) -> dict[int, bytes]:
+        """The bitmask of allowed next tokens of each constrained row that samples."""
+        rows = [i for i, (req, n) in enumerate(batch) if req.constraint is not None and req.kv_len + n == req.seq_len]
+        if not rows:
+            return {}
+        start = time.perf_counter()
+        masks = {i: self.grammars.mask(batch[i][0].constraint) for i in rows}
+        self._mask_seconds += time.perf_counter() - start
+        return masks
 
     def _spec_fields(self, batch: list[tuple[Req, int]], spec_rows: dict[int, SpecRow]) -> dict:
         if not spec_rows:
@@ -619,7 +695,14 @@ class Scheduler:
             num_retractions_total=self._retractions_total,
             spec=self.spec_stats.to_dict() if self.spec is not None else None,
             adaptive=self.limits.to_dict(),
+            grammar=self._grammar_stats(),
         )
+
+    def _grammar_stats(self) -> dict[str, Any] | None:
+        if self.grammars is None:
+            return None
+        return {**self.grammars.stats(), "mask_seconds": self._mask_seconds, "step_seconds": self._step_seconds,
+                "mask_step_share": self._mask_seconds / self._step_seconds if self._step_seconds else 0.0}
 
     def check(self) -> None:
         """Every page is free, privately held by one running request, or in the tree (locked
@@ -637,6 +720,8 @@ class Scheduler:
         assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"
         if not self.running:
             assert self.cache.locked_pages == 0, "locked pages with no running request"
+        if self.grammars is not None and not self.reqs:
+            assert self.grammars.live == 0, f"{self.grammars.live} grammar matchers outlive their requests"
 
 
 def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:

@@ -139,6 +139,9 @@ class ParsedRequest:
     include_usage: bool = False
     priority: int = 0
     rid: str | None = None  # /generate only: a client-chosen request id
+    # SamplingParams field -> the API field it came from, for errors found past the http
+    # process (a grammar that does not parse is found by the tokenizer).
+    param_names: dict[str, str] = field(default_factory=dict)
 
 
 # ---- typed field access --------------------------------------------------------------------
@@ -241,3 +244,56 @@ def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | N
         head, sep, tail = str(e).partition(", got ")
         head = re.sub(r"\w+", lambda m: names.get(m.group(), m.group()), head)
         raise bad(names.get(e.field, e.field), head + sep + tail) from None
+
+
+# ---- constrained decoding ------------------------------------------------------------------
+
+# API key -> SamplingParams constraint: SGLang's names, and vLLM's guided_* ones.
+CONSTRAINT_KEYS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
+                   "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf"}
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def constraint(body: dict[str, Any], prefix: str = "", response_format: bool = False
+               ) -> tuple[dict[str, str], dict[str, str]]:
+    """The output constraint a body asks for, as (SamplingParams kwargs, {field: API key});
+    at most one of the constraint keys and (OpenAI routes) a JSON response_format."""
+    given: dict[str, tuple[str, str]] = {}
+    for key, kind in CONSTRAINT_KEYS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if kind == "json_schema" and isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str) or not value:
+            what = "a JSON schema (an object or its JSON text)" if kind == "json_schema" else "a non-empty string"
+            raise bad(prefix + key, f"'{prefix + key}' must be {what}, got {show(value)}")
+        given[prefix + key] = (kind, value)
+    if response_format:
+        given.update(_response_format(body.get("response_format")))
+    if len(given) > 1:
+        raise bad(list(given)[1], f"give at most one output constraint; got {', '.join(given)}")
+    return {kind: text for kind, text in given.values()}, {kind: key for key, (kind, _) in given.items()}
+
+
+def _response_format(value: Any) -> dict[str, tuple[str, str]]:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    if value is None:
+        return {}
+    rf = as_dict(value, "response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": ("json_schema", ANY_JSON_OBJECT)}
+    if kind != "json_schema":
+        raise bad("response_format.type", "'response_format.type' must be one of text, json_object, json_schema, "
+                                          f"got {show(kind)}")
+    spec = as_dict(rf.get("json_schema"), "response_format.json_schema")
+    schema = spec.get("schema")
+    if schema is None:
+        return {"response_format.json_schema": ("json_schema", ANY_JSON_OBJECT)}
+    as_dict(schema, "response_format.json_schema.schema")
+    if spec.get("strict") is not None:
+        as_bool(spec["strict"], "response_format.json_schema.strict")  # always strict here
+    return {"response_format.json_schema.schema": ("json_schema", json.dumps(schema))}

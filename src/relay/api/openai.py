@@ -185,8 +185,9 @@ def parse_completion(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_s
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     kwargs.update(_completion_logprobs(body))
-    params = F.validated(SamplingParams(**kwargs), _COMPLETION_NAMES, vocab_size)
-    return ParsedRequest(params=params, text=text, input_ids=input_ids, **common)
+    grammar, param_names = F.constraint(body, response_format=True)
+    params = F.validated(SamplingParams(**kwargs, **grammar), _COMPLETION_NAMES | param_names, vocab_size)
+    return ParsedRequest(params=params, text=text, input_ids=input_ids, param_names=param_names, **common)
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -252,7 +253,6 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),
     "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: v == {"type": "text"},
     "logit_bias": lambda v: v == {},
 }
 
@@ -267,9 +267,11 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
+    grammar, param_names = F.constraint(body, response_format=True)
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
-    params = F.validated(SamplingParams(**kwargs), names, vocab_size)
-    return ParsedRequest(params=params, messages=messages, chat_kwargs=_chat_kwargs(body), **common)
+    params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size)
+    return ParsedRequest(params=params, messages=messages, chat_kwargs=_chat_kwargs(body), param_names=param_names,
+                         **common)
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ Choice = tuple[int, RequestOutput]  # (choice index, record)
 class ApiRequest:
     """One HTTP request (n choices); the client's dispatcher puts records, the route takes them."""
 
-    def __init__(self, rid: str, n: int):
+    def __init__(self, rid: str, n: int, param_names: dict[str, str] | None = None):
         self.rid = rid
+        self.param_names = param_names or {}  # an error's SamplingParams field -> the API's name
         self.rids = [f"{rid}-{i}" if n > 1 else rid for i in range(n)]
         self.pending: list[Choice] = []
         self.event = asyncio.Event()
@@ -36,6 +37,8 @@ class ApiRequest:
         self.timer = RequestTimer(time.monotonic())
 
     def put(self, index: int, record: RequestOutput) -> None:
+        if record.param in self.param_names:
+            record.param = self.param_names[record.param]
         self.pending.append((index, record))
         self.event.set()
 

@@ -79,15 +79,15 @@ def _input(body: dict[str, Any], vocab_size: int | None) -> tuple[str | None, li
     return None, F.as_token_ids(ids, "input_ids", allow_empty=False, vocab_size=vocab_size)
 
 
-def _sampling(raw: Any, max_n: int) -> tuple[dict[str, Any], int]:
+def _sampling(raw: Any, max_n: int) -> tuple[dict[str, Any], int, dict[str, Any]]:
     sp = {} if raw is None else F.as_dict(raw, "sampling_params")
     for key in sp:
-        if key not in _KEYS and key != "n":
+        if key not in _KEYS and key != "n" and key not in F.CONSTRAINT_KEYS:
             raise bad(f"sampling_params.{key}", f"unknown sampling parameter 'sampling_params.{key}'")
     kwargs = F.sampling_kwargs(sp, _KEYS, F.FIELD_RULES, "sampling_params.")
     n = F.opt(sp, "n", 1, lambda v, _: F.as_int(v, "sampling_params.n", 1, max_n))
     kwargs.setdefault("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
-    return kwargs, n
+    return kwargs, n, sp
 
 
 def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
@@ -108,11 +108,12 @@ def parse_generate(body: Any, max_n: int = F.MAX_N, vocab_size: int | None = Non
     """POST /generate (single request; no batches)."""
     body = F.require_object(body)
     text, input_ids = _input(body, vocab_size)
-    kwargs, n = _sampling(body.get("sampling_params"), max_n)
+    kwargs, n, sp = _sampling(body.get("sampling_params"), max_n)
     kwargs.update(_logprobs(body))
-    names = {f: f"sampling_params.{f}" for f in F.FIELD_RULES} | {"top_logprobs": "top_logprobs_num"}
-    params = F.validated(SamplingParams(**kwargs), names, vocab_size)
-    return ParsedRequest(params=params, text=text, input_ids=input_ids, n=n,
+    grammar, param_names = F.constraint(sp, "sampling_params.")
+    names = {f: f"sampling_params.{f}" for f in F.FIELD_RULES} | {"top_logprobs": "top_logprobs_num"} | param_names
+    params = F.validated(SamplingParams(**kwargs, **grammar), names, vocab_size)
+    return ParsedRequest(params=params, text=text, input_ids=input_ids, n=n, param_names=param_names,
                          stream=F.opt(body, "stream", False, F.as_bool), priority=F.priority(body), rid=_rid(body))
 
 
