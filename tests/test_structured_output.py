@@ -1,0 +1,145 @@
+"""Grammar-constrained decoding (relay.grammar) on the default model, offline Engine: outputs
+that validate against their JSON schema / fully match their regex, greedy and sampled, and
+unconstrained neighbours left exactly as they were."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from relay import Engine, SamplingParams
+from relay.grammar import apply_token_masks
+from relay.request import Req
+from relay.sampling_params import InvalidParam
+
+xgrammar = pytest.importorskip("xgrammar")
+
+SHORT = {"type": "string", "minLength": 1, "maxLength": 12}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
+                                      "sunny": {"type": "boolean"}}, "required": ["city", "sunny"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": SHORT, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9999}, "email": {
+            "type": "string", "pattern": "^[a-z]{2,8}@[a-z]{2,6}\\.com$"}}, "required": ["id", "email"]}},
+     "required": ["user"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000},
+                                      "currency": {"enum": ["EUR", "USD"]}}, "required": ["price", "currency"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 2, "maxItems": 5},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                                      "ok": {"type": "boolean"}}, "required": ["code", "ok"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "do": SHORT},
+        "required": ["n", "do"]}}}, "required": ["steps"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                      "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+     "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"title": SHORT, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                      "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "horror"]},
+                                                 "maxItems": 2}}, "required": ["title", "year", "genres"]},
+]
+# Bounded repeats: a 135M model greedily repeating "zm" forever inside [a-z]+ is the model's
+# doing, not the engine's.
+REGEXES = [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8}", r"(yes|no)", r"\d{1,5}\.\d{2}", r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)",
+           r"#[0-9a-f]{6}", r"(\d{1,3}\.){3}\d{1,3}", r"[A-Z]{2}\d{4}", r"(true|false)", r"-?\d{1,4}",
+           r"\d{4}-\d{2}-\d{2}", r"[a-z]{3,6}( [a-z]{3,6}){1,3}", r"(red|green|blue), (cat|dog)", r"0x[0-9A-F]{4}",
+           r"\(\d{3}\) \d{3}-\d{4}", r"[A-Z][a-z]{1,9}, [A-Z][a-z]{1,9}", r"v\d\.\d\.\d", r"(Mon|Tue|Wed)day",
+           r"\d{2}:\d{2}", r"[a-z_]{2,10}\(\)"]
+PROMPTS = ["Answer in JSON.", "Give me some data:", "Here is a record:", "Write the output now.", "Example:"]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    return Engine(default_model_dir, dtype="float32", kv_cache_gb=0.5)
+
+
+def test_outputs_validate_against_their_schemas(engine):
+    """100 requests over 10 schemas, greedy and sampled, batched together."""
+    jobs = [(schema, prompt, seed) for schema in SCHEMAS for prompt in PROMPTS for seed in (None, 1)]
+    params = [SamplingParams(max_new_tokens=160, json_schema=json.dumps(s),
+                             **({"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}))
+              for s, _, seed in jobs]
+    outs = engine.generate([f"{p} {json.dumps(s)[:60]}" for s, p, _ in jobs], params)
+    for (schema, _, _), out in zip(jobs, outs):
+        assert out.finish_reason == "stop", (out.text, schema)
+        jsonschema.validate(json.loads(out.text), schema)
+    assert engine.scheduler.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_outputs_fully_match_their_regexes(engine):
+    outs = engine.generate([f"Example {i}:" for i in range(len(REGEXES))],
+                           [SamplingParams(max_new_tokens=48, temperature=0, regex=r) for r in REGEXES])
+    for regex, out in zip(REGEXES, outs):
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (regex, out.text)
+
+
+def test_ebnf(engine):
+    grammar = 'root ::= "The answer is " ("yes" | "no") "."'
+    (out,) = engine.generate(["Is the sky blue?"], SamplingParams(max_new_tokens=16, temperature=0, ebnf=grammar))
+    assert out.text in ("The answer is yes.", "The answer is no.")
+
+
+def test_unconstrained_neighbours_are_untouched(engine):
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    alone = engine.generate(prompts, greedy)
+    schema = SamplingParams(max_new_tokens=24, temperature=0, json_schema=json.dumps(SCHEMAS[0]))
+    mixed = engine.generate(["JSON:", *prompts, "More JSON:"], [schema, greedy, greedy, greedy, schema])
+    assert [o.token_ids for o in mixed[1:4]] == [o.token_ids for o in alone]
+
+
+def test_bad_constraints_name_their_field(engine):
+    for params, field in [(SamplingParams(json_schema='{"type": "objec"}'), "json_schema"),
+                          (SamplingParams(json_schema="{not json"), "json_schema"),
+                          (SamplingParams(regex="a(b"), "regex"),
+                          (SamplingParams(ebnf="root ::= undefined_rule"), "ebnf"),
+                          (SamplingParams(regex="a", ebnf='root ::= "a"'), "ebnf")]:
+        with pytest.raises(InvalidParam) as info:
+            engine.generate(["x"], params)
+        assert info.value.field == field
+
+
+def test_cut_short_grammar_ends_with_length_and_frees_its_matcher(engine):
+    (out,) = engine.generate(["Say a's:"], SamplingParams(max_new_tokens=4, temperature=0, regex="a{40}"))
+    assert out.finish_reason == "length" and len(out.token_ids) == 4 and set(out.text) == {"a"}
+    assert engine.scheduler.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_abort_while_compiling_or_running_frees_the_matcher(engine):
+    sched = engine.scheduler
+    fresh = json.dumps({"type": "object", "properties": {"never_seen_before": {"type": "integer"}}})
+    for rid, schema in (("compiling", fresh), ("cached", json.dumps(SCHEMAS[1]))):
+        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=schema)))
+    assert sched.stats().grammar["live_matchers"] == 2
+    sched.wait_for_constraints()
+    sched.poll_constraints()
+    batch = sched.schedule()
+    assert batch.token_masks  # the ready one runs with a mask
+    for rid in ("compiling", "cached"):
+        assert sched.abort(rid).finish_reason == "abort"
+    sched.process_output(batch, engine.runner.forward(batch))
+    assert sched.stats().grammar["live_matchers"] == 0 and not sched.has_work
+    engine.check()
+
+
+def test_apply_token_masks_matches_xgrammar():
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [0, 2]
+    words = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), generator=gen, dtype=torch.int64)
+    words = words.to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    ours = logits.clone()
+    apply_token_masks(ours, rows, [w.numpy().tobytes() for w in words])
+    theirs = logits.clone()
+    full = torch.full((3, words.shape[1]), -1, dtype=torch.int32)
+    full[rows] = words
+    xgrammar.apply_token_bitmask_inplace(theirs, full)
+    assert torch.equal(ours, theirs)
