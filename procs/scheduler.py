@@ -46,7 +46,8 @@ class SchedulerLoop:
         cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"],
                                   page_size=info["page_size"])
         mc = ModelConfig.from_dir(args.model_dir)
-        grammars = make_backend(cfg.tokenizer_path or args.model_dir, mc.vocab_size, info["eos_token_ids"])
+        grammars = make_backend(cfg.tokenizer_path or args.model_dir, mc.vocab_size, info["eos_token_ids"],
+                                preload=True)
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=mc.attention_break_even(), grammars=grammars)

@@ -114,13 +114,13 @@ class GrammarBackend:
     """Compiles constraints for one vocabulary off the caller's thread, cached by text, and
     counts what a server reports: compiles, cache hits, compile seconds, live matchers."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], threads: int = 1):
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.words = (vocab_size + BITS - 1) // BITS
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="relay-grammar")
-        self._compiler: Any = None  # built on the pool's thread by the first compile
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-grammar")
+        self._compiler: Any = None  # built on the pool's thread, before any compile
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
         self.compiles = 0
@@ -128,6 +128,8 @@ class GrammarBackend:
         self.compile_counts = [0] * (len(COMPILE_BUCKETS) + 1)  # per bucket, the last one +Inf
         self.compile_seconds = 0.0
         self.live = 0  # constraints handed out and not yet released
+        if preload:  # loading the vocabulary takes ~0.5 s: not in the first constrained request's TTFT
+            self._pool.submit(self._get_compiler)
 
     def start(self, kind: str, text: str) -> Constraint:
         key = (kind, text)
@@ -150,8 +152,8 @@ class GrammarBackend:
         self.live -= 1
 
     def _compile(self, kind: str, text: str) -> Any:
-        start = time.perf_counter()
         compiler = self._get_compiler()
+        start = time.perf_counter()
         if kind == "json_schema":
             out = compiler.compile_json_schema(text, **_JSON_OPTIONS)
         elif kind == "regex":
@@ -181,12 +183,14 @@ class GrammarBackend:
                 "compile_seconds_buckets": list(COMPILE_BUCKETS)}
 
 
-def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend | None:
+def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
+                 ) -> GrammarBackend | None:
     """The backend, or None where xgrammar is not installed (constrained requests are then
-    refused with a 400). Nothing is imported or loaded until the first constraint arrives."""
+    refused with a 400). With preload, the vocabulary loads now on the backend's thread (a
+    server); otherwise on the first constraint (an offline engine that may never see one)."""
     if importlib.util.find_spec("xgrammar") is None:
         return None
-    return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids)
+    return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids, preload)
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Grammar-constrained decoding's cost: constrained vs unconstrained serving in one run, and the
+first-token latency of a first-seen schema vs a cached one.
+
+Starts one Relay server (default model unless --model), then per round and per concurrency
+level (alternating which mode goes first) runs scripts/bench_serving.py's random workload
+(prompts of 128-256 tokens) twice on /v1/completions: unconstrained (ignore_eos, exactly
+--output-len tokens) and with a moderately complex JSON schema as response_format (an array of
+8 objects with bounded integers, enums, short strings and nested arrays, ~150-200 tokens,
+ending where the schema does). Output tok/s and ITL are per token, so the lengths need not match.
+
+Then, one request at a time: TTFT of a schema the server has never seen (compiled on the
+scheduler's grammar thread before the request is admitted) and of the same schema again
+(cached), with the compile time the server reports (/get_server_info grammar counters).
+
+  python scripts/bench_structured.py --rounds 2 --output .bench/structured.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_serving as bs  # noqa: E402
+from bench_goodput import machine  # noqa: E402
+from compare import Server  # noqa: E402
+
+ITEM = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+    "name": {"type": "string", "minLength": 1, "maxLength": 16},
+    "kind": {"enum": ["book", "film", "song", "game"]},
+    "rating": {"type": "number", "minimum": 0, "maximum": 5},
+    "tags": {"type": "array", "items": {"enum": ["new", "classic", "popular", "rare"]}, "maxItems": 2},
+}, "required": ["id", "name", "kind", "rating", "tags"]}
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 8, "maxItems": 8}
+
+
+def response_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": schema}}}
+
+
+def serving_run(base_url: str, c: int, mode: str, args, tokenizer, seed: int) -> dict:
+    n = max(16, min(128, 4 * c))
+    argv = ["--base-url", base_url, "--backend", "relay-openai", "--dataset-name", "random",
+            "--num-prompts", str(n), "--random-input-len", "256", "--random-input-range-ratio", "0.5",
+            "--random-output-len", str(args.output_len), "--max-concurrency", str(c), "--seed", str(seed),
+            "--warmup-requests", "2", "--disable-tqdm", "--label", mode]
+    if mode == "unconstrained":
+        argv.append("--ignore-eos")
+    else:
+        argv += ["--random-output-len", str(args.constrained_max_tokens),
+                 "--extra-request-body", json.dumps(response_format(SCHEMA))]
+    (m,) = bs.run(bs.parse_args(argv), tokenizer)
+    return {"mode": mode, "max_concurrency": c, **{k: m.get(k) for k in (
+        "output_throughput", "completed", "total_output_tokens", "median_ttft_ms", "p99_ttft_ms",
+        "median_itl_ms", "p99_itl_ms", "first_error")}}
+
+
+def grammar_counters(client: httpx.Client) -> dict:
+    return client.get("/get_server_info").json()["scheduler"]["grammar"]
+
+
+def ttft_ms(client: httpx.Client, schema: dict) -> float:
+    body = {"prompt": "List eight items as JSON:", "max_tokens": 4, "temperature": 0, "stream": True,
+            **response_format(schema)}
+    start = time.perf_counter()
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                return (time.perf_counter() - start) * 1e3
+    raise RuntimeError("no token streamed")
+
+
+def first_seen_vs_cached(base_url: str, trials: int) -> dict:
+    first, cached, compile_ms = [], [], []
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        for _ in range(trials):
+            # A new property name makes a schema the server has never compiled.
+            schema = {**SCHEMA, "items": {**ITEM, "properties": {**ITEM["properties"],
+                                                                  f"k{uuid.uuid4().hex[:8]}": {"type": "boolean"}}}}
+            before = grammar_counters(client)["compile_seconds_sum"]
+            first.append(ttft_ms(client, schema))
+            compile_ms.append((grammar_counters(client)["compile_seconds_sum"] - before) * 1e3)
+            cached.append(ttft_ms(client, schema))
+    med = statistics.median
+    return {"first_seen_ttft_ms": med(first), "cached_ttft_ms": med(cached), "compile_ms": med(compile_ms),
+            "trials": trials, "first_seen_within_target": med(first) <= 2 * med(cached) + med(compile_ms)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,32")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=128, help="unconstrained requests' output tokens")
+    p.add_argument("--constrained-max-tokens", type=int, default=320, help="constrained requests' max_tokens")
+    p.add_argument("--ttft-trials", type=int, default=5)
+    p.add_argument("--port", type=int, default=30131)
+    p.add_argument("--server-args", default="", help="extra `python -m launch.serve` flags")
+    p.add_argument("--output", default=None, help="results JSON")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.port), *args.server_args.split()]
+    tokenizer = bs.load_tokenizer(None)
+    runs = []
+    with Server("relay", cmd, args.port, os.path.join(ROOT, ".bench", "logs", "relay-structured.log"), 600) as server:
+        for r in range(args.rounds):
+            for c in levels:
+                modes = ["unconstrained", "json_schema"][::1 if r % 2 == 0 else -1]
+                for mode in modes:
+                    print(f"\n--- round {r + 1} c={c} {mode}", flush=True)
+                    runs.append({"round": r + 1, **serving_run(server.base_url, c, mode, args, tokenizer, 1 + r)})
+        ttft = first_seen_vs_cached(server.base_url, args.ttft_trials)
+        with httpx.Client(base_url=server.base_url) as client:
+            counters = grammar_counters(client)
+    summary = summarise(runs, levels)
+    result = {"machine": machine(), "runs": runs, "summary": summary, "ttft": ttft, "grammar": counters}
+    print(json.dumps({"machine": result["machine"], "summary": summary, "ttft": ttft, "mask_step_share": counters["mask_step_share"]}, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def summarise(runs: list[dict], levels: list[int]) -> list[dict]:
+    """Per level: medians over rounds of each mode, and constrained / unconstrained throughput."""
+    out = []
+    for c in levels:
+        row: dict = {"max_concurrency": c}
+        for mode in ("unconstrained", "json_schema"):
+            ms = [x for x in runs if x["max_concurrency"] == c and x["mode"] == mode]
+            for key in ("output_throughput", "median_itl_ms", "p99_itl_ms", "median_ttft_ms"):
+                vals = [x[key] for x in ms if x.get(key) is not None]
+                row[f"{mode}_{key}"] = statistics.median(vals) if vals else None
+        u, j = row["unconstrained_output_throughput"], row["json_schema_output_throughput"]
+        row["ratio"] = j / u if u and j else None
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
