@@ -143,3 +143,26 @@ def test_apply_token_masks_matches_xgrammar():
     full[rows] = words
     xgrammar.apply_token_bitmask_inplace(theirs, full)
     assert torch.equal(ours, theirs)
+
+
+def test_ngram_speculation_keeps_constrained_output(engine, default_model_dir):
+    """n-gram proposals are trimmed to what the grammar allows and verified under a mask per
+    position: greedy output is the one without speculation, and proposals do get accepted."""
+    record = {"name": "Ada", "age": 36, "city": "London", "tags": ["math", "code"]}
+    schema = {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer"}, "city": SHORT,
+                                               "tags": {"type": "array", "items": SHORT, "maxItems": 2}},
+              "required": ["name", "age", "city", "tags"]}
+    prompts = [f"Copy this JSON exactly: {json.dumps(record)}\nCopy: ", "Repeat: {\"name\": \"Bob\", \"age\": 7"]
+    params = SamplingParams(max_new_tokens=100, temperature=0, json_schema=json.dumps(schema))
+    plain = engine.generate(prompts, params)
+    spec = Engine(default_model_dir, dtype="float32", kv_cache_gb=0.2, speculative_algorithm="ngram",
+                  speculative_disable_by_batch_size=64)
+    fast = spec.generate(prompts, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    assert fast[0].finish_reason == "stop" and json.loads(fast[0].text) == record
+    for out in fast:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+    assert spec.scheduler.spec_stats.to_dict()["spec_accepted_tokens"] > 0
+    assert spec.scheduler.stats().grammar["live_matchers"] == 0
+    spec.check()

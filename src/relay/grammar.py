@@ -90,10 +90,34 @@ class Constraint:
     def wait(self) -> None:
         self._compiled.exception()  # blocks until compiled (or failed)
 
-    def mask(self, buffer: torch.Tensor) -> bytes:
-        """The bitmask of tokens allowed next, filled into buffer [1, words] int32."""
-        self.matcher.fill_next_token_bitmask(buffer, 0)
-        return buffer.numpy().tobytes()
+    def masks(self, buffer: torch.Tensor, proposals: list[int]) -> bytes:
+        """The bitmask of tokens allowed next (filled into buffer [1, words] int32), then one
+        after each proposal (which allowed_prefix vetted); the matcher ends where it began."""
+        out = []
+        for tok in [None, *proposals]:
+            if tok is not None:
+                self.matcher.accept_token(tok)
+            self.matcher.fill_next_token_bitmask(buffer, 0)
+            out.append(buffer.numpy().tobytes())
+        if proposals:
+            self.matcher.rollback(len(proposals))
+        return b"".join(out)
+
+    def allowed_prefix(self, proposals: list[int]) -> list[int]:
+        """The leading proposals the grammar allows, stopping before one that would complete
+        it (nothing is verified past the end of a grammar)."""
+        kept = []
+        for tok in proposals:
+            if not self.matcher.accept_token(tok):
+                break
+            kept.append(tok)
+            if self.matcher.is_terminated():
+                kept.pop()
+                self.matcher.rollback(1)
+                break
+        if kept:
+            self.matcher.rollback(len(kept))
+        return kept
 
     def accept(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
@@ -145,8 +169,8 @@ class GrammarBackend:
         self.live += 1
         return Constraint(compiled, self._released)
 
-    def mask(self, constraint: Constraint) -> bytes:
-        return constraint.mask(self._buffer)
+    def masks(self, constraint: Constraint, proposals: list[int]) -> bytes:
+        return constraint.masks(self._buffer, proposals)
 
     def _released(self) -> None:
         self.live -= 1

@@ -228,7 +228,7 @@ class ModelRunner:
         if logits is not None:
             picked = [i for i, s in enumerate(run.sample) if s]
             if run.token_masks:
-                apply_token_masks(logits, _mask_rows(run, picked, proposals), list(run.token_masks.values()))
+                apply_token_masks(logits, *_mask_rows(run, picked, proposals))
             sids = [run.sids[i] for i in picked]
             lens = [run.output_lens[i] for i in picked]
             if proposals is None:
@@ -452,14 +452,21 @@ def _last_rows(batch: BatchInput) -> list[int]:
     return [int(ends[i]) for i, s in enumerate(batch.sample) if s]
 
 
-def _mask_rows(batch: BatchInput, picked: list[int], proposals: list[list[int]] | None) -> list[int]:
-    """The logits row of each masked batch row's next token (masked rows never speculate, but
-    other rows' proposals shift the rows of a verify step)."""
+def _mask_rows(batch: BatchInput, picked: list[int], proposals: list[list[int]] | None
+               ) -> tuple[list[int], list[bytes]]:
+    """The token masks of a step and the logits row each applies to: a plain row has one; a
+    row verifying k proposals has k + 1, one per position (concatenated in token_masks)."""
     at = {row: j for j, row in enumerate(picked)}
     if proposals is None:
-        return [at[i] for i in batch.token_masks]
+        return [at[i] for i in batch.token_masks], list(batch.token_masks.values())
     starts = np.cumsum([0] + [len(proposals[i]) + 1 for i in picked]).tolist()
-    return [starts[at[i]] for i in batch.token_masks]
+    rows, masks = [], []
+    for i, blob in batch.token_masks.items():
+        n = len(proposals[i]) + 1
+        size = len(blob) // n
+        rows += [starts[at[i]] + r for r in range(n)]
+        masks += [blob[r * size:(r + 1) * size] for r in range(n)]
+    return rows, masks
 
 
 def _with_proposals(batch: BatchInput, proposals: list[list[int]]) -> tuple[BatchInput, list[int]]:

@@ -217,9 +217,12 @@ class Scheduler:
         rows: dict[int, SpecRow] = {}
         headroom = self._decode_headroom()
         for req, _ in decodes:
-            if req.constraint is not None:
-                continue  # its proposals would need a mask per position
+            if req.constraint is not None and self.spec.algorithm != "ngram":
+                continue  # a draft model proposes in the runner, where no matcher is
             row = self.spec.plan(req, budget)
+            if row is not None and req.constraint is not None:
+                kept = req.constraint.allowed_prefix(row.proposals)
+                row = SpecRow(len(kept), kept, []) if kept else None
             if row is None or not self._reserve(req, req.kv_len + 1 + row.k, headroom):
                 continue
             rows[id(req)] = row
@@ -647,17 +650,22 @@ class Scheduler:
             output_lens=[len(req.output_ids) for req, _ in batch],
             new_specs=specs,
             released_sids=released,
-            token_masks=self._token_masks(batch),
+            token_masks=self._token_masks(batch, spec_rows),
             **self._spec_fields(batch, spec_rows),
         )
 
-    def _token_masks(self, batch: list[tuple[Req, int]]) -> dict[int, bytes]:
-        """The bitmask of allowed next tokens of each constrained row that samples."""
+    def _token_masks(self, batch: list[tuple[Req, int]], spec_rows: dict[int, SpecRow]) -> dict[int, bytes]:
+        """Per constrained row that samples, the bitmask of allowed next tokens; for a row
+        verifying proposals, one after each proposal too (k + 1, concatenated)."""
         rows = [i for i, (req, n) in enumerate(batch) if req.constraint is not None and req.kv_len + n == req.seq_len]
         if not rows:
             return {}
         start = time.perf_counter()
-        masks = {i: self.grammars.mask(batch[i][0].constraint) for i in rows}
+        masks = {}
+        for i in rows:
+            req = batch[i][0]
+            row = spec_rows.get(id(req))
+            masks[i] = self.grammars.masks(req.constraint, row.proposals if row else [])
         self._mask_seconds += time.perf_counter() - start
         return masks
 
