@@ -90,3 +90,16 @@ def test_request_timer():
     assert s[("relay:inter_token_latency_seconds_count", ())] == 5
     assert s[("relay:inter_token_latency_seconds_sum", ())] == pytest.approx(0.3)
     assert t.e2e(101.0) == pytest.approx(1.0)
+
+
+def test_grammar_counters():
+    m = ServerMetrics()
+    m.set_scheduler_stats({"grammar": {"compiles": 3, "cache_hits": 5, "live_matchers": 2,
+                                       "compile_seconds_sum": 0.05, "compile_seconds_buckets": [0.01, 0.1],
+                                       "compile_seconds_counts": [1, 2, 0], "mask_step_share": 0.02}})
+    s = samples(m)
+    assert s[("relay:grammar_compile_seconds_bucket", (("le", "0.01"),))] == 1
+    assert s[("relay:grammar_compile_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert s[("relay:grammar_compile_seconds_count", ())] == 3
+    assert s[("relay:grammar_cache_hits_total", ())] == 5
+    assert s[("relay:grammar_matchers", ())] == 2 and s[("relay:grammar_mask_step_share", ())] == 0.02
