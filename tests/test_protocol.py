@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import httpx
+import jinja2
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from relay.api.fields import MAX_JSON_DEPTH, ParsedRequest, ProtocolError, decode_json_body, error_body
 from relay.api.openai import (chat_chunk, chat_response, completion_chunk, completion_response, parse_chat,
-                              parse_completion, usage_chunk)
+                              parse_completion, tool_chat_chunks, usage_chunk)
 from relay.api.serving import SSE_DONE, Usage, sse
 from relay.api.sglang import generate_response, parse_abort, parse_generate
+from relay.api.tool_calls import OutputStream, StreamedCall, parse_output
 from relay.outputs import RequestOutput
 
 MODEL = "tiny-model"
@@ -115,8 +119,41 @@ BAD_REQUESTS = [
      400, "messages.0.content"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), 400,
      "messages.0.content"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat", chat(tools={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("chat", chat(tools=["f"]), 400, "tools.0"),
+    ("chat", chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400, "tools.0.type"),
+    ("chat", chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools.0.function.name"),
+    ("chat", chat(tools=[{"type": "function", "function": {"description": "no name"}}]), 400,
+     "tools.0.function.name"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), 400, "tools.1.function.name"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]), 400,
+     "tools.0.function.parameters"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}]), 400,
+     "tools.0.function.parameters"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]), 400,
+     "tools.0.function.description"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), 400, "tools"),
     ("chat", chat(tool_choice="required"), 400, "tool_choice"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), 400,
+     "tool_choice"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function"}), 400,
+     "tool_choice.function"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                  tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice.function.name"),
+    ("chat", chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice.function.name"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                  response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], regex="a+",
+                  tool_choice={"type": "function", "function": {"name": "f"}}), 400, "regex"),
+    ("chat", chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("chat", chat(function_call={"name": "f"}), 400, "function_call"),
+    ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]), 400,
+     "messages.0.tool_calls"),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]), 400,
+     "messages.0.tool_calls.0.function.name"),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]),
+     400, "messages.0.tool_calls.0.function.arguments"),
     ("chat", chat(response_format={"type": "xml"}), 400, "response_format.type"),
     ("chat", chat(response_format="json"), 400, "response_format"),
     ("chat", chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
@@ -519,3 +556,176 @@ def test_abort_request_body_must_name_a_rid(body):
         parse_abort(body)
     assert e.value.status == 400
     assert parse_abort({"rid": "abc"}) == "abc"
+
+
+# ---------------------------------------------------------------- tool calls -------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters
+
+
+def test_tools_reach_the_template_and_tool_choice_picks_the_mode():
+    req = parse_chat(chat(tools=[WEATHER, CLOCK]), MODEL)
+    assert (req.tools.mode, req.tools.named) == ("auto", None)  # auto is the default with tools
+    assert req.chat_kwargs["tools"] == [WEATHER, CLOCK]
+    assert req.params.constraint is None and req.param_names == {}
+    for none in (chat(tools=[WEATHER], tool_choice="none"), chat(tools=[]), chat(tool_choice="auto")):
+        req = parse_chat(none, MODEL)
+        assert req.tools is None and "tools" not in req.chat_kwargs and req.params.constraint is None
+    # auto leaves a client's own constraint in charge (its output is content)
+    req = parse_chat(chat(tools=[WEATHER], response_format={"type": "json_object"}), MODEL)
+    assert req.tools.mode == "auto" and req.params.json_schema == '{"type": "object"}'
+
+
+def test_required_tool_choice_constrains_to_a_list_of_calls():
+    req = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice="required"), MODEL)
+    assert req.tools.mode == "required" and req.param_names == {"json_schema": "tools"}
+    call = {"type": "object", "required": ["name", "parameters"], "additionalProperties": False}
+    assert json.loads(req.params.json_schema) == {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {**call, "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER["function"]["parameters"]}},
+        {**call, "properties": {"name": {"const": "now"}, "parameters": {"type": "object"}}}]}}
+    one = parse_chat(chat(tools=[CLOCK], tool_choice="required"), MODEL)
+    assert json.loads(one.params.json_schema)["items"]["properties"]["name"] == {"const": "now"}
+
+
+def test_named_tool_choice_constrains_to_its_parameters():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    req = parse_chat(chat(tools=[CLOCK, WEATHER], tool_choice=named), MODEL)
+    assert (req.tools.mode, req.tools.named) == ("named", "get_weather")
+    assert json.loads(req.params.json_schema) == WEATHER["function"]["parameters"]
+    assert req.param_names == {"json_schema": "tools.1.function.parameters"}
+    clock = parse_chat(chat(tools=[CLOCK], tool_choice={"type": "function", "function": {"name": "now"}}), MODEL)
+    assert json.loads(clock.params.json_schema) == {"type": "object"}
+
+
+def test_tool_call_history_reaches_the_template_in_hf_shape():
+    req = parse_chat(chat(messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "not json"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ], tools=[WEATHER, CLOCK]), MODEL)
+    assistant = req.messages[1]
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "call_1"},
+        {"type": "function", "function": {"name": "now", "arguments": "not json"}, "id": "call_2"}]
+    assert req.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    # Qwen2.5-style templates write `arguments | tojson`: a dict renders as the JSON it was sent as
+    template = jinja2.Environment().from_string(
+        '{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+        '{% endfor %}')
+    assert template.render(m=assistant).startswith('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+
+
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+AUTO_OUTPUTS = [
+    # (text, finish, content, [(name, arguments)], finish_reason)
+    (QWEN_CALL, "stop", None, [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
+    ("Let me look that up.\n\n" + QWEN_CALL, "stop", "Let me look that up.",
+     [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
+    (QWEN_CALL + "\n" + '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "stop", None,
+     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("now", "{}")], "tool_calls"),
+    ("A\n" + QWEN_CALL + "\nB", "stop", "A\n\nB", [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
+    ('Write <tool_call>{"name": oops}</tool_call> to call.', "stop",
+     'Write <tool_call>{"name": oops}</tool_call> to call.', [], "stop"),
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', "stop", '<tool_call>\n{"arguments": {}}\n</tool_call>', [],
+     "stop"),
+    ("Cut: <tool_call>\n{\"name\": \"get_weather\", \"argu", "length",
+     "Cut: <tool_call>\n{\"name\": \"get_weather\", \"argu", [], "length"),
+    (QWEN_CALL + "\n<tool_call>\n{\"name\"", "length", "<tool_call>\n{\"name\"",
+     [("get_weather", '{"city": "Paris", "unit": "c"}')], "length"),
+    ('<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"é\\"}"}</tool_call>', "stop", None, [("f", '{"q": "é"}')],
+     "tool_calls"),
+    ("  The answer is 4 <tool> a < b\n", "stop", "The answer is 4 <tool> a < b", [], "stop"),
+    ("ends in a partial tag <tool_ca", "stop", "ends in a partial tag <tool_ca", [], "stop"),
+    ("\n \n", "stop", None, [], "stop"),
+]
+
+
+def _auto():
+    return parse_chat(chat(tools=[WEATHER, CLOCK]), MODEL).tools
+
+
+@pytest.mark.parametrize("text,finish,content,calls,reason", AUTO_OUTPUTS)
+def test_auto_mode_parses_tagged_calls_out_of_the_text(text, finish, content, calls, reason):
+    out = parse_output(_auto(), text, finish)
+    assert out.content == content
+    assert [(c.name, c.arguments) for c in out.tool_calls] == calls
+    assert out.finish_reason == reason
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in out.tool_calls)
+
+
+@pytest.mark.parametrize("text,finish,content,calls,reason", AUTO_OUTPUTS)
+def test_the_stream_parser_fed_random_pieces_agrees_with_the_whole_text_parser(text, finish, content, calls, reason):
+    rng = random.Random(len(text))
+    for _ in range(20):
+        stream, pieces, at = OutputStream(_auto()), [], 0
+        while at < len(text):
+            step = rng.randint(1, 8)
+            pieces += stream.feed(text[at:at + step])
+            at += step
+        rest, got_reason = stream.finish(finish)
+        pieces += rest
+        text_pieces = [p for p in pieces if isinstance(p, str)]
+        assert ("".join(text_pieces) or None) == content and got_reason == reason
+        streamed = [p for p in pieces if isinstance(p, StreamedCall)]
+        assert [(p.call.name, p.call.arguments) for p in streamed] == calls
+        assert [p.index for p in streamed] == list(range(len(calls)))
+
+
+def test_auto_stream_holds_back_only_what_may_open_a_block():
+    stream = OutputStream(_auto())
+    assert stream.feed("Hello wor") == ["Hello wor"]
+    assert stream.feed("ld <tool") == ["ld"]  # the space waits for what follows it
+    assert stream.feed("s are fun") == [" <tools are fun"]
+
+
+def test_constrained_outputs_parse_into_calls_or_stay_content():
+    required = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice="required"), MODEL).tools
+    out = parse_output(required, '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
+                                 '{"city": "Oslo"}}]', "stop")
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("now", "{}"), ("get_weather", '{"city": "Oslo"}')]
+    assert (out.content, out.finish_reason) == (None, "tool_calls")
+    cut = parse_output(required, '[{"name": "get_weather", "parameters": {"ci', "length")
+    assert (cut.content, cut.tool_calls, cut.finish_reason) == ('[{"name": "get_weather", "parameters": {"ci', [],
+                                                                "length")
+    named = parse_chat(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                       MODEL).tools
+    out = parse_output(named, '{"city": "Zürich", "unit": "c"}', "stop")
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Zürich", "unit": "c"}')]
+    assert out.finish_reason == "tool_calls"
+
+
+def _stream_records(texts: list[str], finish: str) -> list[RequestOutput]:
+    return [out(t, [i], finish if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
+
+
+@pytest.mark.parametrize("tool_choice,texts", [
+    ("auto", ["I will check. <tool", "_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}",
+              "\n</tool_call>\n<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>"]),
+    ("required", ['[{"name": "get_weather", ', '"parameters": {"city": "Paris"}}, ',
+                  '{"name": "now", "parameters": {}}]']),
+])
+def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(tool_choice, texts):
+    tools = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice=tool_choice), MODEL).tools
+    stream, chunks = OutputStream(tools), []
+    for i, r in enumerate(_stream_records(texts, "stop")):
+        chunks += tool_chat_chunks("c", 3, MODEL, 0, r, stream, first=i == 0)
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    whole = ChatCompletion.model_validate(chat_response("c", 3, MODEL, [out("".join(texts), [1], "stop")], tools))
+    whole_choice = whole.choices[0]
+    assert streamed.finish_reason == whole_choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole_choice.message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    assert (streamed.message.content or None) == whole_choice.message.content
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count("tool_calls") == 1

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.server_utils import Server, wait_until
 
@@ -128,6 +131,7 @@ def test_abort_request_endpoint(server):
 
 
 LONG = "hello " * 9000  # > 8192 tokens: longer than the context
+BAD_SCHEMA = {"type": "objec"}  # found by the tokenizer process's grammar check
 
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", "invalid JSON", None),
@@ -151,6 +155,18 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "input_ids": [1]}, "text and input_ids", None),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "zero tokens",
      "sampling_params.max_new_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "invalid response schema", "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+     "invalid tool schema, required", "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}},
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+     "invalid tool schema, named", "tools.0.function.parameters"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "invalid regex", "sampling_params.regex"),
 ]
 
 
@@ -232,3 +248,84 @@ def test_overload_answers_503():
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     finally:
         s.stop()
+
+
+# ---- structured output and tool calls ------------------------------------------------------
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"]}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": WEATHER_PARAMS}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _weather_call(oai, tool_choice, **kw):
+    return oai.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                       tool_choice=tool_choice, temperature=0, max_tokens=60, **kw)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_call_validates_and_streams_the_same_call(oai, tool_choice):
+    whole = _weather_call(oai, tool_choice).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+    calls = whole.message.tool_calls
+    assert calls and all(c.function.name == "get_weather" and c.id.startswith("call_") for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    state = ChatCompletionStreamState()
+    for chunk in _weather_call(oai, tool_choice, stream=True):
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_auto_tools_and_call_history_on_a_template_without_tool_support(oai):
+    # SmolLM2's template ignores `tools`: rendering them must still work, and the answer is text.
+    history = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
+    out = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], temperature=0,
+                                      max_tokens=8).choices[0]
+    assert out.finish_reason in ("stop", "length") and out.message.content and out.message.tool_calls is None
+
+
+def test_chat_response_format_json_schema_validates(oai):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
+    out = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, messages=[
+        {"role": "user", "content": "Invent a person: give a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_generate_regex_output_matches(server):
+    pattern = r"(yes|no), because [a-z]{1,12}\."
+    with server.client() as c:
+        r = c.post("/generate", json={"text": "Is the sky blue? Answer:", "sampling_params": {
+            "regex": pattern, "max_new_tokens": 16, "temperature": 0}}).json()
+    assert r["meta_info"]["finish_reason"]["type"] == "stop", r
+    assert re.fullmatch(pattern, r["text"]), r["text"]
+
+
+def test_constrained_stream_disconnect_frees_its_matcher_and_kv(server):
+    # At least one token per repetition: the request is still running when the client leaves.
+    body = {"prompt": "Write many short words:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "regex": "( [a-z]{1,3}){400}"}
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a collected iterator would close the connection here
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert got
+        stats = idle_stats(server)
+        assert stats["num_running"] == 1 and stats["grammar"]["live_matchers"] == 1
+    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s["grammar"]["live_matchers"] == 0
+                       and s, 15, "the abort to free the request and its matcher")
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0

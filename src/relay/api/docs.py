@@ -61,7 +61,7 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
     "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
-    "name": _STR,
+    "name": _STR, "tool_calls": {"type": "array"}, "tool_call_id": _STR,
 }}
 
 BODIES: dict[str, dict[str, Any]] = {

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from relay.sampling_params import (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, InvalidParam, Range,
                                    SamplingParams)
+
+if TYPE_CHECKING:
+    from relay.api.tool_calls import ToolCalling
 
 MAX_N = 16  # choices per request
 _I32 = 2**31
@@ -142,6 +145,7 @@ class ParsedRequest:
     # SamplingParams field -> the API field it came from, for errors found past the http
     # process (a grammar that does not parse is found by the tokenizer).
     param_names: dict[str, str] = field(default_factory=dict)
+    tools: ToolCalling | None = None  # chat: the tools the model may call, and how
 
 
 # ---- typed field access --------------------------------------------------------------------

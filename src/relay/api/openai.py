@@ -5,6 +5,7 @@ submit it, answer whole or as SSE chunks. The parsers and builders are pure func
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, AsyncIterator, Callable
@@ -12,6 +13,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 
 from relay.api import fields as F
+from relay.api import tool_calls as T
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
 from relay.api.serving import (SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole)
@@ -71,8 +73,9 @@ async def _serve(request: Request, client: EngineClient, parse: Callable[..., Pa
     done = await whole(client, api, request)
     if not isinstance(done, list):
         return done
-    build = completion_response if kind == "completion" else chat_response
-    return build(api.rid, created, model, done)
+    if kind == "completion":
+        return completion_response(api.rid, created, model, done)
+    return chat_response(api.rid, created, model, done, parsed.tools)
 
 
 async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int, model: str,
@@ -80,6 +83,7 @@ async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int
     started = [False] * parsed.n
     offsets = [0] * parsed.n  # text_offset of each choice's next chunk (completions logprobs)
     last: list[RequestOutput | None] = [None] * parsed.n
+    tools = [T.OutputStream(parsed.tools) for _ in range(parsed.n)] if parsed.tools is not None else None
     async for index, r in outs:
         if r.error is not None:
             yield sse(F.error_body(r.status, r.error, r.param))
@@ -87,8 +91,11 @@ async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int
         if kind == "completion":
             yield sse(completion_chunk(rid, created, model, index, r, offsets[index]))
             offsets[index] += len(r.text)
-        else:
+        elif tools is None:
             yield sse(chat_chunk(rid, created, model, index, r, first=not started[index]))
+        else:
+            for chunk in tool_chat_chunks(rid, created, model, index, r, tools[index], first=not started[index]):
+                yield sse(chunk)
         started[index], last[index] = True, r
     if parsed.include_usage:
         yield sse(usage_chunk(kind, rid, created, model, Usage.of(last)))
@@ -220,6 +227,8 @@ def _message(msg: Any, i: int) -> dict[str, Any]:
     for key in ("name", "tool_call_id"):
         if isinstance(msg.get(key), str):
             out[key] = msg[key]
+    if role == "assistant" and msg.get("tool_calls"):
+        out["tool_calls"] = T.template_tool_calls(msg["tool_calls"], f"messages.{i}.tool_calls")
     return out
 
 
@@ -248,10 +257,9 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": want, "top_logprobs": top} if want else {}
 
 
+# The legacy `functions` / `function_call` pair: use tools / tool_choice.
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
     "functions": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),
     "function_call": lambda v: v in ("none", "auto"),
     "logit_bias": lambda v: v == {},
 }
@@ -267,11 +275,29 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
-    grammar, param_names = F.constraint(body, response_format=True)
+    tools = T.parse_tool_calling(body)
+    grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
     params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size)
-    return ParsedRequest(params=params, messages=messages, chat_kwargs=_chat_kwargs(body), param_names=param_names,
-                         **common)
+    chat_kwargs = _chat_kwargs(body)
+    if tools is not None:
+        chat_kwargs["tools"] = tools.template_tools()
+    return ParsedRequest(params=params, messages=messages, chat_kwargs=chat_kwargs, param_names=param_names,
+                         tools=tools, **common)
+
+
+def _tool_constraint(tools: T.ToolCalling | None, grammar: dict[str, str], param_names: dict[str, str]
+                     ) -> tuple[dict[str, str], dict[str, str]]:
+    """The output constraint: a forced tool call's schema replaces none the client gave, since
+    only one grammar can rule the output. With "auto" a client's constraint stands (and rules
+    out calls: its output is returned as content)."""
+    if tools is None or not tools.constrained:
+        return grammar, param_names
+    if param_names:
+        key = next(iter(param_names.values()))
+        raise bad(key, f"'{key}' cannot be combined with tool_choice \"required\" or a named function, whose "
+                       "call already constrains the output")
+    return {"json_schema": json.dumps(tools.schema())}, {"json_schema": tools.schema_param()}
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -341,12 +367,23 @@ def _chat_logprobs_body(r: RequestOutput) -> dict[str, Any] | None:
                         for k, (text, lp) in enumerate(zip(r.token_texts or [], r.logprobs))]}
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[RequestOutput]) -> dict[str, Any]:
+def chat_response(rid: str, created: int, model: str, choices: list[RequestOutput],
+                  tools: T.ToolCalling | None = None) -> dict[str, Any]:
+    """A whole chat answer; with tools, each choice's calls are parsed out of its text."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": _chat_logprobs_body(c), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)],
+            "choices": [_chat_choice(i, c, tools) for i, c in enumerate(choices)],
             "usage": Usage.of(choices).to_openai()}
+
+
+def _chat_choice(index: int, r: RequestOutput, tools: T.ToolCalling | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": r.text}
+    finish_reason = r.finish_reason
+    if tools is not None:
+        out = T.parse_output(tools, r.text, r.finish_reason)
+        message["content"], finish_reason = out.content, out.finish_reason
+        if out.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in out.tool_calls]
+    return {"index": index, "message": message, "logprobs": _chat_logprobs_body(r), "finish_reason": finish_reason}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: RequestOutput, first: bool) -> dict[str, Any]:
@@ -355,6 +392,40 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: RequestOut
     body: dict[str, Any] = {"role": "assistant"} if first else {}
     if first or delta.text:
         body["content"] = delta.text
+    return _chat_chunk(rid, created, model, index, body, _chat_logprobs_body(delta), delta.finish_reason)
+
+
+def tool_chat_chunks(rid: str, created: int, model: str, index: int, delta: RequestOutput, stream: T.OutputStream,
+                     first: bool) -> list[dict[str, Any]]:
+    """The chunks of one streamed record of a request with tools (none while the stream holds
+    back everything so far): content deltas, and each complete call as OpenAI streams one, its
+    id and name with empty arguments, then its arguments. Constrained calls (tool_choice
+    "required" or named) are held until the output ends, so they arrive in the last chunks."""
+    pieces = stream.feed(delta.text)
+    finish_reason = None
+    if delta.finished:
+        rest, finish_reason = stream.finish(delta.finish_reason)
+        pieces += rest
+    deltas = [d for piece in pieces for d in _piece_deltas(piece)]
+    if first:
+        deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {})}]
+    logprobs = _chat_logprobs_body(delta)
+    if not deltas and (logprobs is not None or delta.finished):
+        deltas = [{}]
+    return [_chat_chunk(rid, created, model, index, d, logprobs if k == 0 else None,
+                        finish_reason if k == len(deltas) - 1 else None) for k, d in enumerate(deltas)]
+
+
+def _piece_deltas(piece: T.Piece) -> list[dict[str, Any]]:
+    if isinstance(piece, str):
+        return [{"content": piece}]
+    call = piece.call
+    return [{"tool_calls": [{"index": piece.index, "id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": piece.index, "function": {"arguments": call.arguments}}]}]
+
+
+def _chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],
+                logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": body, "logprobs": _chat_logprobs_body(delta),
-                         "finish_reason": delta.finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
