@@ -35,8 +35,11 @@ def remove_stale_ipc_dirs() -> list[str]:
     removed = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if not name.startswith(_PREFIX) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
-            continue
+        try:
+            if not name.startswith(_PREFIX) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue  # removed meanwhile (by another launcher starting now: a --dp replica)
         try:
             with open(os.path.join(path, _OWNER_FILE)) as f:
                 pid, started = f.read().split()

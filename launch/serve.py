@@ -4,6 +4,9 @@ This process becomes relay::http. It converts the model once if needed, starts t
 tokenizer worker(s), the scheduler, one model runner per TP rank and the detokenizer,
 waits until each reports ready, then serves. If any child dies, in-flight requests fail
 with an error and the server exits non-zero with every child gone.
+
+With `--dp N` this process supervises N such servers (replicas) behind sglang-router instead
+(launch/dp.py).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import zmq
 
 from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
-from procs.common import ARGS_ENV, ProcArgs, set_title, setup_logging
+from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
@@ -84,7 +87,7 @@ FLAG_HELP = {
 FLAG_ALIASES = {"tp_size": ["--tp"]}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.serve", description="Serve a model with Relay over HTTP.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
@@ -115,7 +118,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             p.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=FLAG_HELP[f.name])
-    return p.parse_args(argv)
+    dp = p.add_argument_group("data parallelism (docs/scaling.md)")
+    dp.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1,
+                    help="independent replicas of the whole server (each with its own tokenizer, scheduler, "
+                         "runners and detokenizer; --tp applies per replica; on CPU each gets an equal share "
+                         "of the cores, on GPUs --tp GPUs each) behind sglang-router on --port")
+    dp.add_argument("--router-policy", default="cache_aware",
+                    choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                    help="--dp: how the router picks a replica; cache_aware sends requests that share a "
+                         "prefix to the replica whose cache holds it, and the least loaded one when loads "
+                         "drift apart")
+    dp.add_argument("--router-prometheus-port", type=int, default=29000,
+                    help="--dp: port of the router's own Prometheus metrics (on --host)")
+    dp.add_argument("--router-args", default="",
+                    help="--dp: more sglang-router flags, as one string (e.g. '--cache-threshold 0.5')")
+    dp.add_argument("--replica-name", default=None,
+                    help="name of this server as a replica (set by --dp: dp0, dp1, ...): a replica label on "
+                         "every /metrics series, in process titles (relay::sched dp1) and log lines")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -139,8 +163,10 @@ def plan_children(cfg: EngineConfig, tokenizer_workers: int) -> list[Child]:
 
 
 class Launcher:
-    def __init__(self, cfg: EngineConfig, model_dir: str, ipc_dir: str, tokenizer_workers: int, log_level: str):
+    def __init__(self, cfg: EngineConfig, model_dir: str, ipc_dir: str, tokenizer_workers: int, log_level: str,
+                 replica: str | None = None):
         self.cfg = cfg
+        self.replica = replica
         self.model_dir = model_dir
         self.ipc_dir = ipc_dir
         self.log_level = log_level
@@ -151,7 +177,7 @@ class Launcher:
         cores = len(os.sched_getaffinity(0))
         for child in self.children:
             args = ProcArgs(child.name, self.ipc_dir, self.model_dir, self.cfg.to_dict(), child.index,
-                            os.getpid(), self.log_level.upper())
+                            os.getpid(), self.log_level.upper(), replica=self.replica)
             threads = str(max(1, cores // self.cfg.tp_size)) if child.module == "procs.model_runner" else "1"
             env = {**os.environ, ARGS_ENV: args.to_env(), "OMP_NUM_THREADS": threads,
                    "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _pythonpath()}
@@ -167,7 +193,8 @@ class Launcher:
         try:
             while waiting:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}")
+                    raise RuntimeError(f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}"
+                                       + (f" of replica {self.replica}" if self.replica else ""))
                 self._raise_if_dead()
                 if sock.poll(200):
                     for msg in recv_ready(sock):
@@ -225,9 +252,9 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     from relay import __version__
 
     tp0 = infos.get("tp0", {})
-    server_info = {"model_path": cfg.model_path, "served_model_name": served_model, **cfg.to_dict(),
+    server_info = {**cfg.to_dict(), "served_model_name": served_model, "model_dir": launcher.model_dir,
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
-                   "tokenizer_workers": ns.tokenizer_workers, "version": __version__}
+                   "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__}
     guard = GuardConfig(api_key=ns.api_key, max_body_bytes=ns.max_request_body_bytes, body_timeout=ns.http_timeout,
                         allowed_hosts=default_allowed_hosts(ns.host, (ns.allowed_hosts or "").split(",")
                                                             if ns.allowed_hosts else None))
@@ -238,7 +265,9 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                print(f"Relay is ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size})",
+                # A replica's line must not read "Relay is ready": that is the whole server's.
+                what = f"Relay replica {ns.replica_name} is" if ns.replica_name else "Relay is"
+                print(f"{what} ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size})",
                       flush=True)
 
     async def main() -> None:
@@ -284,9 +313,17 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
-    set_title("relay::http")
-    setup_logging(ns.log_level.upper(), "http")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.dp < 1:
+        parser.error("--dp must be at least 1")
+    if ns.dp > 1:
+        from launch.dp import serve_dp
+        return serve_dp(parser, ns)
+    from launch.dp import replica_setup
+    replica_setup()  # as a --dp replica: die with the supervisor, keep to its share of the cores
+    set_title(f"relay::{proc_label('http', ns.replica_name)}")
+    setup_logging(ns.log_level.upper(), proc_label("http", ns.replica_name))
     cfg = engine_config(ns)
     model_dir = resolve_model_dir(cfg.model_path)
     mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
@@ -300,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in remove_stale_ipc_dirs():
         logger.info("removed %s, left behind by a server that was killed", path)
     ipc_dir = make_ipc_dir()
-    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level)
+    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level, ns.replica_name)
     # SIGTERM during startup must still clean up: turn it into an exception until uvicorn
     # installs its own handlers.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -28,6 +28,7 @@ class ProcArgs:
     parent_pid: int = 0
     log_level: str = "INFO"
     extra: dict[str, Any] = field(default_factory=dict)
+    replica: str | None = None  # a data-parallel replica's name (dp0, ...): in titles and log lines
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -39,6 +40,12 @@ class ProcArgs:
     @classmethod
     def from_env(cls) -> "ProcArgs":
         return cls(**json.loads(os.environ[ARGS_ENV]))
+
+
+def proc_label(name: str, replica: str | None = None) -> str:
+    """`sched`, or `sched dp1` in replica dp1 of a `--dp` server: the process title is
+    `relay::<label>` and log lines are tagged with it."""
+    return name + (f" {replica}" if replica else "")
 
 
 def set_title(title: str) -> None:
@@ -78,9 +85,10 @@ def announce_ready(ctx, ipc_dir: str, msg) -> None:
 def child_main(body: Callable[[ProcArgs], None]) -> None:
     """Run a child process body; on a crash print the traceback and exit non-zero."""
     args = ProcArgs.from_env()
-    set_title(f"relay::{args.name}")
+    label = proc_label(args.name, args.replica)
+    set_title(f"relay::{label}")
     die_with_parent(args.parent_pid)
-    setup_logging(args.log_level, args.name)
+    setup_logging(args.log_level, label)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     try:
         body(args)

@@ -10,7 +10,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from typing import Any
 
 import zmq
@@ -24,6 +23,7 @@ from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, s
 from relay.api import admin, openai, sglang
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
+from relay.api.request_id import RequestIdMiddleware, request_id, submitted
 from relay.api.serving import ApiRequest, error_response
 from relay.health import HEARTBEAT_INTERVAL, Heartbeats
 from relay.metrics import ServerMetrics
@@ -57,7 +57,7 @@ class ZmqEngineClient:
         self.num_requests = 0
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(server_info.get("replica"))  # --replica-name labels every series
         self.heartbeats = Heartbeats(health_timeout)
         self.dead: str | None = None  # set when a child process died: refuse new work
 
@@ -68,7 +68,7 @@ class ZmqEngineClient:
         if self.num_requests >= self.max_queued:
             raise ProtocolError(503, f"server overloaded: {self.num_requests} requests in flight; retry later",
                                 None, "server_error")
-        api = ApiRequest(parsed.rid or f"{kind[:4]}-{uuid.uuid4().hex}", parsed.n, parsed.param_names)
+        api = ApiRequest(parsed.rid or request_id(kind, self.routes), parsed.n, parsed.param_names)
         if any(r in self.routes for r in api.rids):
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
         # Encoded before anything is registered: a request that cannot cross the wire leaves
@@ -82,6 +82,7 @@ class ZmqEngineClient:
         if not self._to_tokenizer(data):
             self.release(api, abort=False)
             raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
+        submitted(api.rid)
         return api
 
     async def wait_for_tokenizer(self, timeout: float) -> bool:
@@ -198,6 +199,7 @@ class ZmqEngineClient:
 def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="Relay", docs_url=None, redoc_url=None, version=client.server_info.get("version", ""))
     app.add_middleware(RequestGuard, config=guard or GuardConfig())
+    app.add_middleware(RequestIdMiddleware)  # outermost: refusals echo the client's id too
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

@@ -2,7 +2,9 @@
 
 Each ServerMetrics owns its own CollectorRegistry rather than prometheus_client's global
 one, so several servers (or tests) in one process never collide on metric names. Names
-carry a `relay:` prefix, mirroring SGLang's `sglang:` ones, so dashboards port over.
+carry a `relay:` prefix, mirroring SGLang's `sglang:` ones, so dashboards port over. A
+replica of a data-parallel server (`--dp`, `--replica-name`) labels every series with
+`replica="<name>"`, so one Prometheus scrape config covers all replicas and they stay apart.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # 1 ms .. 60 s: a CPU-served token can take tens of ms, a queued long prompt tens of seconds.
@@ -54,8 +56,9 @@ class RequestTimer:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, replica: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.replica = replica
         r = self.registry
         self.ttft = Histogram("relay:time_to_first_token_seconds", "Time from request arrival to its first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -149,7 +152,27 @@ class ServerMetrics:
             self.grammar.latest = d["grammar"]
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        source = self.registry if self.replica is None else Labelled(self.registry, {"replica": self.replica})
+        return generate_latest(source), CONTENT_TYPE_LATEST
+
+
+class Labelled:
+    """A registry's metric families with constant labels added to every sample. Families
+    without samples (a labelled counter nothing has incremented yet) are left out: they carry
+    no data, and sglang-router's /engine_metrics, which merges the replicas' families, refuses
+    one whose label names differ between replicas (none on one, `reason` on the other)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self):
+        for family in self.registry.collect():
+            if not family.samples:
+                continue
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield out
 
 
 class LatestCollector:

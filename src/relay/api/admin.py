@@ -1,4 +1,10 @@
-"""Operating a server: health, server info, cache flush, Prometheus metrics."""
+"""Operating a server: health, server and model info, load, cache flush, Prometheus metrics.
+
+A router in front of replicas (sglang-router, `launch.serve --dp`) uses these: `/health` to
+take a replica out of rotation, `/server_info` and `/model_info` (SGLang's current names; the
+`get_` ones are the older names) for the served model's name when it registers a replica, and
+`/get_load` for its load-aware policies.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -43,12 +49,37 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
         return {"status": "ok"}
 
     @app.get("/get_server_info", responses=ERROR_RESPONSES)
+    @app.get("/server_info", responses=ERROR_RESPONSES)
     async def get_server_info():
+        """The server's configuration, the scheduler's counters and the requests in flight."""
         try:
             out = await client.control("get_info")
         except ProtocolError as e:
             return error_response(e)
         return {**client.server_info, "scheduler": out.data, "num_http_requests": client.num_requests}
+
+    @app.get("/get_model_info", responses=ERROR_RESPONSES)
+    @app.get("/model_info", responses=ERROR_RESPONSES)
+    async def get_model_info():
+        """The served model (SGLang's shape): a router names the replica's model from it."""
+        info = client.server_info
+        return {"model_path": info.get("model_dir") or info.get("model_path"),
+                "tokenizer_path": info.get("tokenizer_path") or info.get("model_dir"),
+                "served_model_name": client.served_model, "is_generation": True,
+                "context_len": client.context_len, "vocab_size": client.vocab_size,
+                "replica": info.get("replica")}
+
+    @app.get("/get_load", responses=ERROR_RESPONSES)
+    async def get_load():
+        """SGLang's load report, one entry per data-parallel rank (a replica has one):
+        requests running and waiting in the scheduler, and the KV tokens they hold."""
+        try:
+            out = await client.control("get_info", timeout=2.0)
+        except ProtocolError as e:
+            return error_response(e)
+        d = out.data
+        return [{"dp_rank": 0, "num_reqs": d["num_running"] + d["num_waiting"], "num_waiting_reqs": d["num_waiting"],
+                 "num_tokens": d["kv_locked_tokens"], "num_http_requests": client.num_requests}]
 
     @app.post("/flush_cache", responses=ERROR_RESPONSES)
     async def flush_cache():

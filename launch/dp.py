@@ -1,0 +1,357 @@
+"""`python -m launch.serve --dp N`: N independent Relay replicas behind sglang-router.
+
+Each replica is a whole Relay server, `python -m launch.serve --replica-name dpI` on a
+loopback port of its own: its own http process, tokenizer(s), scheduler (and radix cache),
+model runner(s) and detokenizer, its own ipc directory, and its own supervision (a child of a
+replica that dies takes that replica down, as it would a single server). Each replica runs in
+a process group of its own and dies with this process (PR_SET_PDEATHSIG). On CPU each gets an
+equal share of the cores (its affinity; its runner's threads follow from it), on GPUs its own
+--tp devices (CUDA_VISIBLE_DEVICES).
+
+In front of them, on --host/--port, runs sglang-router (the Rust router from PyPI, its CLI
+`sglang_router.launch_router`) with --worker-urls pointing at the replicas. It health-checks
+them (/health every 2 s; two failures take a replica out of rotation), retries a request
+whose replica cannot be reached on another one, and routes by --router-policy (cache_aware:
+a request goes to the replica whose cache holds the longest prefix of it, the least loaded one
+when loads drift apart).
+
+This process (relay::dp) supervises: a replica that exits is taken out of the router's
+rotation at once (DELETE /workers/{id}) and the others serve on; the server stops, non-zero,
+only when no replica is left, or when the router exits. A dead replica is not restarted:
+what killed it (a crash, the OOM killer, a bad device) would most likely kill it again, and
+a restart loop would hide that behind a server that looks up; capacity drops by one
+replica, loudly (an error log line, the router's /workers, the replica's missing series),
+until the operator restarts the server. SIGINT/SIGTERM stop the router (it lets requests in
+flight finish for up to 5 s, the replicas still serving them), then the replicas, and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from procs.common import die_with_parent, set_title, setup_logging
+
+logger = logging.getLogger("relay.dp")
+
+DP_PARENT_ENV = "RELAY_DP_PARENT"  # the supervisor's pid: a replica (or the router) dies with it
+DP_CORES_ENV = "RELAY_DP_CORES"  # the cores a replica keeps to, "0,1"
+STOP_GRACE_SECONDS = 15.0  # a replica's own stop takes up to ~8 s (uvicorn 3, children 5)
+ROUTER_GRACE_SECONDS = 5  # the router's shutdown grace: requests in flight may finish
+ROUTER_HEALTH_ARGS = ["--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+                      "--health-success-threshold", "1"]
+# Flags of launch.serve that belong to the whole server, not to a replica.
+TOP_LEVEL_FLAGS = {"help", "host", "port", "allowed_hosts", "dp", "router_policy", "router_prometheus_port",
+                   "router_args", "replica_name"}
+
+
+def replica_setup() -> None:
+    """First thing a replica does (a no-op for a plain server): die with the supervisor,
+    keep to its cores. Children inherit the affinity, not the variables."""
+    parent = os.environ.pop(DP_PARENT_ENV, None)
+    if parent:
+        die_with_parent(int(parent))
+        # The router probes a worker for gRPC as well as HTTP when it registers it: its gRPC
+        # connection attempts would each be a WARNING "Invalid HTTP request received." here.
+        logging.getLogger("uvicorn.error").addFilter(
+            lambda record: "Invalid HTTP request received" not in record.getMessage())
+    cores = os.environ.pop(DP_CORES_ENV, None)
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+
+# ---- the plan ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Replica:
+    name: str  # dp0, dp1, ...
+    port: int
+    cores: list[int] | None = None  # CPU: its share of the cores
+    gpus: list[str] | None = None  # GPU: its CUDA_VISIBLE_DEVICES
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def share_cores(cores: list[int], n: int) -> list[list[int]]:
+    """Equal shares of `cores` for n replicas (the remainder stays unused, so no replica's
+    runner waits on a busier neighbour); with fewer cores than replicas, they take turns."""
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    k = len(cores) // n
+    return [cores[i * k:(i + 1) * k] for i in range(n)]
+
+
+def visible_gpus() -> list[str]:
+    """CUDA devices this process may use, without importing torch (the supervisor stays small)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def plan_replicas(n: int, tp: int, device: str, ports: list[int]) -> list[Replica]:
+    replicas = [Replica(f"dp{i}", ports[i]) for i in range(n)]
+    gpus = visible_gpus() if device in ("cuda", "auto") else []
+    if device == "cuda" or gpus:
+        if len(gpus) < n * tp:
+            raise ValueError(f"--dp {n} --tp {tp} needs {n * tp} GPUs, {len(gpus)} are visible")
+        for i, r in enumerate(replicas):
+            r.gpus = gpus[i * tp:(i + 1) * tp]
+        return replicas
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        logger.warning("%d replicas on %d cores: replicas share cores", n, len(cores))
+    for r, share in zip(replicas, share_cores(cores, n)):
+        r.cores = share
+    return replicas
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace, replica: Replica) -> list[str]:
+    """launch.serve's flags for one replica: every flag the user set, but the whole server's."""
+    argv = ["--host", "127.0.0.1", "--port", str(replica.port), "--replica-name", replica.name]
+    for action in parser._actions:
+        if action.dest in TOP_LEVEL_FLAGS or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return argv
+
+
+def router_argv(ns: argparse.Namespace, replicas: list[Replica]) -> list[str]:
+    from relay.api.guard import default_allowed_hosts
+
+    argv = ["--host", ns.host, "--port", str(ns.port), "--worker-urls", *[r.url for r in replicas],
+            "--policy", ns.router_policy, "--prometheus-host", ns.host,
+            "--prometheus-port", str(ns.router_prometheus_port), *ROUTER_HEALTH_ARGS,
+            "--shutdown-grace-period-secs", str(ROUTER_GRACE_SECONDS), "--log-level", "debug" if ns.log_level == "debug" else "warn"]
+    if ns.api_key:
+        argv += ["--api-key", ns.api_key]  # it checks clients' keys, and sends it on its own probes
+    # The router drops Origin and rewrites Host, so the replicas' checks cannot see a web page's
+    # cross-site request: the router's CORS list keeps browsers to the origins the server answers to.
+    hosts = default_allowed_hosts(ns.host, ns.allowed_hosts.split(",") if ns.allowed_hosts else None)
+    if hosts is not None:
+        argv += ["--cors-allowed-origins",
+                 *[f"http://{f'[{h}]' if ':' in h else h}:{ns.port}" for h in sorted(hosts)]]
+    return argv + shlex.split(ns.router_args)
+
+
+# ---- HTTP to the replicas and the router ------------------------------------------------
+def _get_json(url: str, api_key: str | None = None, method: str = "GET", timeout: float = 5.0):
+    req = urllib.request.Request(url, method=method)
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _local(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+
+
+# ---- supervision ------------------------------------------------------------------------
+class Supervisor:
+    def __init__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, replicas: list[Replica]):
+        self.parser = parser
+        self.ns = ns
+        self.replicas = replicas
+        self.router: subprocess.Popen | None = None
+        self.router_url = f"http://{_local(ns.host)}:{ns.port}"
+        self.stopping = False
+        self.events: queue.Queue = queue.Queue()
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        from launch.serve import _pythonpath
+
+        return {**os.environ, DP_PARENT_ENV: str(os.getpid()), "PYTHONPATH": _pythonpath(), **extra}
+
+    def start_replicas(self) -> None:
+        for r in self.replicas:
+            extra = {DP_CORES_ENV: ",".join(map(str, r.cores))} if r.cores else {}
+            if r.gpus:
+                extra["CUDA_VISIBLE_DEVICES"] = ",".join(r.gpus)
+            # A process group each: Ctrl-C reaches only this process, which stops them in order.
+            r.proc = subprocess.Popen([sys.executable, "-m", "launch.serve", *replica_argv(self.parser, self.ns, r)],
+                                      env=self._env(**extra), start_new_session=True)
+            where = f"cores {','.join(map(str, r.cores))}" if r.cores else f"GPUs {','.join(r.gpus or [])}"
+            logger.info("replica %s: pid %d, %s, %s", r.name, r.proc.pid, r.url, where)
+
+    def wait_replicas(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = list(self.replicas)
+        while waiting:
+            for r in list(waiting):
+                code = r.proc.poll()
+                if code is not None:
+                    raise RuntimeError(f"replica {r.name} (pid {r.proc.pid}) exited with code {code} during startup")
+                try:
+                    _get_json(r.url + "/health", timeout=2.0)
+                    waiting.remove(r)
+                except (OSError, ValueError):
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for replica(s) {', '.join(r.name for r in waiting)}")
+            if waiting:
+                time.sleep(0.25)
+
+    def start_router(self) -> None:
+        argv = router_argv(self.ns, self.replicas)
+        # The router looks for a tokenizer under each worker's model_path to tokenize requests
+        # itself (its gRPC mode); over HTTP it routes on text and needs none, so its "no
+        # tokenizer for model ..." warning would only alarm (RUST_LOG, when unset, keeps it out).
+        level = argv[argv.index("--log-level") + 1]
+        rust_log = os.environ.get("RUST_LOG") or f"{level},smg::core::steps::worker::local::register_tokenizer=error"
+        self.router = subprocess.Popen([sys.executable, "-m", "launch.router", *argv],
+                                       env=self._env(RUST_LOG=rust_log), start_new_session=True)
+        logger.info("router: pid %d, policy %s, on %s", self.router.pid, self.ns.router_policy, self.router_url)
+
+    def wait_router(self, timeout: float) -> None:
+        """Until the router serves and counts every replica healthy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.router.poll()
+            if code is not None:
+                raise RuntimeError(f"the router (sglang-router, pid {self.router.pid}) exited with code {code} "
+                                   "during startup")
+            for r in self.replicas:
+                if r.proc.poll() is not None:
+                    raise RuntimeError(f"replica {r.name} (pid {r.proc.pid}) exited with code {r.proc.returncode} "
+                                       "during startup")
+            try:
+                if _get_json(self.router_url + "/readiness", timeout=2.0).get("healthy_workers") == len(self.replicas):
+                    return
+            except (OSError, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out waiting for the router to register every replica")
+            time.sleep(0.25)
+
+    def supervise(self) -> int:
+        """Until the router exits or the last replica does; returns the exit code."""
+        for proc, who in [(self.router, None), *[(r.proc, r) for r in self.replicas]]:
+            threading.Thread(target=lambda p=proc, w=who: self.events.put((w, p.wait())), daemon=True,
+                             name=f"watch-{who.name if who else 'router'}").start()
+        live = {r.name for r in self.replicas}
+        while True:
+            try:
+                who, code = self.events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if who is None:
+                logger.error("the router (sglang-router, pid %d) exited with code %s: stopping the server",
+                             self.router.pid, code)
+                return 1
+            live.discard(who.name)
+            if not live:
+                logger.error("replica %s (pid %d) exited with code %s and no replica is left: stopping the server",
+                             who.name, who.proc.pid, code)
+                return 1
+            logger.error("replica %s (pid %d) exited with code %s: out of the router's rotation; %d of %d "
+                         "replicas serve on (%s)", who.name, who.proc.pid, code, len(live), len(self.replicas),
+                         ", ".join(sorted(live)))
+            self.remove_from_router(who)
+
+    def remove_from_router(self, replica: Replica) -> None:
+        """Take a dead replica out of rotation now (its health checks would in ~4 s)."""
+        try:
+            workers = _get_json(self.router_url + "/workers", self.ns.api_key)["workers"]
+            for w in workers:
+                if w["url"] == replica.url:
+                    _get_json(f"{self.router_url}/workers/{w['id']}", self.ns.api_key, method="DELETE")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("could not remove replica %s from the router (%s); its health checks will", replica.name, e)
+
+    def stop(self) -> None:
+        """The router first (no new requests; those in flight may finish), then every replica;
+        SIGKILL to a process group that has not stopped after its grace period."""
+        self.stopping = True
+        _terminate([self.router], ROUTER_GRACE_SECONDS + 1.0)
+        _terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS)
+
+
+def _terminate(procs: list[subprocess.Popen | None], grace: float) -> None:
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # its session: it and everything it started
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from launch.serve import engine_config
+    from relay.model_files import model_name, resolve_model_dir
+
+    set_title("relay::dp")
+    setup_logging(ns.log_level.upper(), "dp")
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        logger.error("--dp needs sglang-router: pip install sglang-router (./scripts/install.sh installs it)")
+        return 2
+    cfg = engine_config(ns)
+    resolve_model_dir(cfg.model_path)  # converts a GGUF once here, not in N replicas at once
+    try:
+        replicas = plan_replicas(ns.dp, cfg.tp_size, cfg.device, free_ports(ns.dp))
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    sup = Supervisor(parser, ns, replicas)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        sup.start_replicas()
+        sup.wait_replicas(ns.startup_timeout)
+        sup.start_router()
+        sup.wait_router(ns.startup_timeout)
+        served = cfg.served_model_name or model_name(cfg.model_path)
+        print(f"Relay is ready: http://{ns.host}:{ns.port}  (model {served}, tp {cfg.tp_size}, dp {ns.dp}: "
+              f"{', '.join(f'{r.name} {r.url}' for r in replicas)}; router {ns.router_policy}, "
+              f"its metrics on port {ns.router_prometheus_port})", flush=True)
+        return sup.supervise()
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop()
