@@ -287,6 +287,28 @@ def test_request_ids():
         rid_mod._current.reset(token)
 
 
+def test_response_header_echoes_only_ascii_ids():
+    """A /generate body's rid may be any text; the X-Request-Id echo must not fail on it."""
+    import asyncio
+
+    async def app(scope, receive, send):
+        rid_mod.submitted(scope["rid"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def run(rid):
+        sent.clear()
+        await rid_mod.RequestIdMiddleware(app)({"type": "http", "headers": [], "rid": rid}, None, send)
+        return dict(sent[0]["headers"]).get(rid_mod.HEADER.encode())
+
+    assert asyncio.run(run("gene-abc")) == b"gene-abc"
+    assert asyncio.run(run("ré-ключ")) is None
+
+
 def test_replica_label_on_every_series():
     m = ServerMetrics("dp3")
     m.observe_finish(1.0, 0.1, 10, 5, 3, "stop")

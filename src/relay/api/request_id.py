@@ -76,7 +76,8 @@ class RequestIdMiddleware:
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
-                rid = ids.used or ids.given
+                # A /generate body's own `rid` may hold any text; a header carries visible ASCII only.
+                rid = usable(ids.used or ids.given)
                 if rid is not None:
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER.encode()]
                     message = {**message, "headers": [*headers, (HEADER.encode(), rid.encode("latin-1"))]}
