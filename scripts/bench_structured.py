@@ -5,7 +5,7 @@ first-token latency of a first-seen schema vs a cached one.
 Starts one Relay server (default model unless --model), then per round and per concurrency
 level (alternating which mode goes first) runs scripts/bench_serving.py's random workload
 (prompts of 128-256 tokens) twice on /v1/completions: unconstrained (ignore_eos, exactly
---output-len tokens) and with a moderately complex JSON schema as response_format (an array of
+--output-len tokens, 160 by default, about what the schema's outputs run to) and with a moderately complex JSON schema as response_format (an array of
 8 objects with bounded integers, enums, short strings and nested arrays, ~150-200 tokens,
 ending where the schema does). Output tok/s and ITL are per token, so the lengths need not match.
 
@@ -53,7 +53,8 @@ def serving_run(base_url: str, c: int, mode: str, args, tokenizer, seed: int) ->
     n = max(16, min(128, 4 * c))
     argv = ["--base-url", base_url, "--backend", "relay-openai", "--dataset-name", "random",
             "--num-prompts", str(n), "--random-input-len", "256", "--random-input-range-ratio", "0.5",
-            "--random-output-len", str(args.output_len), "--max-concurrency", str(c), "--seed", str(seed),
+            "--random-output-len", str(args.output_len), "--random-output-range-ratio", "1",
+            "--max-concurrency", str(c), "--seed", str(seed),
             "--warmup-requests", "2", "--disable-tqdm", "--label", mode]
     if mode == "unconstrained":
         argv.append("--ignore-eos")
@@ -102,7 +103,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--output-len", type=int, default=128, help="unconstrained requests' output tokens")
+    p.add_argument("--output-len", type=int, default=160,
+                   help="unconstrained requests' output tokens (the schema's outputs run ~155)")
     p.add_argument("--constrained-max-tokens", type=int, default=320, help="constrained requests' max_tokens")
     p.add_argument("--ttft-trials", type=int, default=5)
     p.add_argument("--port", type=int, default=30131)

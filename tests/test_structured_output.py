@@ -130,7 +130,13 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     engine.check()
 
 
-def test_apply_token_masks_matches_xgrammar():
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_apply_token_masks_matches_xgrammar(path, monkeypatch):
+    from relay.kernels import cpu as cpu_kernels
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no CPU kernels here")
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 1000, [0, 2]
     words = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), generator=gen, dtype=torch.int64)

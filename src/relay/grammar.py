@@ -25,6 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from relay.sampling_params import InvalidParam, SamplingParams
@@ -220,11 +221,18 @@ def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]
 def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that masks[i] (xgrammar's bitmask:
     bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed."""
-    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(rows), -1)
-    shifts = torch.arange(BITS, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()
+    from relay.kernels import cpu as cpu_kernels
+
+    blob = bytearray(b"".join(masks))
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and cpu_kernels.load() is not None):
+        words = torch.frombuffer(blob, dtype=torch.int32).view(len(rows), -1)
+        cpu_kernels.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
+        return
+    bits = np.unpackbits(np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits).to(logits.device).bool()
     vocab = logits.shape[1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))

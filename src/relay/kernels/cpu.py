@@ -105,6 +105,8 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_blocks_available.restype = i32
     lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
     lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
+    lib.relay_apply_bitmask.argtypes = [p, i64, p, p, i64, i64, i64]
+    lib.relay_apply_bitmask.restype = None
     _lib = lib
     return lib
 
@@ -169,6 +171,13 @@ def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     _lib.relay_gemm_blocks(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
                            y.data_ptr(), y.stride(0), m, w.out_features, w.in_features)
     return y
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits [*, vocab] float32 (rows contiguous): -inf where masks [n, words] int32 (one row of
+    bits per entry of rows, int64) disallow a token. Only where load() found the library."""
+    _lib.relay_apply_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), masks.data_ptr(), rows.numel(),
+                             masks.shape[1], logits.shape[1])
 
 
 def int8_matmul(x: torch.Tensor, qt: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
