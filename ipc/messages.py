@@ -7,7 +7,8 @@ Its outputs: scheduler -OutputBatch-> detokenizer -OutputBatch-> http (RequestOu
 Ending it:   http -AbortRequest-> scheduler (client gone);
              detokenizer -StopGenerating-> scheduler (a stop string ended its output)
 Also:        tokenizer -OutputBatch-> http (a request refused before it ran), ControlCall and
-             ControlReply between http and scheduler, a Heartbeat around the pipeline, Ready.
+             ControlReply between http and scheduler, a Heartbeat around the pipeline, Ready;
+             NodeMsg between the launchers of a multi-node server (launch/multinode.py).
 """
 from __future__ import annotations
 
@@ -92,3 +93,14 @@ class Heartbeat:
     The scheduler stamps step_age, how long its current model step has been running (0: none)."""
     seq: int
     step_age: float = 0.0
+
+
+@dataclass
+class NodeMsg:
+    """Between node 0's launcher and another node's (`--nnodes`, over TCP): `hello` (started),
+    `beat` (alive, both ways, every second), `ready` (its ranks are up; info per rank),
+    `down` (it is stopping because of `detail`), `bye` (a clean shutdown)."""
+    node: int  # the sender's --node-rank
+    kind: str
+    detail: str = ""
+    info: dict[str, Any] = field(default_factory=dict)

@@ -20,11 +20,13 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import zmq
 
 from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
+from launch.multinode import NodeLink, NodePlan, add_flags as add_multinode_flags, gloo_env, plan_from_args
 from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--replica-name", default=None,
                     help="name of this server as a replica (set by --dp: dp0, dp1, ...): a replica label on "
                          "every /metrics series, in process titles (relay::sched dp1) and log lines")
+    add_multinode_flags(p)
     return p
 
 
@@ -155,36 +158,46 @@ class Child:
     proc: subprocess.Popen | None = None
 
 
-def plan_children(cfg: EngineConfig, tokenizer_workers: int) -> list[Child]:
+def plan_children(cfg: EngineConfig, tokenizer_workers: int, nodes: NodePlan = NodePlan()) -> list[Child]:
+    """This node's processes: its TP ranks, and on node 0 everything else."""
+    local = nodes.local_ranks() if nodes.multi else range(cfg.tp_size)
+    ranks = [Child(f"tp{r}", "procs.model_runner", r) for r in local]
+    if nodes.node_rank > 0:
+        return ranks
     tokenizers = [Child("tokenizer" if tokenizer_workers == 1 else f"tokenizer{i}", "procs.tokenizer", i)
                   for i in range(tokenizer_workers)]
-    ranks = [Child(f"tp{r}", "procs.model_runner", r) for r in range(cfg.tp_size)]
     return ranks + [Child("sched", "procs.scheduler"), Child("detok", "procs.detokenizer")] + tokenizers
 
 
 class Launcher:
     def __init__(self, cfg: EngineConfig, model_dir: str, ipc_dir: str, tokenizer_workers: int, log_level: str,
-                 replica: str | None = None):
+                 replica: str | None = None, nodes: NodePlan = NodePlan()):
         self.cfg = cfg
+        self.nodes = nodes
         self.replica = replica
         self.model_dir = model_dir
         self.ipc_dir = ipc_dir
         self.log_level = log_level
-        self.children = plan_children(cfg, tokenizer_workers)
+        self.children = plan_children(cfg, tokenizer_workers, nodes)
         self.stopping = False
 
     def start(self) -> None:
         cores = len(os.sched_getaffinity(0))
+        local_ranks = sum(c.module == "procs.model_runner" for c in self.children)  # this node's share of --tp
+        extra = {"nodes": self.nodes.to_dict()} if self.nodes.multi else {}
         for child in self.children:
             args = ProcArgs(child.name, self.ipc_dir, self.model_dir, self.cfg.to_dict(), child.index,
-                            os.getpid(), self.log_level.upper(), replica=self.replica)
-            threads = str(max(1, cores // self.cfg.tp_size)) if child.module == "procs.model_runner" else "1"
+                            os.getpid(), self.log_level.upper(), extra=extra, replica=self.replica)
+            runner = child.module == "procs.model_runner"
+            threads = str(max(1, cores // local_ranks)) if runner else "1"
             env = {**os.environ, ARGS_ENV: args.to_env(), "OMP_NUM_THREADS": threads,
-                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _pythonpath()}
+                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _pythonpath(),
+                   **(gloo_env(self.nodes) if runner else {})}
             child.proc = subprocess.Popen([sys.executable, "-m", child.module], env=env)
 
-    def wait_ready(self, timeout: float) -> dict[str, dict]:
-        """Block until every child says Ready; raise naming the one that failed or died."""
+    def wait_ready(self, timeout: float, also: Callable[[], None] | None = None) -> dict[str, dict]:
+        """Block until every child says Ready; raise naming the one that failed or died (or
+        whatever `also`, called while waiting, raises: another node gone)."""
         ctx = zmq.Context.instance()
         sock = pull(ctx, endpoint(self.ipc_dir, LAUNCHER))
         waiting = {c.name for c in self.children}
@@ -196,6 +209,8 @@ class Launcher:
                     raise RuntimeError(f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}"
                                        + (f" of replica {self.replica}" if self.replica else ""))
                 self._raise_if_dead()
+                if also is not None:
+                    also()
                 if sock.poll(200):
                     for msg in recv_ready(sock):
                         if isinstance(msg, Ready):
@@ -245,7 +260,7 @@ def _pythonpath() -> str:
 
 # ---- HTTP -------------------------------------------------------------------------------
 def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, served_model: str,
-               infos: dict[str, dict], mc: ModelConfig) -> int:
+               infos: dict[str, dict], mc: ModelConfig, link: NodeLink | None = None) -> int:
     import uvicorn
 
     from procs.http_server import ZmqEngineClient, build_app
@@ -267,7 +282,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
             if self.started:
                 # A replica's line must not read "Relay is ready": that is the whole server's.
                 what = f"Relay replica {ns.replica_name} is" if ns.replica_name else "Relay is"
-                print(f"{what} ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size})",
+                nodes = f", {launcher.nodes.nnodes} nodes" if launcher.nodes.multi else ""
+                print(f"{what} ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size}{nodes})",
                       flush=True)
 
     async def main() -> None:
@@ -281,15 +297,19 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                                        timeout_keep_alive=max(1, int(ns.http_timeout))))
         loop = asyncio.get_running_loop()
 
-        def child_died(child: Child, code: int) -> None:
+        def fail(message: str) -> None:
             nonlocal exit_code
-            message = f"relay::{child.name} (pid {child.proc.pid}) died with exit code {code}"
             logger.error("%s; failing in-flight requests and shutting down", message)
             exit_code = 1
             client.fail_all(message)
             server.should_exit = True
 
+        def child_died(child: Child, code: int) -> None:
+            fail(f"relay::{child.name} (pid {child.proc.pid}) died with exit code {code}")
+
         launcher.watch(lambda child, code: loop.call_soon_threadsafe(child_died, child, code))
+        if link is not None:  # another node gone: its ranks are part of every step
+            link.on_failure(lambda reason: loop.call_soon_threadsafe(fail, reason))
         if not await client.wait_for_tokenizer(ns.startup_timeout):
             logger.error("no tokenizer process connected within %g s", ns.startup_timeout)
             exit_code = exit_code or 1
@@ -317,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.dp < 1:
         parser.error("--dp must be at least 1")
+    if ns.dp > 1 and ns.nnodes > 1:
+        parser.error("--dp and --nnodes cannot be combined")
     if ns.dp > 1:
         from launch.dp import serve_dp
         return serve_dp(parser, ns)
@@ -325,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     set_title(f"relay::{proc_label('http', ns.replica_name)}")
     setup_logging(ns.log_level.upper(), proc_label("http", ns.replica_name))
     cfg = engine_config(ns)
+    try:
+        nodes = plan_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
     model_dir = resolve_model_dir(cfg.model_path)
     mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
     if cfg.speculative_algorithm == "standalone":
@@ -336,21 +362,44 @@ def main(argv: list[str] | None = None) -> int:
     served_model = cfg.served_model_name or model_name(cfg.model_path)
     for path in remove_stale_ipc_dirs():
         logger.info("removed %s, left behind by a server that was killed", path)
+    link = None
+    if nodes.multi and nodes.node_rank == 0:
+        try:  # first: a taken port must stop us before anything starts
+            link = NodeLink(nodes, join_timeout=nodes.dist_timeout).start()
+        except zmq.ZMQError as e:
+            logger.error("cannot bind node 0's launcher to %s (--dist-init-addr port + 1): %s",
+                         nodes.control_endpoint, e)
+            return 1
     ipc_dir = make_ipc_dir()
-    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level, ns.replica_name)
+    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level, ns.replica_name, nodes)
+    if nodes.node_rank > 0:
+        from launch.multinode import serve_worker_node
+        set_title(f"relay::node{nodes.node_rank}")  # not relay::http: this node serves no HTTP
+        try:
+            return serve_worker_node(ns, nodes, launcher)
+        finally:
+            remove_ipc_dir(ipc_dir)
     # SIGTERM during startup must still clean up: turn it into an exception until uvicorn
     # installs its own handlers.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    code = 1
     try:
         launcher.start()
-        infos = launcher.wait_ready(ns.startup_timeout)
-        return serve_http(ns, cfg, launcher, served_model, infos, mc)
+        infos = launcher.wait_ready(ns.startup_timeout, also=link.raise_if_failed if link else None)
+        if link is not None:
+            for node_infos in link.wait_all_ready(ns.startup_timeout).values():
+                infos.update(node_infos)
+        code = serve_http(ns, cfg, launcher, served_model, infos, mc, link)
+        return code
     except KeyboardInterrupt:
+        code = 0
         return 0
     except RuntimeError as e:
         logger.error("%s", e)
         return 1
     finally:
+        if link is not None:  # first, so the other nodes hear why before their ranks see ours go
+            link.close("bye" if code == 0 else "down", "" if code == 0 else "node 0 stopped on an error")
         launcher.stop()
         remove_ipc_dir(ipc_dir)
 

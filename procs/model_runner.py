@@ -6,6 +6,7 @@ without a model so benchmarks can measure the rest of the pipeline.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -14,6 +15,7 @@ import zmq
 from ipc.codec import decode
 from ipc.messages import Ready
 from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
+from launch.multinode import NodePlan
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.batch import BatchOutput
 from relay.config import ModelConfig
@@ -29,13 +31,18 @@ def build_runner(args: ProcArgs, mc: ModelConfig):
     import torch
 
     from relay.distributed import TPGroup
-    from relay.model_runner import ModelRunner, pick_device
+    from relay.model_runner import ModelRunner, available_cores, pick_device
 
+    nodes = NodePlan.from_dict(args.extra.get("nodes"))
     device = pick_device(cfg.device)
-    if device.type == "cuda":  # one GPU per rank
-        device = torch.device("cuda", args.index)
-    rendezvous = f"file://{os.path.join(args.ipc_dir, 'tp_rendezvous')}"
-    tp = TPGroup.init(args.index, cfg.tp_size, rendezvous, device)
+    if device.type == "cuda":  # one GPU per rank of this node
+        device = torch.device("cuda", args.index % nodes.ranks_per_node if nodes.multi else args.index)
+    if nodes.multi and cfg.num_threads is None:  # this machine's cores are shared by its own ranks only
+        cfg = dataclasses.replace(cfg, num_threads=max(1, available_cores() // nodes.ranks_per_node))
+    if nodes.multi:  # rank 0 hosts the rendezvous on node 0; the timeout bounds init and collectives
+        tp = TPGroup.init(args.index, cfg.tp_size, nodes.dist_init_method, device, timeout=nodes.dist_timeout)
+    else:
+        tp = TPGroup.init(args.index, cfg.tp_size, f"file://{os.path.join(args.ipc_dir, 'tp_rendezvous')}", device)
     return ModelRunner(cfg, args.model_dir, mc, tp, device)
 
 
@@ -46,7 +53,10 @@ def main(args: ProcArgs) -> None:
     mc = ModelConfig.from_dir(args.model_dir)
     runner = build_runner(args, mc)
     ctx = zmq.Context()
-    inbox = pull(ctx, endpoint(args.ipc_dir, runner_inbox(args.index)), bind=False)
+    nodes = NodePlan.from_dict(args.extra.get("nodes"))
+    inbox_ep = (nodes.inbox_endpoint(args.index) if nodes.is_remote(args.index)  # node 0's scheduler binds it
+                else endpoint(args.ipc_dir, runner_inbox(args.index)))
+    inbox = pull(ctx, inbox_ep, bind=False)
     leader = args.index == 0
     info = {"num_pages": runner.num_pages, "context_len": runner.context_len, "page_size": runner.page_size,
             "chunked_prefill_size": runner.cfg.chunked_prefill_size}

@@ -16,6 +16,7 @@ from ipc.messages import (AbortRequest, ControlCall, ControlReply, Heartbeat, Ou
                           TokenizedReq)
 from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push, recv_ready,
                          runner_inbox, send)
+from launch.multinode import NodePlan
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.batch import BatchInput, BatchOutput
 from relay.config import ModelConfig
@@ -38,7 +39,9 @@ class SchedulerLoop:
         ep = lambda name: endpoint(args.ipc_dir, name)  # noqa: E731
         self.inbox = pull(ctx, ep(SCHEDULER))
         self.results = pull(ctx, ep(RUNNER_RESULT))
-        self.to_runners = [push(ctx, ep(runner_inbox(r)), bind=True) for r in range(args.engine_config.tp_size)]
+        nodes = NodePlan.from_dict(args.extra.get("nodes"))  # ranks on other nodes get their steps over TCP
+        self.to_runners = [push(ctx, nodes.inbox_endpoint(r) if nodes.is_remote(r) else ep(runner_inbox(r)),
+                                bind=True) for r in range(args.engine_config.tp_size)]
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
         info = self._wait_for_runner()

@@ -133,6 +133,8 @@ STRATEGIES = {
     m.ControlReply: st.builds(m.ControlReply, call_id=I64, ok=st.booleans(), data=STR_DICT),
     m.Ready: st.builds(m.Ready, name=TEXT, ok=st.booleans(), info=STR_DICT, error=OPT_STR),
     m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
+    m.NodeMsg: st.builds(m.NodeMsg, node=U31, kind=st.sampled_from(["hello", "beat", "ready", "down", "bye"]),
+                         detail=TEXT, info=STR_DICT),
 }
 
 
@@ -281,6 +283,7 @@ EXAMPLES = [
     m.TokenizedReq("a", [1, 2], SamplingParams()), m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
     m.AbortRequest("a"), m.StopGenerating("a", "\n"), m.ControlCall(1, "get_info"),
     m.ControlReply(1, True, {"x": [1]}), m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
+    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,11 @@ class TPGroup:
         self.size = size
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: torch.device) -> "TPGroup":
-        """Join the process group: NCCL on CUDA, gloo (loopback only) on CPU.
+    def init(cls, rank: int, size: int, init_method: str, device: torch.device,
+             timeout: float | None = None) -> "TPGroup":
+        """Join the process group: NCCL on CUDA, gloo on CPU (over loopback for a file://
+        rendezvous, i.e. one machine; across machines the launcher names the interface).
+        timeout (seconds) bounds the rendezvous and every collective (torch's default: 30 min).
 
         On CUDA the process binds its GPU first (torch.cuda.set_device) and hands it to
         init_process_group as device_id: NCCL then creates its communicator on that GPU at
@@ -71,12 +75,14 @@ class TPGroup:
                                    f"GPUs are visible; lower --tp or check CUDA_VISIBLE_DEVICES")
             torch.cuda.set_device(device)
         if size > 1:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            if init_method.startswith("file://"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
             if device.type == "cuda":
                 dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
-                                        device_id=device)
+                                        device_id=device, **kw)
             else:
-                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, **kw)
         return cls(rank, size)
 
     @property
