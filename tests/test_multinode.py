@@ -3,7 +3,7 @@
 Unit tests of the node plan (ranks per node, the address scheme, flag checks), the heartbeat
 bookkeeping, and two launchers' links over loopback. The slow tests run two "nodes" on this
 machine: two `launch.serve` invocations on 127.0.0.1 with `--nnodes 2 --tp 2`, whose greedy
-float32 output must equal a `--tp 1` server's, and node 0 must exit non-zero, naming node 1,
+float32 output must equal the `--tp 1` offline engine's, and node 0 must exit non-zero, naming node 1,
 once node 1 is killed.
 """
 from __future__ import annotations
