@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.request
 
-from procs.common import die_with_parent, set_title, setup_logging
+from procs.common import die_with_parent, set_title, setup_logging, terminate
 
 logger = logging.getLogger("relay.dp")
 
@@ -296,24 +296,8 @@ class Supervisor:
         """The router first (no new requests; those in flight may finish), then every replica;
         SIGKILL to a process group that has not stopped after its grace period."""
         self.stopping = True
-        _terminate([self.router], ROUTER_GRACE_SECONDS + 1.0)
-        _terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS)
-
-
-def _terminate(procs: list[subprocess.Popen | None], grace: float) -> None:
-    live = [p for p in procs if p is not None and p.poll() is None]
-    for p in live:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # its session: it and everything it started
-            except ProcessLookupError:
-                pass
-            p.wait()
+        terminate([self.router], ROUTER_GRACE_SECONDS + 1.0, whole_group=True)
+        terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS, whole_group=True)
 
 
 def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:

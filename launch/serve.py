@@ -27,7 +27,7 @@ import zmq
 from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
 from launch.multinode import NodeLink, NodePlan, add_flags as add_multinode_flags, gloo_env, plan_from_args
-from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging
+from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging, terminate
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
@@ -239,16 +239,7 @@ class Launcher:
     def stop(self) -> None:
         """SIGTERM every child, SIGKILL what is left after the grace period, reap all."""
         self.stopping = True
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate([c.proc for c in self.children], STOP_GRACE_SECONDS)
 
 
 def _pythonpath() -> str:

@@ -6,7 +6,9 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -100,3 +102,21 @@ def child_main(body: Callable[[ProcArgs], None]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def terminate(procs: list[subprocess.Popen | None], grace: float, whole_group: bool = False) -> None:
+    """SIGTERM the live ones, SIGKILL what is left after grace seconds (with whole_group, each
+    one's process group: a child started in its own session and everything it started), reap all."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL) if whole_group else p.kill()
+            except ProcessLookupError:
+                pass
+            p.wait()
