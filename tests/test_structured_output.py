@@ -119,6 +119,9 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     for rid, schema in (("compiling", fresh), ("cached", json.dumps(SCHEMAS[1]))):
         sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=schema)))
     assert sched.stats().grammar["live_matchers"] == 2
+    gone = json.dumps({"type": "object", "properties": {"aborted_while_compiling": {"type": "string"}}})
+    sched.add_request(Req("gone", [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=gone)))
+    assert sched.abort("gone").finish_reason == "abort"
     sched.wait_for_constraints()
     sched.poll_constraints()
     batch = sched.schedule()

@@ -151,7 +151,8 @@ class Scheduler:
         """Block until every compiling grammar is compiled (the offline engine, when nothing
         else can run)."""
         for req in self._compiling:
-            req.constraint.wait()
+            if req.constraint is not None:  # None: it ended (an abort) while compiling
+                req.constraint.wait()
 
     def abort(self, rid: str) -> RequestOutput | None:
         """End a request wherever it is, freeing its KV; its last record, or None if it is
