@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "scripts")]
 import bench_serving as bs  # noqa: E402
+from procs.common import terminate  # noqa: E402
 
 
 def free_port() -> int:
@@ -73,13 +73,7 @@ class Proc:
         raise TimeoutError(f"no {pattern!r} within {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        terminate([self.proc], 40, whole_group=True)  # its session: it and all it started
         self.log.close()
 
 

@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import bench_serving as bs
+from procs.common import terminate
 
 BENCH_DIR = os.path.join(ROOT, ".bench")
 LLAMA_BIN = os.path.join(BENCH_DIR, "llama.cpp-build", "bin")
@@ -159,13 +160,7 @@ class Server:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the session this script created for it
-                self.proc.wait()
+        terminate([self.proc], 20, whole_group=True)  # the session this script created for it
         if not self.log.closed:
             self.log.close()
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import threading
 import time
 
 import httpx
+
+from procs.common import terminate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_LINE = "Relay is ready"
@@ -70,13 +71,7 @@ class Server:
         return pids[0]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        terminate([self.proc], 30, whole_group=True)  # its session: it and all it started
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
