@@ -1,13 +1,17 @@
 """relay::sched: owns the Scheduler policy; sends each step to every model-runner rank.
 
 While a step runs it keeps taking new requests and aborts, so batch decisions never wait
-on the tokenizer or the network. Per step it sends one OutputBatch to the detokenizer.
+on the tokenizer or the network. With overlap (the default) it builds and sends step N+1
+before step N's output comes back, so the runner goes from one step straight to the next and
+the scheduler's own work on step N's output happens while step N+1 runs. Per step it sends
+one OutputBatch to the detokenizer.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import zmq
 
@@ -58,7 +62,9 @@ class SchedulerLoop:
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
-        self.step_started: float | None = None  # while a model step runs
+        self.steps: deque[BatchInput] = deque()  # sent to the runner, output not processed yet
+        self.depth = 1 if cfg.disable_overlap_schedule else 2  # steps out at once
+        self.step_started: float | None = None  # when the oldest step out started running
         # The scheduler's own cost per step (building, encoding, applying; not waiting for
         # the runner) and what it sends, for /get_server_info and scripts/bench_scheduler.py.
         self.work = {"steps": 0, "busy_seconds": 0.0, "runner_bytes": 0, "detok_bytes": 0}
@@ -77,43 +83,49 @@ class SchedulerLoop:
         while True:
             self.handle(recv_ready(self.inbox))
             self.pending.extend(self.sched.poll_constraints())
-            start = time.perf_counter()
-            batch = self.sched.schedule() if self.sched.has_work else None
-            if batch is None:
+            if len(self.steps) < self.depth and self.sched.has_work:
+                start = time.perf_counter()
+                batch = self.sched.schedule()
+                if batch is not None:
+                    self.send_step(batch, start)
+                    continue  # with a step out, build the next one while it runs
+            if self.steps:
+                out = self.wait_for_output()
+                start = time.perf_counter()
+                self.pending.extend(self.sched.process_output(self.steps.popleft(), out))
                 self.flush()
-                self.idle_check()
-                # A compiling grammar wakes no socket: look again soon while one is.
-                poller.poll(timeout=COMPILE_POLL_SECONDS * 1000 if self.sched.compiling
-                            else IDLE_CHECK_SECONDS * 1000)
+                self.work["busy_seconds"] += time.perf_counter() - start
                 continue
-            out = self.run_step(batch, start)
-            start = time.perf_counter()
-            self.pending.extend(self.sched.process_output(batch, out))
             self.flush()
-            self.work["busy_seconds"] += time.perf_counter() - start
+            self.idle_check()
+            # A compiling grammar wakes no socket: look again soon while one is.
+            poller.poll(timeout=COMPILE_POLL_SECONDS * 1000 if self.sched.compiling else IDLE_CHECK_SECONDS * 1000)
 
-    def run_step(self, batch: BatchInput, start: float) -> BatchOutput:
-        """Send the step to every rank; take new requests and aborts until rank 0 answers."""
+    def send_step(self, batch: BatchInput, start: float) -> None:
         data = encode(batch)
         for sock in self.to_runners:
             sock.send(data, copy=False)
+        if not self.steps:
+            self.step_started = time.monotonic()
+        self.steps.append(batch)
         self.work["steps"] += 1
         self.work["runner_bytes"] += len(data)
         self.work["busy_seconds"] += time.perf_counter() - start
+
+    def wait_for_output(self) -> BatchOutput:
+        """The oldest step's output from rank 0; new requests and aborts are taken meanwhile."""
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
-        self.step_started = time.monotonic()
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if self.inbox in ready:
-                    self.handle(recv_ready(self.inbox))
-                if self.results in ready:
-                    (out,) = recv_ready(self.results)
-                    return out
-        finally:
-            self.step_started = None
+        while True:
+            ready = dict(poller.poll())
+            if self.inbox in ready:
+                self.handle(recv_ready(self.inbox))
+            if self.results in ready:
+                # One output per step, in order; the runner went straight on to the next step.
+                out = decode(self.results.recv())
+                self.step_started = time.monotonic() if len(self.steps) > 1 else None
+                return out
 
     # ---- messages ---------------------------------------------------------------------
     def handle(self, msgs: list) -> None:

@@ -10,6 +10,8 @@ interval (the load's wall time over its steps): the share an overlapped schedule
   python scripts/bench_scheduler.py -- --load-format dummy-null        # the pipeline alone
   python scripts/bench_scheduler.py -- --dtype float32                 # the real model
   python scripts/bench_scheduler.py --offline                          # no processes: exact per-part times
+  python scripts/bench_scheduler.py --overlap-ab 3 -- --load-format dummy-null
+      # overlap scheduling on vs --disable-overlap-schedule, alternating, 3 rounds each
 
 --offline drives the Scheduler alone, in this process, with C running requests (prompts of
 128-256 tokens) and a runner that answers at once, and times each part of a decode step:
@@ -23,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -109,12 +112,28 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=30112)
     ap.add_argument("--offline", action="store_true")
+    ap.add_argument("--overlap-ab", type=int, default=0, metavar="ROUNDS",
+                    help="run the server with and without --disable-overlap-schedule, alternating, ROUNDS each")
     ap.add_argument("flags", nargs="*")
     args = ap.parse_args()
     if args.offline:
         print(json.dumps(offline(args.concurrency)))
         return
-    proc = start(args.port, args.flags)
+    if not args.overlap_ab:
+        print(json.dumps(serve_and_measure(args, args.flags)))
+        return
+    modes = {"overlap": args.flags, "no-overlap": [*args.flags, "--disable-overlap-schedule"]}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.overlap_ab):
+        for mode in (modes if r % 2 == 0 else reversed(list(modes))):
+            runs[mode].append(serve_and_measure(args, modes[mode]))
+            print(json.dumps({"mode": mode, **runs[mode][-1]}), flush=True)
+    keys = ("out_tok_s", "step_interval_ms", "busy_ms_per_step")
+    print(json.dumps({m: {k: statistics.median(x[k] for x in rs) for k in keys} for m, rs in runs.items()}))
+
+
+def serve_and_measure(args, flags: list[str]) -> dict:
+    proc = start(args.port, flags)
     url = f"http://127.0.0.1:{args.port}"
     try:
         work = lambda: httpx.get(url + "/get_server_info", timeout=60).json()["scheduler"]["step_work"]  # noqa: E731
@@ -127,13 +146,14 @@ def main() -> None:
         os.killpg(proc.pid, 15)
         proc.wait(30)
     steps = after["steps"] - before["steps"]
-    print(json.dumps({
-        "flags": args.flags, "concurrency": args.concurrency, "steps": steps,
+    return {
+        "flags": flags, "concurrency": args.concurrency, "steps": steps,
+        "out_tok_s": round(args.requests * args.output_len / wall, 1),
         "busy_ms_per_step": round(1000 * (after["busy_seconds"] - before["busy_seconds"]) / steps, 3),
         "step_interval_ms": round(1000 * wall / steps, 3),  # what overlap could hide busy_ms of
         "runner_bytes_per_step": round((after["runner_bytes"] - before["runner_bytes"]) / steps),
         "detok_bytes_per_step": round((after["detok_bytes"] - before["detok_bytes"]) / steps),
-    }))
+    }
 
 
 if __name__ == "__main__":

@@ -122,3 +122,41 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
             total += len(o.token_ids)
     assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
     engine.check()
+
+
+def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
+    """The engine builds step N+1 before it processes step N (as the server does) unless
+    disable_overlap_schedule: greedy and seeded outputs, stops, min_new_tokens, penalties and
+    logprobs come out the same both ways, through retraction in a tight pool too."""
+    from tests.conftest import TINY_VOCAB
+
+    prompts = random_prompts(TINY_VOCAB, [3, 9, 17, 30, 44, 57, 64, 12])
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_new_tokens=20),
+              SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=list(range(2, TINY_VOCAB, 9))),
+              SamplingParams(temperature=0.0, max_new_tokens=12, min_new_tokens=12,
+                             stop_token_ids=list(range(2, TINY_VOCAB, 3))),
+              SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.2, max_new_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_new_tokens=10, logprobs=True, top_logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)]
+    results = {}
+    tight = 40 * 4 * (2 * 2 * 16 * 2 * 4) / (1 << 30)  # ~40 pages of 4 tokens
+    for overlap in (True, False):
+        for kv_gb in (0.01, tight):
+            engine = Engine(tiny_model_dir("llama"), dtype="float32", page_size=4, chunked_prefill_size=48,
+                            kv_cache_gb=kv_gb, disable_overlap_schedule=not overlap)
+            outs = engine.generate(prompts, params)
+            engine.check()
+            assert (engine.scheduler.stats().num_retractions_total > 0) == (kv_gb == tight)
+            results[overlap, kv_gb] = outs
+    first = next(iter(results.values()))
+    for key, outs in results.items():
+        for i, (got, want) in enumerate(zip(outs, first)):
+            what = f"request {i} with (overlap, kv_cache_gb) = {key}"
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), what
+            # Logprobs differ in the last float bits between batch shapes.
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4) if want.logprobs else not got.logprobs
+    assert any(o.finish_reason == "stop" for o in first) and any(len(o.token_ids) == 12 for o in first)
+    assert len(first[5].logprobs) == 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.batch import BatchInput, SamplingSpec
+from relay.batch import PENDING_TOKEN, BatchInput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
@@ -67,6 +67,25 @@ def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad)
     assert list(out.row_errors) == [1] and out.error is None
     assert [out.next_token_ids[0], out.next_token_ids[2]] == expected and out.next_token_ids[1] == -1
     runner.forward(release([1, 2, 3], 98))
+
+
+def test_a_pending_input_continues_from_the_token_sampled_last_or_fails_alone(runner):
+    """Overlap: a decode row built before its token was seen carries PENDING_TOKEN; the runner
+    continues from the token it sampled for that request. A request whose last sampling row
+    failed has none: that row fails alone."""
+    first = runner.forward(prefill([20, 21], PROMPTS[:2], [spec(20), spec(21)], step=60))
+    decode = lambda ids, step: BatchInput(  # noqa: E731
+        step=step, sids=[20, 21], input_ids=ids, prefix_lens=[5, 3], extend_lens=[1, 1], page_starts=[2, 1],
+        new_pages=[[], [4]] if step == 61 else [[], []], sample=[True, True], output_lens=[1, 1])
+    known = runner.forward(decode(first.next_token_ids, 61))
+    runner.forward(release([20, 21], 62))
+    again = runner.forward(prefill([20, 21], PROMPTS[:2], [spec(20), spec(21)], step=63))
+    runner.last_tokens.pop(21)  # as if its sampling had failed
+    pending = runner.forward(decode([PENDING_TOKEN, PENDING_TOKEN], 61))
+    assert again.next_token_ids == first.next_token_ids
+    assert pending.next_token_ids[0] == known.next_token_ids[0] and pending.next_token_ids[1] == -1
+    assert list(pending.row_errors) == [1] and "previous step failed" in pending.row_errors[1]
+    runner.forward(release([20, 21], 64))
 
 
 def test_when_sampling_a_batch_raises_only_the_culprit_fails(runner, monkeypatch):

@@ -7,17 +7,21 @@ page table and returns a token that is a pure function of that history. So a pag
 that maps the wrong page, a page freed and reused while still mapped, or a shared page
 that is overwritten all show up as a wrong history, and recomputation after retraction
 yields exactly the tokens a huge pool would have produced.
+
+With depth=2 the harness drives the scheduler as the server's overlap loop does: step N+1 is
+built (and run: the runner takes steps in order) before step N's output is processed, and
+the fake runner fills PENDING_TOKEN inputs with the token it sampled last for that request.
 """
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.batch import BatchInput, BatchOutput
+from relay.batch import PENDING_TOKEN, BatchInput, BatchOutput
 from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.request import Req, Status
@@ -44,7 +48,8 @@ def counting_token(history: tuple[int, ...]) -> int:
 class Harness:
     def __init__(self, *, num_pages: int = 256, page_size: int = 4, budget: int = 64,
                  max_running: int = 256, context_len: int = 4096, eos: tuple[int, ...] = (EOS,),
-                 disable_cache: bool = False, token_fn=hash_token, attention_break_even: int | None = None):
+                 disable_cache: bool = False, token_fn=hash_token, attention_break_even: int | None = None,
+                 depth: int = 1):
         self.cfg = EngineConfig(page_size=page_size, chunked_prefill_size=budget,
                                 max_running_requests=max_running, disable_radix_cache=disable_cache)
         self.s = Scheduler(self.cfg, num_pages, context_len, list(eos), attention_break_even=attention_break_even)
@@ -57,6 +62,9 @@ class Harness:
         self.reqs: dict[str, Req] = {}
         self.batches: list[tuple[BatchInput, list[Req]]] = []
         self.steps = 0
+        self.depth = depth  # steps out at once: 2 is overlap scheduling
+        self.inflight: deque[tuple[BatchInput, BatchOutput]] = deque()
+        self.last_tokens: dict[int, int] = {}  # the runner's: sid -> its token sampled last
 
     # ---- requests -------------------------------------------------------------------
     def add(self, rid: str, prompt: list[int], priority: int = 0, **params) -> Req:
@@ -78,32 +86,37 @@ class Harness:
 
     # ---- the loop -------------------------------------------------------------------
     def step(self, abort_mid_step: list[str] = (), during=None) -> BatchInput | None:
-        """One schedule -> forward -> process_output round. Aborts and `during()` run while
-        the forward step is in flight, as the server handles messages then."""
+        """One round of the server's loop: build a step (while fewer than `depth` are out)
+        and run it; then, with `depth` out or nothing new built, process the oldest.
+        Aborts and `during()` run while steps are out, as the server handles messages then.
+        Returns the step built, else the one processed, else None (nothing to do)."""
         had_work = self.s.has_work
-        batch = self.s.schedule()
+        batch = self.s.schedule() if len(self.inflight) < self.depth and had_work else None
         self.s.check()
-        if batch is None:
+        if batch is None and not self.inflight:
             assert not had_work or not self.s.has_work, "livelock: work queued but nothing scheduled"
             return None
-        self.steps += 1
-        by_sid = {r.sid: r for r in self.s.running}
-        assert len(by_sid) == len(self.s.running), "two running requests share a sid"
-        assert len(set(batch.sids)) == len(batch.sids), "a request is twice in one batch"
-        reqs = [by_sid[sid] for sid in batch.sids]
-        expected = [r.token_slice(0, p + n) for r, p, n in zip(reqs, batch.prefix_lens, batch.extend_lens)]
-        self._validate(batch, reqs)
-        self.batches.append((batch, reqs))
+        if batch is not None:
+            self.steps += 1
+            by_sid = {r.sid: r for r in self.s.running}
+            assert len(by_sid) == len(self.s.running), "two running requests share a sid"
+            assert len(set(batch.sids)) == len(batch.sids), "a request is twice in one batch"
+            reqs = [by_sid[sid] for sid in batch.sids]
+            self._validate(batch, reqs)
+            self.batches.append((batch, reqs))
+            self.inflight.append((batch, self._run_model(batch, reqs)))
         for rid in abort_mid_step:
             self.abort(rid)
             self.s.check()
         if during is not None:
             during()
-        out = self._run_model(batch, expected)
-        for ev in self.s.process_output(batch, out):
+        if batch is not None and len(self.inflight) < self.depth:
+            return batch
+        done, out = self.inflight.popleft()
+        for ev in self.s.process_output(done, out):
             self._record(ev)
         self.s.check()
-        return batch
+        return batch or done
 
     def _validate(self, batch: BatchInput, reqs: list[Req]) -> None:
         assert 0 < batch.num_tokens <= self.budget, "step over the token budget"
@@ -115,6 +128,7 @@ class Harness:
         for sid in batch.released_sids:
             self.specs.pop(sid, None)
             self.tables.pop(sid, None)
+            self.last_tokens.pop(sid, None)
         for spec in batch.new_specs:
             assert spec.sid not in self.specs, "a spec for a sid that is still live"
             self.specs[spec.sid] = spec
@@ -123,10 +137,13 @@ class Harness:
         for i, req in enumerate(reqs):
             p, n = batch.prefix_lens[i], batch.extend_lens[i]
             assert self.specs[batch.sids[i]].params is req.params, "runner lacks the request's spec"
-            assert n >= 1 and p + n <= req.seq_len
-            assert batch.input_ids[pos:pos + n] == req.token_slice(p, p + n)
-            assert batch.output_lens[i] == len(req.output_ids)
-            assert batch.sample[i] == (p + n == req.seq_len)
+            # Building the step counted its sampled token as pending (in seq_len).
+            sample = batch.sample[i]
+            assert n >= 1 and p + n + sample <= req.seq_len
+            assert batch.sample[i] == (p + n == req.seq_len - sample)
+            assert batch.input_ids[pos:pos + n] == req.input_slice(p, p + n)
+            assert PENDING_TOKEN not in batch.input_ids[pos:pos + n - 1], "only a decode's one input is pending"
+            assert batch.output_lens[i] == len(req.output_ids) + req.pending - sample
             held = self.tables.setdefault(batch.sids[i], [])
             assert batch.page_starts[i] <= len(held), "a page update with a gap"
             del held[batch.page_starts[i]:]
@@ -141,19 +158,23 @@ class Harness:
                 assert table[q // self.ps] not in tree_pages, "a write into a shared page"
             pos += n
 
-    def _run_model(self, batch: BatchInput, expected: list[list[int]]) -> BatchOutput:
+    def _run_model(self, batch: BatchInput, reqs: list[Req]) -> BatchOutput:
+        """Write the inputs' KV, fill pending inputs from the runner's last tokens, and sample
+        each sampling row from its whole history read back through its page table."""
+        fill = lambda sid, ids: [self.last_tokens[sid] if t == PENDING_TOKEN else t for t in ids]  # noqa: E731
         pos, out = 0, []
-        for i in range(len(batch.sids)):
-            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[batch.sids[i]]
-            for q, tok in zip(range(p, p + n), batch.input_ids[pos:pos + n]):
+        for i, sid in enumerate(batch.sids):
+            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
+            for q, tok in zip(range(p, p + n), fill(sid, batch.input_ids[pos:pos + n])):
                 self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
             pos += n
-        for i in range(len(batch.sids)):
+        for i, sid in enumerate(batch.sids):
             if batch.sample[i]:
-                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[batch.sids[i]]
+                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
                 history = [self.kv[table[q // self.ps]][q % self.ps] for q in range(p + n)]
-                assert history == expected[i], "the KV cache holds the wrong tokens"
+                assert history == fill(sid, reqs[i].input_slice(0, p + n)), "the KV cache holds the wrong tokens"
                 out.append(self.token_fn(tuple(history)))
+                self.last_tokens[sid] = out[-1]
         sampled = [sid for sid, s in zip(batch.sids, batch.sample) if s]
         if any(self.specs[sid].params.logprobs for sid in sampled):
             # Like the real runner: one entry per sampled row when any row asks for them.
@@ -162,7 +183,7 @@ class Harness:
         return BatchOutput(batch.step, out)
 
     def run(self, max_steps: int = 10_000) -> None:
-        while self.s.has_work:
+        while self.s.has_work or self.inflight:
             assert self.steps < max_steps, "no progress: too many steps"
             self.step()
         self.assert_idle()
@@ -594,9 +615,10 @@ def test_high_priority_arrival_takes_a_slot_at_max_running():
         h.assert_finished_correctly(rid)
 
 
-def run_mix(num_pages: int, page_size: int, budget: int, seed: int) -> tuple[Harness, dict[str, list[int]]]:
+def run_mix(num_pages: int, page_size: int, budget: int, seed: int, depth: int = 1
+            ) -> tuple[Harness, dict[str, list[int]]]:
     rng = random.Random(seed)
-    h = Harness(num_pages=num_pages, page_size=page_size, budget=budget)
+    h = Harness(num_pages=num_pages, page_size=page_size, budget=budget, depth=depth)
     base = prompt(24, seed)
     for i in range(12):
         shared = base[:rng.randrange(0, 24)]
@@ -606,11 +628,12 @@ def run_mix(num_pages: int, page_size: int, budget: int, seed: int) -> tuple[Har
     return h, {rid: h.outputs(rid) for rid in h.reqs}
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_tiny_pool_forces_retraction_but_tokens_match_a_huge_pool(page_size):
+def test_tiny_pool_forces_retraction_but_tokens_match_a_huge_pool(page_size, depth):
     pages_needed = -(-(43 + 24 + 1) // page_size)  # the longest single request
     big, want = run_mix(4096, page_size, 48, seed=page_size)
-    small, got = run_mix(pages_needed + 2, page_size, 48, seed=page_size)
+    small, got = run_mix(pages_needed + 2, page_size, 48, seed=page_size, depth=depth)
     assert big.s.stats().num_retractions_total == 0
     assert small.s.stats().num_retractions_total > 0, "the small pool should force retraction"
     assert got == want
@@ -844,11 +867,12 @@ def workloads(draw):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(w=workloads())
-def test_random_workloads_run_to_completion(w):
+@given(w=workloads(), depth=st.sampled_from([1, 2]))
+def test_random_workloads_run_to_completion(w, depth):
     h = Harness(num_pages=w["num_pages"], page_size=w["ps"], budget=w["budget"],
                 max_running=w["max_running"], context_len=w["context_len"],
-                disable_cache=w["disable_cache"], eos=(EOS, 5), attention_break_even=w["attention_break_even"])
+                disable_cache=w["disable_cache"], eos=(EOS, 5), attention_break_even=w["attention_break_even"],
+                depth=depth)
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
     aborts = defaultdict(list)
     for step, i, mid in w["aborts"]:
@@ -856,7 +880,7 @@ def test_random_workloads_run_to_completion(w):
     total = sum(len(r["prompt"]) + r["max_new_tokens"] for r in w["reqs"])
     max_steps = 50 + 4 * total
     tick = 0
-    while pending or h.s.has_work:
+    while pending or h.s.has_work or h.inflight:
         assert tick < max_steps, "no progress"
 
         def arrive(mid_step: bool) -> None:
@@ -882,3 +906,85 @@ def test_random_workloads_run_to_completion(w):
         if rid not in aborted:
             assert h.final[rid].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         h.assert_finished_correctly(rid)
+
+
+# ---- overlap scheduling ------------------------------------------------------------------
+
+def run_overlap_mix(depth: int, **harness) -> Harness:
+    h = Harness(depth=depth, **harness)
+    for i in range(10):
+        h.add(f"r{i}", prompt(3 + 7 * i, 50 + i), max_new_tokens=5 + 3 * i, min_new_tokens=i % 3,
+              stop_token_ids=[7, 11][:i % 3], logprobs=i % 4 == 0)
+    h.run()
+    return h
+
+
+def test_overlap_gives_the_same_tokens_and_chains_decodes():
+    lockstep, overlap = run_overlap_mix(1), run_overlap_mix(2)
+    for rid in lockstep.reqs:
+        assert overlap.outputs(rid) == lockstep.outputs(rid)
+        assert overlap.final[rid].finish_reason == lockstep.final[rid].finish_reason
+        assert [e.logprobs for e in overlap.events[rid]] == [e.logprobs for e in lockstep.events[rid]]
+        overlap.assert_finished_correctly(rid)
+    pending = sum(b.input_ids.count(PENDING_TOKEN) for b, _ in overlap.batches)
+    assert pending > 100, "decodes should run on tokens the scheduler has not seen yet"
+    assert all(PENDING_TOKEN not in b.input_ids for b, _ in lockstep.batches)
+
+
+def test_overlap_never_builds_a_row_past_max_new_tokens():
+    h = Harness(depth=2, eos=())
+    h.add("r", prompt(6, 1), max_new_tokens=7)
+    h.run()
+    assert len(h.outputs("r")) == 7
+    sampled = sum(b.sample[i] for b, reqs in h.batches for i, r in enumerate(reqs) if r.rid == "r")
+    assert sampled == 7, "a row whose token could only be dropped was built"
+
+
+def test_overlap_drops_the_row_after_a_stop_token_and_frees_its_kv():
+    """Token = position, so stop token 9 comes out at position 9: the step after it is
+    already out with the request in it; that row's output is dropped."""
+    h = Harness(depth=2, eos=(), token_fn=counting_token, page_size=4)
+    h.add("r", list(range(6)), max_new_tokens=20, stop_token_ids=[9])
+    h.add("long", list(range(6)), max_new_tokens=20)
+    h.run()
+    assert h.outputs("r") == [6, 7, 8, 9] and h.final["r"].finish_reason == FinishReason.STOP
+    rows = [r.rid for _, reqs in h.batches for r in reqs].count("r")
+    assert rows == 5, "one extra decode row (after the stop) ran and was dropped"
+    assert h.outputs("long") == list(range(6, 26))
+    h.assert_idle()
+
+
+def test_overlap_abort_and_retraction_while_two_steps_are_out():
+    h = Harness(depth=2, eos=(), page_size=4, num_pages=12, budget=32)  # 44 KV tokens
+    h.add("a", prompt(10, 1), max_new_tokens=30)
+    h.add("b", prompt(10, 2), max_new_tokens=30)
+    while h.s.allocator.num_free > 1:
+        h.step()
+    assert len(h.inflight) == 1 and h.reqs["b"].inflight_steps == 1
+    h.add("hi", prompt(10, 3), max_new_tokens=8, priority=5)  # retracts b, whose step is out
+    h.step(abort_mid_step=["a"])
+    assert h.reqs["b"].num_retractions == 1
+    h.run()
+    assert h.final["a"].finish_reason == FinishReason.ABORT
+    assert h.reqs["b"].num_retractions > 0
+    for rid in ("b", "hi"):
+        h.assert_finished_correctly(rid)
+    want = Harness(eos=())
+    want.add("b", prompt(10, 2), max_new_tokens=30)
+    want.run()
+    assert h.outputs("b") == want.outputs("b")
+
+
+def test_overlap_runner_error_fails_its_requests_and_drops_their_next_rows():
+    h = Harness(depth=2, eos=(), max_running=2)
+    h.add("a", prompt(8, 1), max_new_tokens=20)
+    h.add("b", prompt(8, 2), max_new_tokens=20)
+    h.step()
+    h.step()  # step 2 built and out, step 1 processed
+    failed = h.s.schedule()  # step 3 out too; step 2 fails
+    step2, _ = h.inflight.popleft()
+    events = h.s.process_output(step2, BatchOutput(step2.step, [], error="boom"))
+    assert {e.rid: e.error for e in events} == {"a": "boom", "b": "boom"}
+    assert h.s.process_output(failed, BatchOutput(failed.step, [1, 2])) == []  # their rows: dropped
+    h.s.check()
+    h.assert_idle()

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from relay.sampling_params import SamplingParams
 
+# An input id the scheduler does not know yet (overlap scheduling): the token the runner
+# sampled for the same request in the step before. Only a decode row's one input is such.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class SamplingSpec:
@@ -26,7 +30,7 @@ class SamplingSpec:
 class BatchInput:
     step: int
     sids: list[int]  # request handles, one per request in the batch
-    input_ids: list[int]  # new tokens of all requests, concatenated
+    input_ids: list[int]  # new tokens of all requests, concatenated; PENDING_TOKEN: see above
     prefix_lens: list[int]  # tokens of each request already in the KV cache
     extend_lens: list[int]  # new tokens of each request in this step
     # Per request: the runner's page table from this index on is replaced by these pages;

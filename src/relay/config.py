@@ -53,6 +53,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
     disable_cuda_graph: bool = False
+    # Overlap scheduling: the scheduler builds step N+1 while the runner computes step N.
+    disable_overlap_schedule: bool = False
     disable_weight_blocks: bool = False  # CPU float32: keep GEMMs on float weights even where GGUF blocks are exact
     cuda_graph_max_bs: int = 64
     log_requests: bool = False

@@ -94,6 +94,14 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """The leader's values on every rank (each passes a list of the same length)."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
     def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate each rank's x (shape [..., sizes[rank]]) along the last dim."""
         if self.size == 1:

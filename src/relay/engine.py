@@ -11,8 +11,10 @@ records into one.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Sequence, Union
 
+from relay.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.detokenizer import Detokenizer, DetokenizeSpec
 from relay.grammar import check_constraint, make_backend
@@ -72,14 +74,20 @@ class Engine:
             self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
-        while self.scheduler.has_work:
+        # Overlap as the server does it (the same scheduler path, so this engine tests it):
+        # step N+1 is built before step N's output is processed.
+        depth = 1 if self.config.disable_overlap_schedule else 2
+        steps: deque[tuple[BatchInput, BatchOutput]] = deque()
+        while self.scheduler.has_work or steps:
             records = self.scheduler.poll_constraints()  # grammars that failed to compile
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule() if len(steps) < depth and self.scheduler.has_work else None
             if batch is not None:
-                records += self.scheduler.process_output(batch, self.runner.forward(batch))
-            elif self.scheduler.compiling:
+                steps.append((batch, self.runner.forward(batch)))
+            if steps and (batch is None or len(steps) == depth):
+                records += self.scheduler.process_output(*steps.popleft())
+            elif batch is None and self.scheduler.compiling:
                 self.scheduler.wait_for_constraints()
-            elif not records:
+            elif batch is None and not records:
                 raise RuntimeError("scheduler has work but scheduled nothing")
             shown, stops = self.detokenizer.process(records)
             for stop in stops:

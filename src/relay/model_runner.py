@@ -2,7 +2,8 @@
 
 `forward(BatchInput) -> BatchOutput` is its whole interface. It keeps what the scheduler sent
 once per request, keyed by the request's handle (sid): the sampler's state, and the page
-table that each step's changes are applied to.
+table that each step's changes are applied to; and the token it last sampled for each, the
+input of a decode row the scheduler built before it saw that token (PENDING_TOKEN).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from relay.attention import backend_class
 from relay.attention.base import StepMeta
-from relay.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.batch import PENDING_TOKEN, BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.grammar import apply_token_masks
@@ -100,6 +101,7 @@ class ModelRunner:
             self.drafter = Drafter(self.draft_model, draft_attn, self.run_model)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
+        self.last_tokens: dict[int, int] = {}  # sid -> its token sampled last (every rank: overlap)
         self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
         self._warm_up()
 
@@ -201,12 +203,17 @@ class ModelRunner:
         """Run one step. A request whose input is malformed is left out of it (every rank
         reaches the same verdict, so the ranks stay in step) and so is one whose sampling
         raises; both come back in row_errors while the rest of the batch runs."""
+        batch = self._fill_pending(batch)
+        for sid, sample in zip(batch.sids, batch.sample):
+            if sample:  # until this step samples it anew (a step that raises leaves none)
+                self.last_tokens.pop(sid, None)
         row_errors = self.invalid_rows(batch)
         run = batch.without(set(row_errors)) if row_errors else batch
         if self.sampler is not None:
             self.sampler.update(run.released_sids, run.new_specs)
         for sid in run.released_sids:
             self.page_tables.pop(sid, None)
+            self.last_tokens.pop(sid, None)
         for sid, start, pages in zip(run.sids, run.page_starts, run.new_pages):
             table = self.page_tables.setdefault(sid, [])
             del table[start:]
@@ -221,7 +228,9 @@ class ModelRunner:
         elif run.sids:
             logits = self.step_logits(run, tables)
         if self.sampler is None:
-            return BatchOutput(batch.step, [], row_errors=row_errors)
+            out = BatchOutput(batch.step, [], row_errors=row_errors)
+            self._remember_tokens(batch, out)
+            return out
         kept = [i for i in range(len(batch.sids)) if i not in row_errors]
         sampled = [kept[j] for j, s in enumerate(run.sample) if s]  # batch row of each sampling row
         res = SampleResult([])
@@ -237,7 +246,40 @@ class ModelRunner:
                 res, failed = self._sample_and_verify(logits, sids, lens, [proposals[i] for i in picked],
                                                       [dists[i] for i in picked])
             row_errors.update({sampled[j]: why for j, why in failed.items()})
-        return _scatter(batch, row_errors, sampled, res)
+        out = _scatter(batch, row_errors, sampled, res)
+        self._remember_tokens(batch, out)
+        return out
+
+    def _fill_pending(self, batch: BatchInput) -> BatchInput:
+        """The batch with each PENDING_TOKEN input (a decode row's only one) replaced by the
+        token this runner sampled for that request last; one it lacks stays, and its row fails."""
+        if not batch.input_ids or min(batch.input_ids) != PENDING_TOKEN:
+            return batch
+        ids, end = list(batch.input_ids), 0
+        for sid, n in zip(batch.sids, batch.extend_lens):
+            end += n
+            if ids[end - 1] == PENDING_TOKEN:
+                ids[end - 1] = self.last_tokens.get(sid, PENDING_TOKEN)
+        return dataclasses.replace(batch, input_ids=ids)
+
+    def _remember_tokens(self, batch: BatchInput, out: BatchOutput) -> None:
+        """Keep each sampling row's last emitted token for a PENDING_TOKEN in the next step.
+        Only the leader samples: with overlap on, it sends them to the other ranks."""
+        sids = [sid for sid, s in zip(batch.sids, batch.sample) if s]
+        if not sids:
+            return
+        if self.sampler is not None:
+            spec = out.spec_token_ids or [[]] * len(sids)
+            tokens = [more[-1] if more else tok for tok, more in zip(out.next_token_ids, spec)]
+        else:
+            tokens = [PENDING_TOKEN] * len(sids)
+        if self.tp.size > 1 and not self.cfg.disable_overlap_schedule:
+            tokens = self.tp.broadcast_ints(tokens, self.device)
+        for sid, tok in zip(sids, tokens):
+            if tok >= 0:
+                self.last_tokens[sid] = tok
+            else:  # its row failed: a pending input that follows must fail too
+                self.last_tokens.pop(sid, None)
 
     def _proposals(self, batch: BatchInput, tables: list[list[int]]
                    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -345,7 +387,9 @@ class ModelRunner:
         proposed = batch.row_runs(batch.proposed_ids, batch.spec_lens)
         catchup = batch.row_runs(batch.catchup_ids, batch.catchup_lens)
         for i, (sid, n) in enumerate(zip(batch.sids, batch.extend_lens)):
-            if not _ids_within(batch.input_ids[start:start + n] + proposed[i] + catchup[i], vocab):
+            if PENDING_TOKEN in batch.input_ids[start:start + n]:
+                errors[i] = "its previous step failed: there is no sampled token to continue from"
+            elif not _ids_within(batch.input_ids[start:start + n] + proposed[i] + catchup[i], vocab):
                 errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
             elif sid in bad_specs:
                 errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"

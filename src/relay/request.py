@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from relay.batch import PENDING_TOKEN
 from relay.radix_cache import RadixNode
 from relay.sampling_params import SamplingParams
 
@@ -33,7 +34,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     # KV state: pages[i] holds tokens [i*page_size, (i+1)*page_size) of prompt + output.
     pages: list[int] = field(default_factory=list)
-    kv_len: int = 0  # leading tokens whose KV is written
+    kv_len: int = 0  # leading tokens whose KV is written (or being written: see inflight_steps)
     tree_len: int = 0  # leading tokens whose pages the radix tree owns (locked via last_node)
     last_node: RadixNode | None = None
     pages_synced: int = 0  # leading pages the runner's copy of the page table has right
@@ -55,6 +56,14 @@ class Req:
     spec_proposed: int = 0  # proposals verified and accepted over the request's life
     spec_accepted: int = 0
     constraint: Constraint | None = None  # the output's grammar (SamplingParams.constraint)
+    # Overlap scheduling: steps sent and not yet processed may carry the request. kv_len
+    # counts the tokens they write (`unwritten` of them), seq_len the tokens they sample
+    # (`pending`, not yet in output_ids); `chainable`: its next step may be built before a
+    # pending token is seen (a plain sample: not speculative, not grammar-constrained).
+    inflight_steps: int = 0
+    unwritten: int = 0
+    pending: int = 0
+    chainable: bool = False
 
     def token_slice(self, lo: int, hi: int) -> list[int]:
         """(prompt + output)[lo:hi] without building the concatenation."""
@@ -80,7 +89,17 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def written_len(self) -> int:
+        """Leading tokens whose KV a processed step wrote (what the prefix cache may share)."""
+        return self.kv_len - self.unwritten
+
+    def input_slice(self, lo: int, hi: int) -> list[int]:
+        """token_slice, with PENDING_TOKEN for positions whose token is still pending."""
+        ids = self.token_slice(lo, hi)
+        return ids + [PENDING_TOKEN] * (hi - lo - len(ids))
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,12 @@ chunk of requests whose prompt is partly computed, and (3) newly admitted reques
 priority order, until the step's token budget is spent. KV pages come from the radix
 cache's allocator; when they run out, the lowest-priority, newest request is retracted
 (its computed KV goes to the prefix cache) and recomputed later. Pure Python: no tensors.
+
+Overlap: the caller may build step N+1 before it hands back step N's output. A request whose
+step-N row samples a plain token then decodes in N+1 with PENDING_TOKEN as its input (the
+runner substitutes what it sampled); if that token ends the request, N+1's row is dropped
+when it comes back and its KV freed. A step's KV counts as the request's at build time
+(kv_len), and as shareable only once the step is processed (written_len).
 """
 from __future__ import annotations
 
@@ -90,6 +96,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._step = 0
         self._inflight: dict[int, StepInFlight] = {}
+        self._last_output_time = 0.0
         self._free_sids: list[int] = []
         self._next_sid = 0
         self._released_sids: list[int] = []
@@ -218,6 +225,8 @@ class Scheduler:
         rows: dict[int, SpecRow] = {}
         headroom = self._decode_headroom()
         for req, _ in decodes:
+            if req.pending:
+                continue  # its last token is not known here yet
             if req.constraint is not None and self.spec.algorithm != "ngram":
                 continue  # a draft model proposes in the runner, where no matcher is
             row = self.spec.plan(req, budget)
@@ -238,6 +247,8 @@ class Scheduler:
         for req in reqs:
             if req.status != Status.RUNNING or budget - used <= 0:
                 continue  # retracted to make room for a request ranked above it
+            if not self._may_run_ahead(req):
+                continue
             n = self._chunk(req, budget - used)
             if n > 0 and self._reserve_or_retract(req, req.kv_len + n, scheduled):
                 batch.append((req, n))
@@ -252,7 +263,7 @@ class Scheduler:
         for req in prompts:
             if budget <= 0:
                 return budget
-            if req.status != Status.RUNNING:
+            if req.status != Status.RUNNING or not self._may_run_ahead(req):
                 continue
             i = index.get(id(req))
             n = batch[i][1] if i is not None else 0
@@ -289,6 +300,15 @@ class Scheduler:
             return n
         return math.ceil(n * (1 + (req.kv_len + n / 2) / self.attn_even))
 
+    def _may_run_ahead(self, req: Req) -> bool:
+        """Whether req can be in the step being built while an unprocessed one samples its
+        next token: only a plain sample, and not one that ends it by length (a wasted row)."""
+        if not req.pending:
+            return True
+        p = req.params
+        return (req.chainable and len(req.output_ids) + req.pending < p.max_new_tokens
+                and req.seq_len < self.context_len and self._pages_for(req.seq_len) <= self.allocator.capacity)
+
     def _can_admit(self) -> bool:
         return self._peek_waiting() is not None and len(self.running) < self.limits.max_running
 
@@ -297,10 +317,15 @@ class Scheduler:
         one record per request that produced a token or ended."""
         step = self._inflight.pop(batch.step)
         reqs = step.reqs
+        for req in reqs:
+            req.inflight_steps -= 1
+        now = self.clock()
+        # With overlap the runner started this step when the one before it ended.
+        duration = now - max(step.started, self._last_output_time)
+        self._last_output_time = now
         if out.error is not None:
             return [self._finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished]
         events: list[RequestOutput] = []
-        now = self.clock()
         gaps: dict[float, int] = {}  # inter-token gap -> tokens with it (decodes of a step share one)
         ttfts: list[float] = []
         j = 0
@@ -313,18 +338,18 @@ class Scheduler:
             if i in out.row_errors:  # this request alone failed; the rest of the batch ran
                 events.append(self._finish(req, FinishReason.ABORT, out.row_errors[i]))
                 continue
-            start = req.kv_len
-            req.kv_len += batch.extend_lens[i]
+            req.unwritten -= batch.extend_lens[i]
             if token is not None:
+                req.pending -= 1
                 more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
                 events.append(self._append_tokens(req, [token, *more], out, j - 1))
                 self._time_tokens(req, now, len(events[-1].token_ids), gaps, ttfts)
                 if batch.spec_lens or batch.catchup_lens:
-                    self._after_speculation(req, batch, i, start, len(more))
+                    self._after_speculation(req, batch, i, batch.prefix_lens[i], len(more))
             if req.status == Status.RUNNING:
                 self._cache_prefix(req)  # whole new pages go to the tree: others can share them now
-        self._step_seconds += now - step.started
-        self.limits.on_step(now, now - step.started, step.decode_tokens, step.prefill_cost, list(gaps.items()), ttfts,
+        self._step_seconds += duration
+        self.limits.on_step(now, duration, step.decode_tokens, step.prefill_cost, list(gaps.items()), ttfts,
                             self._num_waiting, len(self.running))
         return events
 
@@ -366,8 +391,8 @@ class Scheduler:
             req = self._pop_waiting()
             if req is None:
                 break
-            if req.constraint is not None and req.constraint.matcher is None:
-                held_back.append(req)  # compiling: the requests behind it go first
+            if (req.constraint is not None and req.constraint.matcher is None) or req.inflight_steps:
+                held_back.append(req)  # compiling, or retracted from a step still out: others go first
                 continue
             self._match(req)
             n = self._chunk(req, budget)
@@ -388,7 +413,7 @@ class Scheduler:
     def _preempt_for_waiting(self, budget: int) -> None:
         """Retract lower-priority running requests a waiting one needs room (or a slot) from."""
         top = self._peek_waiting()
-        if top is not None and top.constraint is not None and top.constraint.matcher is None:
+        if top is not None and ((top.constraint is not None and top.constraint.matcher is None) or top.inflight_steps):
             return  # it cannot run yet: room made now would sit idle
         while top is not None and self.running:
             victim = self._lowest_ranked_running(set())
@@ -497,6 +522,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
         self._release_kv(req)
+        req.unwritten = req.pending = 0  # what steps still out produce for it is dropped
         self.running.remove(req)
         req.status = Status.WAITING
         req.num_retractions += 1
@@ -505,7 +531,7 @@ class Scheduler:
 
     def _cache_prefix(self, req: Req) -> None:
         """Hand the request's computed whole pages to the radix tree and lock them there."""
-        n = req.kv_len - req.kv_len % self.page_size
+        n = req.written_len - req.written_len % self.page_size
         if self.cache.disabled or n <= req.tree_len:
             return
         tokens = req.token_slice(0, n)
@@ -576,8 +602,9 @@ class Scheduler:
         # The next step needs KV for all seq_len tokens. A request that alone would outgrow
         # the pool ends here, where its record reaches the caller (schedule() has no way to
         # report a finish), and never sits retracted with more KV than the pool holds.
-        if (n >= p.max_new_tokens or req.seq_len >= self.context_len
-                or self._pages_for(req.seq_len) > self.allocator.capacity):
+        seen = len(req.prompt_ids) + n  # seq_len also counts tokens later steps still owe
+        if (n >= p.max_new_tokens or seen >= self.context_len
+                or self._pages_for(seen) > self.allocator.capacity):
             return FinishReason.LENGTH, None
         return None, None
 
@@ -627,7 +654,7 @@ class Scheduler:
         updates = []
         step = StepInFlight([req for req, _ in batch], self.clock())
         for req, n in batch:
-            input_ids.extend(req.token_slice(req.kv_len, req.kv_len + n))
+            input_ids.extend(req.input_slice(req.kv_len, req.kv_len + n))
             k = spec_rows[id(req)].k if id(req) in spec_rows else 0
             if req.in_prefill:
                 step.prefill_cost += self._cost(req, n)
@@ -639,7 +666,7 @@ class Scheduler:
                 req.spec_sent = True
         released, self._released_sids = self._released_sids, []
         self._inflight[self._step] = step
-        return BatchInput(
+        out = BatchInput(
             step=self._step,
             sids=[req.sid for req, _ in batch],
             input_ids=input_ids,
@@ -648,12 +675,22 @@ class Scheduler:
             page_starts=[start for start, _ in updates],
             new_pages=[pages for _, pages in updates],
             sample=[req.kv_len + n == req.seq_len for req, n in batch],
-            output_lens=[len(req.output_ids) for req, _ in batch],
+            output_lens=[len(req.output_ids) + req.pending for req, _ in batch],
             new_specs=specs,
             released_sids=released,
             token_masks=self._token_masks(batch, spec_rows),
             **self._spec_fields(batch, spec_rows),
         )
+        speculating = self.spec is not None and self.spec.active(len(self.running))
+        for (req, n), sample in zip(batch, out.sample):
+            req.kv_len += n
+            req.unwritten += n
+            req.inflight_steps += 1
+            if sample:
+                req.pending += 1
+                # While speculation is on, a request waits for its token: proposals need it.
+                req.chainable = req.constraint is None and not speculating
+        return out
 
     def _token_masks(self, batch: list[tuple[Req, int]], spec_rows: dict[int, SpecRow]) -> dict[int, bytes]:
         """Per constrained row that samples, the bitmask of allowed next tokens; for a row
