@@ -230,10 +230,14 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
 // qscale; acc comes out in order. A tile's keys are transposed once into kt [D][KT] so a row's
 // scores for 16 keys are one FMA per dimension with no horizontal sums, and each loaded key or
 // value vector serves RB rows: a small GEMM per tile rather than a dot product per key.
-static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
-                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                            float* m, float* l, float* acc, float* kt) {
-    const int64_t NC = D / 16;
+// NC (head_dim / 16) is a compile-time constant in each instance (attend_rows_f32 below), so the
+// accumulators of a row block stay in registers: with a runtime NC the compiler kept them on the
+// stack and copied them out with rep movs (5 % of the kernel's time).
+static inline __attribute__((always_inline)) void attend_rows_f32_nc(
+        const int64_t NC, const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
+        int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, float* m, float* l, float* acc,
+        float* kt) {
+    const int64_t D = NC * 16;
     const size_t esz = kv_bf16 ? 2 : 4;
     int64_t row[KT];  // byte offset of each of the tile's tokens in a kv head's [S, D] block
     for (int64_t base = k0; base < k1; base += KT) {
@@ -320,6 +324,16 @@ static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows,
                     for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(acc + (r0 + b) * D + (c0 + c) * 16, av[b][c]);
             }
         }
+    }
+}
+
+static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
+                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                            float* m, float* l, float* acc, float* kt) {
+    switch (D) {
+        case 64: attend_rows_f32_nc(4, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt); return;
+        case 128: attend_rows_f32_nc(8, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt); return;
+        default: attend_rows_f32_nc(D / 16, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt);
     }
 }
 
