@@ -65,8 +65,11 @@ FLAG_HELP = {
     "seed": "seed for sampling requests that set no seed",
     "load_format": f"one of {LOAD_FORMATS}: dummy = random weights; dummy-null = no model (pipeline benchmark)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
-    "disable_overlap_schedule": ("build each step only after the one before it has come back (by default the "
-                                 "scheduler builds step N+1 while step N runs)"),
+    "disable_overlap_schedule": ("never build a step before the one before it has come back (by default the "
+                                 "scheduler builds step N+1 while step N runs, where that pays: see "
+                                 "--overlap-min-share)"),
+    "overlap_min_share": ("overlap scheduling only while the scheduler's own work is at least this share of a "
+                          "step (0: always); it costs an arriving request one more step before its first token"),
     "disable_weight_blocks": ("CPU, float32: multiply by float weights even where the checkpoint's weights are "
                               "exactly GGUF Q4_1/Q8_0 blocks (by default small-batch GEMMs read those blocks: "
                               "same weights, 4-7x fewer bytes)"),

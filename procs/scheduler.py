@@ -1,10 +1,10 @@
 """relay::sched: owns the Scheduler policy; sends each step to every model-runner rank.
 
 While a step runs it keeps taking new requests and aborts, so batch decisions never wait
-on the tokenizer or the network. With overlap (the default) it builds and sends step N+1
-before step N's output comes back, so the runner goes from one step straight to the next and
-the scheduler's own work on step N's output happens while step N+1 runs. Per step it sends
-one OutputBatch to the detokenizer.
+on the tokenizer or the network. With overlap it builds and sends step N+1 before step N's
+output comes back, so the runner goes from one step straight to the next and the scheduler's
+own work on step N's output happens while step N+1 runs; relay.overlap.OverlapPolicy decides
+when that pays. Per step it sends one OutputBatch to the detokenizer.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from relay.config import ModelConfig
 from relay.grammar import make_backend
 from relay.lifecycle import Tombstones
 from relay.outputs import FinishReason, RequestOutput, error_output
+from relay.overlap import OverlapPolicy
 from relay.request import Req
 from relay.sampling_params import InvalidParam
 from relay.scheduler import Scheduler
@@ -62,8 +63,10 @@ class SchedulerLoop:
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
-        self.steps: deque[BatchInput] = deque()  # sent to the runner, output not processed yet
-        self.depth = 1 if cfg.disable_overlap_schedule else 2  # steps out at once
+        self.steps: deque[tuple[BatchInput, float]] = deque()  # sent (and when), output not processed yet
+        self.overlap = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
+        self.last_output = 0.0  # perf_counter() when the runner's last output came
+        self.busy_mark = 0.0  # work["busy_seconds"] when the last step was processed
         self.step_started: float | None = None  # when the oldest step out started running
         # The scheduler's own cost per step (building, encoding, applying; not waiting for
         # the runner) and what it sends, for /get_server_info and scripts/bench_scheduler.py.
@@ -83,7 +86,7 @@ class SchedulerLoop:
         while True:
             self.handle(recv_ready(self.inbox))
             self.pending.extend(self.sched.poll_constraints())
-            if len(self.steps) < self.depth and self.sched.has_work:
+            if len(self.steps) < self.overlap.depth and self.sched.has_work:
                 start = time.perf_counter()
                 batch = self.sched.schedule()
                 if batch is not None:
@@ -92,9 +95,13 @@ class SchedulerLoop:
             if self.steps:
                 out = self.wait_for_output()
                 start = time.perf_counter()
-                self.pending.extend(self.sched.process_output(self.steps.popleft(), out))
+                batch, sent = self.steps.popleft()
+                self.pending.extend(self.sched.process_output(batch, out))
                 self.flush()
                 self.work["busy_seconds"] += time.perf_counter() - start
+                # The runner began the step when it was sent or when the one before it ended.
+                self.overlap.record(self.work["busy_seconds"] - self.busy_mark, start - max(sent, self.last_output))
+                self.busy_mark, self.last_output = self.work["busy_seconds"], start
                 continue
             self.flush()
             self.idle_check()
@@ -107,7 +114,7 @@ class SchedulerLoop:
             sock.send(data, copy=False)
         if not self.steps:
             self.step_started = time.monotonic()
-        self.steps.append(batch)
+        self.steps.append((batch, time.perf_counter()))
         self.work["steps"] += 1
         self.work["runner_bytes"] += len(data)
         self.work["busy_seconds"] += time.perf_counter() - start
@@ -175,7 +182,8 @@ class SchedulerLoop:
     def control(self, msg: ControlCall) -> ControlReply:
         if msg.kind == "get_info":
             st = self.sched.stats()
-            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info, "step_work": dict(self.work)}
+            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info, "step_work": dict(self.work),
+                    "overlap": self.overlap.to_dict()}
             return ControlReply(msg.call_id, True, data)
         if msg.kind == "flush_cache":
             if self.sched.running or self.sched.num_waiting:

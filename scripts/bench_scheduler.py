@@ -11,7 +11,7 @@ interval (the load's wall time over its steps): the share an overlapped schedule
   python scripts/bench_scheduler.py -- --dtype float32                 # the real model
   python scripts/bench_scheduler.py --offline                          # no processes: exact per-part times
   python scripts/bench_scheduler.py --overlap-ab 3 -- --load-format dummy-null
-      # overlap scheduling on vs --disable-overlap-schedule, alternating, 3 rounds each
+      # overlap scheduling always (--overlap-min-share 0) vs never, alternating, 3 rounds each
 
 --offline drives the Scheduler alone, in this process, with C running requests (prompts of
 128-256 tokens) and a runner that answers at once, and times each part of a decode step:
@@ -122,7 +122,7 @@ def main() -> None:
     if not args.overlap_ab:
         print(json.dumps(serve_and_measure(args, args.flags)))
         return
-    modes = {"overlap": args.flags, "no-overlap": [*args.flags, "--disable-overlap-schedule"]}
+    modes = {"overlap": [*args.flags, "--overlap-min-share", "0"], "no-overlap": [*args.flags, "--disable-overlap-schedule"]}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.overlap_ab):
         for mode in (modes if r % 2 == 0 else reversed(list(modes))):

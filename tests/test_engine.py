@@ -125,9 +125,11 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
 
 
 def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
-    """The engine builds step N+1 before it processes step N (as the server does) unless
-    disable_overlap_schedule: greedy and seeded outputs, stops, min_new_tokens, penalties and
-    logprobs come out the same both ways, through retraction in a tight pool too."""
+    """With overlap_min_share=0 the engine builds step N+1 before it processes step N (as the
+    server does where overlap pays): greedy and seeded outputs, stops, min_new_tokens, penalties
+    and logprobs come out as in lockstep, through retraction in a tight pool too."""
+    from relay.batch import PENDING_TOKEN
+
     from tests.conftest import TINY_VOCAB
 
     prompts = random_prompts(TINY_VOCAB, [3, 9, 17, 30, 44, 57, 64, 12])
@@ -146,8 +148,11 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
     for overlap in (True, False):
         for kv_gb in (0.01, tight):
             engine = Engine(tiny_model_dir("llama"), dtype="float32", page_size=4, chunked_prefill_size=48,
-                            kv_cache_gb=kv_gb, disable_overlap_schedule=not overlap)
+                            kv_cache_gb=kv_gb, disable_overlap_schedule=not overlap, overlap_min_share=0.0)
+            forward, pending = engine.runner.forward, []
+            engine.runner.forward = lambda b: (pending.append(b.input_ids.count(PENDING_TOKEN)), forward(b))[1]
             outs = engine.generate(prompts, params)
+            assert (sum(pending) > 50) == overlap
             engine.check()
             assert (engine.scheduler.stats().num_retractions_total > 0) == (kv_gb == tight)
             results[overlap, kv_gb] = outs

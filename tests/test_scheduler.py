@@ -988,3 +988,18 @@ def test_overlap_runner_error_fails_its_requests_and_drops_their_next_rows():
     assert h.s.process_output(failed, BatchOutput(failed.step, [1, 2])) == []  # their rows: dropped
     h.s.check()
     h.assert_idle()
+
+
+def test_overlap_policy_overlaps_only_where_the_scheduler_is_a_real_share_of_a_step():
+    from relay.overlap import OverlapPolicy
+
+    cpu, gpu, off, always = OverlapPolicy(), OverlapPolicy(), OverlapPolicy(enabled=False), OverlapPolicy(min_share=0)
+    assert cpu.depth == 1 and always.depth == 2  # nothing measured yet: lockstep, unless forced
+    for _ in range(20):
+        cpu.record(busy_s=0.002, step_s=0.180)  # a float32 model step on 2 cores
+        gpu.record(busy_s=0.0015, step_s=0.005)  # a CUDA-graph decode step
+        off.record(busy_s=0.0015, step_s=0.005)
+    assert (cpu.depth, gpu.depth, off.depth) == (1, 2, 1)
+    for _ in range(20):
+        cpu.record(busy_s=0.002, step_s=0.004)  # the load changed: steps became short
+    assert cpu.depth == 2 and cpu.to_dict()["depth"] == 2

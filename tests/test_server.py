@@ -246,6 +246,10 @@ def test_overload_answers_503():
                        15, "aborted streams to end")
             ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+            # Without a model a step is as short as the scheduler's own work: overlap pays, and is on.
+            overlap = c.get("/get_server_info", headers=auth).json()["scheduler"]["overlap"]
+            assert overlap["enabled"] and overlap["depth"] == 2, overlap
+            assert overlap["busy_ms"] >= overlap["min_share"] * overlap["step_ms"]
     finally:
         s.stop()
 

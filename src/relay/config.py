@@ -53,8 +53,10 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
     disable_cuda_graph: bool = False
-    # Overlap scheduling: the scheduler builds step N+1 while the runner computes step N.
+    # Overlap scheduling: the scheduler builds step N+1 while the runner computes step N, where
+    # its own work is at least overlap_min_share of a step (0: always; relay/overlap.py).
     disable_overlap_schedule: bool = False
+    overlap_min_share: float = 0.1
     disable_weight_blocks: bool = False  # CPU float32: keep GEMMs on float weights even where GGUF blocks are exact
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
@@ -109,6 +111,8 @@ class EngineConfig:
         for name in ("target_itl_ms", "target_ttft_ms", "adaptive_window_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.overlap_min_share <= 1:
+            raise ValueError(f"overlap_min_share must be in [0, 1], got {self.overlap_min_share}")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
 

@@ -11,6 +11,7 @@ records into one.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from typing import Sequence, Union
 
@@ -21,6 +22,7 @@ from relay.grammar import check_constraint, make_backend
 from relay.model_files import resolve_model_dir
 from relay.model_runner import ModelRunner
 from relay.outputs import RequestOutput
+from relay.overlap import OverlapPolicy
 from relay.request import Req
 from relay.sampling_params import SamplingParams
 from relay.scheduler import Scheduler
@@ -74,17 +76,25 @@ class Engine:
             self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
-        # Overlap as the server does it (the same scheduler path, so this engine tests it):
-        # step N+1 is built before step N's output is processed.
-        depth = 1 if self.config.disable_overlap_schedule else 2
-        steps: deque[tuple[BatchInput, BatchOutput]] = deque()
+        # The server's overlap loop (relay.overlap): step N+1 may be built before step N's output
+        # is processed. Here the runner runs in this thread, so the policy keeps lockstep unless
+        # overlap_min_share is 0 (which tests use to run the overlap path).
+        policy = OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)
+        steps: deque[tuple[BatchInput, BatchOutput, float]] = deque()
         while self.scheduler.has_work or steps:
             records = self.scheduler.poll_constraints()  # grammars that failed to compile
+            depth = policy.depth
+            busy = time.perf_counter()
             batch = self.scheduler.schedule() if len(steps) < depth and self.scheduler.has_work else None
+            busy = time.perf_counter() - busy
             if batch is not None:
-                steps.append((batch, self.runner.forward(batch)))
+                start = time.perf_counter()
+                steps.append((batch, self.runner.forward(batch), time.perf_counter() - start))
             if steps and (batch is None or len(steps) == depth):
-                records += self.scheduler.process_output(*steps.popleft())
+                done, out, step_s = steps.popleft()
+                start = time.perf_counter()
+                records += self.scheduler.process_output(done, out)
+                policy.record(busy + time.perf_counter() - start, step_s)
             elif batch is None and self.scheduler.compiling:
                 self.scheduler.wait_for_constraints()
             elif batch is None and not records:
