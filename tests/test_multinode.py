@@ -189,8 +189,9 @@ def test_two_nodes_equal_tp1_and_a_dead_node_stops_node0(default_model_dir):
     port = free_port_run(5)  # rendezvous, node 0's launcher, rank 1's inbox (+ room)
     node1 = Node1(port, *TWO_NODES)
     try:
+        # Overlap forced on: decodes run on PENDING_TOKEN inputs that rank 0 fills and sends to rank 1.
         node0 = Server(*TWO_NODES, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
-                       f"127.0.0.1:{port}")
+                       f"127.0.0.1:{port}", "--overlap-min-share", "0")
         try:
             assert greedy(node0) == expected
             node0_children = node0.children()

@@ -96,7 +96,7 @@ class TPGroup:
 
     def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
         """The leader's values on every rank (each passes a list of the same length)."""
-        if self.size == 1:
+        if self.size == 1 or not values:
             return values
         t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.broadcast(t, src=0)

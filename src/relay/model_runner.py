@@ -101,7 +101,7 @@ class ModelRunner:
             self.drafter = Drafter(self.draft_model, draft_attn, self.run_model)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
-        self.last_tokens: dict[int, int] = {}  # sid -> its token sampled last (every rank: overlap)
+        self.last_tokens: dict[int, int] = {}  # sid -> its token sampled last (the leader's: overlap)
         self.cuda_graphs = self._build_cuda_graphs()  # None on CPU / --disable-cuda-graph
         self._warm_up()
 
@@ -228,9 +228,7 @@ class ModelRunner:
         elif run.sids:
             logits = self.step_logits(run, tables)
         if self.sampler is None:
-            out = BatchOutput(batch.step, [], row_errors=row_errors)
-            self._remember_tokens(batch, out)
-            return out
+            return BatchOutput(batch.step, [], row_errors=row_errors)
         kept = [i for i in range(len(batch.sids)) if i not in row_errors]
         sampled = [kept[j] for j, s in enumerate(run.sample) if s]  # batch row of each sampling row
         res = SampleResult([])
@@ -252,30 +250,26 @@ class ModelRunner:
 
     def _fill_pending(self, batch: BatchInput) -> BatchInput:
         """The batch with each PENDING_TOKEN input (a decode row's only one) replaced by the
-        token this runner sampled for that request last; one it lacks stays, and its row fails."""
-        if not batch.input_ids or min(batch.input_ids) != PENDING_TOKEN:
-            return batch
-        ids, end = list(batch.input_ids), 0
-        for sid, n in zip(batch.sids, batch.extend_lens):
-            end += n
-            if ids[end - 1] == PENDING_TOKEN:
-                ids[end - 1] = self.last_tokens.get(sid, PENDING_TOKEN)
+        token the leader sampled for that request last, sent to the other ranks (one small
+        collective, only in steps that have such inputs); one it lacks stays, and its row fails."""
+        if not batch.input_ids or min(batch.input_ids) != PENDING_TOKEN or sum(batch.extend_lens) != len(batch.input_ids):
+            return batch  # (a malformed batch: invalid_rows fails it)
+        ends = np.cumsum(batch.extend_lens) - 1
+        at = [int(e) for e in ends if batch.input_ids[e] == PENDING_TOKEN]
+        sids = [sid for sid, e in zip(batch.sids, ends) if batch.input_ids[e] == PENDING_TOKEN]
+        tokens = [self.last_tokens.get(sid, PENDING_TOKEN) for sid in sids]
+        tokens = self.tp.broadcast_ints(tokens, self.device)
+        ids = list(batch.input_ids)
+        for i, tok in zip(at, tokens):
+            ids[i] = tok
         return dataclasses.replace(batch, input_ids=ids)
 
     def _remember_tokens(self, batch: BatchInput, out: BatchOutput) -> None:
-        """Keep each sampling row's last emitted token for a PENDING_TOKEN in the next step.
-        Only the leader samples: with overlap on, it sends them to the other ranks."""
+        """Keep each sampling row's last emitted token for a PENDING_TOKEN in the next step."""
         sids = [sid for sid, s in zip(batch.sids, batch.sample) if s]
-        if not sids:
-            return
-        if self.sampler is not None:
-            spec = out.spec_token_ids or [[]] * len(sids)
-            tokens = [more[-1] if more else tok for tok, more in zip(out.next_token_ids, spec)]
-        else:
-            tokens = [PENDING_TOKEN] * len(sids)
-        if self.tp.size > 1 and not self.cfg.disable_overlap_schedule:
-            tokens = self.tp.broadcast_ints(tokens, self.device)
-        for sid, tok in zip(sids, tokens):
+        spec = out.spec_token_ids or [[]] * len(sids)
+        for sid, tok, more in zip(sids, out.next_token_ids, spec):
+            tok = more[-1] if more else tok
             if tok >= 0:
                 self.last_tokens[sid] = tok
             else:  # its row failed: a pending input that follows must fail too
