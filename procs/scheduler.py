@@ -63,9 +63,8 @@ class SchedulerLoop:
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
-        self.steps: deque[tuple[BatchInput, float]] = deque()  # sent (and when), output not processed yet
+        self.steps: deque[BatchInput] = deque()  # sent to the runner, output not processed yet
         self.overlap = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
-        self.last_output = 0.0  # perf_counter() when the runner's last output came
         self.busy_mark = 0.0  # work["busy_seconds"] when the last step was processed
         self.step_started: float | None = None  # when the oldest step out started running
         # The scheduler's own cost per step (building, encoding, applying; not waiting for
@@ -95,13 +94,11 @@ class SchedulerLoop:
             if self.steps:
                 out = self.wait_for_output()
                 start = time.perf_counter()
-                batch, sent = self.steps.popleft()
-                self.pending.extend(self.sched.process_output(batch, out))
+                self.pending.extend(self.sched.process_output(self.steps.popleft(), out))
                 self.flush()
                 self.work["busy_seconds"] += time.perf_counter() - start
-                # The runner began the step when it was sent or when the one before it ended.
-                self.overlap.record(self.work["busy_seconds"] - self.busy_mark, start - max(sent, self.last_output))
-                self.busy_mark, self.last_output = self.work["busy_seconds"], start
+                self.overlap.record(self.work["busy_seconds"] - self.busy_mark, self.sched.last_step_seconds)
+                self.busy_mark = self.work["busy_seconds"]
                 continue
             self.flush()
             self.idle_check()
@@ -114,7 +111,7 @@ class SchedulerLoop:
             sock.send(data, copy=False)
         if not self.steps:
             self.step_started = time.monotonic()
-        self.steps.append((batch, time.perf_counter()))
+        self.steps.append(batch)
         self.work["steps"] += 1
         self.work["runner_bytes"] += len(data)
         self.work["busy_seconds"] += time.perf_counter() - start

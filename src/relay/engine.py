@@ -80,7 +80,7 @@ class Engine:
         # is processed. Here the runner runs in this thread, so the policy keeps lockstep unless
         # overlap_min_share is 0 (which tests use to run the overlap path).
         policy = OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)
-        steps: deque[tuple[BatchInput, BatchOutput, float]] = deque()
+        steps: deque[tuple[BatchInput, BatchOutput]] = deque()
         while self.scheduler.has_work or steps:
             records = self.scheduler.poll_constraints()  # grammars that failed to compile
             depth = policy.depth
@@ -88,13 +88,11 @@ class Engine:
             batch = self.scheduler.schedule() if len(steps) < depth and self.scheduler.has_work else None
             busy = time.perf_counter() - busy
             if batch is not None:
-                start = time.perf_counter()
-                steps.append((batch, self.runner.forward(batch), time.perf_counter() - start))
+                steps.append((batch, self.runner.forward(batch)))
             if steps and (batch is None or len(steps) == depth):
-                done, out, step_s = steps.popleft()
                 start = time.perf_counter()
-                records += self.scheduler.process_output(done, out)
-                policy.record(busy + time.perf_counter() - start, step_s)
+                records += self.scheduler.process_output(*steps.popleft())
+                policy.record(busy + time.perf_counter() - start, self.scheduler.last_step_seconds)
             elif batch is None and self.scheduler.compiling:
                 self.scheduler.wait_for_constraints()
             elif batch is None and not records:

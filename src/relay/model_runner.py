@@ -255,12 +255,10 @@ class ModelRunner:
         if not batch.input_ids or min(batch.input_ids) != PENDING_TOKEN or sum(batch.extend_lens) != len(batch.input_ids):
             return batch  # (a malformed batch: invalid_rows fails it)
         ends = np.cumsum(batch.extend_lens) - 1
-        at = [int(e) for e in ends if batch.input_ids[e] == PENDING_TOKEN]
-        sids = [sid for sid, e in zip(batch.sids, ends) if batch.input_ids[e] == PENDING_TOKEN]
-        tokens = [self.last_tokens.get(sid, PENDING_TOKEN) for sid in sids]
-        tokens = self.tp.broadcast_ints(tokens, self.device)
+        rows = [(int(e), sid) for sid, e in zip(batch.sids, ends) if batch.input_ids[e] == PENDING_TOKEN]
+        tokens = self.tp.broadcast_ints([self.last_tokens.get(sid, PENDING_TOKEN) for _, sid in rows], self.device)
         ids = list(batch.input_ids)
-        for i, tok in zip(at, tokens):
+        for (i, _), tok in zip(rows, tokens):
             ids[i] = tok
         return dataclasses.replace(batch, input_ids=ids)
 

@@ -97,6 +97,7 @@ class Scheduler:
         self._step = 0
         self._inflight: dict[int, StepInFlight] = {}
         self._last_output_time = 0.0
+        self.last_step_seconds = 0.0  # the runner's time for the step processed last
         self._free_sids: list[int] = []
         self._next_sid = 0
         self._released_sids: list[int] = []
@@ -321,7 +322,7 @@ class Scheduler:
             req.inflight_steps -= 1
         now = self.clock()
         # With overlap the runner started this step when the one before it ended.
-        duration = now - max(step.started, self._last_output_time)
+        duration = self.last_step_seconds = now - max(step.started, self._last_output_time)
         self._last_output_time = now
         if out.error is not None:
             return [self._finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished]
