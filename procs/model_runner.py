@@ -47,9 +47,6 @@ def build_runner(args: ProcArgs, mc: ModelConfig):
 
 
 def main(args: ProcArgs) -> None:
-    from relay.engine import eos_ids
-    from relay.tokenizer import Tokenizer
-
     mc = ModelConfig.from_dir(args.model_dir)
     runner = build_runner(args, mc)
     ctx = zmq.Context()
@@ -61,8 +58,6 @@ def main(args: ProcArgs) -> None:
     info = {"num_pages": runner.num_pages, "context_len": runner.context_len, "page_size": runner.page_size,
             "chunked_prefill_size": runner.cfg.chunked_prefill_size}
     if leader:
-        tok = Tokenizer(args.engine_config.tokenizer_path or args.model_dir)
-        info["eos_token_ids"] = eos_ids(mc, tok)
         info["max_total_tokens"] = (runner.num_pages - 1) * runner.page_size
         results = push(ctx, endpoint(args.ipc_dir, RUNNER_RESULT))
         send(results, Ready("tp0", info=info))

@@ -31,6 +31,7 @@ from relay.overlap import OverlapPolicy
 from relay.request import Req
 from relay.sampling_params import InvalidParam
 from relay.scheduler import Scheduler
+from relay.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +50,18 @@ class SchedulerLoop:
                                 bind=True) for r in range(args.engine_config.tp_size)]
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
+        mc = ModelConfig.from_dir(args.model_dir)
+        tokenizer_path = args.engine_config.tokenizer_path or args.model_dir
+        eos = eos_ids(mc, Tokenizer(tokenizer_path))
+        grammars = make_backend(tokenizer_path, mc.vocab_size, eos, preload=True)  # loads while the model does
         info = self._wait_for_runner()
         # The step budget and page size as the runner resolved them for its device.
         cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"],
                                   page_size=info["page_size"])
-        mc = ModelConfig.from_dir(args.model_dir)
-        grammars = make_backend(cfg.tokenizer_path or args.model_dir, mc.vocab_size, info["eos_token_ids"],
-                                preload=True)
-        self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], info["eos_token_ids"],
+        self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], eos,
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=mc.attention_break_even(), grammars=grammars)
-        self.info = info
+        self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
@@ -70,6 +72,9 @@ class SchedulerLoop:
         # The scheduler's own cost per step (building, encoding, applying; not waiting for
         # the runner) and what it sends, for /get_server_info and scripts/bench_scheduler.py.
         self.work = {"steps": 0, "busy_seconds": 0.0, "runner_bytes": 0, "detok_bytes": 0}
+        error = grammars.wait_loaded() if grammars is not None else None
+        if error is not None:
+            logger.error("structured output is unavailable: loading the vocabulary failed: %s", error)
         announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
 
     def _wait_for_runner(self) -> dict:

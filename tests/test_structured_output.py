@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from relay import Engine, SamplingParams
-from relay.grammar import apply_token_masks
+from relay.config import ModelConfig
+from relay.grammar import apply_token_masks, make_backend
 from relay.request import Req
 from relay.sampling_params import InvalidParam
 
@@ -131,6 +132,20 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     sched.process_output(batch, engine.runner.forward(batch))
     assert sched.stats().grammar["live_matchers"] == 0 and not sched.has_work
     engine.check()
+
+
+def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp_path):
+    """The scheduler process starts loading the vocabulary (seconds of CPU) while the model loads
+    and waits for it before announcing ready: otherwise it shares the cores with the first
+    steps after ready. A vocabulary that cannot load is reported, not raised: the server runs on
+    and constrained requests fail alone."""
+    vocab = ModelConfig.from_dir(default_model_dir).vocab_size
+    server = make_backend(default_model_dir, vocab, [2], preload=True)
+    assert server.wait_loaded() is None and server.loaded
+    offline = make_backend(default_model_dir, vocab, [2])
+    assert offline.wait_loaded() is None and not offline.loaded  # loads on its first constraint
+    broken = make_backend(str(tmp_path), vocab, [2], preload=True)
+    assert broken.wait_loaded() is not None and not broken.loaded
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

@@ -26,16 +26,9 @@ from relay.overlap import OverlapPolicy
 from relay.request import Req
 from relay.sampling_params import SamplingParams
 from relay.scheduler import Scheduler
-from relay.tokenizer import PromptPreparer, Tokenizer
+from relay.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
 Prompt = Union[str, Sequence[int]]
-
-
-def eos_ids(mc: ModelConfig, tokenizer: Tokenizer) -> list[int]:
-    ids = set(mc.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 class Engine:

@@ -153,8 +153,21 @@ class GrammarBackend:
         self.compile_counts = [0] * (len(COMPILE_BUCKETS) + 1)  # per bucket, the last one +Inf
         self.compile_seconds = 0.0
         self.live = 0  # constraints handed out and not yet released
-        if preload:  # loading the vocabulary takes ~0.5 s: not in the first constrained request's TTFT
-            self._pool.submit(self._get_compiler)
+        # Loading the vocabulary (importing xgrammar and transformers, an HF tokenizer) takes
+        # ~2-5 s of CPU: a server does it while its model loads and waits for it before
+        # announcing ready, so neither the first constrained request nor the first steps after
+        # ready (which would share the cores with it) pay for it.
+        self._loading = self._pool.submit(self._get_compiler) if preload else None
+
+    def wait_loaded(self) -> BaseException | None:
+        """Block until the preload ends; its error, if it failed (each constrained request
+        then fails with it, not the server)."""
+        return None if self._loading is None else self._loading.exception()
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the vocabulary is in (constraints then only compile)."""
+        return self._compiler is not None
 
     def start(self, kind: str, text: str) -> Constraint:
         key = (kind, text)
@@ -211,8 +224,9 @@ class GrammarBackend:
 def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
                  ) -> GrammarBackend | None:
     """The backend, or None where xgrammar is not installed (constrained requests are then
-    refused with a 400). With preload, the vocabulary loads now on the backend's thread (a
-    server); otherwise on the first constraint (an offline engine that may never see one)."""
+    refused with a 400). With preload, the vocabulary starts loading now on the backend's thread
+    (a server: see GrammarBackend.wait_loaded); otherwise on the first constraint (an offline
+    engine that may never see one)."""
     if importlib.util.find_spec("xgrammar") is None:
         return None
     return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids, preload)

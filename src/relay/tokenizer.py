@@ -12,9 +12,12 @@ import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relay.sampling_params import InvalidParam, SamplingParams, check_prompt_length
+
+if TYPE_CHECKING:
+    from relay.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -264,3 +267,11 @@ class DecodeStream:
         self.text = self.text[:i + len(stop)] if self.include_stop else self.text[:i]
         self.stopped = stop
         return True
+
+
+def eos_ids(mc: ModelConfig, tokenizer: Tokenizer) -> list[int]:
+    """The ids that end generation: the model config's and the tokenizer's EOS."""
+    ids = set(mc.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
