@@ -75,6 +75,8 @@ FLAG_HELP = {
                               "same weights, 4-7x fewer bytes)"),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
+    "log_steps": ("log one line per forward step: its prompt chunks (tokens, cached tokens they attend over), "
+                  "decodes, running and waiting requests, KV use and how long it took"),
     "speculative_algorithm": ("speculative decoding: ngram (prompt lookup: proposals copied from the request's own "
                               "prompt and output) or standalone (a draft model); default: off"),
     "speculative_num_draft_tokens": "tokens proposed per request and step, verified in one target pass",

@@ -30,7 +30,7 @@ from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.overlap import OverlapPolicy
 from relay.request import Req
 from relay.sampling_params import InvalidParam
-from relay.scheduler import Scheduler
+from relay.scheduler import Scheduler, step_log_line
 from relay.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class SchedulerLoop:
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=mc.attention_break_even(), grammars=grammars)
         self.info = {**info, "eos_token_ids": eos}
+        self.log_steps = cfg.log_steps
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
@@ -99,7 +100,10 @@ class SchedulerLoop:
             if self.steps:
                 out = self.wait_for_output()
                 start = time.perf_counter()
-                self.pending.extend(self.sched.process_output(self.steps.popleft(), out))
+                done = self.steps.popleft()
+                self.pending.extend(self.sched.process_output(done, out))
+                if self.log_steps:
+                    logger.info(step_log_line(done, self.sched.last_step_seconds, self.sched.stats()))
                 self.flush()
                 self.work["busy_seconds"] += time.perf_counter() - start
                 self.overlap.record(self.work["busy_seconds"] - self.busy_mark, self.sched.last_step_seconds)

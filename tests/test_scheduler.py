@@ -26,7 +26,7 @@ from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.request import Req, Status
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduler import Scheduler
+from relay.scheduler import Scheduler, step_log_line
 
 VOCAB = 64
 EOS = 63
@@ -241,6 +241,22 @@ def prompt(n: int, seed: int, alphabet: int = VOCAB - 1) -> list[int]:
 
 
 # ---- finishing -------------------------------------------------------------------------
+
+def test_step_log_line_tells_prompt_chunks_from_decodes():
+    """--log-steps: a step's prompt chunks (their tokens, and the cached tokens they attend over)
+    are told apart from its decode rows."""
+    h = Harness(budget=64, page_size=4)
+    shared = list(range(1, 33))
+    h.add("a", shared + [40], max_new_tokens=8)
+    while not h.events["a"]:
+        h.step()  # "a" has its first token: its prompt is cached
+    h.add("b", shared + [41, 42, 43], max_new_tokens=8)
+    batch = h.step()
+    line = step_log_line(batch, 0.0123, h.s.stats())
+    # "b" reuses the 32 cached prompt tokens (8 pages) and computes its last 3; "a" decodes.
+    assert line.startswith(f"step {batch.step}: prompt chunks 1 (3 tokens over 32 cached), decodes 1, running 2")
+    assert line.endswith("12.3 ms")
+
 
 def test_length_at_max_new_tokens():
     h = Harness(eos=(), token_fn=hash_token)

@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2,
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--dtype", "float32", "--kv-cache-gb", "1", "--log-requests")
+    s = Server("--dtype", "float32", "--kv-cache-gb", "1", "--log-requests", "--log-steps")
     yield s
     s.stop()
 
@@ -200,6 +200,8 @@ def test_server_healthy_after_bad_inputs_and_metrics(server, oai):
                  "relay:generation_tokens_total"):
         assert name in text
     assert "request rid=" in server.log and "output_ids=[" in server.log  # --log-requests
+    assert re.search(r"step \d+: prompt chunks 1 \(\d+ tokens over \d+ cached\), decodes 0", server.log)  # --log-steps
+    assert re.search(r"step \d+: prompt chunks 0 \(0 tokens over 0 cached\), decodes 1, running 1", server.log)
 
 
 def test_prefix_cache_reported(server):

@@ -60,6 +60,7 @@ class EngineConfig:
     disable_weight_blocks: bool = False  # CPU float32: keep GEMMs on float weights even where GGUF blocks are exact
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
+    log_steps: bool = False
     # Speculative decoding (SGLang's flag names). ngram: proposals continue the last earlier
     # occurrence of a request's final tokens in its own prompt and output; standalone: a draft
     # model (speculative_draft_model_path, or when unset the target's own weights quantized with

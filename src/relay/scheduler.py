@@ -778,3 +778,19 @@ def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
     ttft = None if cfg.target_ttft_ms is None else cfg.target_ttft_ms / 1e3
     return AdaptiveLimits(cfg.chunked_prefill_size, cfg.max_running_requests, kv_total_tokens,
                           cfg.target_itl_ms / 1e3, ttft, cfg.adaptive_window_s)
+
+
+def step_log_line(batch: BatchInput, seconds: float, stats: SchedulerStats) -> str:
+    """One line about a processed step (--log-steps): what it computed and what it cost, so a slow
+    step can be told apart from a long queue: prompt chunks with their tokens and the cached
+    tokens they attend over, decode rows (and proposals verified), the load, KV use, the time."""
+    decode = {i for i, (n, out) in enumerate(zip(batch.extend_lens, batch.output_lens)) if n == 1 and out > 0}
+    prompt = [i for i in range(len(batch.sids)) if i not in decode]
+    tokens = sum(batch.extend_lens[i] for i in prompt)
+    cached = sum(batch.prefix_lens[i] for i in prompt)
+    proposed = sum(batch.spec_lens) if batch.spec_lens else 0
+    used = 1 - stats.kv_free_tokens / max(1, stats.kv_total_tokens)
+    return (f"step {batch.step}: prompt chunks {len(prompt)} ({tokens} tokens over {cached} cached), "
+            f"decodes {len(decode)}" + (f" (+{proposed} proposed)" if proposed else "")
+            + f", running {stats.num_running}, waiting {stats.num_waiting}, KV {used:.1%} used, "
+            f"{seconds * 1000:.1f} ms")
