@@ -572,6 +572,14 @@ def calculate_metrics(rows: list[DatasetRow], outputs: list[RequestOutput], dura
     return m
 
 
+def per_request(rows: list[DatasetRow], outputs: list[RequestOutput], t0: float) -> list[dict[str, Any]]:
+    """Each request's timeline (seconds from the run's start): when it was sent, its first token
+    and end, and its inter-token gaps; what a p99 is made of (a burst's queue, a slow step)."""
+    return [{"sent": o.start - t0, "ttft": o.ttft, "latency": o.latency, "prompt_len": row.prompt_len,
+             "output_len": o.output_len, "ok": o.success, "itl": [round(g, 6) for g in o.itl]}
+            for row, o in zip(rows, outputs)]
+
+
 def copied_share(tokenizer, rows: list[DatasetRow], outputs: list[RequestOutput], n: int = 4) -> float | None:
     """The share of output tokens inside some run of `n` output tokens that also occurs in the prompt:
     roughly what an n-gram drafter can find (1.0: all copied). None without successful outputs."""
@@ -758,6 +766,8 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
     finish_outputs(outputs, tokenizer)
     m = calculate_metrics(rows, outputs, duration, tokenizer, parse_goodput(args.goodput))
     m["itl_k_source"] = "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
+    if args.per_request:
+        m["requests"] = per_request(rows, outputs, start)
     if any(row.passage for row in rows):  # copy: how much of the output an n-gram drafter could find
         m["copied_output_share"] = copied_share(tokenizer, rows, outputs)
     m["cache_hit_rate"] = None
@@ -916,6 +926,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=3 * 3600.0, help="seconds per request")
     p.add_argument("--output-json", default=None, help="append one JSON line per run (every metric + the args)")
     p.add_argument("--label", default=None, help="a name for this run in the JSON and the plot legend")
+    p.add_argument("--per-request", action="store_true",
+                   help="also keep each request's timeline in the result (sent, TTFT, latency, gaps)")
     p.add_argument("--sweep-concurrency", default=None,
                    help="comma-separated max-concurrency levels to run in turn, e.g. 1,8,32")
     p.add_argument("--plot", default=None, help="with --sweep-concurrency: write a PNG plot here")

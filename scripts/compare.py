@@ -288,6 +288,8 @@ def bench(server: Server, backend: str, workload: Workload, engine: str, config:
                 "--label", f"{engine}/{config}", "--disable-tqdm"]
         if flush:
             argv.append("--flush-cache")
+        if args.per_request:
+            argv.append("--per-request")
         if args.tokenizer:
             argv += ["--tokenizer", args.tokenizer]
         print(f"\n--- {engine} [{config}] {workload.name} c={c}", flush=True)
@@ -474,6 +476,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="run Relay and vLLM this many times, alternating which goes first; the table gives medians")
     p.add_argument("--skip-no-radix", action="store_true", help="gsp: skip Relay's --disable-radix-cache run")
+    p.add_argument("--per-request", action="store_true",
+                   help="keep each request's timeline (sent, TTFT, latency, gaps) in the results JSON")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and HF threads")
     p.add_argument("--relay-port", type=int, default=30123)
     p.add_argument("--relay-args", default="", help="extra flags for every `python -m launch.serve` (write --relay-args=\"--flag value\")")

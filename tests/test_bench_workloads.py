@@ -131,3 +131,14 @@ def test_goodput_counts_requests_that_meet_every_slo():
                                                                                         False]
     with pytest.raises(Exception, match="ttft:MS"):
         bs.parse_goodput("tpot:5")
+
+
+def test_per_request_timelines_are_relative_to_the_run():
+    rows = _copy_rows(n=2)
+    outs = [bs.RequestOutput(success=True, start=100.5, ttft=0.25, latency=2.0, output_len=3, itl=[0.5, 0.25]),
+            bs.RequestOutput(success=False, start=101.0)]
+    first, second = bs.per_request(rows, outs, t0=100.0)
+    assert first == {"sent": 0.5, "ttft": 0.25, "latency": 2.0, "prompt_len": rows[0].prompt_len, "output_len": 3,
+                     "ok": True, "itl": [0.5, 0.25]}
+    assert second["sent"] == 1.0 and not second["ok"]
+    assert bs.parse_args(["--per-request"]).per_request and not bs.parse_args([]).per_request
