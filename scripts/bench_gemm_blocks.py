@@ -44,14 +44,18 @@ def step_weights() -> list[torch.Tensor]:
     return out
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def medians_ms(fns, repeats: int) -> list[float]:
+    """Each fn's median time in ms, the fns taking turns within every repeat: this host's speed
+    drifts by tens of percent within minutes, and one path timed after another would carry it."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1000 for ts in times]
 
 
 def main() -> None:
@@ -71,10 +75,11 @@ def main() -> None:
     print("| rows | blocks ms | linear ms | packed ms | best float / blocks |\n|---|---|---|---|---|")
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-        t_blocks = median_ms(lambda: [cpu_kernels.gemm_blocks(xs[b.in_features], b) for b in blocks], args.repeats)
-        t_linear = median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
-        t_packed = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                      for w, p in zip(weights, packed)], args.repeats)
+        t_blocks, t_linear, t_packed = medians_ms([
+            lambda: [cpu_kernels.gemm_blocks(xs[b.in_features], b) for b in blocks],
+            lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+            lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                     for w, p in zip(weights, packed)]], args.repeats)
         print(f"| {m} | {t_blocks:.2f} | {t_linear:.2f} | {t_packed:.2f} | {min(t_linear, t_packed) / t_blocks:.2f}x |")
 
 

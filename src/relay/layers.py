@@ -66,9 +66,9 @@ INT4_GROUP = 32  # weights per scale and zero point along the input features (as
 # GEMMs of at most this many rows read weights kept in their checkpoint's GGUF blocks
 # (weight_blocks.py, csrc/gemm_blocks.c) where those are exact: a float32 step's GEMMs on a 2-core
 # Xeon (AVX-512, no BF16), blocks vs the best float path: 1.9x at 1 row, 2.1x at 8, 1.5x at 32,
-# 1.15x at 128-160, 1.07x at 192, even at 256, 0.9x at 384-512 (oneDNN), blocks and oneDNN
-# alternated in one process (scripts/bench_gemm_blocks.py measures them one after the other).
-BLOCKS_MAX_ROWS = 192
+# 1.2x at 96, 1.1-1.17x at 128 (three of five alternating runs); from 160 rows on it flips either
+# way with the host's drift (scripts/bench_gemm_blocks.py), and oneDNN wins from 384.
+BLOCKS_MAX_ROWS = 128
 
 # With --quantization w8a8, GEMMs of at least this many rows quantize their activations to int8
 # per row and multiply int8 by int8 (csrc/w8a8.c around torch._int_mm). A decoder layer's four
