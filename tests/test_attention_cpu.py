@@ -64,6 +64,7 @@ CASES = [
     ([0, 0], [7, 12]),  # prefill from scratch
     ([8, 3], [5, 6]),  # prefill after a cached prefix (page-aligned and not)
     ([12, 0, 21, 4], [1, 9, 1, 3]),  # mixed decode + prefill
+    ([0, 20, 7], [100, 76, 1]),  # long chunks: the float32 kernel's items of 32-64 tokens, a causal edge inside
 ]
 
 
