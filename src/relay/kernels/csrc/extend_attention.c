@@ -428,16 +428,20 @@ int relay_tiled_attention_available(int io_bf16, int kv_bf16, int64_t D) {
 #endif
 }
 
+// Work items when each covers up to qb of a request's new tokens, per kv head.
+static int64_t count_items(const int64_t* extend_lens, int64_t R, int64_t HKV, int64_t qb) {
+    int64_t items = 0;
+    for (int64_t r = 0; r < R; r++) items += HKV * ((extend_lens[r] + qb - 1) / qb);
+    return items;
+}
+
 // Tokens per float32 work item. An item's query rows share every 64-key tile it reads and
 // transposes, so more of them pay (4 x 64 tokens over a 1,024-token prefix: 16 -> 32 tokens
 // 1.13x, 32 -> 64 another 1.12x), while there are items enough to keep every thread busy.
 static int64_t f32_block(const int64_t* extend_lens, int64_t R, int64_t HKV) {
     const int64_t want = 4 * (int64_t)omp_get_max_threads();
-    for (int64_t qb = QB_F32; qb > QB; qb /= 2) {
-        int64_t items = 0;
-        for (int64_t r = 0; r < R; r++) items += HKV * ((extend_lens[r] + qb - 1) / qb);
-        if (items >= want) return qb;
-    }
+    for (int64_t qb = QB_F32; qb > QB; qb /= 2)
+        if (count_items(extend_lens, R, HKV, qb) >= want) return qb;
     return QB;
 }
 
@@ -454,8 +458,7 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
 #endif
     const int64_t qb = bf16 ? QB : f32_block(extend_lens, R, HKV);
     if (qb * G > (bf16 ? QB * 8 : EXT_MAX_ROWS) || D > EXT_MAX_D || D % (bf16 ? 32 : 16)) return 0;
-    int64_t count = 0;
-    for (int64_t r = 0; r < R; r++) count += HKV * ((extend_lens[r] + qb - 1) / qb);
+    const int64_t count = count_items(extend_lens, R, HKV, qb);
     Item* items = (Item*)malloc(sizeof(Item) * (count ? count : 1));
     int64_t c = 0;
     for (int64_t r = 0; r < R; r++)
