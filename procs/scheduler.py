@@ -62,7 +62,6 @@ class SchedulerLoop:
                                on_finish=log_request if cfg.log_requests else None,
                                attention_break_even=mc.attention_break_even(), grammars=grammars)
         self.info = {**info, "eos_token_ids": eos}
-        self.log_steps = cfg.log_steps
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
@@ -102,7 +101,7 @@ class SchedulerLoop:
                 start = time.perf_counter()
                 done = self.steps.popleft()
                 self.pending.extend(self.sched.process_output(done, out))
-                if self.log_steps:
+                if self.sched.cfg.log_steps:
                     logger.info(step_log_line(done, self.sched.last_step_seconds, self.sched.stats()))
                 self.flush()
                 self.work["busy_seconds"] += time.perf_counter() - start

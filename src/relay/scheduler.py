@@ -789,7 +789,8 @@ def step_log_line(batch: BatchInput, seconds: float, stats: SchedulerStats) -> s
     tokens = sum(batch.extend_lens[i] for i in prompt)
     cached = sum(batch.prefix_lens[i] for i in prompt)
     proposed = sum(batch.spec_lens) if batch.spec_lens else 0
-    used = 1 - stats.kv_free_tokens / max(1, stats.kv_total_tokens)
+    # What running requests hold, as /metrics counts it: evictable cached pages are free for the taking.
+    used = stats.kv_locked_tokens / max(1, stats.kv_total_tokens)
     return (f"step {batch.step}: prompt chunks {len(prompt)} ({tokens} tokens over {cached} cached), "
             f"decodes {len(decode)}" + (f" (+{proposed} proposed)" if proposed else "")
             + f", running {stats.num_running}, waiting {stats.num_waiting}, KV {used:.1%} used, "
