@@ -16,6 +16,7 @@ dispatch overhead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -112,6 +113,17 @@ def label_c_kernels() -> None:
         setattr(cpu_kernels, name, labelled)
 
 
+@contextlib.contextmanager
+def layer_by_layer(runner: ModelRunner):
+    """Decode steps through the Python layers, each kernel its own call (the profiler sees the
+    ops), instead of the server's single C call for all layers where the model has it."""
+    fast, runner.model.decode_layers = runner.model.decode_layers, None
+    try:
+        yield
+    finally:
+        runner.model.decode_layers = fast
+
+
 def breakdown(fn, top: int = 0) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,7 +173,9 @@ def main() -> None:
         steps = Steps(runner, b, args.context, args.shared_prefix)
         ms = timed(steps.decode, args.reps)
         label = f"decode b={b}" + (f" ({args.shared_prefix} shared)" if args.shared_prefix else "")
-        rows.append((label, ms, b / ms * 1000, breakdown(steps.decode, args.top)))
+        with layer_by_layer(runner):
+            layered = timed(steps.decode, args.reps)
+            rows.append((label, ms, b / ms * 1000, {"layer by layer": layered, **breakdown(steps.decode, args.top)}))
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     n = args.prefill
 
@@ -173,12 +187,14 @@ def main() -> None:
 
     ms = timed(chunk, max(3, args.reps // 4))
     rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk, args.top)))
-    cats = ["gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
+    cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))
     for name, ms, tps, cat in rows:
-        print(f"| {name} | {ms:.1f} | {tps:.0f} | " + " | ".join(f"{cat.get(c, 0.0):.1f}" for c in cats) + " |")
-    print("\nbreakdown columns: ms of one profiled step (profiling adds overhead; the median is unprofiled)")
+        print(f"| {name} | {ms:.1f} | {tps:.0f} | " + " | ".join(f"{cat[c]:.1f}" if c in cat else "–" for c in cats) + " |")
+    print("\nms (median): the server's path (a decode step's layers in one C call where the model has it);"
+          "\nlayer by layer: the median with each kernel called from Python; the breakdown columns are ms of"
+          "\none profiled layer-by-layer step (profiling adds overhead; the medians are unprofiled)")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,39 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     off = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05, disable_weight_blocks=True), default_model_dir,
                       ModelConfig.from_dir(default_model_dir))
     assert all(mod.blocks is None for mod in off.model.gemm_modules())
+
+
+@pytest.mark.slow
+def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir):
+    """A pure decode step of the default model runs its 30 layers in one C call; its logits and
+    the keys and values it writes are bit for bit those of the layers called one by one, over
+    a shared prefix (cascade attention) and requests of different lengths."""
+    if not cpu.gemm_blocks_available():
+        pytest.skip("the block GEMM needs AVX-512 and a C compiler")
+    from relay.batch import BatchInput
+    from relay.config import EngineConfig, ModelConfig
+    from relay.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
+                         ModelConfig.from_dir(default_model_dir))
+    fast = runner.model.decode_layers
+    assert fast is not None
+    ids = torch.randint(100, 40000, (3, 100), generator=torch.Generator().manual_seed(0)).tolist()
+    ids[1][:80] = ids[0][:80]  # request 1 shares request 0's first five pages
+    tables = [list(range(1, 7)), list(range(1, 6)) + [7, 8], list(range(9, 16))]
+    for i, (prefix, n) in enumerate([(0, 90), (80, 20), (0, 100)]):
+        runner.step_logits(BatchInput(0, [i], ids[i][prefix:prefix + n], [prefix], [n], [0], [tables[i]], [True], [0]),
+                           [tables[i]])
+    step = BatchInput(0, [0, 1, 2], [5, 6, 7], [90, 100, 100], [1, 1, 1], [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
+    kv = [t.clone() for t in runner.kv.k + runner.kv.v]
+    results = []
+    for layers in (fast, None):
+        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
+            t.copy_(saved)
+        runner.model.decode_layers = layers
+        logits = runner.step_logits(step, tables)
+        results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
+    assert runner.attn.dec_plan.num_groups == 1  # the shared prefix was attended as a cascade
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0][1], kv))  # the step wrote its keys

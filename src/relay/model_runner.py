@@ -95,9 +95,13 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.num_pages = self._agree_on_pages()
         self.kv, self.attn = self._kv_and_attention(mc)
+        if self.device.type == "cpu" and self.model.use_decode_layers(self.attn):
+            logger.info("decode steps run their decoder layers in one C call")
         self.drafter = None
         if self.draft_model is not None:
             _, draft_attn = self._kv_and_attention(self.draft_mc)
+            if self.device.type == "cpu":
+                self.draft_model.use_decode_layers(draft_attn)
             self.drafter = Drafter(self.draft_model, draft_attn, self.run_model)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens

@@ -50,6 +50,12 @@ class AttentionBackend(ABC):
     def plan(self, meta: StepMeta) -> None:
         """Precompute what all layers of this step share (indices, masks, kernel plans)."""
 
+    @property
+    def decode_kernel_plan(self):
+        """The planned step's cpu_kernels.DecodePlan where it is a pure decode step that Relay's
+        C decode kernel attends over this backend's ("HND") cache; None otherwise."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""

@@ -50,6 +50,7 @@ class TorchNativeBackend(AttentionBackend):
         # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
         # cached key/value once instead of gathering a padded copy first (3x less traffic).
         self.kernel = None
+        self.has_decode, self.dec_rows = False, None  # set by plan()
         if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
                 and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
             self.kernel = cpu_kernels.load()
@@ -110,8 +111,14 @@ class TorchNativeBackend(AttentionBackend):
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
         return _Prefill(row, n, keys, mask)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    @property
+    def decode_kernel_plan(self) -> cpu_kernels.DecodePlan | None:
         if self.has_decode and self.dec_rows is None and self.kernel is not None:
+            return self.dec_plan
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.decode_kernel_plan is not None:
             # A pure decode step: the C kernel writes the new keys and values itself.
             return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer], self.kv.v[layer],
                                                 self.kv.page_size, self.scale, k, v).view(q.shape[0], -1)

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -107,6 +108,8 @@ def load() -> ctypes.CDLL | None:
     lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
     lib.relay_apply_bitmask.argtypes = [p, i64, p, p, i64, i64, i64]
     lib.relay_apply_bitmask.restype = None
+    lib.relay_decode_layers.argtypes = [p, i64, p]
+    lib.relay_decode_layers.restype = i32
     _lib = lib
     return lib
 
@@ -332,3 +335,82 @@ def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: tor
                                      plan.tables.shape[1], plan.q_starts.data_ptr(), plan.prefix_lens.data_ptr(),
                                      plan.extend_lens.data_ptr(), len(plan.q_starts), out.data_ptr(), h, hkv, d, s,
                                      page_size, scale, int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16)))
+
+
+class _BlockMat(ctypes.Structure):  # csrc/decode_layers.c
+    _fields_ = [("bits", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _DecodeLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _BlockMat), ("o", _BlockMat),
+                ("gate_up", _BlockMat), ("down", _BlockMat), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _DecodeStep(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "tables", "lens", "order")]
+                + [(name, ctypes.c_int64) for name in ("P", "S", "PS", "chunk", "kv_bf16", "n_groups")]
+                + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys", "final_norm",
+                                                         "x", "out", "qkv", "attn", "gate_up", "act")])
+
+
+@dataclass
+class DecoderLayerWeights:
+    """What relay_decode_layers reads of one decoder layer: its norms and its GEMM weights, all
+    in GGUF blocks."""
+
+    input_norm: torch.Tensor  # float32 [hidden]
+    post_norm: torch.Tensor
+    qkv: BlockWeight  # q, k, v fused, no bias
+    o: BlockWeight
+    gate_up: BlockWeight  # gate then up
+    down: BlockWeight
+
+
+class DecodeLayers:
+    """A float32 decoder whose GEMM weights are all GGUF blocks, run for a pure decode step in
+    one C call (csrc/decode_layers.c) over one KV cache: the kernels the layers call one by one,
+    in their order, without the interpreter between them (bit-identical output)."""
+
+    def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
+                 num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
+        def mat(w: BlockWeight) -> _BlockMat:
+            return _BlockMat(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features, w.in_features)
+
+        self._keep = (layers, final_norm, cos, sin, k_caches, v_caches)  # the pointers below point into these
+        self.table = (_DecodeLayer * len(layers))(*[
+            _DecodeLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), mat(w.qkv), mat(w.o), mat(w.gate_up),
+                         mat(w.down), k.data_ptr(), v.data_ptr()) for w, k, v in zip(layers, k_caches, v_caches)])
+        first = layers[0]
+        self.hidden, self.inter = first.o.out_features, first.down.in_features
+        self.qkv_n = first.qkv.out_features
+        self.final_norm, self.eps, self.scale = final_norm, eps, scale
+        self.nq, self.nk, self.d = num_heads, num_kv_heads, head_dim
+        self.cos, self.sin = cos, sin
+        self.kv_heads, self.slots = k_caches[0].shape[0], k_caches[0].shape[1]
+        self.kv_bf16 = int(k_caches[0].dtype == torch.bfloat16)
+        self.cascade = tiled_attention_available(torch.float32, k_caches[0].dtype, head_dim)
+        self.page_size = page_size
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """x [T, hidden] float32 (the step's embeddings; used as the residual stream), positions
+        int64 [T] -> the final norm's output [T, hidden]. The new keys and values go into the
+        cache at each request's last position (plan.lens)."""
+        t = x.shape[0]
+        out, qkv, attn = torch.empty(t, self.hidden), torch.empty(t, self.qkv_n), torch.empty(t, self.nq * self.d)
+        gate_up, act = torch.empty(t, 2 * self.inter), torch.empty(t, self.inter)
+        groups = plan.num_groups if self.cascade else 0
+        step = _DecodeStep(t, self.hidden, self.inter, self.nq, self.nk, self.d, self.eps, self.scale,
+                           self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), plan.tables.data_ptr(),
+                           plan.lens.data_ptr(), plan.order.data_ptr(), plan.tables.shape[1], self.slots,
+                           self.page_size, DECODE_CHUNK, self.kv_bf16, groups, plan.groups[0].data_ptr(),
+                           plan.groups[1].data_ptr(), plan.groups[2].data_ptr(), self.final_norm.data_ptr(),
+                           x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+                           act.data_ptr())
+        if not _lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
+            raise RuntimeError("relay_decode_layers refused a GEMM shape")
+        return out

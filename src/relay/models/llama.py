@@ -16,8 +16,8 @@ from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
-from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding, apply_rotary,
-                          pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
+from relay.layers import (BLOCKS_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
+                          apply_rotary, pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
 from relay.weight_blocks import recover
 
 
@@ -102,10 +102,15 @@ class LlamaForCausalLM(nn.Module):
                         else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
         self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
         self.fused_cpu_ops = False  # see pack_for_cpu
+        self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
+        if self.decode_layers is not None and self.decode_layers[0] is attn and input_ids.shape[0] <= BLOCKS_MAX_ROWS:
+            plan = attn.decode_kernel_plan
+            if plan is not None:
+                return self.decode_layers[1].run(self.embed_tokens(input_ids), positions, plan)
         rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -140,6 +145,28 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
                 layer.self_attn.rotary = self.rotary
+
+    def use_decode_layers(self, attn: AttentionBackend) -> bool:
+        """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
+        where everything a layer does is a Relay CPU kernel: float32, every GEMM weight in GGUF
+        blocks, no biases or q/k norms, one rank, and steps whose attention the backend gives
+        to the C decode kernel (decode_kernel_plan). Returns whether it does."""
+        layers = self.layers
+        eligible = (self.fused_cpu_ops and self.dtype == torch.float32 and self.tp.size == 1
+                    and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
+                    and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
+                            if m is not self.lm_head))
+        if not eligible:
+            return False
+        weights = [cpu_kernels.DecoderLayerWeights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.blocks,
+            layer.self_attn.o_proj.blocks, layer.mlp.gate_up_proj.blocks, layer.mlp.down_proj.blocks)
+            for layer in layers]
+        a = layers[0].self_attn
+        self.decode_layers = (attn, cpu_kernels.DecodeLayers(
+            weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale))
+        return True
 
     def use_weight_blocks(self) -> int:
         """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
