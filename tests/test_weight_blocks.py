@@ -64,7 +64,7 @@ def lib():
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 190])
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 33, 190])
 @pytest.mark.parametrize("n,k", [(200, 96), (64, 576), (40, 160)])
 def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
     w = weight(n, k, kind, seed=m)

@@ -12,7 +12,8 @@
 // L1), computing each weight as the dequantizer did (d * q, then + m, rounded separately), then
 // runs all M rows of x over it, MB rows at a time: per input, two weight vectors and MB
 // broadcasts of x feed 2 * MB FMAs into accumulators that stay in registers (no horizontal sums).
-// Partial sums wait in y between chunks of KC.
+// Partial sums wait in y between chunks of KC. Up to GEMV_ROWS rows (decode steps of a few
+// requests) skip wbuf: unpacking is then most of the work, and gemv_strip does less of it.
 //
 // Layouts, per strip s (features 32s .. 32s + 31, rows past N zero): q4 [s][K / 2][32] bytes, byte
 // n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
@@ -24,6 +25,7 @@
 
 #define NS 32  // output features per strip
 #define KC 128  // inputs unpacked at a time (the last chunk of a row may be shorter)
+#define GEMV_ROWS 6  // at most this many rows go straight from the blocks (gemv_strip)
 #define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
 
 int relay_gemm_blocks_available(void) {
@@ -107,6 +109,69 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
         }
     }
 }
+
+// y[0 .. R, strip s] = x . W^T for R <= GEMV_ROWS rows, straight from the blocks: per block of 32
+// inputs the sums x . q over the raw quants, then d * that (+ m * the block's sum of x for Q4_1):
+// the same dot product with one multiply per block instead of one per weight and no trip through
+// wbuf (121 GEMMs of the default model at 1 row 1.36-1.44x, 4 rows 1.23x, 6 rows 1.17x on a
+// 2-core Xeon; and closer to float64 than the weight-by-weight sum).
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m512 acc[GEMV_ROWS][2];
+    for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 part[GEMV_ROWS][2];
+        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+        if (bits == 4) {
+            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+            for (int64_t p = 0; p < 16; p++) {
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + p * NS + 16 * h));
+                    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+                    const __m512 odd =
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                    for (int64_t i = 0; i < R; i++) {
+                        const float* xr = x + i * x_stride + b * 32 + 2 * p;
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
+                    }
+                }
+            }
+        } else {
+            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
+            for (int64_t k = 0; k < 32; k++)
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + k * NS + 16 * h));
+                    const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                    for (int64_t i = 0; i < R; i++)
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
+                }
+        }
+        const float* db = d + (s * nb + b) * NS;
+        const float* mb = m + (s * nb + b) * NS;
+        for (int64_t h = 0; h < 2; h++) {
+            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
+            if (bits == 4) {
+                const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
+                for (int64_t i = 0; i < R; i++)
+                    acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[i * nb + b]), acc[i][h]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * y_stride + n0 + 16, live1, acc[i][1]);
+    }
+}
+
+#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
 #endif
 
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
@@ -116,6 +181,20 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
 #if defined(__AVX512F__)
     if (K % 32 || M < 1) return 0;
     const int64_t strips = (N + NS - 1) / NS;
+    if (M <= GEMV_ROWS) {
+        float xsum[GEMV_ROWS * (K / 32)];  // each row's sum over each block (Q4_1's m term)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < K / 32; b++) {
+                float t = 0.f;
+                for (int64_t k = 0; k < 32; k++) t += x[i * x_stride + b * 32 + k];
+                xsum[i * (K / 32) + b] = t;
+            }
+        _Pragma("omp parallel for schedule(static)")
+        for (int64_t s = 0; s < strips; s++) {
+            switch (M) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
+        }
+        return 1;
+    }
     _Pragma("omp parallel")
     {
         float wbuf[KC * NS] __attribute__((aligned(64)));
