@@ -50,12 +50,13 @@ def category(name: str) -> str:
 class Steps:
     """B requests with `context` tokens of KV each, decoding one token per step."""
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int, shared: int = 0, group: int = 16):
+    def __init__(self, runner: ModelRunner, batch: int, context: int, shared: int = 0, group: int = 16,
+                 steps: int = 64):
         """shared: the first `shared` tokens' pages are common to each group of `group` requests
-        (a cached system prompt)."""
+        (a cached system prompt); steps: how many decode steps the pages must hold."""
         self.runner, self.b, self.ps = runner, batch, runner.page_size
         shared_pages = shared // self.ps
-        pages_each = -(-(context + 64) // self.ps) - shared_pages
+        pages_each = -(-(context + steps) // self.ps) - shared_pages
         first = 1 + batch * pages_each
         self.tables = [list(range(first + (i // group) * shared_pages, first + (i // group + 1) * shared_pages))
                        + list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)) for i in range(batch)]
@@ -170,7 +171,7 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
-        steps = Steps(runner, b, args.context, args.shared_prefix)
+        steps = Steps(runner, b, args.context, args.shared_prefix, steps=2 * args.reps + 8)
         ms = timed(steps.decode, args.reps)
         label = f"decode b={b}" + (f" ({args.shared_prefix} shared)" if args.shared_prefix else "")
         with layer_by_layer(runner):
