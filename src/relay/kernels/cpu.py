@@ -391,7 +391,7 @@ class DecodeLayers:
         self.final_norm, self.eps, self.scale = final_norm, eps, scale
         self.nq, self.nk, self.d = num_heads, num_kv_heads, head_dim
         self.cos, self.sin = cos, sin
-        self.kv_heads, self.slots = k_caches[0].shape[0], k_caches[0].shape[1]
+        self.slots = k_caches[0].shape[1]  # [kv heads, slots, head_dim]
         self.kv_bf16 = int(k_caches[0].dtype == torch.bfloat16)
         self.cascade = tiled_attention_available(torch.float32, k_caches[0].dtype, head_dim)
         self.page_size = page_size
