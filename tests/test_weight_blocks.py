@@ -94,17 +94,19 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
 
 
 @pytest.mark.slow
-def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir):
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir, kv_dtype):
     """A pure decode step of the default model runs its 30 layers in one C call; its logits and
     the keys and values it writes are bit for bit those of the layers called one by one, over
-    a shared prefix (cascade attention) and requests of different lengths."""
+    a shared prefix (cascade attention) and requests of different lengths, with a float32 or a
+    bfloat16 KV cache."""
     if not cpu.gemm_blocks_available():
         pytest.skip("the block GEMM needs AVX-512 and a C compiler")
     from relay.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
     from relay.model_runner import ModelRunner
 
-    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
+    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
     fast = runner.model.decode_layers
     assert fast is not None
