@@ -3,8 +3,8 @@
 // buffers as the Python layers call them one by one, so the output is bit for bit theirs. What
 // it removes is the interpreter between them: ~8 kernel calls per layer through torch modules
 // and ctypes cost ~5 ms of a ~17 ms batch-1 step on a 2-core Xeon, while the other core waits.
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);

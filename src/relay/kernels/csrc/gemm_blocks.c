@@ -183,7 +183,7 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
     const int64_t strips = (N + NS - 1) / NS;
     if (M <= GEMV_ROWS) {
         float xsum[GEMV_ROWS * (K / 32)];  // each row's sum over each block (Q4_1's m term)
-        for (int64_t i = 0; i < M; i++)
+        for (int64_t i = 0; i < (bits == 4 ? M : 0); i++)
             for (int64_t b = 0; b < K / 32; b++) {
                 float t = 0.f;
                 for (int64_t k = 0; k < 32; k++) t += x[i * x_stride + b * 32 + k];
