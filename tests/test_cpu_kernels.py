@@ -8,16 +8,14 @@ import pytest
 import torch
 
 from relay.kernels import cpu
+from tests.kernel_helpers import cpu_kernels_or_skip
 
 PS = 16
 
 
 @pytest.fixture(scope="module")
 def lib():
-    lib = cpu.load()
-    if lib is None:
-        pytest.skip("no C compiler: Relay's CPU kernels are unavailable here")
-    return lib
+    return cpu_kernels_or_skip()
 
 
 def reference(q, k, v, tables, lens, scale):

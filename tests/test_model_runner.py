@@ -10,6 +10,7 @@ from relay.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
 
 from tests.conftest import TINY_VOCAB
+from tests.kernel_helpers import cpu_kernels_or_skip
 
 PS = 4
 
@@ -105,10 +106,7 @@ def test_when_sampling_a_batch_raises_only_the_culprit_fails(runner, monkeypatch
 
 def test_bf16_cpu_kernels_match_the_torch_path(tiny_model_dir):
     """The fused CPU ops and small-batch GEMM (bfloat16) compute what torch's ops do, to bf16 precision."""
-    from relay.kernels import cpu
-
-    if cpu.load() is None:
-        pytest.skip("no C compiler: Relay's CPU kernels are unavailable here")
+    cpu_kernels_or_skip()
     path = tiny_model_dir("llama")
     cfg = EngineConfig(dtype="bfloat16", page_size=PS, kv_cache_gb=0.01)
     fast = ModelRunner(cfg, path, ModelConfig.from_dir(path))

@@ -8,6 +8,7 @@ import torch
 from relay import weight_blocks
 from relay.kernels import cpu
 from relay.weight_blocks import recover
+from tests.kernel_helpers import cpu_kernels_or_skip
 
 
 def gguf_q4_1(w: np.ndarray) -> np.ndarray:
@@ -56,10 +57,15 @@ def test_weights_that_are_not_blocks_stay_float(monkeypatch):
     assert recover(weight(64, 64, "q4_1").bfloat16()) is None
 
 
+def blocks_or_skip() -> None:
+    cpu_kernels_or_skip()
+    if not cpu.gemm_blocks_available():
+        pytest.skip("the block GEMM needs AVX-512")
+
+
 @pytest.fixture(scope="module")
 def lib():
-    if not cpu.gemm_blocks_available():
-        pytest.skip("the block GEMM needs AVX-512 and a C compiler")
+    blocks_or_skip()
     return cpu.load()
 
 
@@ -78,8 +84,7 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
 def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     """SmolLM2 ships as Q4_1 (its embedding Q8_0): in float32 every GEMM finds its blocks, and
     greedy output equals transformers' (test_engine) with them."""
-    if not cpu.gemm_blocks_available():
-        pytest.skip("the block GEMM needs AVX-512 and a C compiler")
+    blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
     from relay.model_runner import ModelRunner
 
@@ -100,8 +105,7 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     the keys and values it writes are bit for bit those of the layers called one by one, over
     a shared prefix (cascade attention) and requests of different lengths, with a float32 or a
     bfloat16 KV cache."""
-    if not cpu.gemm_blocks_available():
-        pytest.skip("the block GEMM needs AVX-512 and a C compiler")
+    blocks_or_skip()
     from relay.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
     from relay.model_runner import ModelRunner

@@ -48,6 +48,11 @@ def cpu_flags() -> str:
     return ""
 
 
+def compiler() -> str | None:
+    """The C compiler the library is built with ($CC, else gcc or cc), or None."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
 def _build() -> str:
     h = hashlib.sha256(" ".join(_FLAGS).encode() + cpu_flags().encode())
     for path in _SOURCES + _HEADERS:
@@ -56,7 +61,7 @@ def _build() -> str:
     out = os.path.join(cache_dir(), "kernels", f"relay_cpu-{h.hexdigest()[:16]}.so")
     if os.path.exists(out):
         return out
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -381,7 +386,7 @@ class DecodeLayers:
         def mat(w: BlockWeight) -> _BlockMat:
             return _BlockMat(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features, w.in_features)
 
-        self._keep = (layers, final_norm, cos, sin, k_caches, v_caches)  # the pointers below point into these
+        self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these (and the fields below)
         self.table = (_DecodeLayer * len(layers))(*[
             _DecodeLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), mat(w.qkv), mat(w.o), mat(w.gate_up),
                          mat(w.down), k.data_ptr(), v.data_ptr()) for w, k, v in zip(layers, k_caches, v_caches)])
