@@ -574,6 +574,21 @@ def test_high_priority_arrival_retracts_a_lower_priority_request():
     assert max(steps_high) < max(steps_low)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prompt_is_not_retracted_for_a_lower_priority_decode(depth):
+    """The pool fills while a high-priority prompt is chunked beside a low-priority decode.
+    Decodes are scheduled first, so low is in the step when high needs a page: high must
+    not give way to it (the pair then retracted each other in turn, and low, retracted
+    with its last token in flight, never finished)."""
+    h = Harness(num_pages=9, page_size=4, budget=3, max_running=2, attention_break_even=4, depth=depth)
+    h.add("high", prompt(31, 1), priority=1, max_new_tokens=1, ignore_eos=True)
+    h.add("low", prompt(1, 2), priority=0, max_new_tokens=16, ignore_eos=True)
+    h.run(max_steps=120)
+    assert h.reqs["high"].num_retractions == 0
+    for rid in h.reqs:
+        h.assert_finished_correctly(rid)
+
+
 def steps_until_running(h: Harness, rid: str, limit: int = 30) -> int:
     for k in range(limit):
         h.step()

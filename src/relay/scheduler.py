@@ -417,7 +417,7 @@ class Scheduler:
         if top is not None and ((top.constraint is not None and top.constraint.matcher is None) or top.inflight_steps):
             return  # it cannot run yet: room made now would sit idle
         while top is not None and self.running:
-            victim = self._lowest_ranked_running(set())
+            victim = self._lowest_ranked_running()
             if victim.priority >= top.priority:
                 return
             if len(self.running) < self.limits.max_running and self._fits(top, budget):
@@ -505,20 +505,25 @@ class Scheduler:
         return True
 
     def _reserve_or_retract(self, req: Req, num_tokens: int, scheduled: set[int]) -> bool:
-        """Reserve KV for a running request, retracting lower-ranked unscheduled ones if needed."""
+        """Reserve KV for a running request, retracting lower-ranked ones if needed; False if
+        it is not in this step (retracted, being the lowest-ranked, or waiting a step)."""
         if self._pages_for(num_tokens) > self.allocator.capacity:
             self._finish(req, FinishReason.LENGTH)  # it alone fills the pool: stop, don't thrash
             return False
         while not self._reserve(req, num_tokens):
-            victim = self._lowest_ranked_running(scheduled) or req
+            victim = self._lowest_ranked_running()
+            if id(victim) in scheduled and victim is not req:
+                # Decodes are scheduled before prompts, so the one to give way may already be
+                # in this step: req waits a step with its KV rather than be retracted for a
+                # request ranked below it (the two would retract each other in turn).
+                return False
             self._retract(victim)
             if victim is req:
                 return False
         return True
 
-    def _lowest_ranked_running(self, exclude: set[int]) -> Req | None:
-        candidates = [r for r in self.running if id(r) not in exclude]
-        return min(candidates, key=lambda r: (r.priority, -r.seq)) if candidates else None
+    def _lowest_ranked_running(self) -> Req:
+        return min(self.running, key=lambda r: (r.priority, -r.seq))
 
     def _retract(self, req: Req) -> None:
         logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
