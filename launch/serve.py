@@ -70,9 +70,9 @@ FLAG_HELP = {
                                  "--overlap-min-share)"),
     "overlap_min_share": ("overlap scheduling only while the scheduler's own work is at least this share of a "
                           "step (0: always); it costs an arriving request one more step before its first token"),
-    "disable_weight_blocks": ("CPU, float32: multiply by float weights even where the checkpoint's weights are "
-                              "exactly GGUF Q4_1/Q8_0 blocks (by default small-batch GEMMs read those blocks: "
-                              "same weights, 4-7x fewer bytes)"),
+    "disable_weight_blocks": ("CPU: multiply by float weights even where the checkpoint's weights are exactly "
+                              "GGUF Q4_1/Q8_0 blocks (by default GEMMs of up to the rows measured at start-up "
+                              "read those blocks: the checkpoint's own weights, 4-7x fewer bytes than float32)"),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
     "log_steps": ("log one line per forward step: its prompt chunks (tokens, cached tokens they attend over), "

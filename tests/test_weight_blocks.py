@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from relay import weight_blocks
+from relay import layers, weight_blocks
 from relay.kernels import cpu
+from relay.layers import Linear, pack_for_cpu
+from relay.model_runner import ModelRunner
 from relay.weight_blocks import recover
 from tests.kernel_helpers import cpu_kernels_or_skip
 
@@ -86,7 +88,6 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     greedy output equals transformers' (test_engine) with them."""
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
@@ -108,7 +109,6 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     blocks_or_skip()
     from relay.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
@@ -133,3 +133,58 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
     assert not all(torch.equal(a, b) for a, b in zip(results[0][1], kv))  # the step wrote its keys
+
+
+def linear_on_blocks(n: int, k: int, seed: int) -> Linear:
+    lin = Linear(k, n, False, torch.float32)
+    lin.weight.data = weight(n, k, "q4_1", seed)
+    lin.packed = pack_for_cpu(lin.weight)
+    lin.blocks = recover(lin.weight)
+    return lin
+
+
+def slowed(fn, times: int = 10):
+    def slow(*args, **kwargs):
+        for _ in range(times):
+            out = fn(*args, **kwargs)
+        return out
+    return slow
+
+
+def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
+    """The server times GEMMs from blocks against the float path at growing row counts and uses
+    the blocks up to where they stop winning: nowhere when the block kernel is the slow one, at
+    every size tried when the float path is."""
+    modules = [linear_on_blocks(64, 96, seed) for seed in range(2)]
+    monkeypatch.setattr(cpu, "gemm_blocks", slowed(cpu.gemm_blocks))
+    assert layers.blocks_crossover_rows(modules) == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(layers, "cpu_matmul", slowed(layers.cpu_matmul))
+    assert layers.blocks_crossover_rows(modules) == layers.BLOCKS_ROW_CANDIDATES[-1]
+
+
+@pytest.mark.slow
+def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_dir):
+    """In bfloat16 the blocks are recovered from the float32 checkpoint before its weights are
+    rounded, so small GEMMs and decode steps (one C call, float32 inside) multiply by the
+    checkpoint's exact weights: a decode step's logits are the float32 model's up to the
+    bfloat16 rounding of the prompt's keys and values and of the embeddings."""
+    blocks_or_skip()
+    from relay.batch import BatchInput
+    from relay.config import EngineConfig, ModelConfig
+
+    runners = [ModelRunner(EngineConfig(dtype=dtype, kv_cache_gb=0.05), default_model_dir,
+                           ModelConfig.from_dir(default_model_dir)) for dtype in ("float32", "bfloat16")]
+    exact, rounded = (r.model.gemm_modules() for r in runners)
+    for a, b in zip(exact, rounded):
+        assert b.blocks is not None and torch.equal(b.blocks.dequantize(), a.weight)
+        assert b.weight.dtype == torch.bfloat16 and torch.equal(b.weight, a.weight.bfloat16())
+    assert runners[1].model.decode_layers is not None
+    ids = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = []
+    for runner in runners:
+        runner.step_logits(BatchInput(0, [0], ids, [0], [40], [0], [[1, 2]], [True], [0]), [[1, 2]])
+        logits.append(runner.step_logits(BatchInput(0, [0], [ids[7]], [40], [1], [0], [[]], [True], [1]),
+                                         [[1, 2]])[0])
+    assert logits[0].argmax() == logits[1].argmax()
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()

@@ -57,7 +57,7 @@ class EngineConfig:
     # its own work is at least overlap_min_share of a step (0: always; relay/overlap.py).
     disable_overlap_schedule: bool = False
     overlap_min_share: float = 0.1
-    disable_weight_blocks: bool = False  # CPU float32: keep GEMMs on float weights even where GGUF blocks are exact
+    disable_weight_blocks: bool = False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
     log_steps: bool = False

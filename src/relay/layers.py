@@ -8,6 +8,7 @@ all-reduce the partial sums.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +64,18 @@ INT4_MAX_ROWS = 4
 INT4_GROUP = 32  # weights per scale and zero point along the input features (as GGUF's Q4_1 blocks)
 
 
-# GEMMs of at most this many rows read weights kept in their checkpoint's GGUF blocks
-# (weight_blocks.py, csrc/gemm_blocks.c) where those are exact: a float32 step's GEMMs on a 2-core
-# Xeon (AVX-512, no BF16), blocks vs the best float path: 1.9x at 1 row, 2.1x at 8, 1.5x at 32,
-# 1.2x at 96, 1.1-1.17x at 128 (three of five alternating runs); from 160 rows on it flips either
-# way with the host's drift (scripts/bench_gemm_blocks.py), and oneDNN wins from 384.
-BLOCKS_MAX_ROWS = 128
+# GEMMs of at most BlockWeight.max_rows rows read weights kept in their checkpoint's GGUF blocks
+# (weight_blocks.py, csrc/gemm_blocks.c) where those are exact. The server measures that crossover
+# at start-up (blocks_crossover_rows): it depends on the CPU and on what the float path is (oneDNN
+# float32 here; bfloat16, with AMX or AVX512-BF16, elsewhere). Measured once on a 2-core Xeon (AVX-512,
+# no BF16), float32, blocks vs the best float path: 1.9x at 1 row, 2.1x at 8, 1.5x at 32, 1.2x at
+# 96, 1.1-1.17x at 128; from 160 rows on it flips either way with the host's drift
+# (scripts/bench_gemm_blocks.py), and oneDNN wins from 384. 128 is BlockWeight.max_rows's default,
+# where nothing was measured.
+BLOCKS_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
+# The blocks must beat the float path by this margin: where the two are level (~128-256 rows
+# here) a timing of one layer, hot in cache, is not the step, whose weights stream from memory.
+BLOCKS_MIN_GAIN = 0.95
 
 # With --quantization w8a8, GEMMs of at least this many rows quantize their activations to int8
 # per row and multiply int8 by int8 (csrc/w8a8.c around torch._int_mm). A decoder layer's four
@@ -96,7 +103,7 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
                w8a8: W8A8Weight | None = None, blocks: BlockWeight | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for this many rows; out_dtype float32 lets the
     LM head write its logits in float32 directly."""
-    if blocks is not None and x.shape[0] <= BLOCKS_MAX_ROWS:
+    if blocks is not None and x.shape[0] <= blocks.max_rows:
         y = cpu_kernels.gemm_blocks(x, blocks).to(out_dtype or x.dtype)
         return y if bias is None else y + bias
     if w8a8 is not None and x.shape[0] >= W8A8_MIN_ROWS:
@@ -113,6 +120,42 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 8):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
+    """The most rows (of BLOCKS_ROW_CANDIDATES) up to which GEMMs over these weights run faster
+    from their blocks than by cpu_matmul's float path (by BLOCKS_MIN_GAIN), timed here on
+    activations in the weights' dtype: per row count both paths in turn, `reps` times, the
+    fastest run of each. Stops once the float path has won at two row counts in a row; 0 if the
+    blocks never win."""
+    dtype = modules[0].weight.dtype
+    best = losses = 0
+    for rows in BLOCKS_ROW_CANDIDATES:
+        xs = [torch.randn(rows, m.weight.shape[1]).to(dtype) for m in modules]
+
+        def from_blocks() -> None:
+            for x, m in zip(xs, modules):
+                cpu_kernels.gemm_blocks(x, m.blocks).to(dtype)
+
+        def from_floats() -> None:
+            for x, m in zip(xs, modules):
+                cpu_matmul(x, m.weight, m.packed, gemv=m.gemv)
+
+        fastest = {from_blocks: math.inf, from_floats: math.inf}
+        for path in fastest:
+            path()  # first calls allocate and fault pages in
+        for _ in range(reps):
+            for path in fastest:
+                start = time.perf_counter()
+                path()
+                fastest[path] = min(fastest[path], time.perf_counter() - start)
+        if fastest[from_blocks] < BLOCKS_MIN_GAIN * fastest[from_floats]:
+            best, losses = rows, 0
+        else:
+            losses += 1
+            if losses == 2:
+                break
+    return best
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:

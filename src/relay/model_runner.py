@@ -23,7 +23,7 @@ from relay.distributed import TPGroup, head_partition
 from relay.grammar import apply_token_masks
 from relay.kernels import cpu as cpu_kernels
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
-from relay.layers import int4_supported
+from relay.layers import Linear, blocks_crossover_rows, int4_supported
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
 from relay.sampling_params import SamplingParams
@@ -144,18 +144,15 @@ class ModelRunner:
 
     # ---- setup --------------------------------------------------------------------------
     def _load_model(self, model_dir: str, mc: ModelConfig, quantization: str | None) -> torch.nn.Module:
-        """The model's weights, quantized, and on CPU packed for its GEMMs."""
-        cls = model_class(mc.architecture)
-        with torch.device(self.device):
-            model = cls(mc, self.tp, self.dtype, self.context_len)
-        model.eval()
-        if self.cfg.load_format == "dummy":
-            torch.manual_seed(self.cfg.seed)
-            for name, p in model.named_parameters():
-                p.data.fill_(1.0) if "norm" in name else p.data.normal_(0.0, 0.02)
-        else:
-            with torch.no_grad():
-                model.load_weights(iter_safetensors(model_dir, show_progress=self.tp.is_leader))
+        """The model's weights, quantized, and on CPU packed for its GEMMs (and kept in their
+        GGUF blocks where those are exact: see _weight_blocks)."""
+        blocks = self._wants_weight_blocks(model_dir, quantization)
+        # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
+        # they are rounded: loaded into a float32 twin first.
+        model = self._build_model(model_dir, mc, torch.float32 if blocks else self.dtype)
+        kept = model.use_weight_blocks() if blocks else 0
+        if kept and self.dtype != torch.float32:
+            model = self._cast_keeping_blocks(model, mc)
         if quantization == "int8":
             model.quantize_int8()  # before packing: the packed copy holds the quantized values
         elif quantization == "w8a8":
@@ -166,13 +163,60 @@ class ModelRunner:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
-            if (quantization is None and self.dtype == torch.float32 and not self.cfg.disable_weight_blocks
-                    and cpu_kernels.gemm_blocks_available()):
-                kept = model.use_weight_blocks()
-                if kept:
-                    logger.info("%d of %d GEMM weights are exact GGUF blocks: small batches read those",
-                                kept, len(model.gemm_modules()))
+        if kept:
+            self._measure_weight_blocks(model, kept)
         return model
+
+    def _build_model(self, model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        cls = model_class(mc.architecture)
+        with torch.device(self.device):
+            model = cls(mc, self.tp, dtype, self.context_len)
+        model.eval()
+        if self.cfg.load_format == "dummy":
+            torch.manual_seed(self.cfg.seed)
+            for name, p in model.named_parameters():
+                p.data.fill_(1.0) if "norm" in name else p.data.normal_(0.0, 0.02)
+        else:
+            with torch.no_grad():
+                model.load_weights(iter_safetensors(model_dir, show_progress=self.tp.is_leader))
+        return model
+
+    def _wants_weight_blocks(self, model_dir: str, quantization: str | None) -> bool:
+        """Whether to look for GGUF blocks in the checkpoint's GEMM weights: on CPU, unquantized,
+        with the kernel built; in bfloat16 only from a float32 checkpoint (a bf16 one has lost
+        them) whose float32 twin fits in a quarter of the free memory."""
+        if (self.device.type != "cpu" or quantization is not None or self.cfg.disable_weight_blocks
+                or self.cfg.load_format == "dummy" or not cpu_kernels.gemm_blocks_available()):
+            return False
+        if self.dtype == torch.float32:
+            return True
+        float32_bytes = checkpoint_float32_bytes(model_dir)
+        return 0 < float32_bytes < available_memory_bytes() // 4
+
+    def _cast_keeping_blocks(self, twin: torch.nn.Module, mc: ModelConfig) -> torch.nn.Module:
+        """The model in self.dtype with twin's weights (rounded) and twin's blocks (exact)."""
+        cls = model_class(mc.architecture)
+        with torch.device(self.device):
+            model = cls(mc, self.tp, self.dtype, self.context_len)
+        model.eval()
+        model.load_state_dict(twin.state_dict())
+        for mine, theirs in zip(model.gemm_modules(), twin.gemm_modules()):
+            mine.blocks = theirs.blocks
+        return model
+
+    def _measure_weight_blocks(self, model: torch.nn.Module, kept: int) -> None:
+        """Time the first layer's GEMMs from blocks and from the float weights at growing row
+        counts and give every GEMM the measured crossover (none where the floats always win)."""
+        sample = [m for m in model.gemm_modules() if isinstance(m, Linear) and m.blocks is not None][:4]
+        rows = blocks_crossover_rows(sample)
+        model.limit_weight_blocks(rows)
+        if rows:
+            logger.info("%d of %d GEMM weights are exact GGUF blocks: GEMMs of up to %d rows read those "
+                        "(measured here against %s)", kept, len(model.gemm_modules()), rows,
+                        str(self.dtype).removeprefix("torch."))
+        else:
+            logger.info("%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
+                        "size: not used", kept, str(self.dtype).removeprefix("torch."))
 
     def _kv_and_attention(self, mc: ModelConfig):
         """A KV pool of num_pages pages for this model's layers, and an attention backend on it."""
@@ -564,3 +608,32 @@ def iter_safetensors(model_dir: str, show_progress: bool = True):
     names = [(h, k) for h in handles for k in h.keys()]
     for h, k in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False):
         yield k, h.get_tensor(k)
+
+
+def checkpoint_float32_bytes(model_dir: str) -> int:
+    """The bytes of the checkpoint's float32 tensors (what a float32 twin of the model holds);
+    0 if its GEMM weights are stored in another dtype."""
+    from safetensors import safe_open
+
+    total, gemm_weights_elsewhere = 0, False
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                if part.get_dtype() == "F32":
+                    total += 4 * int(np.prod(part.get_shape()))
+                elif name.endswith("proj.weight"):
+                    gemm_weights_elsewhere = True
+    return 0 if gemm_weights_elsewhere else total
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (where there is none: the physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

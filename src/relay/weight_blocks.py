@@ -30,6 +30,10 @@ class BlockWeight:
     m: torch.Tensor  # float32 [strips, K / 32, STRIP] (zeros for Q8_0)
     out_features: int
     in_features: int
+    # GEMMs of at most this many rows read the blocks, larger ones the float weight: the
+    # crossover the server measures where it runs (layers.blocks_crossover_rows); the default is
+    # one measured on a 2-core Xeon in float32 (see layers.py).
+    max_rows: int = 128
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these blocks stand for, computed as the dequantizer did."""

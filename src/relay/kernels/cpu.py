@@ -400,6 +400,7 @@ class DecodeLayers:
         self.kv_bf16 = int(k_caches[0].dtype == torch.bfloat16)
         self.cascade = tiled_attention_available(torch.float32, k_caches[0].dtype, head_dim)
         self.page_size = page_size
+        self.max_rows = first.qkv.max_rows  # beyond it the layers' GEMMs leave the blocks
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """x [T, hidden] float32 (the step's embeddings; used as the residual stream), positions

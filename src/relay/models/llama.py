@@ -16,7 +16,7 @@ from relay.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.distributed import TPGroup, head_partition, split_evenly
 from relay.kernels import cpu as cpu_kernels
-from relay.layers import (BLOCKS_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
+from relay.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
                           apply_rotary, pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
 from relay.weight_blocks import recover
 
@@ -107,10 +107,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        if self.decode_layers is not None and self.decode_layers[0] is attn and input_ids.shape[0] <= BLOCKS_MAX_ROWS:
+        fast = self.decode_layers
+        if fast is not None and fast[0] is attn and input_ids.shape[0] <= fast[1].max_rows:
             plan = attn.decode_kernel_plan
             if plan is not None:
-                return self.decode_layers[1].run(self.embed_tokens(input_ids), positions, plan)
+                return fast[1].run(self.embed_tokens(input_ids).float(), positions, plan).to(self.dtype)
         rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -148,23 +149,25 @@ class LlamaForCausalLM(nn.Module):
 
     def use_decode_layers(self, attn: AttentionBackend) -> bool:
         """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
-        where everything a layer does is a Relay CPU kernel: float32, every GEMM weight in GGUF
-        blocks, no biases or q/k norms, one rank, and steps whose attention the backend gives
-        to the C decode kernel (decode_kernel_plan). Returns whether it does."""
+        where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
+        biases or q/k norms, one rank, and steps whose attention the backend gives to the C decode
+        kernel (decode_kernel_plan), of at most the rows the blocks are used for. It computes in
+        float32 (a bfloat16 model's steps too: its blocks are the checkpoint's exact weights).
+        Returns whether it does."""
         layers = self.layers
-        eligible = (self.fused_cpu_ops and self.dtype == torch.float32 and self.tp.size == 1
+        eligible = (self.fused_cpu_ops and self.tp.size == 1
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
                     and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
                             if m is not self.lm_head))
         if not eligible:
             return False
         weights = [cpu_kernels.DecoderLayerWeights(
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.blocks,
-            layer.self_attn.o_proj.blocks, layer.mlp.gate_up_proj.blocks, layer.mlp.down_proj.blocks)
-            for layer in layers]
+            layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float(),
+            layer.self_attn.qkv_proj.blocks, layer.self_attn.o_proj.blocks, layer.mlp.gate_up_proj.blocks,
+            layer.mlp.down_proj.blocks) for layer in layers]
         a = layers[0].self_attn
         self.decode_layers = (attn, cpu_kernels.DecodeLayers(
-            weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
+            weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
             self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale))
         return True
 
@@ -176,6 +179,14 @@ class LlamaForCausalLM(nn.Module):
             module.blocks = recover(module.weight)
             kept += module.blocks is not None
         return kept
+
+    def limit_weight_blocks(self, max_rows: int) -> None:
+        """GEMMs of at most max_rows rows read the blocks; with 0, none do (the blocks are dropped)."""
+        for module in self.gemm_modules():
+            if module.blocks is not None:
+                module.blocks.max_rows = max_rows
+                if not max_rows:
+                    module.blocks = None
 
     def quantize_int4(self) -> None:
         """Weight-only 4-bit (groups of 32, scale and zero point) for every GEMM; like int8, the
