@@ -188,3 +188,15 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
                                          [[1, 2]])[0])
     assert logits[0].argmax() == logits[1].argmax()
     assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def test_a_dense_float32_checkpoint_in_bfloat16_is_a_plain_bfloat16_model(tiny_model_dir):
+    """The float32 twin a bfloat16 model is loaded through finds no blocks in a dense checkpoint:
+    the model is then the same bfloat16 model as without the twin."""
+    blocks_or_skip()
+    from relay.config import EngineConfig, ModelConfig
+
+    path = tiny_model_dir("llama")
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    assert all(m.blocks is None for m in runner.model.gemm_modules())

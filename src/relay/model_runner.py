@@ -145,13 +145,13 @@ class ModelRunner:
     # ---- setup --------------------------------------------------------------------------
     def _load_model(self, model_dir: str, mc: ModelConfig, quantization: str | None) -> torch.nn.Module:
         """The model's weights, quantized, and on CPU packed for its GEMMs (and kept in their
-        GGUF blocks where those are exact: see _weight_blocks)."""
+        GGUF blocks where those are exact: see _wants_weight_blocks)."""
         blocks = self._wants_weight_blocks(model_dir, quantization)
         # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
         # they are rounded: loaded into a float32 twin first.
         model = self._build_model(model_dir, mc, torch.float32 if blocks else self.dtype)
         kept = model.use_weight_blocks() if blocks else 0
-        if kept and self.dtype != torch.float32:
+        if model.dtype != self.dtype:
             model = self._cast_keeping_blocks(model, mc)
         if quantization == "int8":
             model.quantize_int8()  # before packing: the packed copy holds the quantized values
@@ -167,11 +167,13 @@ class ModelRunner:
             self._measure_weight_blocks(model, kept)
         return model
 
-    def _build_model(self, model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-        cls = model_class(mc.architecture)
+    def _new_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device(self.device):
-            model = cls(mc, self.tp, dtype, self.context_len)
-        model.eval()
+            model = model_class(mc.architecture)(mc, self.tp, dtype, self.context_len)
+        return model.eval()
+
+    def _build_model(self, model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        model = self._new_model(mc, dtype)
         if self.cfg.load_format == "dummy":
             torch.manual_seed(self.cfg.seed)
             for name, p in model.named_parameters():
@@ -195,10 +197,7 @@ class ModelRunner:
 
     def _cast_keeping_blocks(self, twin: torch.nn.Module, mc: ModelConfig) -> torch.nn.Module:
         """The model in self.dtype with twin's weights (rounded) and twin's blocks (exact)."""
-        cls = model_class(mc.architecture)
-        with torch.device(self.device):
-            model = cls(mc, self.tp, self.dtype, self.context_len)
-        model.eval()
+        model = self._new_model(mc, self.dtype)
         model.load_state_dict(twin.state_dict())
         for mine, theirs in zip(model.gemm_modules(), twin.gemm_modules()):
             mine.blocks = theirs.blocks
