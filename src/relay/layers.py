@@ -125,15 +125,36 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
 def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
     """The most rows (of BLOCKS_ROW_CANDIDATES) up to which GEMMs over these weights run faster
     from their blocks than by cpu_matmul's float path (by BLOCKS_MIN_GAIN), timed here on
-    activations in the weights' dtype: per row count both paths in turn, `reps` times, the
-    fastest run of each, and a loss timed again before it counts (another process's burst must
-    not cost the server its fast path for good). Stops once the float path has won at two row
-    counts in a row; 0 if the blocks never win."""
+    activations in the weights' dtype; 0 if the blocks never win (see crossover)."""
+    def paths(rows: int) -> PathTiming:
+        dtype = modules[0].weight.dtype
+        xs = [torch.randn(rows, m.weight.shape[1]).to(dtype) for m in modules]
+
+        def from_blocks() -> None:
+            for x, m in zip(xs, modules):
+                cpu_kernels.gemm_blocks(x, m.blocks).to(dtype)
+
+        def from_floats() -> None:
+            for x, m in zip(xs, modules):
+                cpu_matmul(x, m.weight, m.packed, gemv=m.gemv)
+        return PathTiming(from_blocks, from_floats)
+
+    return crossover(BLOCKS_ROW_CANDIDATES, paths, BLOCKS_MIN_GAIN, reps)
+
+
+def crossover(sizes: tuple[int, ...], paths, min_gain: float, reps: int = 3) -> int:
+    """The largest of sizes at which paths(size)'s first path beats its second by min_gain,
+    timed here: per size both paths in turn, `reps` times, the fastest run of each, and a loss
+    timed again before it counts (another process's burst must not cost the server its fast
+    path for good). Stops once the second path has won at two sizes in a row; 0 if the first
+    never wins."""
     best = losses = 0
-    for rows in BLOCKS_ROW_CANDIDATES:
-        timing = _GemmTiming(modules, rows)
-        if timing.blocks_win(reps) or timing.blocks_win(2 * reps):
-            best, losses = rows, 0
+    for size in sizes:
+        timing = paths(size)
+        if timing is None:
+            break
+        if timing.first_wins(reps, min_gain) or timing.first_wins(2 * reps, min_gain):
+            best, losses = size, 0
         else:
             losses += 1
             if losses == 2:
@@ -141,33 +162,24 @@ def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
     return best
 
 
-class _GemmTiming:
-    """One row count's GEMMs over some weights, from their blocks and by the float path."""
+class PathTiming:
+    """Two ways to do the same work, timed against each other."""
 
-    def __init__(self, modules: list[Linear], rows: int):
-        self.modules = modules
-        self.dtype = modules[0].weight.dtype
-        self.xs = [torch.randn(rows, m.weight.shape[1]).to(self.dtype) for m in modules]
-        self.fastest = {self.from_blocks: math.inf, self.from_floats: math.inf}
-        for path in self.fastest:
+    def __init__(self, first, second):
+        self.paths = (first, second)
+        self.fastest = [math.inf, math.inf]
+        for path in self.paths:
             path()  # first calls allocate and fault pages in
 
-    def from_blocks(self) -> None:
-        for x, m in zip(self.xs, self.modules):
-            cpu_kernels.gemm_blocks(x, m.blocks).to(self.dtype)
-
-    def from_floats(self) -> None:
-        for x, m in zip(self.xs, self.modules):
-            cpu_matmul(x, m.weight, m.packed, gemv=m.gemv)
-
-    def blocks_win(self, reps: int) -> bool:
-        """Time both paths in turn `reps` more times; whether the blocks' fastest run wins."""
+    def first_wins(self, reps: int, min_gain: float) -> bool:
+        """Time both paths in turn `reps` more times; whether the first's fastest run beats the
+        second's by min_gain."""
         for _ in range(reps):
-            for path in self.fastest:
+            for i, path in enumerate(self.paths):
                 start = time.perf_counter()
                 path()
-                self.fastest[path] = min(self.fastest[path], time.perf_counter() - start)
-        return self.fastest[self.from_blocks] < BLOCKS_MIN_GAIN * self.fastest[self.from_floats]
+                self.fastest[i] = min(self.fastest[i], time.perf_counter() - start)
+        return self.fastest[0] < min_gain * self.fastest[1]
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from relay.distributed import TPGroup, head_partition
 from relay.grammar import apply_token_masks
 from relay.kernels import cpu as cpu_kernels
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
-from relay.layers import Linear, blocks_crossover_rows, int4_supported
+from relay.layers import Linear, PathTiming, blocks_crossover_rows, crossover, int4_supported
 from relay.models import model_class
 from relay.sampler import SampleResult, Sampler
 from relay.sampling_params import SamplingParams
@@ -33,6 +34,11 @@ from relay.speculative.draft_model import Drafter
 logger = logging.getLogger(__name__)
 
 WARM_UP_SIDS = (-2, -1)  # request handles of the start-up warm-up; the scheduler's are >= 0
+# Batch sizes at which start-up times a decode step in one C call against the layers one by one
+# (_measure_decode_layers), the KV tokens per request there, and the margin the C call must win by.
+DECODE_LAYERS_SIZES = (1, 4, 8, 16, 32, 64, 128)
+DECODE_LAYERS_CONTEXT = 64
+DECODE_LAYERS_MIN_GAIN = 0.98
 
 
 def pick_device(name: str) -> torch.device:
@@ -96,12 +102,14 @@ class ModelRunner:
         self.num_pages = self._agree_on_pages()
         self.kv, self.attn = self._kv_and_attention(mc)
         if self.device.type == "cpu" and self.model.use_decode_layers(self.attn):
-            logger.info("decode steps run their decoder layers in one C call")
+            self._measure_decode_layers()
+        self.model.drop_unused_weight_blocks()
         self.drafter = None
         if self.draft_model is not None:
             _, draft_attn = self._kv_and_attention(self.draft_mc)
             if self.device.type == "cpu":
                 self.draft_model.use_decode_layers(draft_attn)
+            self.draft_model.drop_unused_weight_blocks()
             self.drafter = Drafter(self.draft_model, draft_attn, self.run_model)
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
@@ -201,6 +209,8 @@ class ModelRunner:
         model.load_state_dict(twin.state_dict())
         for mine, theirs in zip(model.gemm_modules(), twin.gemm_modules()):
             mine.blocks = theirs.blocks
+            if mine.blocks is not None:
+                mine.blocks.round_bf16 = self.dtype == torch.bfloat16
         return model
 
     def _measure_weight_blocks(self, model: torch.nn.Module, kept: int) -> None:
@@ -215,7 +225,37 @@ class ModelRunner:
                         str(self.dtype).removeprefix("torch."))
         else:
             logger.info("%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
-                        "size: not used", kept, str(self.dtype).removeprefix("torch."))
+                        "size (a decode step in one C call may still read them)", kept,
+                        str(self.dtype).removeprefix("torch."))
+
+    def _measure_decode_layers(self) -> None:
+        """Time pure decode steps with the layers in one C call against the layers called one by
+        one, at growing batch sizes (requests of DECODE_LAYERS_CONTEXT tokens on pages of the
+        still empty pool), and run steps of up to the largest size the C call won at that way.
+        Whole steps, not GEMMs: the call saves the interpreter between ~10 kernels per layer,
+        which can pay for block GEMMs slower than the float ones (bfloat16 on a Zen 4)."""
+        fast = self.model.decode_layers
+        per_request = -(-(DECODE_LAYERS_CONTEXT + 1) // self.page_size)
+
+        def paths(size: int) -> PathTiming | None:
+            if 1 + size * per_request > self.num_pages:
+                return None
+            tables = [list(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(size)]
+            batch = BatchInput(-1, list(range(size)), [1] * size, [DECODE_LAYERS_CONTEXT] * size, [1] * size,
+                               [0] * size, [[]] * size, [True] * size, [1] * size)
+
+            def step(layers) -> Callable[[], None]:
+                def run() -> None:
+                    self.model.decode_layers = layers
+                    self.run_model(self.model, self.attn, batch, tables)
+                return run
+            return PathTiming(step(fast), step(None))
+
+        fast[1].max_rows = crossover(DECODE_LAYERS_SIZES, paths, DECODE_LAYERS_MIN_GAIN, reps=2)
+        self.model.decode_layers = fast
+        if fast[1].max_rows:
+            logger.info("decode steps of up to %d requests run their decoder layers in one C call (measured "
+                        "here)", fast[1].max_rows)
 
     def _kv_and_attention(self, mc: ModelConfig):
         """A KV pool of num_pages pages for this model's layers, and an attention backend on it."""

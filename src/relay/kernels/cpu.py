@@ -106,7 +106,7 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_bf16_available.restype = i32
     lib.relay_tiled_attention_available.argtypes = [i32, i32, i64]
     lib.relay_tiled_attention_available.restype = i32
-    lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64]
+    lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64, i32]
     lib.relay_gemm_blocks.restype = i32
     lib.relay_gemm_blocks_available.restype = i32
     lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
@@ -177,7 +177,7 @@ def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     _lib.relay_gemm_blocks(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
-                           y.data_ptr(), y.stride(0), m, w.out_features, w.in_features)
+                           y.data_ptr(), y.stride(0), m, w.out_features, w.in_features, int(w.round_bf16))
     return y
 
 
@@ -344,7 +344,7 @@ def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: tor
 
 class _BlockMat(ctypes.Structure):  # csrc/decode_layers.c
     _fields_ = [("bits", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("round_bf16", ctypes.c_int64)]
 
 
 class _DecodeLayer(ctypes.Structure):
@@ -384,7 +384,8 @@ class DecodeLayers:
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
         def mat(w: BlockWeight) -> _BlockMat:
-            return _BlockMat(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features, w.in_features)
+            return _BlockMat(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features, w.in_features,
+                             int(w.round_bf16))
 
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these (and the fields below)
         self.table = (_DecodeLayer * len(layers))(*[

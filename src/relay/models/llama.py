@@ -151,9 +151,10 @@ class LlamaForCausalLM(nn.Module):
         """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
         where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
         biases or q/k norms, one rank, and steps whose attention the backend gives to the C decode
-        kernel (decode_kernel_plan), of at most the rows the blocks are used for. It computes in
-        float32 (a bfloat16 model's steps too: its blocks are the checkpoint's exact weights).
-        Returns whether it does."""
+        kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
+        rows the blocks are used for; the runner measures it). It keeps float32 activations (a
+        bfloat16 model's too: its blocks are the checkpoint's exact weights; their GEMMs round to
+        bfloat16 where BlockWeight.round_bf16 says). Returns whether it does."""
         layers = self.layers
         eligible = (self.fused_cpu_ops and self.tp.size == 1
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
@@ -181,11 +182,20 @@ class LlamaForCausalLM(nn.Module):
         return kept
 
     def limit_weight_blocks(self, max_rows: int) -> None:
-        """GEMMs of at most max_rows rows read the blocks; with 0, none do (the blocks are dropped)."""
+        """GEMMs of at most max_rows rows read the blocks; with 0, none do (a decode step in one
+        C call may still: see drop_unused_weight_blocks)."""
         for module in self.gemm_modules():
             if module.blocks is not None:
                 module.blocks.max_rows = max_rows
-                if not max_rows:
+
+    def drop_unused_weight_blocks(self) -> None:
+        """Forget the one-call decode step if it takes no batch size, and then the blocks that no
+        GEMM reads."""
+        if self.decode_layers is not None and not self.decode_layers[1].max_rows:
+            self.decode_layers = None
+        if self.decode_layers is None:
+            for module in self.gemm_modules():
+                if module.blocks is not None and not module.blocks.max_rows:
                     module.blocks = None
 
     def quantize_int4(self) -> None:

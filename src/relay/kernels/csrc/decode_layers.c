@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
-                      float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
+                      float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16);
 void relay_rms_norm(const void* x, void* residual, const void* w, void* out, int64_t T, int64_t H, float eps,
                     int bf16);
 void relay_rope(void* qkv, const float* cos, const float* sin, const int64_t* positions, int64_t T, int64_t stride,
@@ -26,6 +26,7 @@ typedef struct {  // a [n, k] weight in blocks (BlockWeight)
     const float* d;
     const float* m;
     int64_t n, k;
+    int64_t round_bf16;  // a bfloat16 model's weights (BlockWeight.round_bf16)
 } BlockMat;
 
 typedef struct {
@@ -58,7 +59,7 @@ typedef struct {  // one step: T requests, one new token each
 } DecodeStep;
 
 static int gemm(const BlockMat* w, const float* x, float* y, int64_t T) {
-    return relay_gemm_blocks((int)w->bits, w->q, w->d, w->m, x, w->k, y, w->n, T, w->n, w->k);
+    return relay_gemm_blocks((int)w->bits, w->q, w->d, w->m, x, w->k, y, w->n, T, w->n, w->k, (int)w->round_bf16);
 }
 
 // Returns 1, or 0 if a GEMM refused its shape (nothing is then usable).

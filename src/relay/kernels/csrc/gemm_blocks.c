@@ -19,6 +19,7 @@
 // n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
 // d, m [s][K / 32][32] float32. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -172,15 +173,157 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
 }
 
 #define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
+
+#if defined(__AVX512BF16__)
+// bfloat16 models (round_bf16) on CPUs with AVX512-BF16, more than GEMV_ROWS rows: VDPBF16PS does
+// twice the multiply-adds of a float32 FMA per instruction, and the quants are small integers,
+// exact in bfloat16. So x is rounded to bfloat16 once (as a bfloat16 model's GEMMs round their
+// inputs), each KC chunk of a strip's quants is unpacked into qbuf as bfloat16 pairs (cheaply:
+// a Q4_1 nibble picks its value from a 16-entry table with one VPERMW), and a row tile sums
+// x . q per block of 32 inputs, then scales it by d (+ m times the block's sum of x) in float32 -
+// gemv_strip's order. The weights are the checkpoint's exact ones (not bfloat16-rounded).
+#define MB_BF16 6  // rows per register tile: 2 * MB_BF16 accumulators + 2 * MB_BF16 block sums
+
+// Quants of strip s for inputs [k0, k0 + kn) into qbuf [kn / 2][NS]: 32-bit lane n of pair p holds
+// feature n's quants 2p (low half) and 2p + 1 (high half) as bfloat16.
+static inline void unpack_quants_bf16(int bits, const uint8_t* q, int64_t s, int64_t K, int64_t k0, int64_t kn,
+                                      const __m512i table, uint32_t* qbuf) {
+    for (int64_t p = 0; p < kn / 2; p++) {
+        const int64_t k = k0 + 2 * p;
+        for (int64_t h = 0; h < 2; h++) {
+            __m512i w;
+            if (bits == 4) {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(q + (s * (K / 2) + k / 2) * NS + 16 * h));
+                const __m512i v = _mm512_cvtepu8_epi32(raw);  // lane n: feature n's byte (k low nibble, k + 1 high)
+                const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+                                                    _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xf0)), 12));
+                w = _mm512_permutexvar_epi16(idx, table);
+            } else {
+                const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
+                const __m512i even = _mm512_cvtepu16_epi32(vcvt_bf16(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk)))));
+                const __m512i odd = _mm512_cvtepu16_epi32(vcvt_bf16(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qk + NS))))));
+                w = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+            }
+            _mm512_store_si512((__m512i*)(qbuf + p * NS + 16 * h), w);
+        }
+    }
+}
+
+// y[m0 .. m0 + R, strip s] (+)= x[.., k0 .. k0 + kn] . W^T from qbuf, R <= MB_BF16 rows. xb [M, K]
+// bfloat16 (the rounded x), xsum [M, K / 32] its sums per block.
+static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int bits, const uint16_t* xb, int64_t K,
+                                                            const float* xsum, int64_t m0, const uint32_t* qbuf,
+                                                            const float* d, const float* m, int64_t s, int64_t k0,
+                                                            int64_t kn, float* y, int64_t y_stride, int64_t N,
+                                                            int first) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    __m512 acc[MB_BF16][2];
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live0, yr);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live1, yr + 16);
+    }
+    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
+        __m512 part[MB_BF16][2];
+        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+        const uint32_t* qb = qbuf + (b * 32 - k0) / 2 * NS;
+        for (int64_t p = 0; p < 16; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(qb + p * NS);
+            const __m512bh w1 = (__m512bh)_mm512_load_si512(qb + p * NS + 16);
+            for (int64_t i = 0; i < R; i++) {
+                int32_t pair;  // x[k], x[k + 1] as one bfloat16 pair
+                memcpy(&pair, xb + (m0 + i) * K + b * 32 + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                part[i][0] = _mm512_dpbf16_ps(part[i][0], xv, w0);
+                part[i][1] = _mm512_dpbf16_ps(part[i][1], xv, w1);
+            }
+        }
+        const float* db = d + (s * nb + b) * NS;
+        const float* mb = m + (s * nb + b) * NS;
+        for (int64_t h = 0; h < 2; h++) {
+            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
+            if (bits == 4) {
+                const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
+                for (int64_t i = 0; i < R; i++)
+                    acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(m0 + i) * nb + b]), acc[i][h]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        _mm512_mask_storeu_ps(yr, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(yr + 16, live1, acc[i][1]);
+    }
+}
+
+#define TILE_BF16(RV) \
+    case RV: tile_bf16(RV, bits, xb, K, xsum, m0, qbuf, d, m, s, k0, kn, y, y_stride, N, k0 == 0); break;
+
+static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const float* m, const float* x,
+                             int64_t x_stride, float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, strips = (N + NS - 1) / NS;
+    uint16_t* xb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(M * K));
+    float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 lo = _mm512_loadu_ps(x + i * x_stride + b * 32);
+            const __m512 hi = _mm512_loadu_ps(x + i * x_stride + b * 32 + 16);
+            const __m256i rlo = vcvt_bf16(lo), rhi = vcvt_bf16(hi);
+            _mm256_storeu_si256((__m256i*)(xb + i * K + b * 32), rlo);
+            _mm256_storeu_si256((__m256i*)(xb + i * K + b * 32 + 16), rhi);
+            const __m512 back = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rlo), 16)),
+                                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rhi), 16)));
+            xsum[i * nb + b] = _mm512_reduce_add_ps(back);
+        }
+    uint16_t values[32] = {0};  // bfloat16 0 .. 15: what a Q4_1 nibble stands for
+    for (int v = 0; v < 16; v++) values[v] = f32_to_bf16((float)v);
+    const __m512i table = _mm512_loadu_si512(values);
+    _Pragma("omp parallel")
+    {
+        uint32_t qbuf[KC / 2 * NS] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kn = K - k0 < KC ? K - k0 : KC;
+                unpack_quants_bf16(bits, q, s, K, k0, kn, table, qbuf);
+                // tiles as even as they come (8 rows: 4 + 4, not 6 + 2: a short tile reloads
+                // qbuf for few rows)
+                const int64_t n_tiles = (M + MB_BF16 - 1) / MB_BF16;
+                for (int64_t t = 0, m0 = 0; t < n_tiles; t++) {
+                    const int64_t rows = M / n_tiles + (t < M % n_tiles);
+                    switch (rows) {
+                        TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6)
+                    }
+                    m0 += rows;
+                }
+            }
+    }
+    free(xsum);
+    free(xb);
+}
+#endif
 #endif
 
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
 // has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
+// round_bf16: the blocks stand for a bfloat16 model's weights, so GEMMs of more than GEMV_ROWS
+// rows may round x to bfloat16 and use VDPBF16PS (gemm_blocks_bf16) where this CPU has it.
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
-                      float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+                      float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
 #if defined(__AVX512F__)
     if (K % 32 || M < 1) return 0;
     const int64_t strips = (N + NS - 1) / NS;
+#if defined(__AVX512BF16__)
+    if (round_bf16 && M > GEMV_ROWS) {
+        gemm_blocks_bf16(bits, q, d, m, x, x_stride, y, y_stride, M, N, K);
+        return 1;
+    }
+#endif
     if (M <= GEMV_ROWS) {
         float xsum[GEMV_ROWS * (K / 32)];  // each row's sum over each block (Q4_1's m term)
         for (int64_t i = 0; i < (bits == 4 ? M : 0); i++)
@@ -209,6 +352,7 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
     return 1;
 #else
     (void)bits; (void)q; (void)d; (void)m; (void)x; (void)x_stride; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)round_bf16;
     return 0;
 #endif
 }
