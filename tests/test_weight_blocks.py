@@ -83,18 +83,18 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [2, 7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 7, 13, 40])
 @pytest.mark.parametrize("n,k", [(200, 96), (40, 160), (64, 576)])
 def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(lib, kind, m, n, k):
-    """Blocks that stand for a bfloat16 model's weights (round_bf16): GEMMs of more than a few rows
+    """Blocks that stand for a bfloat16 model's weights (round_bf16): GEMMs of two rows or more
     round the activations to bfloat16, as the model's own GEMMs do, where the CPU has bfloat16 dot
-    products, and multiply them by the exact weights (float32 accumulation); fewer rows, or a CPU
-    without them, keep float32 activations."""
+    products, and multiply them by the exact weights (float32 accumulation); one row, or a CPU
+    without them, keeps float32 activations."""
     w = weight(n, k, kind, seed=m)
     blocks = recover(w)
     blocks.round_bf16 = True
     x = torch.randn(m, k + 5)[:, :k]
-    rounded = m > 6 and "avx512_bf16" in cpu.cpu_flags().split()
+    rounded = m > 1 and "avx512_bf16" in cpu.cpu_flags().split()
     expect = (x.bfloat16() if rounded else x).double() @ w.double().T
     torch.testing.assert_close(cpu.gemm_blocks(x, blocks).double(), expect, atol=1e-4, rtol=1e-4)
 
@@ -178,6 +178,32 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(layers, "cpu_matmul", slowed(layers.cpu_matmul))
     assert layers.blocks_crossover_rows(modules) == layers.BLOCKS_ROW_CANDIDATES[-1]
+
+
+@pytest.mark.slow
+def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at(default_model_dir, monkeypatch):
+    """Start-up times whole decode steps in one C call against the layers called one by one: a C
+    call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
+    are the slow ones, the C call takes every batch size tried that the KV pool holds."""
+    blocks_or_skip()
+    from relay import model_runner
+    from relay.config import EngineConfig, ModelConfig
+    from relay.models import llama
+
+    def runner() -> ModelRunner:
+        return ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
+                           ModelConfig.from_dir(default_model_dir))
+
+    monkeypatch.setattr(cpu.DecodeLayers, "run", slowed(cpu.DecodeLayers.run))
+    slow_call = runner()
+    assert slow_call.model.decode_layers is None
+    assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
+    monkeypatch.undo()
+    monkeypatch.setattr(llama.DecoderLayer, "forward", slowed(llama.DecoderLayer.forward, 3))
+    slow_layers = runner()
+    per_request = -(-(model_runner.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
+    held = [s for s in model_runner.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
+    assert slow_layers.model.decode_layers[1].max_rows == held[-1]
 
 
 @pytest.mark.slow

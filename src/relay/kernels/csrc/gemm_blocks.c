@@ -1,5 +1,6 @@
 // GEMM on weights kept in GGUF-style blocks of 32, for CPUs with AVX-512: y[M, N] = x[M, K] . W^T
-// with float32 activations and float32 math.
+// with float32 activations and float32 math (a bfloat16 model's, past a few rows: bfloat16
+// products, float32 sums; see gemm_blocks_bf16).
 //
 // A checkpoint shipped as Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q, q in -127..127)
 // is dequantized into float32 when it loads; relay/weight_blocks.py recovers the blocks from those
@@ -175,7 +176,7 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
 #define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
 
 #if defined(__AVX512BF16__)
-// bfloat16 models (round_bf16) on CPUs with AVX512-BF16, more than GEMV_ROWS rows: VDPBF16PS does
+// bfloat16 models (round_bf16) on CPUs with AVX512-BF16, BF16_MIN_ROWS rows or more: VDPBF16PS does
 // twice the multiply-adds of a float32 FMA per instruction, and the quants are small integers,
 // exact in bfloat16. So x is rounded to bfloat16 once (as a bfloat16 model's GEMMs round their
 // inputs), each KC chunk of a strip's quants is unpacked into qbuf as bfloat16 pairs (cheaply:
@@ -183,6 +184,9 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
 // x . q per block of 32 inputs, then scales it by d (+ m times the block's sum of x) in float32 -
 // gemv_strip's order. The weights are the checkpoint's exact ones (not bfloat16-rounded).
 #define MB_BF16 6  // rows per register tile: 2 * MB_BF16 accumulators + 2 * MB_BF16 block sums
+// From this many rows on a bfloat16 model's GEMMs take this path instead of gemv_strip's float32
+// FMAs (4 GEMMs of the default model's layer on a Zen 4: level at 2 rows, 1.2-1.5x at 3-6).
+#define BF16_MIN_ROWS 2
 
 // Quants of strip s for inputs [k0, k0 + kn) into qbuf [kn / 2][NS]: 32-bit lane n of pair p holds
 // feature n's quants 2p (low half) and 2p + 1 (high half) as bfloat16.
@@ -311,7 +315,7 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
 
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
 // has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
-// round_bf16: the blocks stand for a bfloat16 model's weights, so GEMMs of more than GEMV_ROWS
+// round_bf16: the blocks stand for a bfloat16 model's weights, so GEMMs of BF16_MIN_ROWS or more
 // rows may round x to bfloat16 and use VDPBF16PS (gemm_blocks_bf16) where this CPU has it.
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
@@ -319,7 +323,7 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
     if (K % 32 || M < 1) return 0;
     const int64_t strips = (N + NS - 1) / NS;
 #if defined(__AVX512BF16__)
-    if (round_bf16 && M > GEMV_ROWS) {
+    if (round_bf16 && M >= BF16_MIN_ROWS) {
         gemm_blocks_bf16(bits, q, d, m, x, x_stride, y, y_stride, M, N, K);
         return 1;
     }
