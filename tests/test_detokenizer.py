@@ -78,7 +78,10 @@ def test_stream_concatenation_equals_decode(tok, chunk):
 
 @settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=30),
+# U+FFFD itself is left out of the text: the stream must never emit it for a half-decoded
+# character, which only a text without it can show.
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="\ufffd"),
+                    min_size=1, max_size=30),
        prompt=st.sampled_from(["", "Hello", "世界", "🎉 x", "Question: what?\nAnswer:"]))
 def test_stream_any_unicode_text(tok, text, prompt):
     ids = tok.encode(text)

@@ -39,6 +39,27 @@ int relay_gemm_blocks_available(void) {
 }
 
 #if defined(__AVX512F__)
+// Which of the 16 features of half h (0, 1) of a strip exist, `left` features from its start on.
+static inline __mmask16 strip_mask(int64_t left, int64_t h) {
+    left -= 16 * h;
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
+}
+
+// acc[i] += d * part[i] (+ m * the block's sum of row i's x, xs[i * nb], for Q4_1): one block of
+// 32 inputs summed over the raw quants, scaled as the dequantizer would (gemv_strip, tile_bf16).
+static inline __attribute__((always_inline)) void scale_block(const int64_t R, int bits, const float* db,
+                                                              const float* mb, const float* xs, int64_t nb,
+                                                              __m512 (*part)[2], __m512 (*acc)[2]) {
+    for (int64_t h = 0; h < 2; h++) {
+        const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+        for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
+        if (bits == 4) {
+            const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * nb]), acc[i][h]);
+        }
+    }
+}
+
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS].
 static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
                           int64_t k0, int64_t kn, float* wbuf) {
@@ -78,8 +99,7 @@ static inline __attribute__((always_inline)) void tile(const int64_t R, const fl
     const float* xr[MB];
     for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
     const int64_t left = N - n0;
-    const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     __m512 acc[MB][2];
     for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
@@ -122,8 +142,7 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
                                                              const float* x, int64_t x_stride, const float* xsum,
                                                              float* y, int64_t y_stride, int64_t N) {
     const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
-    const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m512 acc[GEMV_ROWS][2];
     for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -155,17 +174,7 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
                         part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
                 }
         }
-        const float* db = d + (s * nb + b) * NS;
-        const float* mb = m + (s * nb + b) * NS;
-        for (int64_t h = 0; h < 2; h++) {
-            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
-            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
-            if (bits == 4) {
-                const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
-                for (int64_t i = 0; i < R; i++)
-                    acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[i * nb + b]), acc[i][h]);
-            }
-        }
+        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
@@ -223,8 +232,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int
                                                             int64_t kn, float* y, int64_t y_stride, int64_t N,
                                                             int first) {
     const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
-    const __mmask16 live0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-    const __mmask16 live1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     __m512 acc[MB_BF16][2];
     for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
@@ -246,17 +254,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int
                 part[i][1] = _mm512_dpbf16_ps(part[i][1], xv, w1);
             }
         }
-        const float* db = d + (s * nb + b) * NS;
-        const float* mb = m + (s * nb + b) * NS;
-        for (int64_t h = 0; h < 2; h++) {
-            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
-            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
-            if (bits == 4) {
-                const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
-                for (int64_t i = 0; i < R; i++)
-                    acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(m0 + i) * nb + b]), acc[i][h]);
-            }
-        }
+        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + m0 * nb + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
