@@ -376,9 +376,10 @@ class DecoderLayerWeights:
 
 
 class DecodeLayers:
-    """A float32 decoder whose GEMM weights are all GGUF blocks, run for a pure decode step in
-    one C call (csrc/decode_layers.c) over one KV cache: the kernels the layers call one by one,
-    in their order, without the interpreter between them (bit-identical output)."""
+    """A decoder whose GEMM weights are all GGUF blocks, run for a pure decode step in one C call
+    (csrc/decode_layers.c) over one KV cache, with float32 activations: the kernels the layers
+    call one by one, in their order, without the interpreter between them (bit-identical output
+    for a float32 model at batch sizes whose GEMMs read the blocks in the layers too)."""
 
     def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,6 +1,7 @@
-// A whole decode step's decoder layers in one call, for float32 models whose GEMM weights are
-// all GGUF blocks (relay/weight_blocks.py): the same kernels, in the same order, on the same
-// buffers as the Python layers call them one by one, so the output is bit for bit theirs. What
+// A whole decode step's decoder layers in one call, for models whose GEMM weights are all GGUF
+// blocks (relay/weight_blocks.py), in float32 activations: the same kernels, in the same order, on
+// the same buffers as the Python layers of a float32 model call them one by one, so where those
+// read the blocks too the output is bit for bit theirs. What
 // it removes is the interpreter between them: ~8 kernel calls per layer through torch modules
 // and ctypes cost ~5 ms of a ~17 ms batch-1 step on a 2-core Xeon, while the other core waits.
 #include <stddef.h>
