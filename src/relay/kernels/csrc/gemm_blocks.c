@@ -1,6 +1,6 @@
 // GEMM on weights kept in GGUF-style blocks of 32, for CPUs with AVX-512: y[M, N] = x[M, K] . W^T
-// with float32 activations and float32 math (a bfloat16 model's, past a few rows: bfloat16
-// products, float32 sums; see gemm_blocks_bf16).
+// with float32 activations and float32 math (a bfloat16 model's from BF16_MIN_ROWS rows on:
+// bfloat16 products, float32 sums; see gemm_blocks_bf16).
 //
 // A checkpoint shipped as Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q, q in -127..127)
 // is dequantized into float32 when it loads; relay/weight_blocks.py recovers the blocks from those
@@ -275,16 +275,16 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
         for (int64_t b = 0; b < nb; b++) {
             const __m512 lo = _mm512_loadu_ps(x + i * x_stride + b * 32);
             const __m512 hi = _mm512_loadu_ps(x + i * x_stride + b * 32 + 16);
-            const __m256i rlo = vcvt_bf16(lo), rhi = vcvt_bf16(hi);
-            _mm256_storeu_si256((__m256i*)(xb + i * K + b * 32), rlo);
-            _mm256_storeu_si256((__m256i*)(xb + i * K + b * 32 + 16), rhi);
-            const __m512 back = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rlo), 16)),
-                                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rhi), 16)));
-            xsum[i * nb + b] = _mm512_reduce_add_ps(back);
+            uint16_t* xr = xb + i * K + b * 32;
+            _mm256_storeu_si256((__m256i*)xr, vcvt_bf16(lo));
+            _mm256_storeu_si256((__m256i*)(xr + 16), vcvt_bf16(hi));
+            xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(vload(xr, 0, 1), vload(xr, 16, 1)));
         }
     uint16_t values[32] = {0};  // bfloat16 0 .. 15: what a Q4_1 nibble stands for
     for (int v = 0; v < 16; v++) values[v] = f32_to_bf16((float)v);
     const __m512i table = _mm512_loadu_si512(values);
+    // row tiles as even as they come (8 rows: 4 + 4, not 6 + 2: a short tile reloads qbuf for few rows)
+    const int64_t n_tiles = (M + MB_BF16 - 1) / MB_BF16;
     _Pragma("omp parallel")
     {
         uint32_t qbuf[KC / 2 * NS] __attribute__((aligned(64)));
@@ -293,9 +293,6 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kn = K - k0 < KC ? K - k0 : KC;
                 unpack_quants_bf16(bits, q, s, K, k0, kn, table, qbuf);
-                // tiles as even as they come (8 rows: 4 + 4, not 6 + 2: a short tile reloads
-                // qbuf for few rows)
-                const int64_t n_tiles = (M + MB_BF16 - 1) / MB_BF16;
                 for (int64_t t = 0, m0 = 0; t < n_tiles; t++) {
                     const int64_t rows = M / n_tiles + (t < M % n_tiles);
                     switch (rows) {
