@@ -100,7 +100,8 @@ def label_c_kernels() -> None:
     from relay.kernels import cpu as cpu_kernels
 
     labels = {"decode_attention": "relay::attn_decode", "extend_attention": "relay::attn_extend",
-              "gemm_bf16": "relay::gemm_bf16", "gemm_blocks": "relay::gemm_blocks", "rms_norm": "relay::rms_norm", "rope": "relay::rope",
+              "gemm_bf16": "relay::gemm_bf16", "gemm_panels": "relay::gemm_panels", "gemm_blocks": "relay::gemm_blocks",
+              "rms_norm": "relay::rms_norm", "rope": "relay::rope",
               "silu_mul": "relay::silu_mul"}
     for name, label in labels.items():
         plain = getattr(cpu_kernels, name, None)

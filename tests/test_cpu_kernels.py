@@ -116,6 +116,32 @@ def test_small_batch_bf16_gemm(lib, m, n, k):
     torch.testing.assert_close(cpu.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2)
 
 
+
+@pytest.mark.parametrize("m", [1, 8, 9, 300])  # one tile, a full one, a short last one, past a 256-row pass
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (200, 576)])  # panels of 48 features: whole, short, mixed
+def test_bf16_gemm_on_panels(lib, m, n, k):
+    """relay_gemm_bf16_panels against float32 math on bfloat16-rounded inputs: bias or none,
+    float32 or bfloat16 in and out, and rows of x that are not contiguous."""
+    if not cpu.gemm_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    panels = cpu.pack_panels(w)
+    wide = torch.randn(m, k + 6)
+    for x in (wide[:, 2:k + 2], wide[:, :k].bfloat16()):
+        ref = x.bfloat16().float() @ w.float().T
+        torch.testing.assert_close(cpu.gemm_panels(x, panels, b, torch.float32), ref + b.float(), atol=1e-3,
+                                   rtol=1e-4)
+        torch.testing.assert_close(cpu.gemm_panels(x, panels, out_dtype=torch.bfloat16), ref.bfloat16())
+
+
+def test_a_weight_with_an_odd_input_count_keeps_onednn(lib):
+    w = torch.randn(64, 51).bfloat16()
+    assert cpu.pack_panels(w) is None
+    x = torch.randn(5, 51).bfloat16()
+    from relay.layers import cpu_matmul, pack_for_cpu
+    torch.testing.assert_close(cpu_matmul(x, w, pack_for_cpu(w)).float(), x.float() @ w.float().T, atol=0.1,
+                               rtol=2e-2)
+
 def dense_causal(q, k, v, table, prefix, n, scale):
     """q [n, H, D] new tokens at positions prefix..prefix+n-1 over the cache's first prefix+n tokens."""
     h, d = q.shape[1], q.shape[2]

@@ -97,7 +97,7 @@ class Int4Weight:
     group: int
 
 
-def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | cpu_kernels.Bf16Panels | None,
                bias: torch.Tensor | None = None, int8: Int8Weight | None = None, gemv: bool = False,
                out_dtype: torch.dtype | None = None, int4: Int4Weight | None = None,
                w8a8: W8A8Weight | None = None, blocks: BlockWeight | None = None) -> torch.Tensor:
@@ -117,6 +117,8 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     if int8 is not None and x.shape[0] < INT8_MAX_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *int8).to(x.dtype)
         return y if bias is None else y + bias
+    if isinstance(packed, cpu_kernels.Bf16Panels):
+        return cpu_kernels.gemm_panels(x, packed, bias, out_dtype or x.dtype)
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 8):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -182,9 +184,17 @@ class PathTiming:
         return self.fastest[0] < min_gain * self.fastest[1]
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a [out, in] weight, or None where oneDNN is unavailable."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_kernels.Bf16Panels | None:
+    """A copy of a [out, in] weight laid out for batched GEMMs: Relay's bfloat16 panels where
+    those are the faster kernel (cpu_kernels.panels_preferred), else oneDNN's blocked layout;
+    None where neither is available."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.bfloat16 and cpu_kernels.panels_preferred():
+        panels = cpu_kernels.pack_panels(weight)
+        if panels is not None:
+            return panels
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
@@ -249,7 +259,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.tp = tp  # set for row-parallel layers only
-        self.packed: torch.Tensor | None = None  # see pack_for_cpu; set once weights are loaded
+        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = None  # pack_for_cpu's, once loaded
         self.int8: Int8Weight | None = None  # see quantize_int8; --quantization int8 only
         self.int4: Int4Weight | None = None  # see quantize_int4; --quantization int4 only
         self.w8a8: W8A8Weight | None = None  # see w8a8_weight; --quantization w8a8 only
@@ -271,7 +281,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
-        self.packed: torch.Tensor | None = None  # for the LM head, like Linear.packed
+        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = None  # for the LM head, like Linear.packed
         self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8
         self.int4: Int4Weight | None = None  # for the LM head, like Linear.int4
         self.gemv = False  # for the LM head, like Linear.gemv

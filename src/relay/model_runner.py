@@ -233,8 +233,13 @@ class ModelRunner:
         one, at growing batch sizes (requests of DECODE_LAYERS_CONTEXT tokens on pages of the
         still empty pool), and run steps of up to the largest size the C call won at that way.
         Whole steps, not GEMMs: the call saves the interpreter between ~10 kernels per layer,
-        which can pay for block GEMMs slower than the float ones (bfloat16 on a Zen 4)."""
+        which can pay for block GEMMs slower than the float ones. Nothing to time where its GEMMs
+        past the blocks' rows are the layers' own (DecodeLayers.on_panels)."""
         fast = self.model.decode_layers
+        if fast[1].on_panels:
+            logger.info("decode steps run their decoder layers in one C call at every batch size (past the "
+                        "blocks' rows on the layers' own bfloat16 panels)")
+            return
         per_request = -(-(DECODE_LAYERS_CONTEXT + 1) // self.page_size)
 
         def paths(size: int) -> PathTiming | None:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -104,6 +105,9 @@ def load() -> ctypes.CDLL | None:
     lib.relay_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.relay_gemm_bf16.restype = None
     lib.relay_gemm_bf16_available.restype = i32
+    lib.relay_gemm_bf16_panels.argtypes = [p, i64, i32, p, p, p, i64, i32, i64, i64, i64]
+    lib.relay_gemm_bf16_panels.restype = i32
+    lib.relay_gemm_bf16_panel_features.restype = i32
     lib.relay_tiled_attention_available.argtypes = [i32, i32, i64]
     lib.relay_tiled_attention_available.restype = i32
     lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64, i32]
@@ -149,6 +153,55 @@ def gemm_bf16_available() -> bool:
 
 def available() -> bool:
     return load() is not None
+
+
+@dataclass
+class Bf16Panels:
+    """A bfloat16 [N, K] weight repacked for csrc/gemm_bf16.c's relay_gemm_bf16_panels: panels of
+    `panel` output features (N padded with zero rows), each [K / 2, panel] pairs of weights."""
+
+    data: torch.Tensor  # int32 [panels, K / 2, panel]: feature n's weights 2p (low half), 2p + 1
+    out_features: int
+    in_features: int
+
+
+def panels_preferred() -> bool:
+    """Whether a bfloat16 model's batched GEMMs run on Bf16Panels here rather than on oneDNN's
+    prepacked weights: where the CPU has AVX512-BF16 but no AMX. With AVX512-BF16 alone oneDNN
+    reaches ~60 % of the VDPBF16PS peak at 32 rows and the panels ~85 % (Zen 4, docs/benchmarks.md);
+    with AMX, oneDNN's tile GEMMs run at 560 GFLOP/s at 32 rows and 1.5 TFLOP/s at 256 on a
+    2-core Xeon (../shared/FACTS.md), beyond any AVX-512 kernel's peak there."""
+    return gemm_bf16_available() and "amx_bf16" not in cpu_flags().split()
+
+
+def pack_panels(w: torch.Tensor) -> Bf16Panels | None:
+    """w [N, K] bfloat16 as Bf16Panels, or None where K is odd or the kernel is not built here."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or k % 2 or not gemm_bf16_available():
+        return None
+    panel = _lib.relay_gemm_bf16_panel_features()
+    padded = torch.zeros(-(-n // panel) * panel, k, dtype=torch.bfloat16)
+    padded[:n] = w
+    pairs = padded.view(-1, panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return Bf16Panels(pairs.view(torch.int32).view(-1, k // 2, panel), n, k)
+
+
+def gemm_panels(x: torch.Tensor, w: Bf16Panels, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] bfloat16 or float32 (rounded to bfloat16) times w (+ bias, bfloat16) -> [M, N] in
+    out_dtype (bfloat16 or float32)."""
+    if x.stride(-1) != 1 or (x.dtype == torch.bfloat16 and x.stride(0) % 2):
+        x = x.contiguous()
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=out_dtype)
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    if not _lib.relay_gemm_bf16_panels(x.data_ptr(), x.stride(0), int(x.dtype == torch.float32), w.data.data_ptr(),
+                                       0 if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                                       int(out_dtype == torch.float32), m, w.out_features, w.in_features):
+        raise RuntimeError(f"relay_gemm_bf16_panels refused x {tuple(x.shape)} {x.dtype}")
+    return y
 
 
 def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -342,14 +395,15 @@ def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: tor
                                      page_size, scale, int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16)))
 
 
-class _BlockMat(ctypes.Structure):  # csrc/decode_layers.c
+class _LayerGemm(ctypes.Structure):  # csrc/decode_layers.c
     _fields_ = [("bits", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("round_bf16", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("round_bf16", ctypes.c_int64),
+                ("panels", ctypes.c_void_p), ("blocks_max_rows", ctypes.c_int64)]
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _BlockMat), ("o", _BlockMat),
-                ("gate_up", _BlockMat), ("down", _BlockMat), ("k_cache", ctypes.c_void_p),
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _LayerGemm), ("o", _LayerGemm),
+                ("gate_up", _LayerGemm), ("down", _LayerGemm), ("k_cache", ctypes.c_void_p),
                 ("v_cache", ctypes.c_void_p)]
 
 
@@ -363,16 +417,25 @@ class _DecodeStep(ctypes.Structure):
 
 
 @dataclass
+class LayerGemm:
+    """One GEMM weight of a decoder layer as relay_decode_layers reads it: its GGUF blocks, and a
+    bfloat16 model's panels (layers.pack_for_cpu), which its GEMMs of more rows than the blocks'
+    max_rows (at construction) read instead, as the Python layers' GEMMs do."""
+
+    blocks: BlockWeight
+    panels: Bf16Panels | None = None
+
+
+@dataclass
 class DecoderLayerWeights:
-    """What relay_decode_layers reads of one decoder layer: its norms and its GEMM weights, all
-    in GGUF blocks."""
+    """What relay_decode_layers reads of one decoder layer: its norms and its GEMM weights."""
 
     input_norm: torch.Tensor  # float32 [hidden]
     post_norm: torch.Tensor
-    qkv: BlockWeight  # q, k, v fused, no bias
-    o: BlockWeight
-    gate_up: BlockWeight  # gate then up
-    down: BlockWeight
+    qkv: LayerGemm  # q, k, v fused, no bias
+    o: LayerGemm
+    gate_up: LayerGemm  # gate then up
+    down: LayerGemm
 
 
 class DecodeLayers:
@@ -384,17 +447,18 @@ class DecodeLayers:
     def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
-        def mat(w: BlockWeight) -> _BlockMat:
-            return _BlockMat(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features, w.in_features,
-                             int(w.round_bf16))
+        def mat(w: LayerGemm) -> _LayerGemm:
+            b = w.blocks
+            return _LayerGemm(b.bits, b.q.data_ptr(), b.d.data_ptr(), b.m.data_ptr(), b.out_features, b.in_features,
+                              int(b.round_bf16), None if w.panels is None else w.panels.data.data_ptr(), b.max_rows)
 
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these (and the fields below)
         self.table = (_DecodeLayer * len(layers))(*[
             _DecodeLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), mat(w.qkv), mat(w.o), mat(w.gate_up),
                          mat(w.down), k.data_ptr(), v.data_ptr()) for w, k, v in zip(layers, k_caches, v_caches)])
         first = layers[0]
-        self.hidden, self.inter = first.o.out_features, first.down.in_features
-        self.qkv_n = first.qkv.out_features
+        self.hidden, self.inter = first.o.blocks.out_features, first.down.blocks.in_features
+        self.qkv_n = first.qkv.blocks.out_features
         self.final_norm, self.eps, self.scale = final_norm, eps, scale
         self.nq, self.nk, self.d = num_heads, num_kv_heads, head_dim
         self.cos, self.sin = cos, sin
@@ -402,7 +466,11 @@ class DecodeLayers:
         self.kv_bf16 = int(k_caches[0].dtype == torch.bfloat16)
         self.cascade = tiled_attention_available(torch.float32, k_caches[0].dtype, head_dim)
         self.page_size = page_size
-        self.max_rows = first.qkv.max_rows  # beyond it the layers' GEMMs leave the blocks
+        # With panels in every GEMM the call runs the layers' own kernels at every size, minus the
+        # interpreter between them; without, past the blocks' rows it would not (the runner measures).
+        self.on_panels = all(w.panels is not None for layer in layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                                 layer.down))
+        self.max_rows = sys.maxsize if self.on_panels else first.qkv.blocks.max_rows
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """x [T, hidden] float32 (the step's embeddings; used as the residual stream), positions

@@ -154,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
         rows the blocks are used for; the runner measures it). It keeps float32 activations (a
         bfloat16 model's too: its blocks are the checkpoint's exact weights; their GEMMs round to
-        bfloat16 where BlockWeight.round_bf16 says). Returns whether it does."""
+        bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
+        bfloat16 panels where it has them). Returns whether it does."""
         layers = self.layers
         eligible = (self.fused_cpu_ops and self.tp.size == 1
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
@@ -162,10 +163,14 @@ class LlamaForCausalLM(nn.Module):
                             if m is not self.lm_head))
         if not eligible:
             return False
+        def gemm(m: Linear) -> cpu_kernels.LayerGemm:
+            panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
+            return cpu_kernels.LayerGemm(m.blocks, panels)
+
         weights = [cpu_kernels.DecoderLayerWeights(
             layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float(),
-            layer.self_attn.qkv_proj.blocks, layer.self_attn.o_proj.blocks, layer.mlp.gate_up_proj.blocks,
-            layer.mlp.down_proj.blocks) for layer in layers]
+            gemm(layer.self_attn.qkv_proj), gemm(layer.self_attn.o_proj), gemm(layer.mlp.gate_up_proj),
+            gemm(layer.mlp.down_proj)) for layer in layers]
         a = layers[0].self_attn
         self.decode_layers = (attn, cpu_kernels.DecodeLayers(
             weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,

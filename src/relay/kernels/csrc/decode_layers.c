@@ -1,7 +1,7 @@
 // A whole decode step's decoder layers in one call, for models whose GEMM weights are all GGUF
 // blocks (relay/weight_blocks.py), in float32 activations: the same kernels, in the same order, on
-// the same buffers as the Python layers of a float32 model call them one by one, so where those
-// read the blocks too the output is bit for bit theirs. What
+// the same buffers as the Python layers call them one by one, so where those read the same
+// weights (the blocks, or a bfloat16 model's panels) the output is bit for bit theirs. What
 // it removes is the interpreter between them: ~8 kernel calls per layer through torch modules
 // and ctypes cost ~5 ms of a ~17 ms batch-1 step on a 2-core Xeon, while the other core waits.
 #include <stddef.h>
@@ -9,6 +9,8 @@
 
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16);
+int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uint32_t* panels, const uint16_t* bias,
+                           void* y, int64_t y_stride, int y_f32, int64_t M, int64_t N, int64_t K);
 void relay_rms_norm(const void* x, void* residual, const void* w, void* out, int64_t T, int64_t H, float eps,
                     int bf16);
 void relay_rope(void* qkv, const float* cos, const float* sin, const int64_t* positions, int64_t T, int64_t stride,
@@ -21,19 +23,21 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                       int64_t n_groups, const int64_t* group_first, const int64_t* group_size,
                       const int64_t* group_keys);
 
-typedef struct {  // a [n, k] weight in blocks (BlockWeight)
+typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 panels (cpu.LayerGemm)
     int64_t bits;
     const uint8_t* q;
     const float* d;
     const float* m;
     int64_t n, k;
     int64_t round_bf16;  // a bfloat16 model's weights (BlockWeight.round_bf16)
-} BlockMat;
+    const uint32_t* panels;  // the bfloat16 model's Bf16Panels, or NULL
+    int64_t blocks_max_rows;  // with panels, GEMMs of more rows than this read those
+} LayerGemm;
 
 typedef struct {
     const float* input_norm;
     const float* post_norm;
-    BlockMat qkv, o, gate_up, down;
+    LayerGemm qkv, o, gate_up, down;
     void* k_cache;  // [HKV, S, D]
     void* v_cache;
 } DecodeLayer;
@@ -59,7 +63,9 @@ typedef struct {  // one step: T requests, one new token each
     float *x, *out, *qkv, *attn, *gate_up, *act;
 } DecodeStep;
 
-static int gemm(const BlockMat* w, const float* x, float* y, int64_t T) {
+static int gemm(const LayerGemm* w, const float* x, float* y, int64_t T) {
+    if (w->panels && T > w->blocks_max_rows)
+        return relay_gemm_bf16_panels(x, w->k, 1, w->panels, NULL, y, w->n, 1, T, w->n, w->k);
     return relay_gemm_blocks((int)w->bits, w->q, w->d, w->m, x, w->k, y, w->n, T, w->n, w->k, (int)w->round_bf16);
 }
 
