@@ -152,6 +152,46 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     assert not all(torch.equal(a, b) for a, b in zip(results[0][1], kv))  # the step wrote its keys
 
 
+
+@pytest.mark.slow
+def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_model_dir):
+    """Where bfloat16 GEMMs run on Relay's panels (AVX512-BF16, no AMX), the one-call decode step
+    reads the same panels past the blocks' rows, so it takes every batch size without timing it,
+    and its logits match the layers called one by one (float32 activations against bfloat16
+    ones: close, not equal)."""
+    blocks_or_skip()
+    if not cpu.panels_preferred():
+        pytest.skip("bfloat16 GEMMs run on oneDNN here")
+    from relay.batch import BatchInput
+    from relay.config import EngineConfig, ModelConfig
+
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
+                         ModelConfig.from_dir(default_model_dir))
+    assert runner.model.decode_layers[1].on_panels and runner.model.decode_layers[1].max_rows > 1024
+    runner.model.limit_weight_blocks(0)  # every GEMM on the panels, in both paths
+    assert runner.model.use_decode_layers(runner.attn)
+    fast = runner.model.decode_layers
+    ids = torch.randint(100, 40000, (3, 40), generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    for i in range(3):
+        runner.step_logits(BatchInput(0, [i], ids[i], [0], [40], [0], [tables[i]], [True], [0]), [tables[i]])
+    step = BatchInput(0, [0, 1, 2], [5, 6, 7], [40] * 3, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
+    kv = [t.clone() for t in runner.kv.k + runner.kv.v]
+    logits = []
+    for layers in (fast, None):
+        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
+            t.copy_(saved)
+        runner.model.decode_layers = layers
+        logits.append(runner.step_logits(step, tables))
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[1].abs().max()
+    for m in runner.model.gemm_modules():  # what the C call read were the panels
+        if isinstance(m.packed, cpu.Bf16Panels):
+            m.packed.data.zero_()
+    for t, saved in zip(runner.kv.k + runner.kv.v, kv):
+        t.copy_(saved)
+    runner.model.decode_layers = fast
+    assert (runner.step_logits(step, tables) - logits[0]).abs().max() > 0.5 * logits[0].abs().max()
+
 def linear_on_blocks(n: int, k: int, seed: int) -> Linear:
     lin = Linear(k, n, False, torch.float32)
     lin.weight.data = weight(n, k, "q4_1", seed)
