@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""A float32 decode step's GEMMs on the default model's own weights: GGUF blocks vs float paths.
+"""A decode step's GEMMs on the default model's own weights: GGUF blocks vs the dense paths.
 
 Loads SmolLM2-135M's float32 weights (Relay's conversion of the shipped Q4_1 GGUF), fuses them as
 Relay does (qkv, gate_up; 30 layers plus the 49152 x 576 LM head, every one distinct so they
 stream from memory as in a real step), recovers their GGUF blocks (relay/weight_blocks.py) and
 times all of one step's GEMMs at each row count with:
-  blocks  Relay's kernel on the Q4_1/Q8_0 blocks (csrc/gemm_blocks.c),
-  linear  torch's F.linear on the float32 weights (MKL),
-  packed  oneDNN on a prepacked float32 copy (what Relay used from 8 rows on).
+  blocks  Relay's kernel on the Q4_1/Q8_0 blocks (csrc/gemm_blocks.c; --dtype bfloat16: VDPBF16PS
+          from 2 rows on, as for a bfloat16 model),
+  linear  torch's F.linear on the dense weights,
+  packed  oneDNN on a prepacked copy,
+  panels  (--dtype bfloat16, AVX512-BF16 CPUs) Relay's kernel on bf16 panels (csrc/gemm_bf16.c).
 
     python scripts/bench_gemm_blocks.py
-    python scripts/bench_gemm_blocks.py --rows 1,32 --repeats 20
+    python scripts/bench_gemm_blocks.py --dtype bfloat16 --rows 4,8,16,32,64,256
 """
 from __future__ import annotations
 
@@ -62,25 +64,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     if not cpu_kernels.gemm_blocks_available():
         sys.exit("the block GEMM needs AVX-512 and a C compiler")
-    weights = step_weights()
-    blocks = [recover(w) for w in weights]
+    dtype = getattr(torch, args.dtype)
+    exact = step_weights()
+    blocks = [recover(w) for w in exact]
     if any(b is None for b in blocks):
         sys.exit("these weights are not exact GGUF blocks")
+    for b in blocks:
+        b.round_bf16 = dtype == torch.bfloat16
+    weights = [w.to(dtype) for w in exact]
+    del exact
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    paths = {
+        "blocks": lambda xs: [cpu_kernels.gemm_blocks(xs[b.in_features].float(), b) for b in blocks],
+        "linear": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+        "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                              for w, p in zip(weights, packed)]}
+    if dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available():
+        panels = [cpu_kernels.pack_panels(w) for w in weights]
+        paths["panels"] = lambda xs: [cpu_kernels.gemm_panels(xs[p.in_features], p) for p in panels]
     flags = cpu_kernels.cpu_flags().split()
-    print(f"threads {torch.get_num_threads()}, " + " ".join(f for f in flags if f.startswith(("avx512", "amx"))))
-    print("| rows | blocks ms | linear ms | packed ms | best float / blocks |\n|---|---|---|---|---|")
+    print(f"{args.dtype}, threads {torch.get_num_threads()}, "
+          + " ".join(f for f in flags if f.startswith(("avx512", "amx"))))
+    print("| rows | " + " | ".join(f"{name} ms" for name in paths) + " | fastest |\n|---|"
+          + "---|" * (len(paths) + 1))
     for m in [int(r) for r in args.rows.split(",")]:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-        t_blocks, t_linear, t_packed = medians_ms([
-            lambda: [cpu_kernels.gemm_blocks(xs[b.in_features], b) for b in blocks],
-            lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
-            lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                     for w, p in zip(weights, packed)]], args.repeats)
-        print(f"| {m} | {t_blocks:.2f} | {t_linear:.2f} | {t_packed:.2f} | {min(t_linear, t_packed) / t_blocks:.2f}x |")
+        xs = {w.shape[1]: torch.randn(m, w.shape[1]).to(dtype) for w in weights}
+        times = medians_ms([lambda f=f: f(xs) for f in paths.values()], args.repeats)
+        fastest = min(zip(times, paths), key=lambda tn: tn[0])[1]
+        print(f"| {m} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {fastest} |")
 
 
 if __name__ == "__main__":
