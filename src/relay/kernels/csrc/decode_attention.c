@@ -38,17 +38,31 @@
         n = n < TILE ? n : TILE;                                                                \
         n = n < t1 - base ? n : t1 - base;                                                      \
         const int64_t slot0 = (int64_t)table[page] * PS + off;                                  \
-        base += n;                                                                              \
-        if (base < t1) {                                                                        \
-            prefetch_rows(kh, (int64_t)table[base / PS] * PS + base % PS, D * esz);             \
-            prefetch_rows(vh, (int64_t)table[base / PS] * PS + base % PS, D * esz);             \
-        }
+        prefetch_ahead(kh, table, PS, t0, base, n, t1, D * esz);                                \
+        prefetch_ahead(vh, table, PS, t0, base, n, t1, D * esz);                                \
+        base += n;
 
-// The next page is somewhere else in the pool, where the hardware prefetcher does not look: ask
-// for its first TILE rows while this one computes.
-static inline void prefetch_rows(const void* base, int64_t slot, int64_t row_bytes) {
-    const char* p = (const char*)base + slot * row_bytes;
-    for (int64_t o = 0; o < TILE * row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+// The next pages are somewhere else in the pool, where the hardware prefetcher does not look: a
+// work item asks for the tiles PREFETCH_TILES ahead of the one it computes, into L2 (prefetcht1).
+// Into L1 (prefetcht0), one tile ahead as before, a tile's 32 lines of keys and 32 of values
+// filled the L1 miss buffers that the demand loads wait on: 30 layers x 32 requests x 256 tokens
+// in bfloat16 on shuffled pages read at ~9 GB/s, 1.4-1.6x faster this way (2.0x at 1,024
+// tokens; 3 or 4 tiles ahead were slower again) on a Zen 4.
+#define PREFETCH_TILES 2
+
+static inline void prefetch_rows(const void* rows, int64_t slot, int64_t row_bytes) {
+    const char* p = (const char*)rows + slot * row_bytes;
+    for (int64_t o = 0; o < TILE * row_bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
+// As the tile [base, base + n) of the item [t0, t1) starts: the tiles after it, up to
+// PREFETCH_TILES ahead, of one stream (keys or values). (The bound sits in the loop: with an
+// early return inside prefetch_rows instead, gcc 12 at -O3 dropped every prefetch.)
+static inline void prefetch_ahead(const void* rows, const int32_t* table, int64_t PS, int64_t t0, int64_t base,
+                                  int64_t n, int64_t t1, int64_t row_bytes) {
+    const int64_t last = base + n + (PREFETCH_TILES - 1) * TILE;
+    for (int64_t pos = base == t0 ? base + n : last; pos < t1 && pos <= last; pos += TILE)
+        prefetch_rows(rows, (int64_t)table[pos / PS] * PS + pos % PS, row_bytes);
 }
 
 // Online softmax over one tile's scores s[g, 0..n): rescale what came before when the max rises.
@@ -209,8 +223,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         n = n < t1 - base ? n : t1 - base;
         const char* krows = (const char*)kh + ((int64_t)table[page] * PS + off) * D * esz;
         const int64_t j0 = base - t0;
+        prefetch_ahead(kh, table, PS, t0, base, n, t1, D * esz);
         base += n;
-        if (base < t1) prefetch_rows(kh, (int64_t)table[base / PS] * PS + base % PS, D * esz);
         for (int64_t g = 0; g < G; g++) {
             __m512 dots[TILE];
             for (int64_t j = 0; j < TILE; j++) {
@@ -249,8 +263,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         int64_t n = PS - off < t1 - base ? PS - off : t1 - base;
         const char* vrows = (const char*)vh + ((int64_t)table[page] * PS + off) * D * esz;
         const int64_t j0 = base - t0;
+        prefetch_ahead(vh, table, PS, t0, base, n, t1, D * esz);
         base += n;
-        if (base < t1) prefetch_rows(vh, (int64_t)table[base / PS] * PS + base % PS, D * esz);
         for (int64_t j = 0; j < n; j++)
             for (int64_t c = 0; c < ND; c++) {
                 const __m512 vv = vload(vrows + j * D * esz, c * 16, kv_bf16);
