@@ -2,6 +2,8 @@
 """Relay's CPU attention kernels alone, on the default model's shapes (9 query heads, 3 kv heads,
 head_dim 64, pages of 32 tokens) over 30 layers of distinct KV, float32 (or --dtype bfloat16):
 
+  decode    B requests of L tokens each, their pages shuffled over the pool (as a pool that has
+            served a while leaves them)
   cascade   decode of B requests in groups that share a cached prefix (a system prompt): the
             shared keys are attended once per group, then each request's own
   extend    prompt chunks of R requests, N new tokens each, over a cached prefix of P tokens
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -38,6 +41,18 @@ def _best(fn, reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def decode(lib, batch: int, length: int, reps: int, dtype: torch.dtype) -> tuple[float, float]:
+    pages_each = -(-length // PS)
+    pages = list(range(1, 1 + batch * pages_each))
+    random.Random(0).shuffle(pages)
+    tables = [pages[b * pages_each:(b + 1) * pages_each] for b in range(batch)]
+    kv = _caches(1 + batch * pages_each, dtype)
+    plan = cpu.DecodePlan(tables, [length] * batch, PS)
+    q = torch.randn(batch, H, D, dtype=dtype)
+    s = _best(lambda: [cpu.decode_attention(lib, plan, q, k, v, PS, D ** -0.5) for k, v in kv], reps)
+    return s * 1e3, batch * H * length * D * 4 * LAYERS / s / 1e9
 
 
 def cascade(lib, batch: int, groups: int, shared: int, own: int, reps: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -74,7 +89,9 @@ def main() -> None:
     if lib is None:
         sys.exit("Relay's CPU kernels are not available here (no C compiler?)")
     dtype = getattr(torch, args.dtype)
-    cases = [("cascade: 32 requests, 2 groups x 16, 1,024 shared + 64 own", cascade, (32, 2, 1024, 64)),
+    cases = [("decode: 32 requests x 256 tokens, shuffled pages", decode, (32, 256)),
+             ("decode: 8 requests x 1,024 tokens, shuffled pages", decode, (8, 1024)),
+             ("cascade: 32 requests, 2 groups x 16, 1,024 shared + 64 own", cascade, (32, 2, 1024, 64)),
              ("cascade: 32 requests, 4 groups x 8, 1,024 shared + 64 own", cascade, (32, 4, 1024, 64)),
              ("extend: 4 x 64 new tokens over a 1,024-token prefix", extend, (4, 1024, 64)),
              ("extend: 1 x 256 new tokens, no prefix", extend, (1, 0, 256))]
