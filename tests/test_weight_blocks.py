@@ -116,6 +116,20 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     assert all(mod.blocks is None for mod in off.model.gemm_modules())
 
 
+def decode_step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tuple) -> list:
+    """The same decode step once per entry of ways (the model's decode_layers: its C call, or
+    None for the layers one by one), each from the KV cache as it was before: (logits, the KV
+    after) per way."""
+    kv = [t.clone() for t in runner.kv.k + runner.kv.v]
+    results = []
+    for layers in ways:
+        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
+            t.copy_(saved)
+        runner.model.decode_layers = layers
+        logits = runner.step_logits(step, tables)
+        results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
+    return results
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
 def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir, kv_dtype):
@@ -139,13 +153,7 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
                            [tables[i]])
     step = BatchInput(0, [0, 1, 2], [5, 6, 7], [90, 100, 100], [1, 1, 1], [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
     kv = [t.clone() for t in runner.kv.k + runner.kv.v]
-    results = []
-    for layers in (fast, None):
-        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
-            t.copy_(saved)
-        runner.model.decode_layers = layers
-        logits = runner.step_logits(step, tables)
-        results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
+    results = decode_step_each_way(runner, step, tables, (fast, None))
     assert runner.attn.dec_plan.num_groups == 1  # the shared prefix was attended as a cascade
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
@@ -176,21 +184,13 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     for i in range(3):
         runner.step_logits(BatchInput(0, [i], ids[i], [0], [40], [0], [tables[i]], [True], [0]), [tables[i]])
     step = BatchInput(0, [0, 1, 2], [5, 6, 7], [40] * 3, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
-    kv = [t.clone() for t in runner.kv.k + runner.kv.v]
-    logits = []
-    for layers in (fast, None):
-        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
-            t.copy_(saved)
-        runner.model.decode_layers = layers
-        logits.append(runner.step_logits(step, tables))
-    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[1].abs().max()
+    (call, _), (layered, _) = decode_step_each_way(runner, step, tables, (fast, None))
+    assert (call - layered).abs().max() < 0.05 * layered.abs().max()
     for m in runner.model.gemm_modules():  # what the C call read were the panels
         if isinstance(m.packed, cpu.Bf16Panels):
             m.packed.data.zero_()
-    for t, saved in zip(runner.kv.k + runner.kv.v, kv):
-        t.copy_(saved)
-    runner.model.decode_layers = fast
-    assert (runner.step_logits(step, tables) - logits[0]).abs().max() > 0.5 * logits[0].abs().max()
+    (zeroed, _), = decode_step_each_way(runner, step, tables, (fast,))
+    assert (zeroed - call).abs().max() > 0.5 * call.abs().max()
 
 def linear_on_blocks(n: int, k: int, seed: int) -> Linear:
     lin = Linear(k, n, False, torch.float32)
