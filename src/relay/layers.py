@@ -45,7 +45,8 @@ class RMSNorm(nn.Module):
 
 # float32 CPU GEMMs of at least this many rows go to oneDNN with a weight prepacked in its
 # blocked layout: 1.2-1.6x MKL's speed at 8-96 rows; below, MKL's GEMV path is faster. bfloat16
-# ones always do: 1.3-1.8x F.linear's speed at every row count on a Zen 4 (AVX512-BF16).
+# ones always do: 1.3-1.8x F.linear's speed at every row count on a Zen 4 (AVX512-BF16). (Where
+# pack_for_cpu gave a weight Relay's bfloat16 panels instead, those take every row count.)
 PACKED_MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 
 

@@ -1,7 +1,8 @@
 // A whole decode step's decoder layers in one call, for models whose GEMM weights are all GGUF
 // blocks (relay/weight_blocks.py), in float32 activations: the same kernels, in the same order, on
-// the same buffers as the Python layers call them one by one, so where those read the same
-// weights (the blocks, or a bfloat16 model's panels) the output is bit for bit theirs. What
+// the same buffers as the Python layers of a float32 model call them one by one, so where those
+// read the blocks too the output is bit for bit theirs (a bfloat16 model's layers keep bfloat16
+// activations between kernels, this call float32 ones: close, not equal). What
 // it removes is the interpreter between them: ~8 kernel calls per layer through torch modules
 // and ctypes cost ~5 ms of a ~17 ms batch-1 step on a 2-core Xeon, while the other core waits.
 #include <stddef.h>

@@ -127,8 +127,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int64_t R, co
         }
     }
     for (int64_t h = 0; h < 3; h++) {
-        const int64_t left = N - n0 - 16 * h;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        const __mmask16 live = strip_mask(N - n0, h);
         const __m512 b = bias ? vload_masked_bf16(bias + n0 + 16 * h, live) : _mm512_setzero_ps();
         for (int64_t i = 0; i < R; i++) {
             const __m512 v = _mm512_add_ps(acc[i][h], b);

@@ -39,12 +39,6 @@ int relay_gemm_blocks_available(void) {
 }
 
 #if defined(__AVX512F__)
-// Which of the 16 features of half h (0, 1) of a strip exist, `left` features from its start on.
-static inline __mmask16 strip_mask(int64_t left, int64_t h) {
-    left -= 16 * h;
-    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
-}
-
 // acc[i] += d * part[i] (+ m * the block's sum of row i's x, xs[i * nb], for Q4_1): one block of
 // 32 inputs summed over the raw quants, scaled as the dequantizer would (gemv_strip, tile_bf16).
 static inline __attribute__((always_inline)) void scale_block(const int64_t R, int bits, const float* db,

@@ -49,6 +49,13 @@ static inline __m512 vload(const void* base, int64_t i, int is_bf16) {
     return _mm512_loadu_ps((const float*)base + i);
 }
 
+// Which of the 16 output features of vector h of a strip or panel exist, `left` features from its
+// start on (gemm_blocks.c, gemm_bf16.c).
+static inline __mmask16 strip_mask(int64_t left, int64_t h) {
+    left -= 16 * h;
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
+}
+
 // 2^x for x <= 0 (scores are pre-multiplied by log2(e)); ~1 ulp over the range softmax uses.
 static inline __m512 vexp2(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
