@@ -162,12 +162,7 @@ int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uin
     if (x_f32) {
         rounded = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(M * K));
         if (!rounded) return 0;
-        for (int64_t i = 0; i < M; i++) {
-            const float* xr = (const float*)x + i * x_stride;
-            int64_t k = 0;
-            for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i*)(rounded + i * K + k), vcvt_bf16(_mm512_loadu_ps(xr + k)));
-            for (; k < K; k++) rounded[i * K + k] = f32_to_bf16(xr[k]);
-        }
+        round_rows_bf16((const float*)x, x_stride, M, K, rounded);
         xp = (const uint32_t*)rounded;
         xp_stride = pairs;
     }

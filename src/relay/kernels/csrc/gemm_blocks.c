@@ -265,13 +265,10 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
     const int64_t nb = K / 32, strips = (N + NS - 1) / NS;
     uint16_t* xb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(M * K));
     float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    round_rows_bf16(x, x_stride, M, K, xb);
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
-            const __m512 lo = _mm512_loadu_ps(x + i * x_stride + b * 32);
-            const __m512 hi = _mm512_loadu_ps(x + i * x_stride + b * 32 + 16);
-            uint16_t* xr = xb + i * K + b * 32;
-            _mm256_storeu_si256((__m256i*)xr, vcvt_bf16(lo));
-            _mm256_storeu_si256((__m256i*)(xr + 16), vcvt_bf16(hi));
+            const uint16_t* xr = xb + i * K + b * 32;
             xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(vload(xr, 0, 1), vload(xr, 16, 1)));
         }
     uint16_t values[32] = {0};  // bfloat16 0 .. 15: what a Q4_1 nibble stands for

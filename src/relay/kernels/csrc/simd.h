@@ -122,4 +122,15 @@ static inline __m256i vcvt_bf16(__m512 v) {
                                                                                  _mm512_set1_epi32(1)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, round), 16));
 }
+
+// x [M, K] float32, rows x_stride apart, rounded into out [M, K] bfloat16 (contiguous rows): the
+// activations a bfloat16 GEMM multiplies (gemm_blocks.c, gemm_bf16.c).
+static inline void round_rows_bf16(const float* x, int64_t x_stride, int64_t M, int64_t K, uint16_t* out) {
+    for (int64_t i = 0; i < M; i++) {
+        const float* xr = x + i * x_stride;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i*)(out + i * K + k), vcvt_bf16(_mm512_loadu_ps(xr + k)));
+        for (; k < K; k++) out[i * K + k] = f32_to_bf16(xr[k]);
+    }
+}
 #endif
