@@ -12,6 +12,12 @@ dispatch overhead.
     python scripts/profile_step.py --dtype float32 --batch 1,32
     python scripts/profile_step.py --quantization int8
     python scripts/profile_step.py --kv-cache-dtype bfloat16       # float32 weights, half the KV bytes
+    python scripts/profile_step.py --ab /path/to/relay_cpu-OLD.so  # this checkout's kernels vs another build's
+
+--ab times the server's path with this checkout's kernel library and with another build of it
+(another checkout's: `python -c "from relay.kernels import cpu; print(cpu._build())"` there prints
+its path), alternating step by step in one process: on a host whose speed drifts between runs
+only such a comparison shows a few per cent. Both builds must take the same arguments.
 """
 from __future__ import annotations
 
@@ -95,6 +101,48 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
+def ab_medians(runner: ModelRunner, other, fn, reps: int) -> tuple[float, float]:
+    """Medians (ms) of fn with this checkout's kernel library and with `other`, alternating."""
+    from relay.kernels import cpu as cpu_kernels
+
+    ours = cpu_kernels.load()
+    times: tuple[list[float], list[float]] = ([], [])
+    for rep in range(reps + 1):
+        for lib, out in ((ours, times[0]), (other, times[1])):
+            cpu_kernels.use(lib)
+            runner.attn.kernel = lib if runner.attn.kernel is not None else None
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # the first of each: warm-up
+                out.append((time.perf_counter() - t0) * 1000)
+    cpu_kernels.use(ours)
+    runner.attn.kernel = ours if runner.attn.kernel is not None else None
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def ab(runner: ModelRunner, args) -> None:
+    from relay.kernels import cpu as cpu_kernels
+
+    other = cpu_kernels.bind(args.ab)
+    print(f"\n| step | this checkout ms | {os.path.basename(args.ab)} ms | theirs / ours |\n|---|---|---|---|")
+    for b in [int(x) for x in args.batch.split(",")]:
+        steps = Steps(runner, b, args.context, args.shared_prefix, steps=4 * args.reps + 8)
+        ours, theirs = ab_medians(runner, other, steps.decode, args.reps)
+        print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
+        runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
+    ours, theirs = ab_medians(runner, other, prefill_chunk(runner, args.prefill), max(3, args.reps // 4))
+    print(f"| prefill {args.prefill} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
+
+
+def prefill_chunk(runner: ModelRunner, n: int):
+    """One n-token prompt chunk (from an empty cache), to time again and again."""
+    def chunk():
+        pages = list(range(1, -(-n // runner.page_size) + 1))
+        return runner.forward(BatchInput(0, [900], [17] * n, [0], [n], [0], [pages], [True], [0],
+                                         [SamplingSpec(900, SamplingParams(temperature=0), [2])], [900]))
+    return chunk
+
+
 def label_c_kernels() -> None:
     """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
     from relay.kernels import cpu as cpu_kernels
@@ -162,14 +210,18 @@ def main() -> None:
                     help="tokens of --context that each group of 16 requests shares (page-aligned)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=0, help="also print the N ops with the most self time, per step")
+    ap.add_argument("--ab", metavar="LIB", help="compare this checkout's kernel library with this build of it")
     args = ap.parse_args()
-    label_c_kernels()
+    if not args.ab:
+        label_c_kernels()
     model_dir = resolve_model_dir(None)
     cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                        kv_cache_gb=1.0)
     runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
     print(f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "
           f"threads {torch.get_num_threads()}")
+    if args.ab:
+        return ab(runner, args)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=2 * args.reps + 8)
@@ -180,13 +232,7 @@ def main() -> None:
             rows.append((label, ms, b / ms * 1000, {"layer by layer": layered, **breakdown(steps.decode, args.top)}))
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     n = args.prefill
-
-    def chunk():
-        pages = list(range(1, -(-n // runner.page_size) + 1))
-        out = runner.forward(BatchInput(0, [900], [17] * n, [0], [n], [0], [pages], [True], [0],
-                                        [SamplingSpec(900, SamplingParams(temperature=0), [2])], [900]))
-        return out
-
+    chunk = prefill_chunk(runner, n)
     ms = timed(chunk, max(3, args.reps // 4))
     rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk, args.top)))
     cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]

@@ -89,10 +89,16 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         torch.zeros(1).sum()  # make sure torch's OpenMP runtime is the one our library binds to
-        lib = ctypes.CDLL(_build())
+        _lib = bind(_build())
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels unavailable (%s); using the torch paths", e)
-        return None
+    return _lib
+
+
+def bind(path: str) -> ctypes.CDLL:
+    """The kernel library at path with its functions' signatures declared (load() binds this
+    checkout's build; benchmarks bind another build to compare the two in one process)."""
+    lib = ctypes.CDLL(path)
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
                                      f32, i32, i32, i64, p, p, p]
@@ -119,8 +125,15 @@ def load() -> ctypes.CDLL | None:
     lib.relay_apply_bitmask.restype = None
     lib.relay_decode_layers.argtypes = [p, i64, p]
     lib.relay_decode_layers.restype = i32
-    _lib = lib
     return lib
+
+
+def use(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """Make lib (from bind) the library every kernel call goes to; returns the one it replaces.
+    For in-process A/B benchmarks only."""
+    global _lib
+    old, _lib = _lib, lib
+    return old
 
 
 warm_up = load

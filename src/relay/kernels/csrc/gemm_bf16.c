@@ -96,9 +96,13 @@ void relay_gemm_bf16(const void* x, const void* w, const void* bias, void* y, in
 // features walks its panel front to back: per pair 3 weight loads and MR broadcasts of x feed
 // 3 * MR VDPBF16PS into accumulators that stay in registers for the whole of K (no partial sums
 // through memory, no horizontal sums). A thread takes (panel, row tile) items panel by panel, so
-// a panel read from memory once serves every row tile from L2. On a 2-core Zen 4, the default
-// model's four layer GEMMs x 30 layers streaming from memory: 1.3x oneDNN's time at 32 rows,
-// 1.5-1.9x at 8-16, 1.08x at 256 (docs/benchmarks.md).
+// a panel read from memory once serves every row tile from L2. The first tile of a panel would
+// wait on memory while the others only compute, so each tile also asks for its share of the
+// next panel's lines into L2 (prefetcht1), spread over its pairs: the next panel streams in while
+// this one computes (a whole step's GEMMs 1.2x faster at 8-32 rows, 1.07x at 64, on a Zen 4; into
+// L1, or two panels ahead, were no better). On a 2-core Zen 4, the default model's four layer
+// GEMMs x 30 layers streaming from memory: 1.3x oneDNN's time at 32 rows, 1.5-1.9x at 8-16, 1.08x
+// at 256, before that prefetch (docs/benchmarks.md).
 #define NR 48  // output features per panel (3 vectors)
 #define MR 8  // rows per register tile: 3 * MR = 24 accumulators of the 32 registers
 #define MC 256  // rows per pass over the panels: their bf16 x stays in L2
@@ -111,14 +115,17 @@ static inline __m512 vload_masked_bf16(const uint16_t* p, __mmask16 live) {  // 
 static inline __attribute__((always_inline)) void panel_tile(const int64_t R, const uint32_t* x, int64_t x_stride,
                                                              const uint32_t* panel, int64_t pairs,
                                                              const uint16_t* bias, void* y, int64_t y_stride,
-                                                             int y_f32, int64_t n0, int64_t N) {
+                                                             int y_f32, int64_t n0, int64_t N, const char* pf,
+                                                             int64_t pf_lines) {
     __m512 acc[MR][3];
+    const int64_t pf_step = (pf_lines + pairs - 1) / pairs;  // lines of the next panel per pair
     for (int64_t i = 0; i < R; i++)
         for (int64_t h = 0; h < 3; h++) acc[i][h] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * NR);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * NR + 16);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(panel + p * NR + 32);
+        for (int64_t j = p * pf_step; j < (p + 1) * pf_step && j < pf_lines; j++) __builtin_prefetch(pf + j * 64, 0, 2);
         for (int64_t i = 0; i < R; i++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[i * x_stride + p]);
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
@@ -141,7 +148,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int64_t R, co
     case RV:                                                                                                      \
         panel_tile(RV, xp + m0 * xp_stride, xp_stride, panels + p * pairs * NR, pairs, bias,                      \
                    y_f32 ? (void*)((float*)y + m0 * y_stride) : (void*)((uint16_t*)y + m0 * y_stride), y_stride, \
-                   y_f32, p * NR, N);                                                                             \
+                   y_f32, p * NR, N, pf, pf_lines);                                                               \
         break;
 #endif
 
@@ -155,7 +162,7 @@ int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uin
                            void* y, int64_t y_stride, int y_f32, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
     if (K % 2 || M < 1 || (!x_f32 && x_stride % 2)) return 0;
-    const int64_t pairs = K / 2, n_panels = (N + NR - 1) / NR;
+    const int64_t pairs = K / 2, n_panels = (N + NR - 1) / NR, panel_lines = pairs * NR * 4 / 64;
     uint16_t* rounded = NULL;
     const uint32_t* xp = (const uint32_t*)x;
     int64_t xp_stride = x_stride / 2;
@@ -172,6 +179,11 @@ int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uin
         for (int64_t p = 0; p < n_panels; p++)
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t m0 = mc + t * MR;
+                // this tile's share of the next panel, into L2 while this one computes
+                const int64_t share = (panel_lines + tiles - 1) / tiles;
+                const int64_t first = t * share < panel_lines ? t * share : panel_lines;
+                const int64_t pf_lines = p + 1 < n_panels ? (first + share < panel_lines ? share : panel_lines - first) : 0;
+                const char* pf = (const char*)(panels + (p + 1) * pairs * NR) + first * 64;
                 switch (M - m0 < MR ? M - m0 : MR) {
                     PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4)
                     PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7) PANEL_TILE(8)
