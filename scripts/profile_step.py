@@ -165,13 +165,15 @@ def label_c_kernels() -> None:
 
 @contextlib.contextmanager
 def layer_by_layer(runner: ModelRunner):
-    """Decode steps through the Python layers, each kernel its own call (the profiler sees the
-    ops), instead of the server's single C call for all layers where the model has it."""
-    fast, runner.model.decode_layers = runner.model.decode_layers, None
+    """Steps through the Python layers, each kernel its own call (the profiler sees the ops),
+    instead of the server's single C call for all layers where the model has it."""
+    model = runner.model
+    fast = model.decode_layers, model.prompt_layers
+    model.decode_layers = model.prompt_layers = None
     try:
         yield
     finally:
-        runner.model.decode_layers = fast
+        model.decode_layers, model.prompt_layers = fast
 
 
 def breakdown(fn, top: int = 0) -> dict[str, float]:
@@ -234,13 +236,15 @@ def main() -> None:
     n = args.prefill
     chunk = prefill_chunk(runner, n)
     ms = timed(chunk, max(3, args.reps // 4))
-    rows.append((f"prefill {n}", ms, n / ms * 1000, breakdown(chunk, args.top)))
+    with layer_by_layer(runner):
+        layered = timed(chunk, max(3, args.reps // 4))
+        rows.append((f"prefill {n}", ms, n / ms * 1000, {"layer by layer": layered, **breakdown(chunk, args.top)}))
     cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))
     for name, ms, tps, cat in rows:
         print(f"| {name} | {ms:.1f} | {tps:.0f} | " + " | ".join(f"{cat[c]:.1f}" if c in cat else "–" for c in cats) + " |")
-    print("\nms (median): the server's path (a decode step's layers in one C call where the model has it);"
+    print("\nms (median): the server's path (a step's layers in one C call where the model has it);"
           "\nlayer by layer: the median with each kernel called from Python; the breakdown columns are ms of"
           "\none profiled layer-by-layer step (profiling adds overhead; the medians are unprofiled)")
 

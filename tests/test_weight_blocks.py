@@ -116,17 +116,18 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     assert all(mod.blocks is None for mod in off.model.gemm_modules())
 
 
-def decode_step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tuple) -> list:
-    """The same decode step once per entry of ways (the model's decode_layers: its C call, or
-    None for the layers one by one), each from the KV cache as it was before: (logits, the KV
-    after) per way."""
+def step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tuple, attr: str = "decode_layers",
+                  rows: list[int] | None = None) -> list:
+    """The same step once per entry of ways (the model's decode_layers, or whatever attr names:
+    its C call, or None for the layers one by one), each from the KV cache as it was before:
+    (logits of rows, the KV after) per way."""
     kv = [t.clone() for t in runner.kv.k + runner.kv.v]
     results = []
     for layers in ways:
         for t, saved in zip(runner.kv.k + runner.kv.v, kv):
             t.copy_(saved)
-        runner.model.decode_layers = layers
-        logits = runner.step_logits(step, tables)
+        setattr(runner.model, attr, layers)
+        logits = runner.step_logits(step, tables, rows)
         results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
     return results
 
@@ -153,7 +154,7 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
                            [tables[i]])
     step = BatchInput(0, [0, 1, 2], [5, 6, 7], [90, 100, 100], [1, 1, 1], [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
     kv = [t.clone() for t in runner.kv.k + runner.kv.v]
-    results = decode_step_each_way(runner, step, tables, (fast, None))
+    results = step_each_way(runner, step, tables, (fast, None))
     assert runner.attn.dec_plan.num_groups == 1  # the shared prefix was attended as a cascade
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
@@ -184,13 +185,55 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     for i in range(3):
         runner.step_logits(BatchInput(0, [i], ids[i], [0], [40], [0], [tables[i]], [True], [0]), [tables[i]])
     step = BatchInput(0, [0, 1, 2], [5, 6, 7], [40] * 3, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
-    (call, _), (layered, _) = decode_step_each_way(runner, step, tables, (fast, None))
+    (call, _), (layered, _) = step_each_way(runner, step, tables, (fast, None))
     assert (call - layered).abs().max() < 0.05 * layered.abs().max()
     for m in runner.model.gemm_modules():  # what the C call read were the panels
         if isinstance(m.packed, cpu.Bf16Panels):
             m.packed.data.zero_()
-    (zeroed, _), = decode_step_each_way(runner, step, tables, (fast,))
+    (zeroed, _), = step_each_way(runner, step, tables, (fast,))
     assert (zeroed - call).abs().max() > 0.5 * call.abs().max()
+
+
+@pytest.mark.slow
+def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir, monkeypatch):
+    """Where a bfloat16 model's GEMMs run on Relay's panels, a step with prompt chunks runs its 30
+    layers in one C call: a whole prompt, and a step mixing decodes (two of them sharing a cached
+    prefix: cascade attention) with a chunk over a cached prefix and a new prompt give the logits
+    of every row and the keys and values of the layers called one by one, bit for bit."""
+    blocks_or_skip()
+    if not cpu.panels_preferred():
+        pytest.skip("bfloat16 GEMMs run on oneDNN here")
+    from relay.batch import BatchInput
+    from relay.config import EngineConfig, ModelConfig
+
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
+                         ModelConfig.from_dir(default_model_dir))
+    fast = runner.model.prompt_layers
+    assert fast is not None
+    calls = []
+    monkeypatch.setattr(fast[1], "run", lambda *a, _run=fast[1].run: calls.append(1) or _run(*a))
+    ps = runner.page_size
+    ids = torch.randint(100, 40000, (4, 4 * ps), generator=torch.Generator().manual_seed(2)).tolist()
+    ids[1][:3 * ps] = ids[0][:3 * ps]  # request 1 shares request 0's first three pages
+    tables = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7, 8, 9], [10, 11]]
+    n0 = 3 * ps + 5
+    whole = BatchInput(0, [0], ids[0][:n0], [0], [n0], [0], [tables[0]], [True], [0])
+    (call, kv_call), (layered, kv_layered) = step_each_way(runner, whole, [tables[0]], (fast, None), "prompt_layers",
+                                                           rows=list(range(n0)))
+    assert calls and torch.equal(call, layered) and all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    runner.model.prompt_layers = fast
+    for i, n in ((0, n0), (1, 3 * ps + 7), (2, 3 * ps)):
+        runner.step_logits(BatchInput(0, [i], ids[i][:n], [0], [n], [0], [tables[i]], [True], [0]), [tables[i]])
+    # decodes of 0 and 1 (a cascade over their shared pages), a chunk of 2 over its prefix, request 3 anew
+    mixed = BatchInput(0, [0, 1, 2, 3], [5, 6] + ids[2][3 * ps:3 * ps + 20] + ids[3][:40], [n0, 3 * ps + 7, 3 * ps, 0],
+                       [1, 1, 20, 40], [0] * 4, [[]] * 4, [True] * 4, [1, 1, 0, 0])
+    calls.clear()
+    (call, kv_call), (layered, kv_layered) = step_each_way(runner, mixed, tables, (fast, None), "prompt_layers",
+                                                           rows=list(range(62)))
+    assert calls and runner.attn.dec_plan.num_groups == 1
+    assert torch.equal(call, layered)
+    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+
 
 def linear_on_blocks(n: int, k: int, seed: int) -> Linear:
     lin = Linear(k, n, False, torch.float32)

@@ -103,6 +103,8 @@ class ModelRunner:
         self.kv, self.attn = self._kv_and_attention(mc)
         if self.device.type == "cpu" and self.model.use_decode_layers(self.attn):
             self._measure_decode_layers()
+        if self.device.type == "cpu" and self.model.use_prompt_layers(self.attn):
+            logger.info("steps with prompt chunks run their decoder layers in one C call on the bfloat16 panels")
         self.model.drop_unused_weight_blocks()
         self.drafter = None
         if self.draft_model is not None:

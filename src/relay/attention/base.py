@@ -56,6 +56,12 @@ class AttentionBackend(ABC):
         C decode kernel attends over this backend's ("HND") cache; None otherwise."""
         return None
 
+    @property
+    def prompt_kernel_plan(self):
+        """The planned step's cpu_kernels.PromptPlan where it has prompt chunks that Relay's C
+        kernels attend (with any decodes beside them) over this backend's cache; None otherwise."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""

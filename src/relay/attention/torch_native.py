@@ -50,7 +50,7 @@ class TorchNativeBackend(AttentionBackend):
         # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
         # cached key/value once instead of gathering a padded copy first (3x less traffic).
         self.kernel = None
-        self.has_decode, self.dec_rows = False, None  # set by plan()
+        self.has_decode, self.dec_rows, self.ext_plan = False, None, None  # set by plan()
         if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
                 and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
             self.kernel = cpu_kernels.load()
@@ -116,6 +116,14 @@ class TorchNativeBackend(AttentionBackend):
         if self.has_decode and self.dec_rows is None and self.kernel is not None:
             return self.dec_plan
         return None
+
+    @property
+    def prompt_kernel_plan(self) -> cpu_kernels.PromptPlan | None:
+        if self.ext_plan is None:  # (only planned with the kernel)
+            return None
+        if not self.has_decode:
+            return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan)
+        return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         if self.decode_kernel_plan is not None:

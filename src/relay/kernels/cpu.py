@@ -125,6 +125,8 @@ def bind(path: str) -> ctypes.CDLL:
     lib.relay_apply_bitmask.restype = None
     lib.relay_decode_layers.argtypes = [p, i64, p]
     lib.relay_decode_layers.restype = i32
+    lib.relay_prompt_layers.argtypes = [p, i64, p]
+    lib.relay_prompt_layers.restype = i32
     return lib
 
 
@@ -502,4 +504,100 @@ class DecodeLayers:
                            act.data_ptr())
         if not _lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
             raise RuntimeError("relay_decode_layers refused a GEMM shape")
+        return out
+
+
+class _PromptLayer(ctypes.Structure):  # csrc/decode_layers.c
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down",
+                                                     "k_cache", "v_cache")]
+
+
+class _PromptStep(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "out_slots")]
+                + [(name, ctypes.c_int64) for name in ("S", "PS", "n_dec")]
+                + [(name, ctypes.c_void_p) for name in ("dec_rows", "dec_tables", "dec_lens", "dec_order")]
+                + [(name, ctypes.c_int64) for name in ("dec_P", "chunk", "n_groups")]
+                + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys")]
+                + [(name, ctypes.c_int64) for name in ("R", "ext_P")]
+                + [(name, ctypes.c_void_p) for name in ("ext_tables", "q_starts", "prefix_lens", "extend_lens",
+                                                         "final_norm", "x", "out", "qkv", "attn", "gate_up", "act",
+                                                         "dec_q", "dec_out")])
+
+
+@dataclass
+class PromptPlan:
+    """What relay_prompt_layers reads of a planned step with prompt chunks (the attention
+    backend's plan): each row's KV slot, the chunks' ExtendPlan, and the decodes beside them."""
+
+    out_slots: torch.Tensor  # int64 [T]
+    ext: ExtendPlan
+    dec_rows: torch.Tensor | None = None  # int64: the rows of one new token
+    dec: DecodePlan | None = None
+
+
+@dataclass
+class PromptLayerWeights:
+    """What relay_prompt_layers reads of one decoder layer: bfloat16 norms, Bf16Panels GEMMs."""
+
+    input_norm: torch.Tensor  # bfloat16 [hidden]
+    post_norm: torch.Tensor
+    qkv: Bf16Panels  # q, k, v fused, no bias
+    o: Bf16Panels
+    gate_up: Bf16Panels  # gate then up
+    down: Bf16Panels
+
+
+class PromptLayers:
+    """A bfloat16 decoder whose GEMM weights are all Bf16Panels, run for a step with prompt chunks
+    (and any decodes beside them) in one C call (csrc/decode_layers.c) over one bfloat16 KV cache:
+    the kernels the layers call for such a step, in their order, on bfloat16 activations, so its
+    output is theirs bit for bit where their GEMMs read the panels too."""
+
+    def __init__(self, layers: list[PromptLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
+                 num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
+        self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these
+        self.table = (_PromptLayer * len(layers))(*[
+            _PromptLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.data.data_ptr(), w.o.data.data_ptr(),
+                         w.gate_up.data.data_ptr(), w.down.data.data_ptr(), k.data_ptr(), v.data_ptr())
+            for w, k, v in zip(layers, k_caches, v_caches)])
+        first = layers[0]
+        self.hidden, self.inter, self.qkv_n = first.o.out_features, first.down.in_features, first.qkv.out_features
+        self.final_norm, self.eps, self.scale = final_norm, eps, scale
+        self.nq, self.nk, self.d = num_heads, num_kv_heads, head_dim
+        self.cos, self.sin = cos, sin
+        self.slots = k_caches[0].shape[1]  # [kv heads, slots, head_dim]
+        self.cascade = tiled_attention_available(torch.bfloat16, torch.bfloat16, head_dim)
+        self.page_size = page_size
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: PromptPlan) -> torch.Tensor:
+        """x [T, hidden] bfloat16 (the step's embeddings; used as the residual stream), positions
+        int64 [T] -> the final norm's output [T, hidden]. Every row's keys and values go into the
+        cache at plan.out_slots."""
+        t, bf16 = x.shape[0], torch.bfloat16
+        width = self.nq * self.d
+        out, qkv, attn = (torch.empty(t, n, dtype=bf16) for n in (self.hidden, self.qkv_n, width))
+        gate_up, act = torch.empty(t, 2 * self.inter, dtype=bf16), torch.empty(t, self.inter, dtype=bf16)
+        dec, ext = plan.dec, plan.ext
+        n_dec = 0 if plan.dec_rows is None else plan.dec_rows.numel()
+        dec_q, dec_out = torch.empty(max(n_dec, 1), width, dtype=bf16), torch.empty(max(n_dec, 1), width, dtype=bf16)
+        groups = dec.num_groups if dec is not None and self.cascade else 0
+
+        def ptr(tensor: torch.Tensor | None) -> int:
+            return 0 if tensor is None else tensor.data_ptr()
+
+        step = _PromptStep(
+            t, self.hidden, self.inter, self.nq, self.nk, self.d, self.eps, self.scale,
+            self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), plan.out_slots.data_ptr(),
+            self.slots, self.page_size, n_dec, ptr(plan.dec_rows),
+            ptr(dec and dec.tables), ptr(dec and dec.lens), ptr(dec and dec.order), dec.tables.shape[1] if dec else 0,
+            DECODE_CHUNK, groups, ptr(dec and dec.groups[0]), ptr(dec and dec.groups[1]), ptr(dec and dec.groups[2]),
+            len(ext.q_starts), ext.tables.shape[1], ext.tables.data_ptr(), ext.q_starts.data_ptr(),
+            ext.prefix_lens.data_ptr(), ext.extend_lens.data_ptr(), self.final_norm.data_ptr(),
+            x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+            dec_q.data_ptr(), dec_out.data_ptr())
+        if not _lib.relay_prompt_layers(self.table, len(self.table), ctypes.byref(step)):
+            raise RuntimeError("relay_prompt_layers refused a GEMM shape")
         return out

@@ -103,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
         self.fused_cpu_ops = False  # see pack_for_cpu
         self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
+        self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -112,6 +113,11 @@ class LlamaForCausalLM(nn.Module):
             plan = attn.decode_kernel_plan
             if plan is not None:
                 return fast[1].run(self.embed_tokens(input_ids).float(), positions, plan).to(self.dtype)
+        chunks = self.prompt_layers
+        if chunks is not None and chunks[0] is attn and input_ids.shape[0] > self._rows_off_panels():
+            plan = attn.prompt_kernel_plan
+            if plan is not None:
+                return chunks[1].run(self.embed_tokens(input_ids), positions, plan)
         rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -176,6 +182,42 @@ class LlamaForCausalLM(nn.Module):
             weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
             self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale))
         return True
+
+    def use_prompt_layers(self, attn: AttentionBackend) -> bool:
+        """Run steps with prompt chunks over attn's KV cache as one C call (cpu_kernels.PromptLayers)
+        where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
+        model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
+        q/k norms or quantization, one rank, a bfloat16 cache whose prompt chunks the backend gives
+        to the C kernels (prompt_kernel_plan), and steps of more rows than go to other GEMM
+        kernels (_rows_off_panels): the same output as the layers, bit for bit. Returns whether."""
+        modules = [m for m in self.gemm_modules() if m is not self.lm_head]
+        eligible = (self.fused_cpu_ops and self.tp.size == 1 and self.dtype == torch.bfloat16
+                    and attn.kv.layout == "HND" and attn.kv.k[0].dtype == torch.bfloat16
+                    and attn.kv.k[0].device.type == "cpu" and getattr(attn, "kernel", None) is not None
+                    and cpu_kernels.tiled_attention_available(torch.bfloat16, torch.bfloat16, self.config.head_dim)
+                    and all(isinstance(m.packed, cpu_kernels.Bf16Panels) and m.bias is None and m.int8 is None
+                            and m.int4 is None and m.w8a8 is None for m in modules))
+        if not eligible:
+            return False
+        weights = [cpu_kernels.PromptLayerWeights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.packed,
+            layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
+            for layer in self.layers]
+        a = self.layers[0].self_attn
+        self.prompt_layers = (attn, cpu_kernels.PromptLayers(
+            weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale))
+        return True
+
+    def _rows_off_panels(self) -> int:
+        """The most rows for which some decoder-layer GEMM takes another kernel than the panels
+        (cpu_matmul: the blocks up to their max_rows, the bfloat16 GEMV up to GEMM_BF16_MAX_ROWS)."""
+        rows = cpu_kernels.GEMM_BF16_MAX_ROWS
+        for layer in self.layers:
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if m.blocks is not None:
+                    rows = max(rows, m.blocks.max_rows)
+        return rows
 
     def use_weight_blocks(self) -> int:
         """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
