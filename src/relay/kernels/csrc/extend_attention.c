@@ -44,6 +44,63 @@ static int by_cost_desc(const void* a, const void* b) {  // the dearest first: d
 }
 
 #if defined(__AVX512BF16__)
+// RB query rows that all see every key of a full tile (a cached prefix's tiles, most of them): what
+// attend_rows does for a block, with every count known at compile time and no masks, so the scores
+// and accumulators stay in registers (with the counts of a partial tile gcc spilled them).
+// qp: the rows' queries as bf16 pairs; acc [RB, D] (VPUNPCK order), m, l [RB]: their state.
+static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D,
+                                                                 const uint32_t* const* qp, const uint32_t* ktp,
+                                                                 const uint32_t* vtp, float qscale, float* m, float* l,
+                                                                 float* acc) {
+    __m512 sc[RB][KT / 16];
+    for (int64_t b = 0; b < RB; b++)
+        for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < D / 2; dp++) {
+        __m512bh qq[RB];
+        for (int64_t b = 0; b < RB; b++) qq[b] = (__m512bh)_mm512_set1_epi32((int)qp[b][dp]);
+        for (int64_t w = 0; w < KT / 16; w++) {
+            const __m512bh kk = (__m512bh)_mm512_loadu_si512(ktp + dp * KT + w * 16);
+            for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_dpbf16_ps(sc[b][w], qq[b], kk);
+        }
+    }
+    uint32_t pp[RB][KT / 2];
+    float alpha[RB];
+    for (int64_t b = 0; b < RB; b++) {
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int64_t w = 0; w < KT / 16; w++) {
+            sc[b][w] = _mm512_mul_ps(sc[b][w], _mm512_set1_ps(qscale));
+            mxv = _mm512_max_ps(mxv, sc[b][w]);
+        }
+        const float mx_tile = _mm512_reduce_max_ps(mxv);
+        const float mx = mx_tile > m[b] ? mx_tile : m[b];
+        alpha[b] = exp2f(m[b] - mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t w = 0; w < KT / 16; w++) {
+            const __m512 p = vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx)));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16(p));
+        }
+        l[b] = l[b] * alpha[b] + _mm512_reduce_add_ps(sum);
+        m[b] = mx;
+    }
+    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+        __m512 av[RB][4];
+        for (int64_t b = 0; b < RB; b++)
+            for (int64_t c = 0; c < 4; c++)
+                av[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + b * D + (c0 + c) * 16), _mm512_set1_ps(alpha[b]));
+        for (int64_t jp = 0; jp < KT / 2; jp++) {
+            __m512bh pw[RB];
+            for (int64_t b = 0; b < RB; b++) pw[b] = (__m512bh)_mm512_set1_epi32((int)pp[b][jp]);
+            for (int64_t c = 0; c < 4; c++) {
+                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vtp + jp * D + (c0 + c) * 16);
+                for (int64_t b = 0; b < RB; b++) av[b][c] = _mm512_dpbf16_ps(av[b][c], pw[b], vv);
+            }
+        }
+        for (int64_t b = 0; b < RB; b++)
+            for (int64_t c = 0; c < 4; c++) _mm512_storeu_ps(acc + b * D + (c0 + c) * 16, av[b][c]);
+    }
+}
+
 // Query rows (raw bfloat16, scores scaled by qscale in base 2) over keys [k0, k1) of one kv head,
 // each row seeing keys below its own limit[r] only; updates each row's online-softmax state m, l
 // and acc [rows, D] (VPUNPCK order). scratch: D * KT uint32 for a tile's key and value pairs.
@@ -80,8 +137,23 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                 _mm512_storeu_si512(vtp + jp * D + c + 16, _mm512_unpackhi_epi16(a, b));
             }
         }
-        // Query rows in blocks of RB: each loaded key or value vector serves RB rows.
-        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        // Query rows in blocks of RB: each loaded key or value vector serves RB rows. Blocks that
+        // see the whole tile (all of them over a cached prefix) first, by the unmasked kernel.
+        int64_t r0 = 0;
+        if (n == KT && (D == 64 || D == 128)) {
+            for (; r0 + RB <= rows; r0 += RB) {
+                int full = 1;
+                const uint32_t* qp[RB];
+                for (int64_t b = 0; b < RB; b++) {
+                    full &= limit[r0 + b] >= base + KT;
+                    qp[b] = (const uint32_t*)qrows[r0 + b];
+                }
+                if (!full) break;
+                if (D == 64) full_tile_rows(64, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
+                else full_tile_rows(128, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
+            }
+        }
+        for (; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
             int64_t visible[RB];
             const uint32_t* qp[RB];
