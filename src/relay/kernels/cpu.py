@@ -583,17 +583,13 @@ class PromptLayers:
         dec, ext = plan.dec, plan.ext
         n_dec = 0 if plan.dec_rows is None else plan.dec_rows.numel()
         dec_q, dec_out = torch.empty(max(n_dec, 1), width, dtype=bf16), torch.empty(max(n_dec, 1), width, dtype=bf16)
-        groups = dec.num_groups if dec is not None and self.cascade else 0
-
-        def ptr(tensor: torch.Tensor | None) -> int:
-            return 0 if tensor is None else tensor.data_ptr()
-
+        dec_plan = (0, 0, 0, 0, DECODE_CHUNK, 0, 0, 0, 0) if dec is None else (
+            dec.tables.data_ptr(), dec.lens.data_ptr(), dec.order.data_ptr(), dec.tables.shape[1], DECODE_CHUNK,
+            dec.num_groups if self.cascade else 0, *(g.data_ptr() for g in dec.groups))
         step = _PromptStep(
             t, self.hidden, self.inter, self.nq, self.nk, self.d, self.eps, self.scale,
             self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), plan.out_slots.data_ptr(),
-            self.slots, self.page_size, n_dec, ptr(plan.dec_rows),
-            ptr(dec and dec.tables), ptr(dec and dec.lens), ptr(dec and dec.order), dec.tables.shape[1] if dec else 0,
-            DECODE_CHUNK, groups, ptr(dec and dec.groups[0]), ptr(dec and dec.groups[1]), ptr(dec and dec.groups[2]),
+            self.slots, self.page_size, n_dec, 0 if plan.dec_rows is None else plan.dec_rows.data_ptr(), *dec_plan,
             len(ext.q_starts), ext.tables.shape[1], ext.tables.data_ptr(), ext.q_starts.data_ptr(),
             ext.prefix_lens.data_ptr(), ext.extend_lens.data_ptr(), self.final_norm.data_ptr(),
             x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
