@@ -443,14 +443,16 @@ class LayerGemm:
 
 @dataclass
 class DecoderLayerWeights:
-    """What relay_decode_layers reads of one decoder layer: its norms and its GEMM weights."""
+    """What a one-call step reads of one decoder layer: its norms and its GEMM weights, as
+    relay_decode_layers (float32 norms, LayerGemm) or relay_prompt_layers (bfloat16 norms,
+    Bf16Panels) takes them."""
 
-    input_norm: torch.Tensor  # float32 [hidden]
+    input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor
-    qkv: LayerGemm  # q, k, v fused, no bias
-    o: LayerGemm
-    gate_up: LayerGemm  # gate then up
-    down: LayerGemm
+    qkv: LayerGemm | Bf16Panels  # q, k, v fused, no bias
+    o: LayerGemm | Bf16Panels
+    gate_up: LayerGemm | Bf16Panels  # gate then up
+    down: LayerGemm | Bf16Panels
 
 
 class DecodeLayers:
@@ -537,25 +539,13 @@ class PromptPlan:
     dec: DecodePlan | None = None
 
 
-@dataclass
-class PromptLayerWeights:
-    """What relay_prompt_layers reads of one decoder layer: bfloat16 norms, Bf16Panels GEMMs."""
-
-    input_norm: torch.Tensor  # bfloat16 [hidden]
-    post_norm: torch.Tensor
-    qkv: Bf16Panels  # q, k, v fused, no bias
-    o: Bf16Panels
-    gate_up: Bf16Panels  # gate then up
-    down: Bf16Panels
-
-
 class PromptLayers:
     """A bfloat16 decoder whose GEMM weights are all Bf16Panels, run for a step with prompt chunks
     (and any decodes beside them) in one C call (csrc/decode_layers.c) over one bfloat16 KV cache:
     the kernels the layers call for such a step, in their order, on bfloat16 activations, so its
     output is theirs bit for bit where their GEMMs read the panels too."""
 
-    def __init__(self, layers: list[PromptLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
+    def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
                             and m.int4 is None and m.w8a8 is None for m in modules))
         if not eligible:
             return False
-        weights = [cpu_kernels.PromptLayerWeights(
+        weights = [cpu_kernels.DecoderLayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.packed,
             layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
             for layer in self.layers]

@@ -44,6 +44,23 @@ static int by_cost_desc(const void* a, const void* b) {  // the dearest first: d
 }
 
 #if defined(__AVX512BF16__)
+// sc[b][w]: the raw scores of query row b (bf16 pairs at qp[b]) against the tile's keys 16w to
+// 16w + 15 (ktp: [D / 2][KT] pairs), for w < used.
+static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int64_t used,
+                                                              const uint32_t* const* qp, const uint32_t* ktp,
+                                                              __m512 sc[RB][KT / 16]) {
+    for (int64_t b = 0; b < RB; b++)
+        for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < D / 2; dp++) {
+        __m512bh qq[RB];
+        for (int64_t b = 0; b < RB; b++) qq[b] = (__m512bh)_mm512_set1_epi32((int)qp[b][dp]);
+        for (int64_t w = 0; w < used; w++) {
+            const __m512bh kk = (__m512bh)_mm512_loadu_si512(ktp + dp * KT + w * 16);
+            for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_dpbf16_ps(sc[b][w], qq[b], kk);
+        }
+    }
+}
+
 // RB query rows that all see every key of a full tile (a cached prefix's tiles, most of them): what
 // attend_rows does for a block, with every count known at compile time and no masks, so the scores
 // and accumulators stay in registers (with the counts of a partial tile gcc spilled them).
@@ -53,16 +70,7 @@ static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D
                                                                  const uint32_t* vtp, float qscale, float* m, float* l,
                                                                  float* acc) {
     __m512 sc[RB][KT / 16];
-    for (int64_t b = 0; b < RB; b++)
-        for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
-    for (int64_t dp = 0; dp < D / 2; dp++) {
-        __m512bh qq[RB];
-        for (int64_t b = 0; b < RB; b++) qq[b] = (__m512bh)_mm512_set1_epi32((int)qp[b][dp]);
-        for (int64_t w = 0; w < KT / 16; w++) {
-            const __m512bh kk = (__m512bh)_mm512_loadu_si512(ktp + dp * KT + w * 16);
-            for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_dpbf16_ps(sc[b][w], qq[b], kk);
-        }
-    }
+    tile_scores(D, KT / 16, qp, ktp, sc);
     uint32_t pp[RB][KT / 2];
     float alpha[RB];
     for (int64_t b = 0; b < RB; b++) {
@@ -168,16 +176,7 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
             }
             if (used == 0) continue;
             __m512 sc[RB][KT / 16];
-            for (int64_t b = 0; b < RB; b++)
-                for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
-            for (int64_t dp = 0; dp < D / 2; dp++) {
-                __m512bh qq[RB];
-                for (int64_t b = 0; b < RB; b++) qq[b] = (__m512bh)_mm512_set1_epi32((int)qp[b][dp]);
-                for (int64_t w = 0; w < used; w++) {
-                    const __m512bh kk = (__m512bh)_mm512_loadu_si512(ktp + dp * KT + w * 16);
-                    for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_dpbf16_ps(sc[b][w], qq[b], kk);
-                }
-            }
+            tile_scores(D, used, qp, ktp, sc);
             uint32_t pp[RB][KT / 2];
             float alpha[RB];
             int64_t pairs = 0;
