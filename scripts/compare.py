@@ -404,6 +404,11 @@ def plot_random_sweep(runs: list[dict[str, Any]], path: str, quick: bool) -> boo
         if r["workload"] == "random" and not r.get("error"):
             sweep.setdefault(f"{r['engine']} ({r['config']})", []).append(r)
     if sweep:
+        try:
+            import matplotlib  # noqa: F401  (not among Relay's dependencies: the table is what counts)
+        except ImportError:
+            print("no plot: matplotlib is not installed")
+            return False
         spec = random_args(quick)[1]
         bs.plot_sweep(sweep, path, title=(
             f"random workload: {spec['num_prompts']} requests, input "

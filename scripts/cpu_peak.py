@@ -6,8 +6,9 @@ instructions, no memory traffic) and runs it on 1 and on N threads (default: all
   fp32 FMA      VFMADD231PS, 16 multiply-adds per instruction (float32 GEMMs and attention)
   int16 VNNI    VPDPWSSD, 32 per instruction (int16 activations x int16 weights)
   int8 VNNI     VPDPBUSD, 64 per instruction (--quantization w8a8)
+  bf16 dot      VDPBF16PS, 32 per instruction (a bfloat16 model's GEMMs and attention)
 and reports instructions per ns and GFLOP/s (2 FLOPs per multiply-add). Needs AVX-512 (and
-AVX512-VNNI for the VNNI rows, skipped without it).
+AVX512-VNNI for the VNNI rows, AVX512-BF16 for the bf16 row, each skipped without it).
 
     python scripts/cpu_peak.py
     python scripts/cpu_peak.py --threads 1,2 --seconds 2
@@ -62,6 +63,10 @@ RUN(fma_f32, __m512, PSET, FMA, PSUM)
 RUN(vnni_i16, __m512i, ISET, DPW, ISUM)
 RUN(vnni_i8, __m512i, ISET, DPB, ISUM)
 #endif
+#ifdef __AVX512BF16__
+#define DPBF(i) a##i = _mm512_dpbf16_ps(a##i, (__m512bh)b, (__m512bh)c);
+RUN(dp_bf16, __m512, PSET, DPBF, PSUM)
+#endif
 int main(int argc, char** argv) {
   long iters = atol(argv[1]);
   const double per = 12.0 * iters * omp_get_max_threads();  // instructions in all threads
@@ -69,6 +74,9 @@ int main(int argc, char** argv) {
 #ifdef __AVX512VNNI__
   printf("int16_vnni %.4f 32\n", per / vnni_i16(iters) / 1e9);
   printf("int8_vnni %.4f 64\n", per / vnni_i8(iters) / 1e9);
+#endif
+#ifdef __AVX512BF16__
+  printf("bf16_dot %.4f 32\n", per / dp_bf16(iters) / 1e9);
 #endif
   return 0;
 }
@@ -87,7 +95,8 @@ def build(workdir: str, flags: set[str]) -> str:
     src, exe = os.path.join(workdir, "peak.c"), os.path.join(workdir, "peak")
     with open(src, "w") as f:
         f.write(SOURCE)
-    isa = ["-mavx512f", "-mavx512bw"] + (["-mavx512vnni"] if "avx512_vnni" in flags else [])
+    isa = ["-mavx512f", "-mavx512bw"] + (["-mavx512vnni"] if "avx512_vnni" in flags else []) \
+        + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
     subprocess.run([os.environ.get("CC", "cc"), "-O2", "-fopenmp", *isa, src, "-o", exe], check=True)
     return exe
 
