@@ -157,7 +157,7 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 // acc [G, D] += p [G, TILE] . v [n, D] with VDPBF16PS over pairs of keys: one instruction is 16
 // output dimensions times two keys, where a float FMA per key also needs the value widened and the
 // weight broadcast (a third of the instructions). The weights are rounded to bfloat16, as the values
-// are. acc comes out in VPUNPCK{L,H}WD order (dim_of); unpack_order puts it back once per chunk.
+// are. acc comes out in VPUNPCK{L,H}WD order (simd.h); unpack_order puts it back once per chunk.
 static inline __attribute__((always_inline)) void attend_values_bf16(const int64_t G, const int64_t ND,
                                                                      const float* s, int64_t n, const uint16_t* vrows,
                                                                      float* acc) {
@@ -189,11 +189,14 @@ static inline __attribute__((always_inline)) void attend_values_bf16(const int64
 }
 
 static void unpack_order(float* acc, int64_t G, int64_t D) {
-    float tmp[MAX_GROUP * 256];
     for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < D / 16; c++)
-            for (int64_t i = 0; i < 16; i++) tmp[g * D + dim_of(c, i)] = acc[g * D + c * 16 + i];
-    memcpy(acc, tmp, sizeof(float) * (size_t)(G * D));
+        for (int64_t c = 0; c < D / 16; c += 2) {
+            float* a = acc + g * D + c * 16;
+            __m512 first, second;
+            unpack_order32(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &first, &second);
+            _mm512_storeu_ps(a, first);
+            _mm512_storeu_ps(a + 16, second);
+        }
 }
 
 // bfloat16 queries over a bfloat16 cache on a CPU with AVX512-BF16, G query heads and ND 16-float

@@ -1,8 +1,8 @@
 // Paged attention of prompt chunks for CPUs with AVX-512: each request's new tokens over its
 // cached prefix and themselves (causal), reading the KV cache in place.
 //
-// A work item is (request, kv head, block of up to 16 new tokens): its 16 x G query rows share
-// every tile of 64 keys they read, so each tile is a small GEMM. bfloat16 queries and cache on a
+// A work item is (request, kv head, block of 16 to 64 new tokens, item_block): its query rows
+// (tokens x G) share every tile of 64 keys they read, so each tile is a small GEMM. bfloat16 queries and cache on a
 // CPU with AVX512-BF16 (attend_rows): a tile is laid out once per item for VDPBF16PS, keys as
 // [head_dim / 2][64] pairs of dimensions (one instruction: 16 keys' scores for two dimensions of
 // a query row, no horizontal sums), values as [32 key pairs][head_dim] pairs of keys (one
@@ -10,7 +10,10 @@
 // the value products, as the values are, and output dimensions come out in the order of
 // VPUNPCK{L,H}WD, put back in order when written. Everything else (attend_rows_f32): float32
 // math, keys transposed to [head_dim][64] floats, bfloat16 values widened as they load.
-// Softmax is online (flash attention) in base 2. head_dim must be a multiple of 16 (32 for the
+// Softmax is online (flash attention) in base 2; in the bfloat16 kernel the scale goes into the
+// exponent's FMA and a row block's rescale factors are one vector exp (a libm exp2f per row and
+// tile, and the spills its call forced: without them the kernel ran 1.4-1.6x faster), and each tile prefetches the
+// next one's keys and values into L2 over its row blocks. head_dim must be a multiple of 16 (32 for the
 // bfloat16 kernel); extend_attention returns 0 otherwise and the caller uses torch's SDPA.
 //
 // Layouts: q rows q_stride elements apart, the heads of a token at (h * G + g) * D in its row;
@@ -24,12 +27,12 @@
 
 #include "simd.h"
 
-#define QB 16  // new tokens per work item of the bfloat16 kernel
-#define QB_F32 64  // the most of the float32 one (f32_block)
+#define QB 16  // the fewest new tokens per work item (item_block)
+#define QB_MAX 64  // the most
 #define KT 64  // keys per tile
 #define RB 4   // query rows computed together
 #define RBF 6  // the same for the float32 kernel (24 accumulators)
-#define EXT_MAX_ROWS (QB_F32 * 8)  // query rows per item (group up to 8)
+#define EXT_MAX_ROWS (QB_MAX * 8)  // query rows per item (group up to 8)
 #define EXT_MAX_D 256
 
 typedef struct {
@@ -61,6 +64,14 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
     }
 }
 
+// alpha[b] = 2^(m_old[b] - m_new[b]) for the RB rows at once: how much the online softmax scales a
+// row's sum and accumulators down by. Where m_old is still -inf it gives 2^-126, which scales zeros.
+static inline void rescale_factors(const float* m_old, const float* m_new, float* alpha) {
+    const __mmask16 rows = (__mmask16)((1u << RB) - 1u);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(rows, m_old), _mm512_maskz_loadu_ps(rows, m_new));
+    _mm512_mask_storeu_ps(alpha, rows, vexp2(d));
+}
+
 // RB query rows that all see every key of a full tile (a cached prefix's tiles, most of them): what
 // attend_rows does for a block, with every count known at compile time and no masks, so the scores
 // and accumulators stay in registers (with the counts of a partial tile gcc spilled them).
@@ -72,24 +83,23 @@ static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D
     __m512 sc[RB][KT / 16];
     tile_scores(D, KT / 16, qp, ktp, sc);
     uint32_t pp[RB][KT / 2];
-    float alpha[RB];
+    float alpha[RB], mx[RB];
     for (int64_t b = 0; b < RB; b++) {
-        __m512 mxv = _mm512_set1_ps(-INFINITY);
-        for (int64_t w = 0; w < KT / 16; w++) {
-            sc[b][w] = _mm512_mul_ps(sc[b][w], _mm512_set1_ps(qscale));
-            mxv = _mm512_max_ps(mxv, sc[b][w]);
-        }
-        const float mx_tile = _mm512_reduce_max_ps(mxv);
-        const float mx = mx_tile > m[b] ? mx_tile : m[b];
-        alpha[b] = exp2f(m[b] - mx);
+        __m512 mxv = sc[b][0];
+        for (int64_t w = 1; w < KT / 16; w++) mxv = _mm512_max_ps(mxv, sc[b][w]);
+        const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0: the max of the scaled scores
+        mx[b] = mx_tile > m[b] ? mx_tile : m[b];
+    }
+    rescale_factors(m, mx, alpha);
+    for (int64_t b = 0; b < RB; b++) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t w = 0; w < KT / 16; w++) {
-            const __m512 p = vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx)));
+            const __m512 p = vexp2(_mm512_fmsub_ps(sc[b][w], _mm512_set1_ps(qscale), _mm512_set1_ps(mx[b])));
             sum = _mm512_add_ps(sum, p);
-            _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16(p));
+            _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16_normal(p));
         }
         l[b] = l[b] * alpha[b] + _mm512_reduce_add_ps(sum);
-        m[b] = mx;
+        m[b] = mx[b];
     }
     for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
         __m512 av[RB][4];
@@ -109,6 +119,18 @@ static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D
     }
 }
 
+// Keys *ahead to *ahead + share of those at offsets at[0, n) into L2, their values too.
+static inline void prefetch_keys(const uint16_t* kh, const uint16_t* vh, const int64_t* at, int64_t* ahead,
+                                 int64_t share, int64_t n, int64_t D) {
+    const int64_t end = *ahead + share < n ? *ahead + share : n;
+    for (int64_t j = *ahead; j < end; j++)
+        for (int64_t c = 0; c < D; c += 32) {  // 64-byte lines of bfloat16
+            __builtin_prefetch(kh + at[j] + c, 0, 2);
+            __builtin_prefetch(vh + at[j] + c, 0, 2);
+        }
+    *ahead = end;
+}
+
 // Query rows (raw bfloat16, scores scaled by qscale in base 2) over keys [k0, k1) of one kv head,
 // each row seeing keys below its own limit[r] only; updates each row's online-softmax state m, l
 // and acc [rows, D] (VPUNPCK order). scratch: D * KT uint32 for a tile's key and value pairs.
@@ -118,13 +140,23 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
     const int64_t NC = D / 16;
     uint32_t* ktp = scratch;             // [D / 2][KT] key pairs of dims
     uint32_t* vtp = ktp + D / 2 * KT;    // [KT / 2][D] value pairs of keys (VPUNPCK order)
-    int64_t row[KT];  // element offset of each of the tile's tokens in a kv head's [S, D] block
+    int64_t row[KT], next[KT];  // element offset of each of the tile's (the next tile's) tokens in [S, D]
+    const int64_t blocks = (rows + RB - 1) / RB;
     for (int64_t base = k0; base < k1; base += KT) {
         const int64_t n = k1 - base < KT ? k1 - base : KT;
+        const int64_t n_next = k1 - base - n < KT ? k1 - base - n : KT;
         for (int64_t j = 0; j < n; j++) {
             const int64_t t = base + j;
             row[j] = ((int64_t)table[t / PS] * PS + t % PS) * D;
         }
+        for (int64_t j = 0; j < n_next; j++) {
+            const int64_t t = base + n + j;
+            next[j] = ((int64_t)table[t / PS] * PS + t % PS) * D;
+        }
+        // The next tile's keys and values stream into L2 while this one computes: each row block
+        // asks for its share, so the misses never fill the queue at once.
+        const int64_t share = (n_next + blocks - 1) / blocks;
+        int64_t ahead = 0;
         // Keys: 16 keys x 16 dim pairs at a time, transposed in registers.
         for (int64_t w = 0; w < KT / 16; w++)
             for (int64_t dpb = 0; dpb < D / 32; dpb++) {
@@ -157,11 +189,13 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                     qp[b] = (const uint32_t*)qrows[r0 + b];
                 }
                 if (!full) break;
+                prefetch_keys(kh, vh, next, &ahead, share, n_next, D);
                 if (D == 64) full_tile_rows(64, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
                 else full_tile_rows(128, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
             }
         }
         for (; r0 < rows; r0 += RB) {
+            prefetch_keys(kh, vh, next, &ahead, share, n_next, D);
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
             int64_t visible[RB];
             const uint32_t* qp[RB];
@@ -178,34 +212,39 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
             __m512 sc[RB][KT / 16];
             tile_scores(D, used, qp, ktp, sc);
             uint32_t pp[RB][KT / 2];
-            float alpha[RB];
-            int64_t pairs = 0;
-            for (int64_t b = 0; b < RB; b++) {
-                alpha[b] = 1.f;
-                memset(pp[b], 0, sizeof(pp[b]));
+            float alpha[RB], m_old[RB], mx[RB];
+            for (int64_t b = 0; b < RB; b++) {  // each row's new max (rows that see nothing keep theirs)
+                m_old[b] = mx[b] = m[r0 + (b < nr ? b : 0)];
                 if (visible[b] == 0) continue;
-                const int64_t rr = r0 + b;
                 __m512 mxv = _mm512_set1_ps(-INFINITY);
                 for (int64_t w = 0; w < used; w++) {
                     const int64_t left = visible[b] - w * 16;
                     const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    sc[b][w] = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY),
-                                                    _mm512_mul_ps(sc[b][w], _mm512_set1_ps(qscale)));
-                    mxv = _mm512_max_ps(mxv, sc[b][w]);
+                    mxv = _mm512_mask_max_ps(mxv, live, mxv, sc[b][w]);
                 }
-                const float mx_tile = _mm512_reduce_max_ps(mxv);
-                const float mx = mx_tile > m[rr] ? mx_tile : m[rr];
-                alpha[b] = exp2f(m[rr] - mx);
+                const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0
+                mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
+            }
+            rescale_factors(m_old, mx, alpha);
+            int64_t pairs = 0;
+            for (int64_t b = 0; b < RB; b++) {
+                memset(pp[b], 0, sizeof(pp[b]));
+                if (visible[b] == 0) {
+                    alpha[b] = 1.f;
+                    continue;
+                }
+                const int64_t rr = r0 + b;
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t w = 0; w < used; w++) {
                     const int64_t left = visible[b] - w * 16;
                     const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx))));
+                    const __m512 p = _mm512_maskz_mov_ps(
+                        live, vexp2(_mm512_fmsub_ps(sc[b][w], _mm512_set1_ps(qscale), _mm512_set1_ps(mx[b]))));
                     sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16(p));  // keys 16w.. as 8 pairs
+                    _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16_normal(p));  // keys 16w.. as 8 pairs
                 }
                 l[rr] = l[rr] * alpha[b] + _mm512_reduce_add_ps(sum);
-                m[rr] = mx;
+                m[rr] = mx[b];
                 const int64_t pr = (visible[b] + 1) / 2;
                 pairs = pr > pairs ? pr : pairs;
             }
@@ -241,8 +280,8 @@ static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, con
     float* m = acc + rows * D;            // [rows]
     float* l = m + rows;                  // [rows]
     uint32_t* scratch = (uint32_t*)(l + rows);
-    const uint16_t* qrows[QB * 8];
-    int64_t limit[QB * 8];
+    const uint16_t* qrows[EXT_MAX_ROWS];
+    int64_t limit[EXT_MAX_ROWS];
     for (int64_t rr = 0; rr < rows; rr++) {
         const int64_t tok = it->i0 + rr / G;
         qrows[rr] = q + (q_start + tok) * q_stride + (it->h * G + rr % G) * D;
@@ -255,9 +294,14 @@ static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, con
                 qscale, m, l, acc, scratch);
     for (int64_t rr = 0; rr < rows; rr++) {
         uint16_t* o = out + ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
-        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
-        for (int64_t c = 0; c < NC; c++)
-            for (int64_t i = 0; i < 16; i++) o[dim_of(c, i)] = f32_to_bf16(acc[rr * D + c * 16 + i] * inv);
+        const __m512 inv = _mm512_set1_ps(l[rr] > 0.f ? 1.f / l[rr] : 0.f);
+        for (int64_t c = 0; c < NC; c += 2) {
+            __m512 first, second;
+            unpack_order32(_mm512_loadu_ps(acc + rr * D + c * 16), _mm512_loadu_ps(acc + rr * D + c * 16 + 16),
+                           &first, &second);
+            _mm256_storeu_si256((__m256i*)(o + c * 16), vcvt_bf16(_mm512_mul_ps(first, inv)));
+            _mm256_storeu_si256((__m256i*)(o + c * 16 + 16), vcvt_bf16(_mm512_mul_ps(second, inv)));
+        }
     }
 }
 
@@ -278,8 +322,13 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
     memset(acc, 0, sizeof(float) * rows * D);
     attend_rows(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, (uint32_t*)(l + rows));
     for (int64_t rr = 0; rr < rows; rr++) {
-        for (int64_t c = 0; c < D / 16; c++)
-            for (int64_t i = 0; i < 16; i++) acc_out[rr][dim_of(c, i)] = acc[rr * D + c * 16 + i];
+        for (int64_t c = 0; c < D / 16; c += 2) {
+            __m512 first, second;
+            unpack_order32(_mm512_loadu_ps(acc + rr * D + c * 16), _mm512_loadu_ps(acc + rr * D + c * 16 + 16),
+                           &first, &second);
+            _mm512_storeu_ps(acc_out[rr] + c * 16, first);
+            _mm512_storeu_ps(acc_out[rr] + c * 16 + 16, second);
+        }
         *m_out[rr] = m[rr];
         *l_out[rr] = l[rr];
     }
@@ -506,12 +555,13 @@ static int64_t count_items(const int64_t* extend_lens, int64_t R, int64_t HKV, i
     return items;
 }
 
-// Tokens per float32 work item. An item's query rows share every 64-key tile it reads and
-// transposes, so more of them pay (4 x 64 tokens over a 1,024-token prefix: 16 -> 32 tokens
-// 1.13x, 32 -> 64 another 1.12x), while there are items enough to keep every thread busy.
-static int64_t f32_block(const int64_t* extend_lens, int64_t R, int64_t HKV) {
+// Tokens per work item. An item's query rows share every 64-key tile it reads and lays out, so
+// more of them pay (float32, 4 x 64 tokens over a 1,024-token prefix: 16 -> 32 tokens 1.13x,
+// 32 -> 64 another 1.12x; bfloat16 16 -> 64 1.04-1.11x), while there are items enough to keep
+// every thread busy.
+static int64_t item_block(const int64_t* extend_lens, int64_t R, int64_t HKV) {
     const int64_t want = 4 * (int64_t)omp_get_max_threads();
-    for (int64_t qb = QB_F32; qb > QB; qb /= 2)
+    for (int64_t qb = QB_MAX; qb > QB; qb /= 2)
         if (count_items(extend_lens, R, HKV, qb) >= want) return qb;
     return QB;
 }
@@ -527,8 +577,8 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
 #else
     const int bf16 = 0;
 #endif
-    const int64_t qb = bf16 ? QB : f32_block(extend_lens, R, HKV);
-    if (qb * G > (bf16 ? QB * 8 : EXT_MAX_ROWS) || D > EXT_MAX_D || D % (bf16 ? 32 : 16)) return 0;
+    const int64_t qb = item_block(extend_lens, R, HKV);
+    if (qb * G > EXT_MAX_ROWS || D > EXT_MAX_D || D % (bf16 ? 32 : 16)) return 0;
     const int64_t count = count_items(extend_lens, R, HKV, qb);
     Item* items = (Item*)malloc(sizeof(Item) * (count ? count : 1));
     int64_t c = 0;

@@ -34,13 +34,17 @@ static inline void load_row(float* dst, const void* src, int64_t D, int is_bf16)
 }
 
 // Products of VDPBF16PS over values unpacked in pairs (VPUNPCK{L,H}WD of two rows, 32 dims at a
-// time) come out permuted: lane i of the c-th 16-dim accumulator holds output dimension dim_of(c, i).
-static inline int64_t dim_of(int64_t c, int64_t i) {
-    const int64_t chunk = c / 2, hi = c % 2;  // 32 dims per chunk, lo/hi halves
-    return chunk * 32 + (i / 4) * 8 + hi * 4 + (i % 4);
+// time) come out permuted: lane i of the c-th 16-dim accumulator holds output dimension
+// (c / 2) * 32 + (i / 4) * 8 + (c % 2) * 4 + i % 4. unpack_order32 puts a chunk back in order.
+#if defined(__AVX512F__)
+// The 32 dims of one chunk back in order from its two accumulators (lo: c even, hi: c + 1) in
+// VPUNPCK order (above): dims 0-15 into *first, 16-31 into *second, in two permutes.
+static inline void unpack_order32(__m512 lo, __m512 hi, __m512* first, __m512* second) {
+    const __m512i a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    *first = _mm512_permutex2var_ps(lo, a, hi);
+    *second = _mm512_permutex2var_ps(lo, _mm512_add_epi32(a, _mm512_set1_epi32(8)), hi);
 }
 
-#if defined(__AVX512F__)
 static inline __m512 vload(const void* base, int64_t i, int is_bf16) {
     if (is_bf16) {
         __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
@@ -122,6 +126,12 @@ static inline __m256i vcvt_bf16(__m512 v) {
                                                                                  _mm512_set1_epi32(1)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, round), 16));
 }
+
+#if defined(__AVX512BF16__)
+// The same in one VCVTNEPS2BF16, for values known to be normal or zero (it flushes subnormals):
+// softmax probabilities, which vexp2 keeps at or above 2^-126.
+static inline __m256i vcvt_bf16_normal(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#endif
 
 // x [M, K] float32, rows x_stride apart, rounded into out [M, K] bfloat16 (contiguous rows): the
 // activations a bfloat16 GEMM multiplies (gemm_blocks.c, gemm_bf16.c).
