@@ -233,6 +233,17 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
     assert calls and runner.attn.dec_plan.num_groups == 1
     assert torch.equal(call, layered)
     assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    # The server reads each request's last row only: the last layer runs past its attention for
+    # those rows alone, and gives them (and the cache) what the step with every row gave.
+    last = [0, 1, 21, 61]
+    (call_last, kv_last), (layered_last, kv_layered_last) = step_each_way(runner, mixed, tables, (fast, None),
+                                                                          "prompt_layers")
+    assert torch.equal(call_last, call[last])  # the C call: the same panels at any row count
+    assert all(torch.equal(a, b) for a, b in zip(kv_last, kv_call))
+    assert all(torch.equal(a, b) for a, b in zip(kv_layered_last, kv_call))
+    # the layers pick their GEMM kernel by row count (4 rows: not the panels), so close, not equal
+    assert (layered_last - layered[last]).abs().max() < 0.02 * layered.abs().max()
+    assert torch.equal(layered_last.argmax(-1), layered[last].argmax(-1))
 
 
 def linear_on_blocks(n: int, k: int, seed: int) -> Linear:

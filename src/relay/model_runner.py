@@ -530,10 +530,11 @@ class ModelRunner:
         meta, input_ids = self._prepare(batch, tables)
         rows = _last_rows(batch) if rows is None else rows
         attn.plan(meta)
-        hidden = model(input_ids, meta.positions, attn)
+        ordered = all(a < b for a, b in zip(rows, rows[1:]))
+        hidden = model(input_ids, meta.positions, attn, rows if ordered else None)
         if not rows:
             return None
-        return model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
+        return model.compute_logits(hidden if ordered else hidden[rows])
 
     def _build_cuda_graphs(self):
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:

@@ -525,7 +525,8 @@ class _PromptStep(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("R", "ext_P")]
                 + [(name, ctypes.c_void_p) for name in ("ext_tables", "q_starts", "prefix_lens", "extend_lens",
                                                          "final_norm", "x", "out", "qkv", "attn", "gate_up", "act",
-                                                         "dec_q", "dec_out")])
+                                                         "dec_q", "dec_out")]
+                + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p)])
 
 
 @dataclass
@@ -562,11 +563,14 @@ class PromptLayers:
         self.cascade = tiled_attention_available(torch.bfloat16, torch.bfloat16, head_dim)
         self.page_size = page_size
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: PromptPlan) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: PromptPlan,
+            keep: list[int] | None = None) -> torch.Tensor:
         """x [T, hidden] bfloat16 (the step's embeddings; used as the residual stream), positions
-        int64 [T] -> the final norm's output [T, hidden]. Every row's keys and values go into the
-        cache at plan.out_slots."""
+        int64 [T] -> the final norm's output [T, hidden], or [len(keep), hidden] of the rows in
+        keep (increasing): the last layer's o_proj and MLP then run for those rows only. Every
+        row's keys and values go into the cache at plan.out_slots."""
         t, bf16 = x.shape[0], torch.bfloat16
+        kept = None if keep is None else torch.tensor(keep, dtype=torch.int64)
         width = self.nq * self.d
         out, qkv, attn = (torch.empty(t, n, dtype=bf16) for n in (self.hidden, self.qkv_n, width))
         gate_up, act = torch.empty(t, 2 * self.inter, dtype=bf16), torch.empty(t, self.inter, dtype=bf16)
@@ -583,7 +587,8 @@ class PromptLayers:
             len(ext.q_starts), ext.tables.shape[1], ext.tables.data_ptr(), ext.q_starts.data_ptr(),
             ext.prefix_lens.data_ptr(), ext.extend_lens.data_ptr(), self.final_norm.data_ptr(),
             x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-            dec_q.data_ptr(), dec_out.data_ptr())
+            dec_q.data_ptr(), dec_out.data_ptr(), -1 if kept is None else kept.numel(),
+            0 if kept is None else kept.data_ptr())
         if not _lib.relay_prompt_layers(self.table, len(self.table), ctypes.byref(step)):
             raise RuntimeError("relay_prompt_layers refused a GEMM shape")
-        return out
+        return out if kept is None else out[:kept.numel()]

@@ -144,6 +144,10 @@ typedef struct {
     // norm's output; scratch qkv [T, qkv_n], attn [T, nq * D], gate_up [T, 2 * inter], act [T, inter],
     // dec_q and dec_out [n_dec, nq * D]
     uint16_t *x, *out, *qkv, *attn, *gate_up, *act, *dec_q, *dec_out;
+    // the rows whose output is read (increasing), or n_keep < 0: all. The last layer runs past its
+    // attention for those only, and out holds them in its first n_keep rows.
+    int64_t n_keep;
+    const int64_t* keep_rows;
 } PromptStep;
 
 static int gemm_panels_bf16(const uint32_t* panels, const uint16_t* x, uint16_t* y, int64_t T, int64_t N, int64_t K) {
@@ -180,9 +184,16 @@ static void attend(const PromptStep* s, const PromptLayer* L) {
                          s->extend_lens, s->R, s->attn, s->nq, s->nk, s->D, s->S, s->PS, s->scale, 1, 1);
 }
 
+// Rows keep[i] of a [*, width] bfloat16 matrix moved up to rows i (keep increasing: in place).
+static void compact_rows(uint16_t* a, int64_t width, const int64_t* keep, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (keep[i] != i) memcpy(a + i * width, a + keep[i] * width, sizeof(uint16_t) * (size_t)width);
+}
+
 // Returns 1, or 0 if a GEMM refused its shape (nothing is then usable).
 int relay_prompt_layers(const PromptLayer* layers, int64_t num_layers, const PromptStep* s) {
-    const int64_t T = s->T, H = s->hidden, qkv_n = (s->nq + 2 * s->nk) * s->D;
+    const int64_t H = s->hidden, qkv_n = (s->nq + 2 * s->nk) * s->D;
+    int64_t T = s->T;
     uint16_t* h = s->out;  // the normed input of the next GEMM; also each layer's MLP output
     for (int64_t l = 0; l < num_layers; l++) {
         const PromptLayer* L = layers + l;
@@ -191,6 +202,12 @@ int relay_prompt_layers(const PromptLayer* layers, int64_t num_layers, const Pro
         if (!gemm_panels_bf16(L->qkv, h, s->qkv, T, qkv_n, H)) return 0;
         relay_rope(s->qkv, s->cos, s->sin, s->positions, T, qkv_n, s->nq, s->nk, s->D, 1);
         attend(s, L);
+        if (l == num_layers - 1 && s->n_keep >= 0 && s->n_keep < T) {  // the other rows are done
+            T = s->n_keep;
+            if (!T) return 1;
+            compact_rows(s->attn, s->nq * s->D, s->keep_rows, T);
+            compact_rows(s->x, H, s->keep_rows, T);
+        }
         if (!gemm_panels_bf16(L->o, s->attn, h, T, H, s->nq * s->D)) return 0;
         relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 1);
         if (!gemm_panels_bf16(L->gate_up, h, s->gate_up, T, 2 * s->inter, H)) return 0;
