@@ -12,6 +12,7 @@ dispatch overhead.
     python scripts/profile_step.py --dtype float32 --batch 1,32
     python scripts/profile_step.py --quantization int8
     python scripts/profile_step.py --kv-cache-dtype bfloat16       # float32 weights, half the KV bytes
+    python scripts/profile_step.py --prefill-over 1024             # the chunk over a cached prefix
     python scripts/profile_step.py --ab /path/to/relay_cpu-OLD.so  # this checkout's kernels vs another build's
 
 --ab times the server's path with this checkout's kernel library and with another build of it
@@ -130,16 +131,27 @@ def ab(runner: ModelRunner, args) -> None:
         ours, theirs = ab_medians(runner, other, steps.decode, args.reps)
         print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
-    ours, theirs = ab_medians(runner, other, prefill_chunk(runner, args.prefill), max(3, args.reps // 4))
-    print(f"| prefill {args.prefill} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
+    ours, theirs = ab_medians(runner, other, prefill_chunk(runner, args.prefill, args.prefill_over),
+                              max(3, args.reps // 4))
+    print(f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
 
 
-def prefill_chunk(runner: ModelRunner, n: int):
-    """One n-token prompt chunk (from an empty cache), to time again and again."""
+def over(args) -> str:
+    return f" over {args.prefill_over}" if args.prefill_over else ""
+
+
+def prefill_chunk(runner: ModelRunner, n: int, prefix: int = 0):
+    """One n-token prompt chunk over `prefix` cached tokens (filled once; a shared system prompt's
+    case), to time again and again."""
+    ps = runner.page_size
+    pages = list(range(1, -(-(prefix + n) // ps) + 1))
+    spec = [SamplingSpec(900, SamplingParams(temperature=0), [2])]
+    if prefix:
+        runner.forward(BatchInput(0, [901], [17] * prefix, [0], [prefix], [0], [pages[:-(-prefix // ps)]], [False],
+                                  [0], [], [901]))
+
     def chunk():
-        pages = list(range(1, -(-n // runner.page_size) + 1))
-        return runner.forward(BatchInput(0, [900], [17] * n, [0], [n], [0], [pages], [True], [0],
-                                         [SamplingSpec(900, SamplingParams(temperature=0), [2])], [900]))
+        return runner.forward(BatchInput(0, [900], [17] * n, [prefix], [n], [0], [pages], [True], [0], spec, [900]))
     return chunk
 
 
@@ -208,6 +220,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="KV tokens per request before decoding")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prompt chunk timed")
+    ap.add_argument("--prefill-over", type=int, default=0, help="cached tokens the prompt chunk attends over")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens of --context that each group of 16 requests shares (page-aligned)")
     ap.add_argument("--reps", type=int, default=20)
@@ -234,11 +247,11 @@ def main() -> None:
             rows.append((label, ms, b / ms * 1000, {"layer by layer": layered, **breakdown(steps.decode, args.top)}))
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     n = args.prefill
-    chunk = prefill_chunk(runner, n)
+    chunk = prefill_chunk(runner, n, args.prefill_over)
     ms = timed(chunk, max(3, args.reps // 4))
     with layer_by_layer(runner):
         layered = timed(chunk, max(3, args.reps // 4))
-        rows.append((f"prefill {n}", ms, n / ms * 1000, {"layer by layer": layered, **breakdown(chunk, args.top)}))
+        rows.append((f"prefill {n}{over(args)}", ms, n / ms * 1000, {"layer by layer": layered, **breakdown(chunk, args.top)}))
     cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))
