@@ -46,6 +46,17 @@ static int by_cost_desc(const void* a, const void* b) {  // the dearest first: d
     return (y->keys > x->keys) - (y->keys < x->keys);
 }
 
+#if defined(__AVX512F__)
+// alpha[b] = 2^(m_old[b] - m_new[b]) for a row block's `rows` (<= 16) rows at once: how much the
+// online softmax scales a row's sum and accumulators down by. Where m_old is still -inf it gives
+// 2^-126, which scales zeros.
+static inline void rescale_factors(const float* m_old, const float* m_new, float* alpha, int rows) {
+    const __mmask16 live = (__mmask16)((1u << rows) - 1u);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, m_old), _mm512_maskz_loadu_ps(live, m_new));
+    _mm512_mask_storeu_ps(alpha, live, vexp2(d));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // sc[b][w]: the raw scores of query row b (bf16 pairs at qp[b]) against the tile's keys 16w to
 // 16w + 15 (ktp: [D / 2][KT] pairs), for w < used.
@@ -62,14 +73,6 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
             for (int64_t b = 0; b < RB; b++) sc[b][w] = _mm512_dpbf16_ps(sc[b][w], qq[b], kk);
         }
     }
-}
-
-// alpha[b] = 2^(m_old[b] - m_new[b]) for the RB rows at once: how much the online softmax scales a
-// row's sum and accumulators down by. Where m_old is still -inf it gives 2^-126, which scales zeros.
-static inline void rescale_factors(const float* m_old, const float* m_new, float* alpha) {
-    const __mmask16 rows = (__mmask16)((1u << RB) - 1u);
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(rows, m_old), _mm512_maskz_loadu_ps(rows, m_new));
-    _mm512_mask_storeu_ps(alpha, rows, vexp2(d));
 }
 
 // RB query rows that all see every key of a full tile (a cached prefix's tiles, most of them): what
@@ -90,7 +93,7 @@ static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D
         const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0: the max of the scaled scores
         mx[b] = mx_tile > m[b] ? mx_tile : m[b];
     }
-    rescale_factors(m, mx, alpha);
+    rescale_factors(m, mx, alpha, RB);
     for (int64_t b = 0; b < RB; b++) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t w = 0; w < KT / 16; w++) {
@@ -225,7 +228,7 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                 const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0
                 mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
             }
-            rescale_factors(m_old, mx, alpha);
+            rescale_factors(m_old, mx, alpha, RB);
             int64_t pairs = 0;
             for (int64_t b = 0; b < RB; b++) {
                 memset(pp[b], 0, sizeof(pp[b]));
@@ -400,32 +403,37 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
                 }
             }
             float pf[RBF][KT] __attribute__((aligned(64)));
-            float alpha[RBF];
+            float alpha[RBF], m_old[RBF], mx[RBF];
+            __mmask16 live[RBF][KT / 16];
+            for (int64_t b = 0; b < RBF; b++) {  // each row's new max (rows that see nothing keep theirs)
+                m_old[b] = mx[b] = m[r0 + (b < nr ? b : 0)];
+                if (visible[b] == 0) continue;
+                __m512 mxv = _mm512_set1_ps(-INFINITY);
+                for (int64_t w = 0; w < KT / 16; w++) {
+                    const int64_t left = visible[b] - w * 16;
+                    live[b][w] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+                    mxv = _mm512_mask_max_ps(mxv, live[b][w], mxv, sc[b][w]);
+                }
+                const float mx_tile = _mm512_reduce_max_ps(mxv);
+                mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
+            }
+            rescale_factors(m_old, mx, alpha, RBF);
             for (int64_t b = 0; b < RBF; b++) {
-                alpha[b] = 1.f;
                 if (visible[b] == 0) {
+                    alpha[b] = 1.f;
                     memset(pf[b], 0, sizeof(pf[b]));
                     continue;
                 }
                 const int64_t rr = r0 + b;
-                __mmask16 live[KT / 16];
-                __m512 mxv = _mm512_set1_ps(-INFINITY);
-                for (int64_t w = 0; w < KT / 16; w++) {
-                    const int64_t left = visible[b] - w * 16;
-                    live[w] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    mxv = _mm512_mask_max_ps(mxv, live[w], mxv, sc[b][w]);
-                }
-                const float mx_tile = _mm512_reduce_max_ps(mxv);
-                const float mx = mx_tile > m[rr] ? mx_tile : m[rr];
-                alpha[b] = exp2f(m[rr] - mx);  // 0 on the first tile (m = -inf)
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t w = 0; w < KT / 16; w++) {
-                    const __m512 p = _mm512_maskz_mov_ps(live[w], vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx))));
+                    const __m512 p = _mm512_maskz_mov_ps(live[b][w],
+                                                         vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx[b]))));
                     sum = _mm512_add_ps(sum, p);
                     _mm512_store_ps(pf[b] + w * 16, p);
                 }
                 l[rr] = l[rr] * alpha[b] + _mm512_reduce_add_ps(sum);
-                m[rr] = mx;
+                m[rr] = mx[b];
             }
             for (int64_t c0 = 0; c0 < NC; c0 += 4) {  // acc += p . V, 64 output dims at a time
                 const int64_t nc = NC - c0 < 4 ? NC - c0 : 4;
