@@ -194,6 +194,22 @@ def test_penalty_sequence_explicit():
     assert got == [4, 4, 0, 1, 4, 0]
 
 
+def test_a_spec_sent_again_restarts_the_penalties_from_the_output_it_carries():
+    """After a retraction the scheduler sends the spec again with the output the request
+    restarts from: the sampler's counts are those, not the tokens it sampled before (a step's
+    token dropped with the retraction included), so the sequence goes on as in
+    test_penalty_sequence_explicit."""
+    kw = dict(temperature=0.0, frequency_penalty=0.6, presence_penalty=0.35, repetition_penalty=1.5)
+    fresh = make([spec(1, **kw)])
+    want = [sample(fresh, [BASE], [1], [n]).token_ids[0] for n in range(6)]
+    s = make([spec(1, **kw)])
+    other = [BASE[-1]] + BASE[:-1]
+    for n in range(3):
+        sample(s, [other], [1], [n])  # tokens that are not the output after all
+    s.update([], [SamplingSpec(1, SamplingParams(**kw), [], [], want[:2])])
+    assert [sample(s, [BASE], [1], [n]).token_ids[0] for n in range(2, 6)] == want[2:]
+
+
 def test_repetition_penalty_is_not_compounded():
     # HF semantics: a seen token's logit is divided once, however often it appears.
     s = make([spec(1, temperature=0.0, repetition_penalty=2.0, prompt=[1, 2])])

@@ -129,8 +129,12 @@ class Harness:
             self.specs.pop(sid, None)
             self.tables.pop(sid, None)
             self.last_tokens.pop(sid, None)
+        by_sid = {r.sid: r for r in reqs}
         for spec in batch.new_specs:
-            assert spec.sid not in self.specs, "a spec for a sid that is still live"
+            # Sent again for a live sid only after a retraction, with the output it restarts from.
+            again = spec.sid in self.specs
+            assert not again or (by_sid[spec.sid].num_retractions and spec.output_ids == by_sid[spec.sid].output_ids), \
+                "a spec for a sid that is still live"
             self.specs[spec.sid] = spec
         tree_pages = set(self.s.cache.check())
         pos = 0
@@ -646,7 +650,7 @@ def test_high_priority_arrival_takes_a_slot_at_max_running():
         h.assert_finished_correctly(rid)
 
 
-def run_mix(num_pages: int, page_size: int, budget: int, seed: int, depth: int = 1
+def run_mix(num_pages: int, page_size: int, budget: int, seed: int, depth: int = 1, **params
             ) -> tuple[Harness, dict[str, list[int]]]:
     rng = random.Random(seed)
     h = Harness(num_pages=num_pages, page_size=page_size, budget=budget, depth=depth)
@@ -654,7 +658,7 @@ def run_mix(num_pages: int, page_size: int, budget: int, seed: int, depth: int =
     for i in range(12):
         shared = base[:rng.randrange(0, 24)]
         h.add(f"r{i}", shared + prompt(rng.randrange(1, 20), 1000 * seed + i),
-              priority=rng.randrange(2), max_new_tokens=rng.randrange(1, 24))
+              priority=rng.randrange(2), max_new_tokens=rng.randrange(1, 24), **params)
     h.run(max_steps=5000)
     return h, {rid: h.outputs(rid) for rid in h.reqs}
 
@@ -672,6 +676,18 @@ def test_tiny_pool_forces_retraction_but_tokens_match_a_huge_pool(page_size, dep
         for rid in h.reqs:
             assert h.final[rid].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             h.assert_finished_correctly(rid)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_retracted_penalised_request_sends_its_spec_again_with_its_output(depth):
+    """The runner counts a penalised request's output tokens; after a retraction (with steps
+    out, one of its tokens is dropped) its spec goes again, carrying the output it restarts
+    from (the harness checks that), and only then: an unpenalised one's is sent once."""
+    for penalty, resent in ((0.5, True), (0.0, False)):
+        h, _ = run_mix(19, 4, 48, seed=4, depth=depth, frequency_penalty=penalty)
+        specs = sum(len(b.new_specs) for b, _ in h.batches)
+        assert h.s.stats().num_retractions_total > 0
+        assert (specs > len(h.reqs)) == resent
 
 
 def record_retractions(s: Scheduler) -> list[tuple[str, str, list[int], int]]:

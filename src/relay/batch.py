@@ -24,6 +24,10 @@ class SamplingSpec:
     params: SamplingParams
     stop_token_ids: list[int]  # eos ids and the user's, masked until min_new_tokens
     prompt_ids: list[int] = field(default_factory=list)  # only sent for repetition_penalty
+    # Sent again after a retraction, with the output so far for the penalties' counts: the
+    # runner's counts then match the output the request restarts from, not the tokens its
+    # steps sampled (one the scheduler dropped, in flight when it was retracted, included).
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

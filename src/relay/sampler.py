@@ -55,12 +55,12 @@ class Sampler:
         for spec in new_specs:
             st = _State(spec)
             p = spec.params
+            out = torch.tensor(spec.output_ids, dtype=torch.int64, device=self.device)
             if p.frequency_penalty or p.presence_penalty:
-                st.counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+                st.counts = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
             if p.repetition_penalty != 1.0:
                 st.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                if spec.prompt_ids:
-                    st.seen[torch.tensor(spec.prompt_ids, device=self.device)] = True
+                st.seen[torch.tensor(spec.prompt_ids + spec.output_ids, dtype=torch.int64, device=self.device)] = True
             self.states[spec.sid] = st
 
     def sample(self, logits: torch.Tensor, sids: list[int], output_lens: list[int]) -> SampleResult:

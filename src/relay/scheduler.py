@@ -29,7 +29,7 @@ from relay.kv_allocator import PageAllocator
 from relay.outputs import FinishReason, RequestOutput
 from relay.radix_cache import RadixCache
 from relay.request import Req, Status
-from relay.sampling_params import InvalidParam, check_prompt_length
+from relay.sampling_params import InvalidParam, SamplingParams, check_prompt_length
 from relay.speculative import SpecStats
 from relay.speculative.planner import SpecPlanner, SpecRow
 
@@ -529,6 +529,9 @@ class Scheduler:
         logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
         self._release_kv(req)
         req.unwritten = req.pending = 0  # what steps still out produce for it is dropped
+        # ... and the runner's penalty counts with it: a penalised request's spec goes again,
+        # with the output it restarts from.
+        req.spec_sent = not penalised(req.params)
         self.running.remove(req)
         req.status = Status.WAITING
         req.num_retractions += 1
@@ -729,7 +732,7 @@ class Scheduler:
         p = req.params
         stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         prompt = req.prompt_ids if p.repetition_penalty != 1.0 else []
-        return SamplingSpec(req.sid, p, stops, prompt)
+        return SamplingSpec(req.sid, p, stops, prompt, list(req.output_ids) if penalised(p) else [])
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -774,6 +777,11 @@ class Scheduler:
             assert self.cache.locked_pages == 0, "locked pages with no running request"
         if self.grammars is not None and not self.reqs:
             assert self.grammars.live == 0, f"{self.grammars.live} grammar matchers outlive their requests"
+
+
+def penalised(p: SamplingParams) -> bool:
+    """Whether sampling depends on the tokens output so far (the runner keeps their counts)."""
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
