@@ -57,6 +57,10 @@ FLAG_HELP = {
     "max_running_requests": "most requests decoding at once",
     "chunked_prefill_size": ("token budget of one forward step; longer prompts are prefilled in chunks; default 256 on CPU "
                              "(a step stays near 0.2 s), 8192 on GPU"),
+    "max_decode_stall_ms": ("prefill-first once a prompt has waited longer than this and more prompt tokens "
+                            "wait than one step takes (a burst of arrivals; SGLang schedules prefill first): steps "
+                            "go to the prompts, and each decoding request waits once, at most this long, for its "
+                            "next token; 0 (or --target-itl-ms): every step decodes every running request"),
     "max_queued_requests": "requests in flight beyond which new ones get 503",
     "disable_radix_cache": "turn off prefix caching",
     "context_length": "override the model's context length",

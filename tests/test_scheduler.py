@@ -15,6 +15,7 @@ the fake runner fills PENDING_TOKEN inputs with the token it sampled last for th
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict, deque
 
 import pytest
@@ -49,10 +50,12 @@ class Harness:
     def __init__(self, *, num_pages: int = 256, page_size: int = 4, budget: int = 64,
                  max_running: int = 256, context_len: int = 4096, eos: tuple[int, ...] = (EOS,),
                  disable_cache: bool = False, token_fn=hash_token, attention_break_even: int | None = None,
-                 depth: int = 1):
+                 depth: int = 1, stall_ms: float = 0.0, clock=time.monotonic):
         self.cfg = EngineConfig(page_size=page_size, chunked_prefill_size=budget,
-                                max_running_requests=max_running, disable_radix_cache=disable_cache)
-        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos), attention_break_even=attention_break_even)
+                                max_running_requests=max_running, disable_radix_cache=disable_cache,
+                                max_decode_stall_ms=stall_ms)
+        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos), attention_break_even=attention_break_even,
+                           clock=clock)
         self.ps, self.budget, self.token_fn = page_size, budget, token_fn
         self.kv: dict[int, list[int | None]] = {}
         self.specs: dict[int, object] = {}
@@ -68,7 +71,7 @@ class Harness:
 
     # ---- requests -------------------------------------------------------------------
     def add(self, rid: str, prompt: list[int], priority: int = 0, **params) -> Req:
-        req = Req(rid, list(prompt), SamplingParams(**params), priority=priority)
+        req = Req(rid, list(prompt), SamplingParams(**params), priority=priority, arrival_time=self.s.clock())
         self.s.add_request(req)
         self.reqs[rid] = req
         return req
@@ -461,6 +464,115 @@ def test_a_lone_long_prompt_still_gets_the_whole_budget():
     assert [h.step().extend_lens[0] for _ in range(4)] == [64] * 4
 
 
+class StepClock:
+    """A clock the test moves: `seconds_per_step` for every step the harness builds."""
+
+    def __init__(self, seconds_per_step: float):
+        self.now, self.per_step = 0.0, seconds_per_step
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.per_step
+
+
+class BurstHarness(Harness):
+    """Steps of 0.1 s (StepClock), budget 16, and decodes that yield after stall_ms."""
+
+    def __init__(self, stall_ms: float, **kwargs):
+        self.clock = StepClock(0.1)
+        super().__init__(budget=16, page_size=4, stall_ms=stall_ms, clock=self.clock, **kwargs)
+
+    def step(self, *args, **kwargs):
+        batch = super().step(*args, **kwargs)
+        self.clock.tick()
+        return batch
+
+    def start(self, rids: list[str], priority: int = 0) -> None:
+        """Requests with 5-token prompts, decoding after two steps."""
+        for i, rid in enumerate(rids):
+            self.add(rid, prompt(5, i), priority=priority, max_new_tokens=60, ignore_eos=True)
+        self.step()
+        self.step()
+
+    def burst(self, n: int, tokens: int, priority: int = 0) -> list[str]:
+        rids = [f"b{len(self.reqs) + i}" for i in range(n)]
+        for i, rid in enumerate(rids):
+            self.add(rid, prompt(tokens, 100 + len(self.reqs)), priority=priority, max_new_tokens=2, ignore_eos=True)
+        return rids
+
+    def until_first_tokens(self, rids: list[str]) -> list[set[str]]:
+        """Step until every one of rids has a token; the requests in each of those steps."""
+        steps = []
+        while any(not self.events[rid] for rid in rids):
+            self.step()
+            steps.append({r.rid for r in self.batches[-1][1]})
+        return steps
+
+
+def absences(steps: list[set[str]], rid: str) -> list[int]:
+    """Lengths of the runs of consecutive steps that rid sat out."""
+    runs, n = [], 0
+    for rids in steps + [{rid}]:
+        if rid in rids:
+            runs, n = runs + [n] if n else runs, 0
+        else:
+            n += 1
+    return runs
+
+
+def test_a_burst_of_arrivals_gets_its_first_tokens_sooner_when_decodes_yield():
+    """Prefill-first: once prompts have waited longer than max_decode_stall_ms with more prompt
+    tokens than a step takes, started requests sit steps out, so the burst's last first token
+    does not wait for all their decode rows; the burst's own first tokens also yield."""
+    took = {}
+    for stall_ms in (0, 250):
+        h = BurstHarness(stall_ms)
+        h.start(["d0", "d1", "d2"])
+        took[stall_ms] = len(h.until_first_tokens(h.burst(6, 28)))
+        h.run()
+        for rid in h.reqs:
+            h.assert_finished_correctly(rid)
+    assert took[250] < took[0]
+
+
+def test_a_decoding_request_yields_once_and_at_most_max_decode_stall_ms():
+    h = BurstHarness(250)
+    h.start(["d0", "d1"])
+    steps = h.until_first_tokens(h.burst(8, 28))
+    steps += h.until_first_tokens(h.burst(8, 28))  # another backlog: d0 and d1 have had their wait
+    for rid in ("d0", "d1"):
+        assert absences(steps, rid) == [3], "one wait of 0.25 s: three 0.1 s steps"
+
+
+def test_decodes_yield_only_once_a_prompt_has_waited_longer_than_the_limit():
+    h = BurstHarness(350)
+    h.start(["d0"])
+    steps = h.until_first_tokens(h.burst(8, 28))
+    assert all("d0" in rids for rids in steps[:4]) and "d0" not in steps[4]
+
+
+def test_a_higher_priority_decode_does_not_yield_to_lower_priority_prompts():
+    h = BurstHarness(250)
+    h.start(["vip"], priority=2)
+    h.start(["d0"], priority=1)
+    steps = h.until_first_tokens(h.burst(8, 28, priority=1))
+    assert absences(steps, "vip") == [] and absences(steps, "d0") == [3]
+
+
+@pytest.mark.parametrize("limit", [dict(max_running=2), dict(num_pages=10)])
+def test_decodes_do_not_yield_to_prompts_that_cannot_run(limit):
+    """A burst that cannot start (no free slot, or no KV room for its first chunk) gets
+    nothing from held decodes: they run, and no step is empty."""
+    h = BurstHarness(100, **limit)
+    h.start(["d0", "d1"])
+    h.burst(2, 20)
+    for _ in range(5):
+        h.step()
+        assert {r.rid for r in h.batches[-1][1]} == {"d0", "d1"}
+
+
 def test_prompt_chunks_shrink_with_their_prefix_so_a_step_costs_at_most_the_budget():
     """With attention priced in, a chunk deep into a long prompt holds fewer tokens: each
     step's estimated work stays within the budget instead of growing with the prefix."""
@@ -473,9 +585,17 @@ def test_prompt_chunks_shrink_with_their_prefix_so_a_step_costs_at_most_the_budg
         p, n = batch.prefix_lens[0], batch.extend_lens[0]
         if n > 1:
             chunks.append(n)
-            assert n * (1 + (p + n / 2) / even) <= budget
-    assert chunks[0] > chunks[-1] >= 1 and chunks == sorted(chunks, reverse=True)
+            assert n * (1 + p / even) <= budget
+    assert chunks[0] == budget > chunks[-1] >= 1 and chunks == sorted(chunks, reverse=True)
     h.assert_finished_correctly("long")
+
+
+def test_a_fresh_prompt_of_the_budgets_length_runs_in_one_step():
+    """With attention priced (the server's default), a prompt of exactly --chunked-prefill-size
+    tokens is still one step, not a full chunk and a few leftover tokens."""
+    h = Harness(budget=256, page_size=4, attention_break_even=3072)
+    h.add("p", prompt(256, 3), max_new_tokens=1, ignore_eos=True)
+    assert h.step().extend_lens == [256]
 
 
 def test_decodes_come_before_prefill_in_the_batch():
@@ -910,16 +1030,18 @@ def workloads(draw):
     return dict(ps=ps, num_pages=num_pages, context_len=context_len,
                 budget=draw(st.sampled_from([1, 3, 8, 32, 64, 512])),
                 max_running=draw(st.integers(1, 8)), disable_cache=draw(st.booleans()),
-                attention_break_even=draw(st.sampled_from([None, 4, 64])), reqs=reqs, aborts=aborts)
+                attention_break_even=draw(st.sampled_from([None, 4, 64])), reqs=reqs, aborts=aborts,
+                stall_ms=draw(st.sampled_from([0.0, 20.0, 60.0])))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads(), depth=st.sampled_from([1, 2]))
 def test_random_workloads_run_to_completion(w, depth):
+    clock = StepClock(0.01)  # stall_ms 20 or 60: prompts late after 2 or 6 steps, decodes held as long
     h = Harness(num_pages=w["num_pages"], page_size=w["ps"], budget=w["budget"],
                 max_running=w["max_running"], context_len=w["context_len"],
                 disable_cache=w["disable_cache"], eos=(EOS, 5), attention_break_even=w["attention_break_even"],
-                depth=depth)
+                depth=depth, stall_ms=w["stall_ms"], clock=clock)
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
     aborts = defaultdict(list)
     for step, i, mid in w["aborts"]:
@@ -946,6 +1068,7 @@ def test_random_workloads_run_to_completion(w, depth):
                   during=lambda: arrive(True)) is None:
             arrive(True)  # nothing ran: the arrival still comes
         tick += 1
+        clock.tick()
     h.assert_idle()
     assert set(h.final) == set(h.reqs), "a request ended without a finish event"
     aborted = {f"r{i}" for _, i, _ in w["aborts"]}

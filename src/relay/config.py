@@ -45,6 +45,12 @@ class EngineConfig:
     # then stays near 0.2 s, keeping inter-token latency low while prompts are prefilled),
     # 8192 on GPU. See default_chunked_prefill_size.
     chunked_prefill_size: int | None = None
+    # Prefill-first once a prompt has waited longer than this and more prompt tokens wait than
+    # one step takes beside the decodes (a burst of arrivals): steps go to prompts, and a
+    # decoding request waits for its next token once, at most this long (one long gap instead
+    # of a longer step at every token of the burst). 0, or a target_itl_ms: every step decodes
+    # every running request.
+    max_decode_stall_ms: float = 1000.0
     max_queued_requests: int = 4096  # beyond this the server answers 503
     disable_radix_cache: bool = False
     context_length: int | None = None  # defaults to the model's max_position_embeddings
@@ -105,6 +111,8 @@ class EngineConfig:
                      "speculative_num_draft_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_decode_stall_ms < 0:
+            raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -49,6 +49,10 @@ class Req:
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     last_token_time: float | None = None  # when the scheduler last appended tokens (ITL)
     num_retractions: int = 0
+    # Prefill-first (Scheduler._decodes_to_hold): when this request began yielding its decode
+    # to a backlog of prompts, and whether it has had its one such wait.
+    held_since: float | None = None
+    has_yielded: bool = False
     # Speculative decoding: leading tokens whose draft-model KV is written (a draft model's
     # KV pages are the target's page ids in its own pool), and the n-gram index of the tokens.
     draft_len: int = 0

@@ -197,25 +197,81 @@ class Scheduler:
         Decodes go first (one token each), then prompt chunks of running requests, then new
         requests. While requests wait, running prompts' chunks take at most half of what the
         decodes leave, so a short request that arrives behind a long prompt starts within a
-        step instead of after the whole prompt; whatever admission leaves goes back to them."""
+        step instead of after the whole prompt; whatever admission leaves goes back to them.
+        Decodes that yield to a backlog of prompts (_decodes_to_hold) sit the step out."""
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
-        budget = self.limits.step_budget(sum(1 for r in by_rank if not r.in_prefill))
+        decoding = [r for r in by_rank if not r.in_prefill]
+        budget = self.limits.step_budget(len(decoding))
         self._preempt_for_waiting(budget)
+        hold = self._decodes_to_hold(decoding, budget)
         batch: list[tuple[Req, int]] = []
         scheduled: set[int] = set()
         # In rank order, so retraction victims are never already in the batch.
-        budget -= self._schedule_running([r for r in by_rank if not r.in_prefill], batch, scheduled, budget)
+        budget -= self._schedule_running([r for r in decoding if id(r) not in hold], batch, scheduled, budget)
         decodes = list(batch)
         prompts = [r for r in by_rank if r.in_prefill]
-        held = budget // 2 if self._can_admit() else 0
-        budget -= self._schedule_running(prompts, batch, scheduled, budget - held)
+        reserved = budget // 2 if self._can_admit() else 0
+        budget -= self._schedule_running(prompts, batch, scheduled, budget - reserved)
         budget = self._admit(batch, budget)
         budget = self._extend_chunks(prompts, batch, budget)
+        if hold and len(batch) == len(decodes):  # no prompt could run after all: nothing to yield to
+            budget -= self._schedule_running([r for r in decoding if id(r) in hold], batch, scheduled, budget)
+            decodes, hold = list(batch), set()
+        self._note_holds(decoding, hold)
         # Speculation takes only what prompts left: it never delays a first token.
         spec_rows = self._speculate(decodes, budget)
         if not batch:
             return None
         return self._build_batch(batch, spec_rows)
+
+    def _decodes_to_hold(self, decoding: list[Req], budget: int) -> set[int]:
+        """ids of decoding requests that yield this step to prompts: prefill-first, as SGLang
+        schedules, once a prompt has waited longer than max_decode_stall_ms and more prompt
+        tokens wait than this step takes beside the decodes (a burst of arrivals), so the
+        burst's last first token does not wait for every started request's decode rows. A
+        request yields once, for at most max_decode_stall_ms, and never to prompts ranked below
+        it: one long gap, where mixing would lengthen every step of the burst."""
+        limit = self.cfg.max_decode_stall_ms / 1000
+        if not limit or not decoding or self.cfg.target_itl_ms is not None:
+            return set()  # off, nothing to hold, or an inter-token latency target rules the steps
+        if self.allocator.num_free + self.cache.evictable_pages - self._decode_headroom() < self._pages_for(budget):
+            return set()  # prompts would be short of KV for a step's worth of tokens: holding would not speed them
+        now = self.clock()
+        # Prompts that fit in this step beside every decode row are no backlog.
+        backlog = self._backlog(budget - len(decoding))
+        if backlog is None or now - backlog[1] <= limit:
+            return set()
+        return {id(r) for r in decoding if r.priority <= backlog[0] and not r.has_yielded
+                and r.last_token_time is not None and (r.held_since is None or now - r.held_since < limit)}
+
+    def _backlog(self, budget: int) -> tuple[int, float] | None:
+        """(highest priority, earliest arrival) among prompts (running, or waiting for a free
+        slot) when more of their tokens are still to compute than `budget`; None when one step
+        can take them."""
+        prompts = [r for r in self.running if r.in_prefill]
+        tokens = sum(r.seq_len - r.kv_len for r in prompts)
+        top = max((r.priority for r in prompts), default=None)
+        first = min((r.arrival_time for r in prompts), default=math.inf)
+        if len(self.running) < self.limits.max_running:
+            for _, _, req in self._waiting:  # heap order: the highest-ranked (and oldest) comes first
+                if tokens > budget:
+                    break
+                if req.status != Status.WAITING or (req.constraint is not None and req.constraint.matcher is None):
+                    continue  # finished while it waited, or its grammar is still compiling
+                tokens += req.seq_len  # its cached prefix is unknown until it is matched
+                top = req.priority if top is None else max(top, req.priority)
+                first = min(first, req.arrival_time)
+        return (top, first) if tokens > budget else None
+
+    def _note_holds(self, decoding: list[Req], hold: set[int]) -> None:
+        """Start the held requests' waits; a request that decodes again has had its wait."""
+        now = self.clock()
+        for req in decoding:
+            if id(req) in hold:
+                if req.held_since is None:
+                    req.held_since = now
+            elif req.held_since is not None:
+                req.held_since, req.has_yielded = None, True
 
     def _speculate(self, decodes: list[tuple[Req, int]], budget: int) -> dict[int, SpecRow]:
         """Proposals to verify (or draft KV to catch up on) for decoding requests, by id(req),
@@ -285,21 +341,18 @@ class Scheduler:
         left = req.seq_len - req.kv_len
         if budget <= 0:
             return 0
-        if self.attn_even is None or left == 1:
-            return min(left, budget)
-        # Solve n + n * (kv_len + n/2) / E <= budget for n.
-        e, a = self.attn_even, 1 + req.kv_len / self.attn_even
-        n = int(e * (math.sqrt(a * a + 2 * budget / e) - a))
-        while n > 1 and self._cost(req, n) > budget:  # float rounding
-            n -= 1
+        n = budget if self.attn_even is None else int(budget / (1 + req.kv_len / self.attn_even))
         return max(1, min(left, n))
 
     def _cost(self, req: Req, n: int) -> int:
         """Step budget units that computing req's next n tokens takes: one per token, plus
-        their attention over the prefix and each other in units of a token's dense work."""
+        their attention over the cached prefix in units of a token's dense work. Attention
+        among the n tokens themselves is not priced: a fresh prompt of the budget's length
+        runs in one step (vLLM's and SGLang's meaning of the chunk size), and deep into a
+        long prompt the prefix term is what grows."""
         if self.attn_even is None or n <= 1:
             return n
-        return math.ceil(n * (1 + (req.kv_len + n / 2) / self.attn_even))
+        return math.ceil(n * (1 + req.kv_len / self.attn_even))
 
     def _may_run_ahead(self, req: Req) -> bool:
         """Whether req can be in the step being built while an unprocessed one samples its
