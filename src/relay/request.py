@@ -110,6 +110,11 @@ class Req:
         return self.status == Status.FINISHED
 
     @property
+    def grammar_compiling(self) -> bool:
+        """Its output grammar is still compiling: it cannot start yet."""
+        return self.constraint is not None and self.constraint.matcher is None
+
+    @property
     def in_prefill(self) -> bool:
         """More than one token still lacks KV (a prompt, or a recompute after retraction)."""
         return self.seq_len - self.kv_len > 1

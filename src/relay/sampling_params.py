@@ -102,6 +102,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling depends on the tokens output so far (the runner counts them)."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidParam naming the first bad field; return self for chaining."""
         for name, rule in RANGES.items():

@@ -29,7 +29,7 @@ from relay.kv_allocator import PageAllocator
 from relay.outputs import FinishReason, RequestOutput
 from relay.radix_cache import RadixCache
 from relay.request import Req, Status
-from relay.sampling_params import InvalidParam, SamplingParams, check_prompt_length
+from relay.sampling_params import InvalidParam, check_prompt_length
 from relay.speculative import SpecStats
 from relay.speculative.planner import SpecPlanner, SpecRow
 
@@ -201,15 +201,15 @@ class Scheduler:
         Decodes that yield to a backlog of prompts (_decodes_to_hold) sit the step out."""
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
         decoding = [r for r in by_rank if not r.in_prefill]
+        prompts = [r for r in by_rank if r.in_prefill]
         budget = self.limits.step_budget(len(decoding))
         self._preempt_for_waiting(budget)
-        hold = self._decodes_to_hold(decoding, budget)
+        hold = self._decodes_to_hold(decoding, prompts, budget)
         batch: list[tuple[Req, int]] = []
         scheduled: set[int] = set()
         # In rank order, so retraction victims are never already in the batch.
         budget -= self._schedule_running([r for r in decoding if id(r) not in hold], batch, scheduled, budget)
         decodes = list(batch)
-        prompts = [r for r in by_rank if r.in_prefill]
         reserved = budget // 2 if self._can_admit() else 0
         budget -= self._schedule_running(prompts, batch, scheduled, budget - reserved)
         budget = self._admit(batch, budget)
@@ -224,7 +224,7 @@ class Scheduler:
             return None
         return self._build_batch(batch, spec_rows)
 
-    def _decodes_to_hold(self, decoding: list[Req], budget: int) -> set[int]:
+    def _decodes_to_hold(self, decoding: list[Req], prompts: list[Req], budget: int) -> set[int]:
         """ids of decoding requests that yield this step to prompts: prefill-first, as SGLang
         schedules, once a prompt has waited longer than max_decode_stall_ms and more prompt
         tokens wait than this step takes beside the decodes (a burst of arrivals), so the
@@ -238,17 +238,17 @@ class Scheduler:
             return set()  # prompts would be short of KV for a step's worth of tokens: holding would not speed them
         now = self.clock()
         # Prompts that fit in this step beside every decode row are no backlog.
-        backlog = self._backlog(budget - len(decoding))
+        backlog = self._backlog(prompts, budget - len(decoding))
         if backlog is None or now - backlog[1] <= limit:
             return set()
         return {id(r) for r in decoding if r.priority <= backlog[0] and not r.has_yielded
                 and r.last_token_time is not None and (r.held_since is None or now - r.held_since < limit)}
 
-    def _backlog(self, budget: int) -> tuple[int, float] | None:
-        """(highest priority, earliest arrival) among prompts (running, or waiting for a free
-        slot) when more of their tokens are still to compute than `budget`; None when one step
-        can take them."""
-        prompts = [r for r in self.running if r.in_prefill]
+    def _backlog(self, prompts: list[Req], budget: int) -> tuple[int, float] | None:
+        """(highest priority, earliest arrival) among prompts (the running ones given, or ones
+        waiting for a free slot) when more of their tokens are still to compute than `budget`;
+        None when one step can take them."""
+        prompts = [r for r in prompts if r.status == Status.RUNNING]  # not one just preempted (now waiting)
         tokens = sum(r.seq_len - r.kv_len for r in prompts)
         top = max((r.priority for r in prompts), default=None)
         first = min((r.arrival_time for r in prompts), default=math.inf)
@@ -256,7 +256,7 @@ class Scheduler:
             for _, _, req in self._waiting:  # heap order: the highest-ranked (and oldest) comes first
                 if tokens > budget:
                     break
-                if req.status != Status.WAITING or (req.constraint is not None and req.constraint.matcher is None):
+                if req.status != Status.WAITING or req.grammar_compiling:
                     continue  # finished while it waited, or its grammar is still compiling
                 tokens += req.seq_len  # its cached prefix is unknown until it is matched
                 top = req.priority if top is None else max(top, req.priority)
@@ -445,7 +445,7 @@ class Scheduler:
             req = self._pop_waiting()
             if req is None:
                 break
-            if (req.constraint is not None and req.constraint.matcher is None) or req.inflight_steps:
+            if req.grammar_compiling or req.inflight_steps:
                 held_back.append(req)  # compiling, or retracted from a step still out: others go first
                 continue
             self._match(req)
@@ -467,7 +467,7 @@ class Scheduler:
     def _preempt_for_waiting(self, budget: int) -> None:
         """Retract lower-priority running requests a waiting one needs room (or a slot) from."""
         top = self._peek_waiting()
-        if top is not None and ((top.constraint is not None and top.constraint.matcher is None) or top.inflight_steps):
+        if top is not None and (top.grammar_compiling or top.inflight_steps):
             return  # it cannot run yet: room made now would sit idle
         while top is not None and self.running:
             victim = self._lowest_ranked_running()
@@ -584,7 +584,7 @@ class Scheduler:
         req.unwritten = req.pending = 0  # what steps still out produce for it is dropped
         # ... and the runner's penalty counts with it: a penalised request's spec goes again,
         # with the output it restarts from.
-        req.spec_sent = not penalised(req.params)
+        req.spec_sent = not req.params.penalised
         self.running.remove(req)
         req.status = Status.WAITING
         req.num_retractions += 1
@@ -785,7 +785,7 @@ class Scheduler:
         p = req.params
         stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         prompt = req.prompt_ids if p.repetition_penalty != 1.0 else []
-        return SamplingSpec(req.sid, p, stops, prompt, list(req.output_ids) if penalised(p) else [])
+        return SamplingSpec(req.sid, p, stops, prompt, list(req.output_ids) if p.penalised else [])
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -830,11 +830,6 @@ class Scheduler:
             assert self.cache.locked_pages == 0, "locked pages with no running request"
         if self.grammars is not None and not self.reqs:
             assert self.grammars.live == 0, f"{self.grammars.live} grammar matchers outlive their requests"
-
-
-def penalised(p: SamplingParams) -> bool:
-    """Whether sampling depends on the tokens output so far (the runner keeps their counts)."""
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
