@@ -54,8 +54,10 @@ def test_decode_attention_matches_dense(lib, d, group, io, kv):
     plan = cpu.DecodePlan(tables, lens)
     out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
     assert out.dtype == io and out.shape == q.shape
-    tol = 1e-5 if io == torch.float32 and kv == torch.float32 else (2e-3 if io == torch.float32 else 2e-2)
-    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
+    tol = 1e-5 if io == torch.float32 and kv == torch.float32 else (5e-3 if io == torch.float32 else 2e-2)
+    # over a bfloat16 cache the queries are bfloat16 too (where the CPU has AVX512-BF16), as in a
+    # bfloat16 model: float ones are rounded
+    torch.testing.assert_close(out.float(), reference(q.to(kv), k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
 
 
 def test_decode_plan_puts_requests_that_share_a_prefix_side_by_side():

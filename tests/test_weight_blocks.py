@@ -86,17 +86,35 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
 @pytest.mark.parametrize("m", [1, 2, 7, 13, 40])
 @pytest.mark.parametrize("n,k", [(200, 96), (40, 160), (64, 576)])
 def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(lib, kind, m, n, k):
-    """Blocks that stand for a bfloat16 model's weights (round_bf16): GEMMs of two rows or more
-    round the activations to bfloat16, as the model's own GEMMs do, where the CPU has bfloat16 dot
-    products, and multiply them by the exact weights (float32 accumulation); one row, or a CPU
-    without them, keeps float32 activations."""
+    """Blocks that stand for a bfloat16 model's weights (round_bf16): their GEMMs (Q8_0's of two
+    rows or more) round the activations to bfloat16, as the model's own GEMMs do, where the CPU has
+    bfloat16 dot products, and multiply them by the exact weights (float32 accumulation); one row
+    of Q8_0, or a CPU without them, keeps float32 activations."""
     w = weight(n, k, kind, seed=m)
     blocks = recover(w)
     blocks.round_bf16 = True
     x = torch.randn(m, k + 5)[:, :k]
-    rounded = m > 1 and "avx512_bf16" in cpu.cpu_flags().split()
+    rounded = (m > 1 or kind == "q4_1") and "avx512_bf16" in cpu.cpu_flags().split()
     expect = (x.bfloat16() if rounded else x).double() @ w.double().T
     torch.testing.assert_close(cpu.gemm_blocks(x, blocks).double(), expect, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(lib, kind):
+    """A decode step's rows (one per request) through a bfloat16 model's blocks: each row's output
+    is the same bit for bit alone, in a small batch and in a large one (Q8_0 from two rows on: one
+    row keeps float32 activations there), so a request's greedy output does not depend on how many
+    others share its steps."""
+    if "avx512_bf16" not in cpu.cpu_flags().split():
+        pytest.skip("float32 activations here: few rows and many take differently ordered sums")
+    w = weight(200, 96, kind, seed=7)
+    blocks = recover(w)
+    blocks.round_bf16 = True
+    x = torch.randn(40, 96)
+    first_batched = 2 if kind == "q8_0" else 1
+    alone = cpu.gemm_blocks(x[:first_batched], blocks)
+    for rows in (3, 6, 7, 13, 40):
+        assert torch.equal(cpu.gemm_blocks(x[:rows], blocks)[:first_batched], alone), rows
 
 
 @pytest.mark.slow
@@ -208,6 +226,9 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
+    # the LM head picks its kernel by row count too (its blocks up to the crossover measured at
+    # start-up): keep it on the panels, so that the rows kept below meet the same kernels
+    runner.model.limit_weight_blocks(0)
     fast = runner.model.prompt_layers
     assert fast is not None
     calls = []

@@ -7,6 +7,7 @@ all-reduce the partial sums.
 """
 from __future__ import annotations
 
+import glob
 import math
 import time
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ INT4_GROUP = 32  # weights per scale and zero point along the input features (as
 # 96, 1.1-1.17x at 128; from 160 rows on it flips either way with the host's drift
 # (scripts/bench_gemm_blocks.py), and oneDNN wins from 384. 128 is BlockWeight.max_rows's default,
 # where nothing was measured.
-BLOCKS_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
+BLOCKS_ROW_CANDIDATES = (1, 2, 4, 6, 8, 12, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 # The blocks must beat the float path by this margin: where the two are level (~128-256 rows
 # here) a timing of one layer, hot in cache, is not the step, whose weights stream from memory.
 BLOCKS_MIN_GAIN = 0.95
@@ -128,7 +129,10 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | cpu
 def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
     """The most rows (of BLOCKS_ROW_CANDIDATES) up to which GEMMs over these weights run faster
     from their blocks than by cpu_matmul's float path (by BLOCKS_MIN_GAIN), timed here on
-    activations in the weights' dtype; 0 if the blocks never win (see crossover)."""
+    activations in the weights' dtype, with the weights out of the caches as a step finds them
+    (evict_caches); 0 if the blocks never win (see crossover)."""
+    flush = cache_flusher()
+
     def paths(rows: int) -> PathTiming:
         dtype = modules[0].weight.dtype
         xs = [torch.randn(rows, m.weight.shape[1]).to(dtype) for m in modules]
@@ -140,9 +144,34 @@ def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
         def from_floats() -> None:
             for x, m in zip(xs, modules):
                 cpu_matmul(x, m.weight, m.packed, gemv=m.gemv)
-        return PathTiming(from_blocks, from_floats)
+        return PathTiming(from_blocks, from_floats, before=flush)
 
     return crossover(BLOCKS_ROW_CANDIDATES, paths, BLOCKS_MIN_GAIN, reps)
+
+
+def cache_flusher():
+    """A function that pushes what the CPU caches hold out of them, by reading twice the last-level
+    cache. A step's GEMMs find their layer's weights in memory, evicted by the other layers' and
+    the KV: timed hot in cache instead, bfloat16 panels (16 bits a weight) beat 4.5-bit blocks
+    from 4 rows on where a step ran 1.6x faster on the blocks at 4 rows (Zen 5)."""
+    buf = torch.ones(max(2 * last_level_cache_bytes(), 64 << 20) // 4)
+    return lambda: buf.sum()
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports (0 where it reports none)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
 
 
 def crossover(sizes: tuple[int, ...], paths, min_gain: float, reps: int = 3) -> int:
@@ -166,10 +195,12 @@ def crossover(sizes: tuple[int, ...], paths, min_gain: float, reps: int = 3) -> 
 
 
 class PathTiming:
-    """Two ways to do the same work, timed against each other."""
+    """Two ways to do the same work, timed against each other; `before` (untimed) runs ahead of
+    every timed call."""
 
-    def __init__(self, first, second):
+    def __init__(self, first, second, before=None):
         self.paths = (first, second)
+        self.before = before
         self.fastest = [math.inf, math.inf]
         for path in self.paths:
             path()  # first calls allocate and fault pages in
@@ -179,6 +210,8 @@ class PathTiming:
         second's by min_gain."""
         for _ in range(reps):
             for i, path in enumerate(self.paths):
+                if self.before is not None:
+                    self.before()
                 start = time.perf_counter()
                 path()
                 self.fastest[i] = min(self.fastest[i], time.perf_counter() - start)
