@@ -18,7 +18,9 @@ dispatch overhead.
 --ab times the server's path with this checkout's kernel library and with another build of it
 (another checkout's: `python -c "from relay.kernels import cpu; print(cpu._build())"` there prints
 its path), alternating step by step in one process: on a host whose speed drifts between runs
-only such a comparison shows a few per cent. Both builds must take the same arguments.
+only such a comparison shows a few per cent. Both builds must take the same arguments. Where the
+other checkout measured another blocks crossover at start-up (its server log says "GEMMs of up to
+N rows read those"), --ab-blocks-rows N gives its steps that one.
 """
 from __future__ import annotations
 
@@ -102,22 +104,31 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
-def ab_medians(runner: ModelRunner, other, fn, reps: int) -> tuple[float, float]:
-    """Medians (ms) of fn with this checkout's kernel library and with `other`, alternating."""
+def ab_medians(runner: ModelRunner, other, fn, reps: int, their_blocks_rows: int | None = None) -> tuple[float, float]:
+    """Medians (ms) of fn with this checkout's kernel library and with `other`, alternating;
+    their_blocks_rows: the other build's GEMMs read the weight blocks up to this many rows (the
+    crossover its checkout measured), ours up to what this runner measured."""
     from relay.kernels import cpu as cpu_kernels
 
     ours = cpu_kernels.load()
+    our_rows = next((m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None), None)
+
+    def use(lib, rows) -> None:
+        cpu_kernels.use(lib)
+        runner.attn.kernel = lib if runner.attn.kernel is not None else None
+        if their_blocks_rows is not None and our_rows is not None:
+            runner.model.limit_weight_blocks(rows)
+            runner.model.use_decode_layers(runner.attn)  # its C structs copy the rows
+
     times: tuple[list[float], list[float]] = ([], [])
     for rep in range(reps + 1):
-        for lib, out in ((ours, times[0]), (other, times[1])):
-            cpu_kernels.use(lib)
-            runner.attn.kernel = lib if runner.attn.kernel is not None else None
+        for lib, rows, out in ((ours, our_rows, times[0]), (other, their_blocks_rows, times[1])):
+            use(lib, rows)
             t0 = time.perf_counter()
             fn()
             if rep:  # the first of each: warm-up
                 out.append((time.perf_counter() - t0) * 1000)
-    cpu_kernels.use(ours)
-    runner.attn.kernel = ours if runner.attn.kernel is not None else None
+    use(ours, our_rows)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
@@ -128,11 +139,11 @@ def ab(runner: ModelRunner, args) -> None:
     print(f"\n| step | this checkout ms | {os.path.basename(args.ab)} ms | theirs / ours |\n|---|---|---|---|")
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=4 * args.reps + 8)
-        ours, theirs = ab_medians(runner, other, steps.decode, args.reps)
+        ours, theirs = ab_medians(runner, other, steps.decode, args.reps, args.ab_blocks_rows)
         print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     ours, theirs = ab_medians(runner, other, prefill_chunk(runner, args.prefill, args.prefill_over),
-                              max(3, args.reps // 4))
+                              max(3, args.reps // 4), args.ab_blocks_rows)
     print(f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
 
 
@@ -226,6 +237,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=0, help="also print the N ops with the most self time, per step")
     ap.add_argument("--ab", metavar="LIB", help="compare this checkout's kernel library with this build of it")
+    ap.add_argument("--ab-blocks-rows", type=int, metavar="N",
+                    help="with --ab: the other build's GEMMs read the weight blocks up to N rows (the crossover "
+                         "its checkout measured at start-up; this one's runner measures its own)")
     args = ap.parse_args()
     if not args.ab:
         label_c_kernels()
