@@ -105,8 +105,10 @@ def child_main(body: Callable[[ProcArgs], None]) -> None:
 
 
 def terminate(procs: list[subprocess.Popen | None], grace: float, whole_group: bool = False) -> None:
-    """SIGTERM the live ones, SIGKILL what is left after grace seconds (with whole_group, each
-    one's process group: a child started in its own session and everything it started), reap all."""
+    """SIGTERM the live ones, SIGKILL what is left after grace seconds, reap all. With whole_group
+    (each a child started in its own session), SIGKILL also whatever of its process group
+    outlives it: a peer engine's worker still winding down would otherwise take CPU from what
+    starts next (a benchmark's next engine, timing its kernels at start-up)."""
     live = [p for p in procs if p is not None and p.poll() is None]
     for p in live:
         p.send_signal(signal.SIGTERM)
@@ -115,8 +117,15 @@ def terminate(procs: list[subprocess.Popen | None], grace: float, whole_group: b
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL) if whole_group else p.kill()
-            except ProcessLookupError:
-                pass
+            kill_group(p.pid) if whole_group else p.kill()
             p.wait()
+        if whole_group:
+            kill_group(p.pid)  # what outlived its leader
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of a process group (none left: nothing to do)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -4,10 +4,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import httpx
 import pytest
 
+from procs.common import terminate
 from tests.server_utils import Server, alive, wait_until
 
 pytestmark = pytest.mark.slow
@@ -88,3 +90,17 @@ def test_help_explains_flags():
                  "--disable-radix-cache", "--api-key", "--log-requests"):
         assert flag in out.stdout
 
+
+
+def test_terminating_a_session_ends_what_outlives_its_leader():
+    """A child run in its own session (a peer engine in a benchmark, a --dp replica) whose own
+    child outlives it, as a worker still winding down does: terminate(whole_group=True) leaves
+    nothing of that session running to take CPU from what starts next."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(120)']); print(p.pid, flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    straggler = int(leader.stdout.readline())
+    terminate([leader], 10, whole_group=True)
+    assert leader.returncode == -signal.SIGTERM  # the leader itself went on SIGTERM
+    wait_until(lambda: not alive(straggler), 10, "the leader's child to be gone")

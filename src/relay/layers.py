@@ -154,7 +154,8 @@ def cache_flusher():
     cache. A step's GEMMs find their layer's weights in memory, evicted by the other layers' and
     the KV: timed hot in cache instead, bfloat16 panels (16 bits a weight) beat 4.5-bit blocks
     from 4 rows on where a step ran 1.6x faster on the blocks at 4 rows (Zen 5)."""
-    buf = torch.ones(max(2 * last_level_cache_bytes(), 64 << 20) // 4)
+    size = min(max(2 * last_level_cache_bytes(), 64 << 20), 512 << 20)  # a bound for CPUs with huge L3s
+    buf = torch.ones(size // 4)
     return lambda: buf.sum()
 
 

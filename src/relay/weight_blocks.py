@@ -34,9 +34,9 @@ class BlockWeight:
     # crossover the server measures where it runs (layers.blocks_crossover_rows); the default is
     # one measured on a 2-core Xeon in float32 (see layers.py).
     max_rows: int = 128
-    # They stand for a bfloat16 model's weights: GEMMs of two rows or more may then round the
-    # activations to bfloat16 and use the CPU's bfloat16 dot products (csrc/gemm_blocks.c), as
-    # the model's own GEMMs would; the weights stay exact.
+    # They stand for a bfloat16 model's weights: their GEMMs (Q8_0's of two rows or more) may then
+    # round the activations to bfloat16 and use the CPU's bfloat16 dot products
+    # (csrc/gemm_blocks.c), as the model's own GEMMs would; the weights stay exact.
     round_bf16: bool = False
 
     def dequantize(self) -> torch.Tensor:

@@ -152,8 +152,9 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 // rounded to bfloat16 (as a bfloat16 model's attention rounds them before its value matmul) and
 // summed over pairs of value rows, 16 dims and two keys per instruction. Against the float kernel
 // over the same cache (which widened every key once per query head and every value once, then
-// one FMA per key, head and 16 dims) this is ~a third of the instructions: 30 layers of 32
-// requests x 256 tokens on a Zen 5, 4.5 -> ~1.6 ms with the cache in L3, 8.6 -> ~4 ms from memory.
+// one FMA per key, head and 16 dims) and the online-softmax bf16 kernel before it: 1.18-1.24x
+// with the KV in cache (32 requests x 256 tokens, 30 layers, on a Zen 5), level from memory,
+// where the reads of a step's KV (~22 GB/s on shuffled pages) bound both.
 // G heads and ND 16-float chunks of head_dim are compile-time (the dispatcher instantiates them),
 // so the queries and, for 32 dims at a time, the accumulators stay in registers.
 static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
@@ -247,8 +248,9 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
 #endif
 
 // Float queries (already scaled) over at most TWO_PASS_MAX keys: every score of the chunk first,
-// then one softmax pass, then the values. Against an online softmax this drops the per-tile max, sum and rescale of the accumulators (three dependent reductions per
-// head every 16 keys, which cost as much as the dot products), and reads float32 keys in place.
+// then one softmax pass, then the values. Against an online softmax this drops the per-tile max,
+// sum and rescale of the accumulators (three dependent reductions per head every 16 keys, which
+// cost as much as the dot products), and reads float32 keys in place.
 static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         const int64_t G, const int64_t ND, const float* qf, const void* kh, const void* vh, const int32_t* table,
         int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float* acc, float* m, float* l) {
