@@ -76,7 +76,7 @@ INT4_GROUP = 32  # weights per scale and zero point along the input features (as
 # where nothing was measured.
 BLOCKS_ROW_CANDIDATES = (1, 2, 4, 6, 8, 12, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 # The blocks must beat the float path by this margin: where the two are level (~128-256 rows
-# here) a timing of one layer, hot in cache, is not the step, whose weights stream from memory.
+# here) a timing of one layer's GEMMs is not the whole step.
 BLOCKS_MIN_GAIN = 0.95
 
 # With --quantization w8a8, GEMMs of at least this many rows quantize their activations to int8
@@ -130,7 +130,7 @@ def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
     """The most rows (of BLOCKS_ROW_CANDIDATES) up to which GEMMs over these weights run faster
     from their blocks than by cpu_matmul's float path (by BLOCKS_MIN_GAIN), timed here on
     activations in the weights' dtype, with the weights out of the caches as a step finds them
-    (evict_caches); 0 if the blocks never win (see crossover)."""
+    (cache_flusher); 0 if the blocks never win (see crossover)."""
     flush = cache_flusher()
 
     def paths(rows: int) -> PathTiming:
