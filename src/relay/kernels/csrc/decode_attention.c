@@ -143,6 +143,17 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 }
 
 #if defined(__AVX512F__)
+// The largest of n scores (s 64-byte aligned): the two-pass kernels' softmax shift.
+static inline float scores_max(const float* s, int64_t n) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + j));
+    const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
+    return _mm512_reduce_max_ps(_mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + j)));
+}
+#endif
+
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
 // A bfloat16 cache (a bfloat16 model's, or --kv-cache-dtype bfloat16) on a CPU with AVX512-BF16,
 // two passes like attend_chunk_two_pass, both on VDPBF16PS: the queries rounded to bfloat16 once
@@ -197,21 +208,17 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
     }
     for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
         float* sg = s + g * TWO_PASS_MAX;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= n_all; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sg + j));
-        const __mmask16 tail = (__mmask16)((1u << (n_all - j)) - 1u);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + j));
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const float mg = scores_max(sg, n_all);
+        const __m512 mv = _mm512_set1_ps(mg);
         __m512 sum = _mm512_setzero_ps();
-        for (j = 0; j < n_all; j += 16) {
+        for (int64_t j = 0; j < n_all; j += 16) {
             const __mmask16 live = n_all - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_all - j)) - 1u);
             const __m512 pv = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
             _mm256_mask_storeu_epi16(p[g] + j, live, vcvt_bf16_normal(pv));
             sum = _mm512_add_ps(sum, pv);
         }
         p[g][n_all] = p[g][n_all + 1] = 0;
-        m[g] = _mm512_reduce_max_ps(mv);
+        m[g] = mg;
         l[g] = _mm512_reduce_add_ps(sum);
     }
     for (int64_t c = 0; c < ND / 2; c++) {  // values, 32 dims at a time, page by page
@@ -291,15 +298,10 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
     }
     for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
         float* sg = s + g * TWO_PASS_MAX;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= n_all; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sg + j));
-        const __mmask16 tail = (__mmask16)((1u << (n_all - j)) - 1u);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + j));
-        const float mg = _mm512_reduce_max_ps(mx);
+        const float mg = scores_max(sg, n_all);
         const __m512 mv = _mm512_set1_ps(mg);
         __m512 sum = _mm512_setzero_ps();
-        for (j = 0; j < n_all; j += 16) {
+        for (int64_t j = 0; j < n_all; j += 16) {
             const __mmask16 live = n_all - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_all - j)) - 1u);
             const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
             _mm512_storeu_ps(sg + j, p);
