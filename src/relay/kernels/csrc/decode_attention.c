@@ -143,13 +143,28 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
 }
 
 #if defined(__AVX512F__)
-// The largest of n scores (s 64-byte aligned): the two-pass kernels' softmax shift.
-static inline float scores_max(const float* s, int64_t n) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
+// A row of n scores (base 2; s 64-byte aligned) -> its softmax numerators 2^(s - max), in place,
+// and also into pb as bfloat16 where pb is given (AVX512-BF16 builds); the max into *mx, the
+// numerators' sum returned: the two-pass kernels' one softmax pass.
+static inline __attribute__((always_inline)) float softmax_numerators(float* s, int64_t n, float* mx, uint16_t* pb) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + j));
+    for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_load_ps(s + j));
     const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
-    return _mm512_reduce_max_ps(_mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + j)));
+    *mx = _mm512_reduce_max_ps(_mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + j)));
+    const __m512 mv = _mm512_set1_ps(*mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+        _mm512_storeu_ps(s + j, p);
+#if defined(__AVX512BF16__)
+        if (pb) _mm256_mask_storeu_epi16(pb + j, live, vcvt_bf16_normal(p));
+#endif
+        sum = _mm512_add_ps(sum, p);
+    }
+    (void)pb;
+    return _mm512_reduce_add_ps(sum);
 }
 #endif
 
@@ -206,20 +221,9 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
             _mm512_storeu_ps(s + g * TWO_PASS_MAX + j0, _mm512_mul_ps(transpose_sum16(dots), sv));
         }
     }
-    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
-        float* sg = s + g * TWO_PASS_MAX;
-        const float mg = scores_max(sg, n_all);
-        const __m512 mv = _mm512_set1_ps(mg);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n_all; j += 16) {
-            const __mmask16 live = n_all - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_all - j)) - 1u);
-            const __m512 pv = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
-            _mm256_mask_storeu_epi16(p[g] + j, live, vcvt_bf16_normal(pv));
-            sum = _mm512_add_ps(sum, pv);
-        }
+    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum; in bfloat16
+        l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g], p[g]);
         p[g][n_all] = p[g][n_all + 1] = 0;
-        m[g] = mg;
-        l[g] = _mm512_reduce_add_ps(sum);
     }
     for (int64_t c = 0; c < ND / 2; c++) {  // values, 32 dims at a time, page by page
         __m512 lo[G], hi[G];
@@ -296,20 +300,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
             _mm512_storeu_ps(s + g * TWO_PASS_MAX + j0, transpose_sum16(dots));  // lanes past n: 0, overwritten
         }
     }
-    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
-        float* sg = s + g * TWO_PASS_MAX;
-        const float mg = scores_max(sg, n_all);
-        const __m512 mv = _mm512_set1_ps(mg);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n_all; j += 16) {
-            const __mmask16 live = n_all - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_all - j)) - 1u);
-            const __m512 p = _mm512_maskz_mov_ps(live, vexp2(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
-            _mm512_storeu_ps(sg + j, p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        m[g] = mg;
-        l[g] = _mm512_reduce_add_ps(sum);
-    }
+    for (int64_t g = 0; g < G; g++)  // softmax numerators in base 2, their max and sum
+        l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g], NULL);
     __m512 a[G][ND];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < ND; c++) a[g][c] = _mm512_setzero_ps();
