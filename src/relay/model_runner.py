@@ -173,7 +173,7 @@ class ModelRunner:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
-        if kept:
+        if kept or (self.tp.size > 1 and self.device.type == "cpu"):  # every CPU rank: they agree on the crossover
             self._measure_weight_blocks(model, kept)
         return model
 
@@ -219,12 +219,17 @@ class ModelRunner:
         """Time the first layer's GEMMs from blocks and from the float weights at growing row
         counts and give every GEMM the measured crossover (none where the floats always win)."""
         sample = [m for m in model.gemm_modules() if isinstance(m, Linear) and m.blocks is not None][:4]
-        rows = blocks_crossover_rows(sample)
+        rows = blocks_crossover_rows(sample) if kept else 0
+        # Tensor-parallel ranks take the leader's: each times its own shards, and ranks whose steps
+        # took different paths would call different collectives.
+        rows = self.tp.broadcast_ints([rows], self.device)[0]
         model.limit_weight_blocks(rows)
+        if not kept:
+            return
         if rows:
             logger.info("%d of %d GEMM weights are exact GGUF blocks: GEMMs of up to %d rows read those "
-                        "(measured here against %s)", kept, len(model.gemm_modules()), rows,
-                        str(self.dtype).removeprefix("torch."))
+                        "(measured %s against %s)", kept, len(model.gemm_modules()), rows,
+                        "here" if self.tp.size == 1 else "by rank 0", str(self.dtype).removeprefix("torch."))
         else:
             logger.info("%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
                         "size (a decode step in one C call may still read them)", kept,
@@ -241,6 +246,10 @@ class ModelRunner:
         if fast[1].on_panels:
             logger.info("decode steps run their decoder layers in one C call at every batch size (past the "
                         "blocks' rows on the layers' own bfloat16 panels)")
+            return
+        if self.tp.size > 1:  # timed steps are collectives, and each rank's timings could stop at another size
+            logger.info("decode steps of up to %d requests (the blocks' rows) run their decoder layers in one C "
+                        "call", fast[1].max_rows)
             return
         per_request = -(-(DECODE_LAYERS_CONTEXT + 1) // self.page_size)
 

@@ -127,6 +127,12 @@ def bind(path: str) -> ctypes.CDLL:
     lib.relay_decode_layers.restype = i32
     lib.relay_prompt_layers.argtypes = [p, i64, p]
     lib.relay_prompt_layers.restype = i32
+    lib.relay_shm_segment_bytes.argtypes = [i64, i64]
+    lib.relay_shm_segment_bytes.restype = i64
+    lib.relay_shm_all_reduce.argtypes = [p, p, i64, i32]
+    lib.relay_shm_all_reduce.restype = i32
+    lib.relay_shm_all_gather.argtypes = [p, p, i64, p]
+    lib.relay_shm_all_gather.restype = i32
     return lib
 
 
@@ -428,7 +434,7 @@ class _DecodeStep(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "tables", "lens", "order")]
                 + [(name, ctypes.c_int64) for name in ("P", "S", "PS", "chunk", "kv_bf16", "n_groups")]
                 + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys", "final_norm",
-                                                         "x", "out", "qkv", "attn", "gate_up", "act")])
+                                                         "x", "out", "qkv", "attn", "gate_up", "act", "tp")])
 
 
 @dataclass
@@ -463,7 +469,8 @@ class DecodeLayers:
 
     def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float,
+                 tp: int | None = None):
         def mat(w: LayerGemm) -> _LayerGemm:
             b = w.blocks
             return _LayerGemm(b.bits, b.q.data_ptr(), b.d.data_ptr(), b.m.data_ptr(), b.out_features, b.in_features,
@@ -488,6 +495,7 @@ class DecodeLayers:
         self.on_panels = all(w.panels is not None for layer in layers for w in (layer.qkv, layer.o, layer.gate_up,
                                                                                  layer.down))
         self.max_rows = sys.maxsize if self.on_panels else first.qkv.blocks.max_rows
+        self.tp = tp  # a tensor-parallel rank's distributed.ShmGroup.ptr: the step all-reduces as the layers do
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """x [T, hidden] float32 (the step's embeddings; used as the residual stream), positions
@@ -503,9 +511,10 @@ class DecodeLayers:
                            self.page_size, DECODE_CHUNK, self.kv_bf16, groups, plan.groups[0].data_ptr(),
                            plan.groups[1].data_ptr(), plan.groups[2].data_ptr(), self.final_norm.data_ptr(),
                            x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                           act.data_ptr())
+                           act.data_ptr(), self.tp)
         if not _lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
-            raise RuntimeError("relay_decode_layers refused a GEMM shape")
+            raise RuntimeError("relay_decode_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
+                               "timed out")
         return out
 
 
@@ -526,7 +535,7 @@ class _PromptStep(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("ext_tables", "q_starts", "prefix_lens", "extend_lens",
                                                          "final_norm", "x", "out", "qkv", "attn", "gate_up", "act",
                                                          "dec_q", "dec_out")]
-                + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p)])
+                + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p), ("tp", ctypes.c_void_p)])
 
 
 @dataclass
@@ -548,7 +557,8 @@ class PromptLayers:
 
     def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float):
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float,
+                 tp: int | None = None):
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these
         self.table = (_PromptLayer * len(layers))(*[
             _PromptLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.data.data_ptr(), w.o.data.data_ptr(),
@@ -562,6 +572,7 @@ class PromptLayers:
         self.slots = k_caches[0].shape[1]  # [kv heads, slots, head_dim]
         self.cascade = tiled_attention_available(torch.bfloat16, torch.bfloat16, head_dim)
         self.page_size = page_size
+        self.tp = tp  # as DecodeLayers.tp
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, plan: PromptPlan,
             keep: list[int] | None = None) -> torch.Tensor:
@@ -588,7 +599,8 @@ class PromptLayers:
             ext.prefix_lens.data_ptr(), ext.extend_lens.data_ptr(), self.final_norm.data_ptr(),
             x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
             dec_q.data_ptr(), dec_out.data_ptr(), -1 if kept is None else kept.numel(),
-            0 if kept is None else kept.data_ptr())
+            0 if kept is None else kept.data_ptr(), self.tp)
         if not _lib.relay_prompt_layers(self.table, len(self.table), ctypes.byref(step)):
-            raise RuntimeError("relay_prompt_layers refused a GEMM shape")
+            raise RuntimeError("relay_prompt_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
+                               "timed out")
         return out if kept is None else out[:kept.numel()]

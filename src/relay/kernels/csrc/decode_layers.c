@@ -19,6 +19,8 @@ void relay_rms_norm(const void* x, void* residual, const void* w, void* out, int
 void relay_rope(void* qkv, const float* cos, const float* sin, const int64_t* positions, int64_t T, int64_t stride,
                 int64_t nq, int64_t nk, int64_t D, int bf16);
 void relay_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int bf16);
+typedef struct ShmGroup ShmGroup;  // shm_collective.c
+int relay_shm_all_reduce(ShmGroup* g, void* data, int64_t n, int bf16);
 void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
                       int64_t v_stride, void* k, void* v, const int32_t* tables, const int64_t* lens,
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
@@ -64,6 +66,7 @@ typedef struct {  // one step: T requests, one new token each
     // final norm's output; scratch qkv [T, qkv.n], attn [T, nq * D], gate_up [T, 2 * inter],
     // act [T, inter]
     float *x, *out, *qkv, *attn, *gate_up, *act;
+    ShmGroup* tp;  // tensor parallel: this rank's group, whose sum each row-parallel GEMM's output is; or NULL
 } DecodeStep;
 
 static int gemm(const LayerGemm* w, const float* x, float* y, int64_t T) {
@@ -72,7 +75,8 @@ static int gemm(const LayerGemm* w, const float* x, float* y, int64_t T) {
     return relay_gemm_blocks((int)w->bits, w->q, w->d, w->m, x, w->k, y, w->n, T, w->n, w->k, (int)w->round_bf16);
 }
 
-// Returns 1, or 0 if a GEMM refused its shape (nothing is then usable).
+// Returns 1, or 0 if a GEMM refused its shape or a tensor-parallel all-reduce failed (nothing is
+// then usable).
 int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeStep* s) {
     const int64_t T = s->T, H = s->hidden, qkv_n = (s->nq + 2 * s->nk) * s->D;
     float* h = s->out;  // the normed input of the next GEMM; also each layer's MLP output
@@ -87,10 +91,12 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
                          s->P, s->PS, s->chunk, s->scale, 0, (int)s->kv_bf16, s->n_groups, s->group_first,
                          s->group_size, s->group_keys);
         if (!gemm(&L->o, s->attn, h, T)) return 0;
+        if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
         relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 0);
         if (!gemm(&L->gate_up, h, s->gate_up, T)) return 0;
         relay_silu_mul(s->gate_up, s->act, T, s->inter, 0);
         if (!gemm(&L->down, s->act, h, T)) return 0;
+        if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
     }
     relay_rms_norm(h, s->x, s->final_norm, h, T, H, s->eps, 0);
     return 1;
@@ -148,6 +154,7 @@ typedef struct {
     // attention for those only, and out holds them in its first n_keep rows.
     int64_t n_keep;
     const int64_t* keep_rows;
+    ShmGroup* tp;  // as DecodeStep's
 } PromptStep;
 
 static int gemm_panels_bf16(const uint32_t* panels, const uint16_t* x, uint16_t* y, int64_t T, int64_t N, int64_t K) {
@@ -190,7 +197,7 @@ static void compact_rows(uint16_t* a, int64_t width, const int64_t* keep, int64_
         if (keep[i] != i) memcpy(a + i * width, a + keep[i] * width, sizeof(uint16_t) * (size_t)width);
 }
 
-// Returns 1, or 0 if a GEMM refused its shape (nothing is then usable).
+// Returns 1, or 0 as relay_decode_layers.
 int relay_prompt_layers(const PromptLayer* layers, int64_t num_layers, const PromptStep* s) {
     const int64_t H = s->hidden, qkv_n = (s->nq + 2 * s->nk) * s->D;
     int64_t T = s->T;
@@ -209,10 +216,12 @@ int relay_prompt_layers(const PromptLayer* layers, int64_t num_layers, const Pro
             compact_rows(s->x, H, s->keep_rows, T);
         }
         if (!gemm_panels_bf16(L->o, s->attn, h, T, H, s->nq * s->D)) return 0;
+        if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 1) != 1) return 0;
         relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 1);
         if (!gemm_panels_bf16(L->gate_up, h, s->gate_up, T, 2 * s->inter, H)) return 0;
         relay_silu_mul(s->gate_up, s->act, T, s->inter, 1);
         if (!gemm_panels_bf16(L->down, s->act, h, T, H, s->inter)) return 0;
+        if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 1) != 1) return 0;
     }
     relay_rms_norm(h, s->x, s->final_norm, h, T, H, s->eps, 1);
     return 1;
