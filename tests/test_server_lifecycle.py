@@ -27,9 +27,11 @@ def greedy(server: Server, n: int = 16) -> list[list[int]]:
 
 
 def test_tp2_equals_tp1_in_float32():
+    """--tp 2 gives --tp 1's greedy tokens; a rank that dies mid-request (its peer waiting for it
+    in a shared-memory collective) fails the request and stops the server."""
     outputs = []
     for tp in ("1", "2"):
-        s = Server("--tp", tp, "--dtype", "float32", "--kv-cache-gb", "0.5")
+        s = Server("--tp", tp, "--dtype", "float32", "--kv-cache-gb", "0.5", "--context-length", "4096")
         try:
             if tp == "2":
                 s.pid_of("relay::tp1")  # really two ranks
@@ -38,6 +40,15 @@ def test_tp2_equals_tp1_in_float32():
                                                           "stop_token_ids": [1_000_000_000]})
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
             outputs.append(greedy(s))
+            if tp == "2":
+                body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                with httpx.Client(base_url=s.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data:")
+                    os.kill(s.pid_of("relay::tp1"), signal.SIGKILL)
+                    tail = list(lines)
+                assert any('"error"' in line for line in tail), tail[-3:]
+                assert s.proc.wait(15) != 0 and "relay::tp1" in s.log and "died" in s.log
         finally:
             s.stop()
     assert outputs[0] == outputs[1]
