@@ -14,11 +14,13 @@ import torch
 from relay.distributed import ShmGroup, TPGroup
 
 
-def run_ranks(fn, tmp_path, *args, timeout: float = 240) -> list:
-    """fn(rank, tp, *args) in two rank processes joined as the server joins its ranks; their results."""
+def run_ranks(fn, tmp_path, *args, timeout: float = 240, segment_at: str | None = None) -> list:
+    """fn(rank, tp, *args) in two rank processes joined as the server joins its ranks (their
+    shared memory segment at segment_at, if given); their results."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, str(tmp_path), args, results)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, str(tmp_path), args, results, segment_at))
+             for rank in (0, 1)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=timeout) for _ in procs)
@@ -30,10 +32,13 @@ def run_ranks(fn, tmp_path, *args, timeout: float = 240) -> list:
     return [torch.load(io.BytesIO(got[rank])) for rank in (0, 1)]
 
 
-def _rank_main(fn, rank: int, tmp: str, args: tuple, results) -> None:
+def _rank_main(fn, rank: int, tmp: str, args: tuple, results, segment_at: str | None) -> None:
     try:
         torch.set_num_threads(1)
         ShmGroup.SLOT_BYTES = 256  # small slots: larger collectives go in pieces
+        if segment_at is not None:
+            import relay.distributed
+            relay.distributed._shm_path = lambda init_method: segment_at
         tp = TPGroup.init(rank, 2, f"file://{os.path.join(tmp, 'tp_rendezvous')}", torch.device("cpu"))
         buf = io.BytesIO()  # bytes, not tensors: a tensor in a queue is a handle into its sender, gone at exit
         torch.save(fn(rank, tp, *args), buf)
@@ -79,6 +84,17 @@ def test_shared_memory_collectives_sum_gather_and_fail_loudly(tmp_path):
         assert "out of step" in r["mismatch"]
     assert "did not join" in r0["timeout"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(tmp_path.name)], "the segment is not left behind"
+
+
+def _sums(rank: int, tp: TPGroup) -> tuple:
+    return tp.shm is None, tp.all_reduce(torch.arange(600.0) * (rank + 1)), tp.broadcast_ints([rank, 5], None)
+
+
+def test_ranks_without_shared_memory_fall_back_to_gloo_together(tmp_path):
+    """A segment that cannot be made (here: its folder does not exist; in a container, a small
+    /dev/shm) leaves every rank on gloo, with the same results."""
+    for no_segment, summed, ints in run_ranks(_sums, tmp_path, segment_at=str(tmp_path / "missing" / "segment")):
+        assert no_segment and torch.equal(summed, torch.arange(600.0) * 3) and ints == [0, 5]
 
 
 def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:

@@ -83,17 +83,26 @@ class ShmGroup:
     def open(cls, path: str, rank: int, size: int, timeout_s: float) -> "ShmGroup | None":
         """Rank 0 creates the segment at path (a name no one else uses; removed again once every
         rank has mapped it, so nothing is left behind), the others map it. Collective over the
-        gloo group: None on every rank unless every rank has the kernels."""
+        gloo group: None on every rank unless every rank has the kernels and the segment's
+        memory could be had (a small /dev/shm, as containers have, refuses it here rather than
+        killing a rank with SIGBUS on its first touch)."""
         lib = cpu_kernels.load()
-        ok = torch.tensor([int(lib is not None)])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not ok.item():
+        if not _everyone(lib is not None):
             return None
         nbytes = lib.relay_shm_segment_bytes(size, cls.SLOT_BYTES)
+        fd = -1
         if rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, nbytes)  # zeros: every arrival counter at 0
-        dist.barrier()
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.posix_fallocate(fd, 0, nbytes)  # zeros: every arrival counter at 0
+            except OSError as e:
+                logger.warning("no shared memory segment for the tensor-parallel ranks at %s (%s)", path, e)
+                if fd >= 0:
+                    os.close(fd)
+                    os.unlink(path)
+                fd = -1
+        if not _everyone(rank != 0 or fd >= 0):
+            return None
         if rank != 0:
             fd = os.open(path, os.O_RDWR)
         segment = mmap.mmap(fd, nbytes)
@@ -127,6 +136,13 @@ class ShmGroup:
         if verdict != 1:
             raise RuntimeError(f"tensor-parallel rank {self.state.rank}: the ranks called different collectives "
                                "(byte counts differ); they are out of step")
+
+
+def _everyone(flag: bool) -> bool:
+    """Whether flag holds on every rank of the gloo group."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _shm_path(init_method: str) -> str:
@@ -194,9 +210,7 @@ class TPGroup:
             return flag
         if self.shm is not None:
             return bool(self.shm.all_gather(torch.tensor([int(flag)])).min())
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+        return _everyone(flag)
 
     def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
         """The leader's values on every rank (each passes a list of the same length)."""
