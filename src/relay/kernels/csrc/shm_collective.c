@@ -27,13 +27,13 @@
 #include "simd.h"
 
 #define LINE 64  // one counter or byte count per cache line: ranks write their own only
-#define SPINS_BEFORE_YIELD 4096  // ~tens of microseconds: the other rank is usually that close
 
 typedef struct ShmGroup {  // this rank's view of the group (distributed.ShmGroup keeps it)
     char* base;  // the mapped segment
     int64_t rank, size, slot_bytes;
     uint64_t gen;  // collectives this rank has started
     double timeout_s;  // a rank that waits longer gives up: another rank died or hangs
+    int64_t spins;  // pauses before a waiting rank yields its core (few where ranks outnumber cores)
 } ShmGroup;
 
 #define RELAY_SHM_OK 1
@@ -66,7 +66,7 @@ static int wait_all(const ShmGroup* g, uint64_t gen) {
     double start = 0.;
     for (int64_t r = 0; r < g->size; r++)
         for (uint64_t spins = 0; __atomic_load_n(counter(g, r), __ATOMIC_ACQUIRE) < gen; spins++) {
-            if (spins < SPINS_BEFORE_YIELD) { CPU_RELAX(); continue; }
+            if (spins < (uint64_t)g->spins) { CPU_RELAX(); continue; }
             sched_yield();
             if (spins % 1024 == 0) {
                 if (start == 0.) start = now_s();
