@@ -202,6 +202,17 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def collectives_in_c(self) -> bool:
+        """Whether a one-call C step can make this rank's collectives itself: one rank (none to
+        make), or CPU ranks of one machine on shared memory."""
+        return self.size == 1 or self.shm is not None
+
+    @property
+    def c_group(self) -> int | None:
+        """What a one-call C step all-reduces through (ShmGroup.ptr), or None: one rank."""
+        return None if self.shm is None else self.shm.ptr
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None:
             return self.shm.all_reduce(x)

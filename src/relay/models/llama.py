@@ -188,11 +188,12 @@ class LlamaForCausalLM(nn.Module):
         bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
         bfloat16 panels where it has them). Returns whether it does."""
         layers = self.layers
-        eligible = (self.fused_cpu_ops and self._tp_in_c()
+        eligible = (self.fused_cpu_ops and self.tp.collectives_in_c
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
                     and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
                             if m is not self.lm_head))
-        if not self.tp.all_true(eligible):  # every rank or none: the call all-reduces float32 rows, a bf16 model's layers bf16
+        # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
+        if not self.tp.all_true(eligible):
             return False
         def gemm(m: Linear) -> cpu_kernels.LayerGemm:
             panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
@@ -205,26 +206,19 @@ class LlamaForCausalLM(nn.Module):
         a = layers[0].self_attn
         self.decode_layers = (attn, cpu_kernels.DecodeLayers(
             weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
-            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self._tp_ptr()))
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
         return True
-
-    def _tp_in_c(self) -> bool:
-        """Whether a one-call step can do this rank's collectives itself: one rank, or CPU ranks
-        of one machine on shared memory."""
-        return self.tp.size == 1 or self.tp.shm is not None
-
-    def _tp_ptr(self) -> int | None:
-        return None if self.tp.shm is None else self.tp.shm.ptr
 
     def use_prompt_layers(self, attn: AttentionBackend) -> bool:
         """Run steps with prompt chunks over attn's KV cache as one C call (cpu_kernels.PromptLayers)
         where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
         model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
-        q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose prompt chunks the backend gives
-        to the C kernels (prompt_kernel_plan), and steps of more rows than go to other GEMM
-        kernels (_rows_off_panels): the same output as the layers, bit for bit. Returns whether."""
+        q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose
+        prompt chunks the backend gives to the C kernels (prompt_kernel_plan), and steps of more
+        rows than go to other GEMM kernels (_rows_off_panels): the same output as the layers, bit
+        for bit. Returns whether."""
         modules = [m for m in self.gemm_modules() if m is not self.lm_head]
-        eligible = (self.fused_cpu_ops and self._tp_in_c() and self.dtype == torch.bfloat16
+        eligible = (self.fused_cpu_ops and self.tp.collectives_in_c and self.dtype == torch.bfloat16
                     and attn.kv.layout == "HND" and attn.kv.k[0].dtype == torch.bfloat16
                     and attn.kv.k[0].device.type == "cpu" and getattr(attn, "kernel", None) is not None
                     and cpu_kernels.tiled_attention_available(torch.bfloat16, torch.bfloat16, self.config.head_dim)
@@ -240,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self._layer_gemms = modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
         self.prompt_layers = (attn, cpu_kernels.PromptLayers(
             weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
-            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self._tp_ptr()))
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
         return True
 
     def _rows_off_panels(self) -> int:
