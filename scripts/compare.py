@@ -126,8 +126,44 @@ def port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+SHM_DIR = "/dev/shm"
+
+
+def shm_entries(shm_dir: str = SHM_DIR) -> set[str]:
+    return set(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else set()
+
+
+def held_open() -> set[str]:
+    """Every path some process on this machine holds open or mapped (that /proc lets us see)."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return held
+
+
+def remove_orphaned_shm(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove what a stopped server left in shared memory (vLLM killed at the end of its run left
+    ~1.6 GB of torch segments there, RAM the next engine measured without): the entries that
+    appeared since `before` and that no process holds open. Returns their names."""
+    held = held_open()
+    removed = []
+    for name in sorted(shm_entries(shm_dir) - before):
+        path = os.path.join(shm_dir, name)
+        if os.path.isfile(path) and os.path.realpath(path) not in held:
+            os.unlink(path)
+            removed.append(name)
+    return removed
+
+
 class Server:
-    """One server process, in its own session so that stopping it stops all its children."""
+    """One server process, in its own session so that stopping it stops all its children (and what
+    they left in shared memory)."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log_path: str, ready_timeout: float):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
@@ -142,6 +178,7 @@ class Server:
             raise RuntimeError(f"port {self.port} is already in use: stop that server or pick another port")
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log = open(self.log_path, "w")
+        self.shm_before = shm_entries()
         print(f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
               flush=True)
         t0 = time.monotonic()
@@ -161,6 +198,9 @@ class Server:
 
     def stop(self) -> None:
         terminate([self.proc], 20, whole_group=True)  # the session this script created for it
+        left = remove_orphaned_shm(self.shm_before)
+        if left:
+            print(f"    removed what {self.name} left in {SHM_DIR}: {', '.join(left)}", flush=True)
         if not self.log.closed:
             self.log.close()
 

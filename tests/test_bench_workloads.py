@@ -142,3 +142,13 @@ def test_per_request_timelines_are_relative_to_the_run():
                      "ok": True, "itl": [0.5, 0.25]}
     assert second["sent"] == 1.0 and not second["ok"]
     assert bs.parse_args(["--per-request"]).per_request and not bs.parse_args([]).per_request
+
+
+def test_compare_removes_only_the_shared_memory_a_stopped_server_left_unheld(tmp_path):
+    (tmp_path / "before").write_bytes(b"x")
+    before = compare.shm_entries(str(tmp_path))
+    (tmp_path / "left").write_bytes(b"x")
+    (tmp_path / "held").write_bytes(b"x")
+    with open(tmp_path / "held", "rb"):  # a process still has it open
+        assert compare.remove_orphaned_shm(before, str(tmp_path)) == ["left"]
+    assert sorted(os.listdir(tmp_path)) == ["before", "held"]
