@@ -87,14 +87,17 @@ def test_shared_memory_collectives_sum_gather_and_fail_loudly(tmp_path):
 
 
 def _sums(rank: int, tp: TPGroup) -> tuple:
-    return tp.shm is None, tp.all_reduce(torch.arange(600.0) * (rank + 1)), tp.broadcast_ints([rank, 5], None)
+    return (tp.shm is None, tp.all_reduce(torch.arange(600.0) * (rank + 1)), tp.broadcast_ints([rank, 5], None),
+            tp.all_gather_last_dim(torch.full((2, 3 - rank), float(rank)), [3, 2]))
 
 
 def test_ranks_without_shared_memory_fall_back_to_gloo_together(tmp_path):
     """A segment that cannot be made (here: its folder does not exist; in a container, a small
     /dev/shm) leaves every rank on gloo, with the same results."""
-    for no_segment, summed, ints in run_ranks(_sums, tmp_path, segment_at=str(tmp_path / "missing" / "segment")):
+    for no_segment, summed, ints, gathered in run_ranks(_sums, tmp_path,
+                                                        segment_at=str(tmp_path / "missing" / "segment")):
         assert no_segment and torch.equal(summed, torch.arange(600.0) * 3) and ints == [0, 5]
+        assert torch.equal(gathered, torch.tensor([[0.0, 0, 0, 1, 1]] * 2))
 
 
 def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:

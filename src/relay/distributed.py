@@ -243,19 +243,12 @@ class TPGroup:
         """Concatenate each rank's x (shape [..., sizes[rank]]) along the last dim."""
         if self.size == 1:
             return x
+        # Both transports gather equal shapes: pad to the widest shard, cut each back to its size.
+        width = max(sizes)
+        padded = (x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))).contiguous()
         if self.shm is not None:
-            width = max(sizes)
-            padded = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
             gathered = self.shm.all_gather(padded)
-            return torch.cat([g[..., :n] for g, n in zip(gathered, sizes)], dim=-1)
-        parts = [x.new_empty(*x.shape[:-1], n) for n in sizes]
-        if len(set(sizes)) == 1:
-            dist.all_gather(parts, x.contiguous())
-        else:  # gloo's all_gather wants equal shapes: pad to the widest shard
-            width = max(sizes)
-            padded = x.new_zeros(*x.shape[:-1], width)
-            padded[..., :x.shape[-1]] = x
-            gathered = [x.new_empty(*x.shape[:-1], width) for _ in sizes]
+        else:
+            gathered = [torch.empty_like(padded) for _ in sizes]
             dist.all_gather(gathered, padded)
-            parts = [g[..., :n] for g, n in zip(gathered, sizes)]
-        return torch.cat(parts, dim=-1)
+        return torch.cat([g[..., :n] for g, n in zip(gathered, sizes)], dim=-1)
