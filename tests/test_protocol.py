@@ -148,6 +148,12 @@ BAD_REQUESTS = [
                   tool_choice={"type": "function", "function": {"name": "f"}}), 400, "regex"),
     ("chat", chat(functions=[{"name": "f"}]), 400, "functions"),
     ("chat", chat(function_call={"name": "f"}), 400, "function_call"),
+    ("chat", chat(function_call="auto"), 400, "function_call"),  # the legacy pair is refused in any form
+    ("chat", chat(function_call="none"), 400, "function_call"),
+    ("chat", chat(functions=[]), 400, "functions"),
+    ("chat", chat(echo=True), 400, "echo"),
+    ("chat", chat(logit_bias={"5": 1}), 400, "logit_bias"),
+    ("completion", comp(echo="yes"), 400, "echo"),
     ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]), 400,
      "messages.0.tool_calls"),
     ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]), 400,

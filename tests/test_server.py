@@ -167,6 +167,8 @@ BAD_INPUTS = [
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
      "invalid tool schema, named", "tools.0.function.parameters"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "invalid regex", "sampling_params.regex"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
+     "legacy function_call", "function_call"),
 ]
 
 

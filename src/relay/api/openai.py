@@ -115,12 +115,25 @@ def _check_model(body: dict[str, Any], served_model: str) -> None:
                             "model", "not_found_error")
 
 
-def _reject_unsupported(body: dict[str, Any], harmless: dict[str, Callable[[Any], bool]]) -> None:
-    """Refuse fields whose effect we would silently drop; `harmless` says which values are no-ops."""
-    for key, is_noop in harmless.items():
+def _reject_unsupported(body: dict[str, Any], unsupported: dict[str, Callable[[Any], bool]]) -> None:
+    """Refuse fields whose effect we would silently drop; each field's test says which of its
+    values ask for nothing (and pass); absent or null always passes."""
+    for key, is_noop in unsupported.items():
         value = body.get(key)
         if value is not None and not is_noop(value):
             raise bad(key, f"'{key}' is not supported by this server")
+
+
+def _refused(value: Any) -> bool:
+    """The test of a field refused whatever its value."""
+    return False
+
+
+# Unsupported on both routes (see _reject_unsupported).
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v is False,
+    "logit_bias": lambda v: v == {},
+}
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -137,8 +150,6 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
 def _common(body: dict[str, Any], served_model: str, max_n: int) -> dict[str, Any]:
     """Fields the two endpoints share, as ParsedRequest keyword arguments."""
     _check_model(body, served_model)
-    if F.opt(body, "echo", False, F.as_bool):
-        raise bad("echo", "'echo' is not supported by this server")
     stream, include_usage = _stream_fields(body)
     return {"stream": stream, "include_usage": include_usage, "priority": F.priority(body),
             "n": F.opt(body, "n", 1, lambda v, p: F.as_int(v, p, 1, max_n))}
@@ -171,10 +182,7 @@ def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": F.as_int(k, "logprobs", 0, MAX_TOP_LOGPROBS)}
 
 
-_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
-}
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_UNSUPPORTED, "suffix": lambda v: v == ""}
 _COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 
 
@@ -257,12 +265,10 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": want, "top_logprobs": top} if want else {}
 
 
-# The legacy `functions` / `function_call` pair: use tools / tool_choice.
-_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "functions": lambda v: v == [],
-    "function_call": lambda v: v in ("none", "auto"),
-    "logit_bias": lambda v: v == {},
-}
+# The legacy `functions` / `function_call` pair is refused in any form, "none" and [] too (docs/api.md): a
+# client that sends it expects its calls back in `function_call`, which this server never answers; use tools.
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_UNSUPPORTED, "functions": _refused,
+                                                       "function_call": _refused}
 
 
 def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None) -> ParsedRequest:
