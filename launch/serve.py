@@ -32,6 +32,7 @@ from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
 from relay.model_files import model_name, resolve_model_dir
+from relay.optional_features import missing_features
 from relay.speculative.draft_check import check_draft_model, draft_model_dir
 
 logger = logging.getLogger("relay.launch")
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", e)
             return 2
     served_model = cfg.served_model_name or model_name(cfg.model_path)
+    for feature in missing_features():
+        logger.warning("off: %s", feature)
     for path in remove_stale_ipc_dirs():
         logger.info("removed %s, left behind by a server that was killed", path)
     link = None
