@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay.kernels import cpu
+from relay.kernels import cpu, isa
 from tests.kernel_helpers import cpu_kernels_or_skip
 
 PS = 16
@@ -56,7 +56,7 @@ def test_decode_attention_matches_dense(lib, d, group, io, kv):
     assert out.dtype == io and out.shape == q.shape
     # the VDPBF16PS kernel (AVX512-BF16; head_dim 64 or 128, at most 8 query heads per kv head)
     # takes a bfloat16 cache's queries in bfloat16, as a bfloat16 model has them: float ones rounded
-    rounded = (kv == torch.bfloat16 and "avx512_bf16" in cpu.cpu_flags().split() and d in (64, 128)
+    rounded = (kv == torch.bfloat16 and isa.at_least("avx512bf16") and d in (64, 128)
                and group <= 8)
     tol = 1e-5 if io == torch.float32 and kv == torch.float32 else (
         2e-2 if io == torch.bfloat16 else (5e-3 if rounded else 2e-3))
@@ -123,13 +123,26 @@ def test_small_batch_bf16_gemm(lib, m, n, k):
 
 
 
-@pytest.mark.parametrize("m", [1, 8, 9, 300])  # one tile, a full one, a short last one, past a 256-row pass
+@pytest.fixture(params=["amx", "avx512bf16"])
+def panels_isa(request, lib):
+    """The panels' GEMMs on AMX tiles (where this CPU has them) and held to VDPBF16PS: the library
+    built for each level, swapped in for the test."""
+    if not isa.at_least(request.param):
+        pytest.skip(f"this CPU (or RELAY_CPU_ISA) does not reach {request.param}")
+    held = cpu.build_level(request.param)
+    if request.param == "amx" and not held.relay_gemm_amx_available():
+        pytest.skip("Linux refused AMX's tile state")
+    previous = cpu.use(held)
+    yield request.param
+    cpu.use(previous)
+
+
+# rows: one tile, an AMX tile of 16 and one row past it, 33 (three AMX tiles), past a 256-row pass
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33, 300])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (200, 576)])  # panels of 48 features: whole, short, mixed
-def test_bf16_gemm_on_panels(lib, m, n, k):
+def test_bf16_gemm_on_panels(panels_isa, m, n, k):
     """relay_gemm_bf16_panels against float32 math on bfloat16-rounded inputs: bias or none,
     float32 or bfloat16 in and out, and rows of x that are not contiguous."""
-    if not cpu.gemm_bf16_available():
-        pytest.skip("this CPU has no AVX512-BF16")
     w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     panels = cpu.pack_panels(w)
     wide = torch.randn(m, k + 6)

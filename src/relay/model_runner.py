@@ -23,6 +23,7 @@ from relay.config import EngineConfig, ModelConfig
 from relay.distributed import TPGroup, head_partition
 from relay.grammar import apply_token_masks
 from relay.kernels import cpu as cpu_kernels
+from relay.kernels import isa
 from relay.kv_cache import KVCache, cuda_free_bytes, num_pages_for_budget
 from relay.layers import Linear, PathTiming, blocks_crossover_rows, crossover, int4_supported
 from relay.models import model_class
@@ -48,9 +49,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """bfloat16 dot-product instructions (AVX512-BF16, or AMX-BF16) in this CPU's flags."""
-    flags = cpu_kernels.cpu_flags().split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """bfloat16 dot-product instructions (AVX512-BF16, or AMX-BF16) at the instruction-set level
+    this process runs at (relay.kernels.isa: the CPU's, or lower where RELAY_CPU_ISA holds it)."""
+    return isa.at_least("avx512bf16")
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

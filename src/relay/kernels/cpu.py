@@ -1,10 +1,10 @@
 """Relay's C kernels for CPUs, compiled on first use for this CPU and loaded with ctypes.
 
 The sources sit in csrc/; the shared library goes to the cache folder under a name derived
-from the sources, the compiler flags and this CPU's feature flags (it is built with
--march=native, so a cache shared between machines never hands one CPU another's binary).
-Without a C compiler (or with RELAY_CPU_KERNELS=0) callers keep their pure-torch paths.
-`warm_up()` builds it ahead of the first request.
+from the sources, the compiler flags and this CPU's feature flags (it is built for this CPU's
+instruction-set level, relay.kernels.isa, so a cache shared between machines never hands one CPU
+another's binary). Without a C compiler (or with RELAY_CPU_KERNELS=0) callers keep their
+pure-torch paths. `warm_up()` builds it ahead of the first request.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from relay.kernels import isa
+from relay.kernels.isa import cpu_flags
 from relay.model_files import cache_dir
 
 if TYPE_CHECKING:
@@ -33,20 +35,8 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.c")))
 _HEADERS = sorted(glob.glob(os.path.join(_CSRC, "*.h")))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def compiler() -> str | None:
@@ -54,12 +44,15 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build() -> str:
-    h = hashlib.sha256(" ".join(_FLAGS).encode() + cpu_flags().encode())
+def _build(level: str | None = None) -> str:
+    """The library built for an instruction-set level (default: the one this process runs at)."""
+    level = level or isa.level()
+    flags = ["-O3", *isa.compile_flags(level), "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    h = hashlib.sha256(" ".join(flags).encode() + cpu_flags().encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
-    out = os.path.join(cache_dir(), "kernels", f"relay_cpu-{h.hexdigest()[:16]}.so")
+    out = os.path.join(cache_dir(), "kernels", f"relay_cpu-{level}-{h.hexdigest()[:16]}.so")
     if os.path.exists(out):
         return out
     cc = compiler()
@@ -69,7 +62,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"compiling {_SOURCES} failed: {e.stderr.strip()[-2000:]}") from None
@@ -89,10 +82,18 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         torch.zeros(1).sum()  # make sure torch's OpenMP runtime is the one our library binds to
-        _lib = bind(_build())
+        _lib = build_level(isa.level())
+        logger.info("CPU kernels built for %s%s", isa.level(),
+                    f" (held there by {isa.ENV})" if isa.level() != isa.detected_level() else "")
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels unavailable (%s); using the torch paths", e)
     return _lib
+
+
+def build_level(level: str) -> ctypes.CDLL:
+    """The kernel library for an instruction-set level at or below this CPU's, built and bound
+    (tests run every kernel at every level the machine has; use() swaps it in)."""
+    return bind(_build(level))
 
 
 def bind(path: str) -> ctypes.CDLL:
@@ -114,6 +115,7 @@ def bind(path: str) -> ctypes.CDLL:
     lib.relay_gemm_bf16_panels.argtypes = [p, i64, i32, p, p, p, i64, i32, i64, i64, i64]
     lib.relay_gemm_bf16_panels.restype = i32
     lib.relay_gemm_bf16_panel_features.restype = i32
+    lib.relay_gemm_amx_available.restype = i32
     lib.relay_tiled_attention_available.argtypes = [i32, i32, i64]
     lib.relay_tiled_attention_available.restype = i32
     lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64, i32]
@@ -186,13 +188,24 @@ class Bf16Panels:
     in_features: int
 
 
+def amx_available() -> bool:
+    """Whether the panels' GEMMs run on AMX tiles here (csrc/gemm_amx.c): the library was built
+    for the amx level and Linux granted the tile state."""
+    lib = load()
+    return lib is not None and bool(lib.relay_gemm_amx_available())
+
+
 def panels_preferred() -> bool:
     """Whether a bfloat16 model's batched GEMMs run on Bf16Panels here rather than on oneDNN's
-    prepacked weights: where the CPU has AVX512-BF16 but no AMX. With AVX512-BF16 alone oneDNN
-    reaches ~60 % of the VDPBF16PS peak at 32 rows and the panels ~85 % (Zen 4, docs/benchmarks.md);
-    with AMX, oneDNN's tile GEMMs run at 560 GFLOP/s at 32 rows and 1.5 TFLOP/s at 256 on a
-    2-core Xeon (../shared/FACTS.md), beyond any AVX-512 kernel's peak there."""
-    return gemm_bf16_available() and "amx_bf16" not in cpu_flags().split()
+    prepacked weights: where the CPU has AVX512-BF16 (VDPBF16PS) and, without AMX, where it has
+    AMX (the panels are AMX's B tiles as they stand: csrc/gemm_amx.c), and then a step's layers run
+    in one C call. With AVX512-BF16 alone oneDNN reaches ~60 % of the VDPBF16PS peak at 32 rows and
+    the panels ~85 % (Zen 4, docs/benchmarks.md). With AMX but no kernel to use it (the tile state
+    refused, or held off), oneDNN's tile GEMMs (560 GFLOP/s at 32 rows, 1.5 TFLOP/s at 256 on a
+    2-core Xeon, ../shared/FACTS.md) beat any AVX-512 kernel."""
+    if not gemm_bf16_available():
+        return False
+    return amx_available() or not isa.at_least("amx")
 
 
 def pack_panels(w: torch.Tensor) -> Bf16Panels | None:

@@ -154,10 +154,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int64_t R, co
 
 int relay_gemm_bf16_panel_features(void) { return NR; }
 
+int relay_gemm_amx_panels(const uint16_t* x, int64_t x_stride, const uint32_t* panels, const uint16_t* bias, void* y,
+                          int64_t y_stride, int y_f32, int64_t M, int64_t N, int64_t K);  // gemm_amx.c
+
 // x [M, K] rows x_stride apart: float32 (x_f32; rounded to bfloat16 first, as the model's GEMMs
 // round their inputs) or bfloat16 with an even x_stride. panels as above for a [N, K] weight, K
 // even; bias [N] bfloat16 or NULL; y [M, N] rows y_stride apart, float32 (y_f32) or bfloat16.
 // Returns 0 where this build has no AVX512-BF16 or K is odd (the caller keeps its other path).
+// Where the CPU has AMX (gemm_amx.c), the tiles run it instead.
 int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uint32_t* panels, const uint16_t* bias,
                            void* y, int64_t y_stride, int y_f32, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
@@ -172,6 +176,10 @@ int relay_gemm_bf16_panels(const void* x, int64_t x_stride, int x_f32, const uin
         round_rows_bf16((const float*)x, x_stride, M, K, rounded);
         xp = (const uint32_t*)rounded;
         xp_stride = pairs;
+    }
+    if (relay_gemm_amx_panels((const uint16_t*)xp, xp_stride * 2, panels, bias, y, y_stride, y_f32, M, N, K)) {
+        free(rounded);
+        return 1;
     }
     for (int64_t mc = 0; mc < M; mc += MC) {
         const int64_t rows = M - mc < MC ? M - mc : MC, tiles = (rows + MR - 1) / MR;
