@@ -124,23 +124,24 @@ def test_small_batch_bf16_gemm(lib, m, n, k):
 
 
 @pytest.fixture(params=["amx", "avx512bf16"])
-def panels_isa(request, lib):
-    """The panels' GEMMs on AMX tiles (where this CPU has them) and held to VDPBF16PS: the library
-    built for each level, swapped in for the test."""
+def bf16_level(request, lib):
+    """The kernels with AMX tiles (GEMMs on panels, prompt-chunk and shared-prefix attention) where
+    this CPU has them, and held to VDPBF16PS: the library built for each level, swapped in for the
+    test (on a CPU below avx512bf16 the kernels under test are not built: skipped)."""
     if not isa.at_least(request.param):
         pytest.skip(f"this CPU (or RELAY_CPU_ISA) does not reach {request.param}")
     held = cpu.build_level(request.param)
     if request.param == "amx" and not held.relay_gemm_amx_available():
         pytest.skip("Linux refused AMX's tile state")
     previous = cpu.use(held)
-    yield request.param
+    yield held
     cpu.use(previous)
 
 
 # rows: one tile, an AMX tile of 16 and one row past it, 33 (three AMX tiles), past a 256-row pass
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33, 300])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (200, 576)])  # panels of 48 features: whole, short, mixed
-def test_bf16_gemm_on_panels(panels_isa, m, n, k):
+def test_bf16_gemm_on_panels(bf16_level, m, n, k):
     """relay_gemm_bf16_panels against float32 math on bfloat16-rounded inputs: bias or none,
     float32 or bfloat16 in and out, and rows of x that are not contiguous."""
     w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
@@ -177,7 +178,7 @@ def dense_causal(q, k, v, table, prefix, n, scale):
 @pytest.mark.parametrize("d", [16, 64, 80, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_attention_matches_dense(lib, d, group, dtype):
+def test_extend_attention_matches_dense(bf16_level, d, group, dtype):
     rng = np.random.default_rng(d + group)
     hkv = 2
     prefix_lens, extend_lens = [0, 37, 16, 300], [40, 5, 33, 17]
@@ -192,7 +193,7 @@ def test_extend_attention_matches_dense(lib, d, group, dtype):
     plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
     out = torch.zeros(total, hkv * group, d, dtype=dtype)
     supported = cpu.tiled_attention_available(dtype, dtype, d)  # AVX-512 (bf16 x bf16: AVX512-BF16)
-    assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d ** -0.5) == supported
+    assert cpu.extend_attention(bf16_level, plan, q, k, v, out, PS, d ** -0.5) == supported
     if not supported:
         return  # the backend keeps torch's SDPA there
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -203,7 +204,7 @@ def test_extend_attention_matches_dense(lib, d, group, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
-def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group, dtype):
+def test_decode_attention_over_shared_prefixes_matches_dense(bf16_level, d, group, dtype):
     """Requests that share a cached prefix's pages attend it in one pass (cascade): same result."""
     if not cpu.tiled_attention_available(dtype, dtype, d):
         pytest.skip("cascade attention needs AVX-512 (AVX512-BF16 for bfloat16)")
@@ -223,8 +224,8 @@ def test_decode_attention_over_shared_prefixes_matches_dense(lib, d, group, dtyp
     q = torch.randn(len(lens), hkv * group, d).to(dtype)
     plan = cpu.DecodePlan(tables, lens, PS, share=True)
     assert plan.num_groups == 2  # system_a's four (one only partly) and system_b's two
-    out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
+    out = cpu.decode_attention(bf16_level, plan, q, k, v, PS, d ** -0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
-    alone = cpu.decode_attention(lib, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
+    alone = cpu.decode_attention(bf16_level, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
     torch.testing.assert_close(out.float(), alone.float(), atol=tol, rtol=tol)

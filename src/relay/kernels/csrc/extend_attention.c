@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "simd.h"
 
 #define QB 16  // the fewest new tokens per work item (item_block)
@@ -134,12 +135,169 @@ static inline void prefetch_keys(const uint16_t* kh, const uint16_t* vh, const i
     *ahead = end;
 }
 
+// A tile's n (<= KT) keys and values at element offsets row[] of a kv head's [S, D] block, laid out
+// for the products: keys as ktp [D / 2][KT] pairs of dimensions (16 keys x 16 dim pairs at a time,
+// transposed in registers), values as vtp [KT / 2][D] pairs of keys (VPUNPCK order); keys past n zero.
+static void lay_out_tile(const uint16_t* kh, const uint16_t* vh, const int64_t* row, int64_t n, int64_t D,
+                         uint32_t* ktp, uint32_t* vtp) {
+    for (int64_t w = 0; w < KT / 16; w++)
+        for (int64_t dpb = 0; dpb < D / 32; dpb++) {
+            __m512i r[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t key = w * 16 + j;
+                r[j] = key < n ? _mm512_loadu_si512(kh + row[key] + dpb * 32) : _mm512_setzero_si512();
+            }
+            transpose16_epi32(r);
+            for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(ktp + (dpb * 16 + i) * KT + w * 16, r[i]);
+        }
+    for (int64_t jp = 0; jp < KT / 2; jp++) {
+        const int64_t j0 = 2 * jp, j1 = 2 * jp + 1;
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512i a = j0 < n ? _mm512_loadu_si512(vh + row[j0] + c) : _mm512_setzero_si512();
+            const __m512i b = j1 < n ? _mm512_loadu_si512(vh + row[j1] + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vtp + jp * D + c, _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512(vtp + jp * D + c + 16, _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
+#if HAVE_AMX
+// One block of 16 query rows (qb: [16][D] bf16, rows past nr zero) over a laid-out tile on AMX: the
+// scores are four C tiles (16 rows x 16 keys) summed over D in 32-dimension steps (A: the rows'
+// queries, B: 16 dim pairs x 16 keys of ktp); then the online softmax over them in AVX-512, the
+// probabilities rounded to bfloat16 into pb [16][KT]; then p . V four 16-dimension C tiles at a
+// time (A: 32 keys' probabilities, B: 16 key pairs x 16 dims of vtp), added to acc scaled by alpha.
+static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr, const uint32_t* ktp,
+                          const uint32_t* vtp, int64_t D, float qscale, float* m, float* l, float* acc) {
+    float sc[16 * KT] __attribute__((aligned(64)));
+    uint16_t pb[16 * KT] __attribute__((aligned(64)));
+    float part[16 * 16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t dc = 0; dc < D / 32; dc++) {
+        _tile_loadd(4, qb + dc * 32, D * 2);
+        _tile_loadd(5, ktp + dc * 16 * KT + 0 * 16, KT * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, ktp + dc * 16 * KT + 1 * 16, KT * 4);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, ktp + dc * 16 * KT + 2 * 16, KT * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, ktp + dc * 16 * KT + 3 * 16, KT * 4);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, sc + 0 * 16, KT * 4);
+    _tile_stored(1, sc + 1 * 16, KT * 4);
+    _tile_stored(2, sc + 2 * 16, KT * 4);
+    _tile_stored(3, sc + 3 * 16, KT * 4);
+    float alpha[16], m_old[16], mx[16];
+    for (int64_t b = 0; b < 16; b++) {  // each row's new max (rows that see nothing keep theirs)
+        m_old[b] = mx[b] = b < nr ? m[b] : 0.f;
+        if (visible[b] == 0) continue;
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int64_t w = 0; w < KT / 16; w++)
+            mxv = _mm512_mask_max_ps(mxv, strip_mask(visible[b], w), mxv, _mm512_loadu_ps(sc + b * KT + w * 16));
+        const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0
+        mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
+    }
+    rescale_factors(m_old, mx, alpha, 16);
+    for (int64_t b = 0; b < 16; b++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t w = 0; w < KT / 16; w++) {
+            const __m512 s = _mm512_loadu_ps(sc + b * KT + w * 16);
+            const __m512 p = _mm512_maskz_mov_ps(strip_mask(visible[b], w),
+                                                 vexp2(_mm512_fmsub_ps(s, _mm512_set1_ps(qscale), _mm512_set1_ps(mx[b]))));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256((__m256i*)(pb + b * KT + w * 16), vcvt_bf16_normal(p));
+        }
+        if (visible[b] == 0) {
+            alpha[b] = 1.f;
+            continue;
+        }
+        l[b] = l[b] * alpha[b] + _mm512_reduce_add_ps(sum);
+        m[b] = mx[b];
+    }
+    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+        const int64_t nc = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < KT / 32; kc++) {
+            _tile_loadd(4, pb + kc * 32, KT * 2);
+            const uint32_t* vb = vtp + kc * 16 * D + c0 * 16;
+            _tile_loadd(5, vb, D * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nc > 1) { _tile_loadd(5, vb + 16, D * 4); _tile_dpbf16ps(1, 4, 5); }
+            if (nc > 2) { _tile_loadd(5, vb + 32, D * 4); _tile_dpbf16ps(2, 4, 5); }
+            if (nc > 3) { _tile_loadd(5, vb + 48, D * 4); _tile_dpbf16ps(3, 4, 5); }
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            switch (c) {  // the tile index must be a constant
+                case 0: _tile_stored(0, part, 64); break;
+                case 1: _tile_stored(1, part, 64); break;
+                case 2: _tile_stored(2, part, 64); break;
+                default: _tile_stored(3, part, 64); break;
+            }
+            for (int64_t b = 0; b < nr; b++) {
+                float* a = acc + b * D + (c0 + c) * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[b]),
+                                                    _mm512_loadu_ps(part + b * 16)));
+            }
+        }
+    }
+}
+
+// attend_rows on AMX tiles (same arguments, same results up to the order of float sums): the query
+// rows are copied once into blocks of 16 (the last one zero-padded), and every tile of keys is laid
+// out as attend_rows lays it out, then each block of rows runs amx_row_block over it.
+static void attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
+                            const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                            float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
+    uint32_t* ktp = scratch;
+    uint32_t* vtp = ktp + D / 2 * KT;
+    const int64_t blocks = (rows + 15) / 16;
+    uint16_t* qb = (uint16_t*)calloc((size_t)(blocks * 16 * D), sizeof(uint16_t));
+    if (!qb) return;
+    for (int64_t r = 0; r < rows; r++) memcpy(qb + r * D, qrows[r], sizeof(uint16_t) * (size_t)D);
+    amx_configure(6, 0, 16);  // 0-3: C, 4: A, 5: B
+    int64_t row[KT];
+    for (int64_t base = k0; base < k1; base += KT) {
+        const int64_t n = k1 - base < KT ? k1 - base : KT;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = base + j;
+            row[j] = ((int64_t)table[t / PS] * PS + t % PS) * D;
+        }
+        lay_out_tile(kh, vh, row, n, D, ktp, vtp);
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r0 = blk * 16, nr = rows - r0 < 16 ? rows - r0 : 16;
+            int64_t visible[16], seen = 0;
+            for (int64_t b = 0; b < 16; b++) {
+                const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
+                visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
+                seen = visible[b] > seen ? visible[b] : seen;
+            }
+            if (seen) amx_row_block(qb + r0 * D, visible, nr, ktp, vtp, D, qscale, m + r0, l + r0, acc + r0 * D);
+        }
+    }
+    _tile_release();
+    free(qb);
+}
+#endif
+
 // Query rows (raw bfloat16, scores scaled by qscale in base 2) over keys [k0, k1) of one kv head,
 // each row seeing keys below its own limit[r] only; updates each row's online-softmax state m, l
 // and acc [rows, D] (VPUNPCK order). scratch: D * KT uint32 for a tile's key and value pairs.
 static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
                         const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
                         float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
+#if HAVE_AMX
+    if (relay_gemm_amx_available()) {
+        attend_rows_amx(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, scratch);
+        return;
+    }
+#endif
     const int64_t NC = D / 16;
     uint32_t* ktp = scratch;             // [D / 2][KT] key pairs of dims
     uint32_t* vtp = ktp + D / 2 * KT;    // [KT / 2][D] value pairs of keys (VPUNPCK order)
@@ -160,26 +318,7 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
         // asks for its share, so the misses never fill the queue at once.
         const int64_t share = (n_next + blocks - 1) / blocks;
         int64_t ahead = 0;
-        // Keys: 16 keys x 16 dim pairs at a time, transposed in registers.
-        for (int64_t w = 0; w < KT / 16; w++)
-            for (int64_t dpb = 0; dpb < D / 32; dpb++) {
-                __m512i r[16];
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t key = w * 16 + j;
-                    r[j] = key < n ? _mm512_loadu_si512(kh + row[key] + dpb * 32) : _mm512_setzero_si512();
-                }
-                transpose16_epi32(r);
-                for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(ktp + (dpb * 16 + i) * KT + w * 16, r[i]);
-            }
-        for (int64_t jp = 0; jp < KT / 2; jp++) {
-            const int64_t j0 = 2 * jp, j1 = 2 * jp + 1;
-            for (int64_t c = 0; c < D; c += 32) {
-                const __m512i a = j0 < n ? _mm512_loadu_si512(vh + row[j0] + c) : _mm512_setzero_si512();
-                const __m512i b = j1 < n ? _mm512_loadu_si512(vh + row[j1] + c) : _mm512_setzero_si512();
-                _mm512_storeu_si512(vtp + jp * D + c, _mm512_unpacklo_epi16(a, b));
-                _mm512_storeu_si512(vtp + jp * D + c + 16, _mm512_unpackhi_epi16(a, b));
-            }
-        }
+        lay_out_tile(kh, vh, row, n, D, ktp, vtp);
         // Query rows in blocks of RB: each loaded key or value vector serves RB rows. Blocks that
         // see the whole tile (all of them over a cached prefix) first, by the unmasked kernel.
         int64_t r0 = 0;

@@ -17,14 +17,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
 #endif
 
 #define AMX_NR 48  // gemm_bf16.c's NR: the panel width, three 16-feature B tiles
@@ -47,23 +45,8 @@ static int amx_permitted(void) {
 int relay_gemm_amx_available(void) { return amx_permitted(); }
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
 // tmm0-2: C (rows x 16 floats), tmm3: A (rows x 32 bf16), tmm4-6: B (16 pairs x 16 features)
-static void configure(int rows) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = (uint8_t)(t <= 3 ? rows : 16);
-    }
-    _tile_loadconfig(&c);
-}
+static void configure(int rows) { amx_configure(7, 4, rows); }
 
 static void store_rows(const float* c, int rows, int h, const uint16_t* bias, void* y, int64_t y_stride, int y_f32,
                        int64_t n0, int64_t N) {
