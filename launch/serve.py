@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_loggin
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
-from relay.model_files import model_name, resolve_model_dir
+from relay.model_files import ModelFileError, check_cache_dir, model_name, resolve_model_dir
 from relay.optional_features import missing_features
 from relay.speculative.draft_check import check_draft_model, draft_model_dir
 
@@ -253,6 +254,27 @@ class Launcher:
         self.stopping = True
         terminate([c.proc for c in self.children], STOP_GRACE_SECONDS)
 
+    def died(self) -> list[str]:
+        """The children that have exited on their own so far, each as a line for the log (asked
+        before stop(): a stop signal that comes after a child's death must not make the exit
+        status 0). One ended by SIGTERM was stopped with the server: a signal to its whole
+        process group (systemd, kill -- -PGID) reaches the children as well."""
+        codes = [(c, exit_code(c.proc)) for c in self.children if c.proc is not None]
+        return [f"relay::{c.name} (pid {c.proc.pid}) died with exit code {code}" for c, code in codes
+                if code is not None and code != -signal.SIGTERM]
+
+
+def exit_code(proc: subprocess.Popen) -> int | None:
+    """proc's exit status if it has exited, else None, without blocking. Popen.poll() cannot
+    tell: it answers None while a watch thread waits on the process."""
+    if proc.returncode is None:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None  # still running
+        except ChildProcessError:
+            pass  # its watch thread reaped it just now
+    return proc.wait()  # reaps it, or waits the moment its watch thread takes to record it
+
 
 def _pythonpath() -> str:
     """Children import `procs`, `ipc` and `relay` exactly as this process does."""
@@ -262,8 +284,26 @@ def _pythonpath() -> str:
 
 
 # ---- HTTP -------------------------------------------------------------------------------
+class PortUnavailable(Exception):
+    pass
+
+
+def bind_port(host: str, port: int, what: str = "HTTP") -> socket.socket:
+    """A TCP socket bound to host:port as uvicorn binds one, at start-up: a taken port stops the
+    server in a second, before any model loads (uvicorn then listens on this socket)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PortUnavailable(f"cannot serve {what} on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, served_model: str,
-               infos: dict[str, dict], mc: ModelConfig, link: NodeLink | None = None) -> int:
+               infos: dict[str, dict], mc: ModelConfig, http_socket: socket.socket,
+               link: NodeLink | None = None) -> int:
     import uvicorn
 
     from procs.http_server import ZmqEngineClient, build_app
@@ -320,7 +360,7 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
         tasks = [asyncio.create_task(client.dispatch_forever()), asyncio.create_task(client.heartbeat_forever()),
                  asyncio.create_task(close_idle_forever(server.server_state.connections, ns.http_timeout))]
         try:
-            await server.serve()
+            await server.serve(sockets=[http_socket])
         finally:
             for task in tasks:
                 task.cancel()
@@ -354,12 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         nodes = plan_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
-    model_dir = resolve_model_dir(cfg.model_path)
+    try:  # before any model loads; each failure is one line naming what to fix
+        check_cache_dir()
+        http_socket = bind_port(ns.host, ns.port) if nodes.node_rank == 0 else None
+        model_dir = resolve_model_dir(cfg.model_path)
+    except (ModelFileError, PortUnavailable) as e:
+        logger.error("%s", e)
+        return 2
     mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
     if cfg.speculative_algorithm == "standalone":
         try:
             check_draft_model(mc, draft_model_dir(cfg, model_dir), model_dir)
-        except ValueError as e:
+        except (ValueError, ModelFileError) as e:
             logger.error("%s", e)
             return 2
     served_model = cfg.served_model_name or model_name(cfg.model_path)
@@ -394,15 +440,20 @@ def main(argv: list[str] | None = None) -> int:
         if link is not None:
             for node_infos in link.wait_all_ready(ns.startup_timeout).values():
                 infos.update(node_infos)
-        code = serve_http(ns, cfg, launcher, served_model, infos, mc, link)
+        code = serve_http(ns, cfg, launcher, served_model, infos, mc, http_socket, link)
         return code
     except KeyboardInterrupt:
-        code = 0
-        return 0
+        deaths = launcher.died()
+        for death in deaths:
+            logger.error("%s before the stop signal: exiting 1", death)
+        code = 1 if deaths else 0
+        return code
     except RuntimeError as e:
         logger.error("%s", e)
         return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a signal now must not cut the stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if link is not None:  # first, so the other nodes hear why before their ranks see ours go
             link.close("bye" if code == 0 else "down", "" if code == 0 else "node 0 stopped on an error")
         launcher.stop()

