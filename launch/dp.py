@@ -8,8 +8,11 @@ a process group of its own and dies with this process (PR_SET_PDEATHSIG). On CPU
 equal share of the cores (its affinity; its runner's threads follow from it), on GPUs its own
 --tp devices (CUDA_VISIBLE_DEVICES).
 
-In front of them, on --host/--port, runs sglang-router (the Rust router from PyPI, its CLI
-`sglang_router.launch_router`) with --worker-urls pointing at the replicas. It health-checks
+In front of them runs sglang-router (the Rust router from PyPI, its CLI
+`sglang_router.launch_router`) with --worker-urls pointing at the replicas, on a loopback port:
+--host/--port is served by this process's front door (launch/front.py), which passes every
+connection on to the router and fills in an OpenAI body's missing `model` (the router refuses a
+completions body without one, and names a chat body's model `unknown`). The router health-checks
 them (/health every 2 s; two failures take a replica out of rotation), retries a request
 whose replica cannot be reached on another one, and routes by --router-policy (cache_aware:
 a request goes to the replica whose cache holds the longest prefix of it, the least loaded one
@@ -41,12 +44,14 @@ import threading
 import time
 import urllib.request
 
+from launch.front import Front, FrontThread
 from procs.common import die_with_parent, set_title, setup_logging, terminate
 
 logger = logging.getLogger("relay.dp")
 
 DP_PARENT_ENV = "RELAY_DP_PARENT"  # the supervisor's pid: a replica (or the router) dies with it
 DP_CORES_ENV = "RELAY_DP_CORES"  # the cores a replica keeps to, "0,1"
+FRONT = "front"  # in Supervisor.events: the front door stopped
 STOP_GRACE_SECONDS = 15.0  # a replica's own stop takes up to ~8 s (uvicorn 3, children 5)
 ROUTER_GRACE_SECONDS = 5  # the router's shutdown grace: requests in flight may finish
 ROUTER_HEALTH_ARGS = ["--health-check-interval-secs", "2", "--health-failure-threshold", "2",
@@ -149,10 +154,11 @@ def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace, replic
     return argv
 
 
-def router_argv(ns: argparse.Namespace, replicas: list[Replica]) -> list[str]:
+def router_argv(ns: argparse.Namespace, replicas: list[Replica], port: int) -> list[str]:
+    """The router's flags: on 127.0.0.1:port, behind the front door on --host/--port."""
     from relay.api.guard import default_allowed_hosts
 
-    argv = ["--host", ns.host, "--port", str(ns.port), "--worker-urls", *[r.url for r in replicas],
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[r.url for r in replicas],
             "--policy", ns.router_policy, "--prometheus-host", ns.host,
             "--prometheus-port", str(ns.router_prometheus_port), *ROUTER_HEALTH_ARGS,
             "--shutdown-grace-period-secs", str(ROUTER_GRACE_SECONDS), "--log-level", "debug" if ns.log_level == "debug" else "warn"]
@@ -176,18 +182,17 @@ def _get_json(url: str, api_key: str | None = None, method: str = "GET", timeout
         return json.loads(r.read() or b"null")
 
 
-def _local(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
-
-
 # ---- supervision ------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, replicas: list[Replica]):
+    def __init__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, replicas: list[Replica],
+                 router_port: int):
         self.parser = parser
         self.ns = ns
         self.replicas = replicas
         self.router: subprocess.Popen | None = None
-        self.router_url = f"http://{_local(ns.host)}:{ns.port}"
+        self.router_port = router_port
+        self.router_url = f"http://127.0.0.1:{router_port}"
+        self.front: FrontThread | None = None
         self.stopping = False
         self.events: queue.Queue = queue.Queue()
 
@@ -226,7 +231,7 @@ class Supervisor:
                 time.sleep(0.25)
 
     def start_router(self) -> None:
-        argv = router_argv(self.ns, self.replicas)
+        argv = router_argv(self.ns, self.replicas, self.router_port)
         # The router looks for a tokenizer under each worker's model_path to tokenize requests
         # itself (its gRPC mode); over HTTP it routes on text and needs none, so its "no
         # tokenizer for model ..." warning would only alarm (RUST_LOG, when unset, keeps it out).
@@ -257,8 +262,17 @@ class Supervisor:
                 raise RuntimeError("timed out waiting for the router to register every replica")
             time.sleep(0.25)
 
+    def start_front(self, sock: socket.socket, model: str) -> None:
+        """The front door on sock (--host/--port, bound at start-up), once the router serves."""
+        from relay.api.guard import raise_fd_limit
+
+        raise_fd_limit()  # two descriptors a client connection: its own, and its router connection
+        front = Front(self.router_port, model, self.ns.max_request_body_bytes, self.ns.http_timeout)
+        self.front = FrontThread(front, sock, on_exit=lambda error: self.events.put((FRONT, error)))
+        self.front.start()
+
     def supervise(self) -> int:
-        """Until the router exits or the last replica does; returns the exit code."""
+        """Until the router, the front door or the last replica stops; returns the exit code."""
         for proc, who in [(self.router, None), *[(r.proc, r) for r in self.replicas]]:
             threading.Thread(target=lambda p=proc, w=who: self.events.put((w, p.wait())), daemon=True,
                              name=f"watch-{who.name if who else 'router'}").start()
@@ -271,6 +285,9 @@ class Supervisor:
             if who is None:
                 logger.error("the router (sglang-router, pid %d) exited with code %s: stopping the server",
                              self.router.pid, code)
+                return 1
+            if who == FRONT:
+                logger.error("the front door on port %d stopped (%s): stopping the server", self.ns.port, code)
                 return 1
             live.discard(who.name)
             if not live:
@@ -293,16 +310,32 @@ class Supervisor:
             logger.warning("could not remove replica %s from the router (%s); its health checks will", replica.name, e)
 
     def stop(self) -> None:
-        """The router first (no new requests; those in flight may finish), then every replica;
-        SIGKILL to a process group that has not stopped after its grace period."""
+        """The front door and the router first (no new requests; those in flight may finish),
+        then every replica; SIGKILL to a process group that has not stopped after its grace period."""
         self.stopping = True
+        if self.front is not None:
+            self.front.stop()
         terminate([self.router], ROUTER_GRACE_SECONDS + 1.0, whole_group=True)
         terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS, whole_group=True)
 
 
+def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.socket:
+    """What a single server checks before any model loads: the ports (--port bound now, for the
+    front door; the router's metrics port free: the router binds it once the replicas are up),
+    the cache directory and the model, for the replicas. Returns the --port socket."""
+    from launch.serve import bind_port
+    from relay.model_files import check_cache_dir, resolve_model_dir
+
+    check_cache_dir()
+    sock = bind_port(ns.host, ns.port)
+    bind_port(ns.host, ns.router_prometheus_port, "the router's metrics (--router-prometheus-port)").close()
+    resolve_model_dir(model_path)  # converts a GGUF once here, not in N replicas at once
+    return sock
+
+
 def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from launch.serve import engine_config
-    from relay.model_files import model_name, resolve_model_dir
+    from launch.serve import PortUnavailable, engine_config
+    from relay.model_files import ModelFileError, model_name
 
     set_title("relay::dp")
     setup_logging(ns.log_level.upper(), "dp")
@@ -312,13 +345,18 @@ def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         logger.error("--dp needs sglang-router: pip install sglang-router (./scripts/install.sh installs it)")
         return 2
     cfg = engine_config(ns)
-    resolve_model_dir(cfg.model_path)  # converts a GGUF once here, not in N replicas at once
     try:
-        replicas = plan_replicas(ns.dp, cfg.tp_size, cfg.device, free_ports(ns.dp))
+        sock = startup_checks(ns, cfg.model_path)
+    except (ModelFileError, PortUnavailable) as e:
+        logger.error("%s", e)
+        return 2
+    *ports, router_port = free_ports(ns.dp + 1)
+    try:
+        replicas = plan_replicas(ns.dp, cfg.tp_size, cfg.device, ports)
     except ValueError as e:
         logger.error("%s", e)
         return 2
-    sup = Supervisor(parser, ns, replicas)
+    sup = Supervisor(parser, ns, replicas, router_port)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         sup.start_replicas()
@@ -326,6 +364,7 @@ def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         sup.start_router()
         sup.wait_router(ns.startup_timeout)
         served = cfg.served_model_name or model_name(cfg.model_path)
+        sup.start_front(sock, served)
         print(f"Relay is ready: http://{ns.host}:{ns.port}  (model {served}, tp {cfg.tp_size}, dp {ns.dp}: "
               f"{', '.join(f'{r.name} {r.url}' for r in replicas)}; router {ns.router_policy}, "
               f"its metrics on port {ns.router_prometheus_port})", flush=True)

@@ -4,16 +4,18 @@ The server tests share one `--dp 2` server with the null runner (no model: what 
 the processes, the router and the replicas' caches, and each step is instant on a 2-core CI
 box). The last of them kills a replica and then stops the server. The other tests are unit
 tests of the pieces: core shares, the replicas' and the router's flags, request ids, the
-replica metrics label, and the supervision policy (a dead replica, the last one, the router)
-on stand-in processes.
+replica metrics label, the front door (on a stand-in router), and the supervision policy (a
+dead replica, the last one, the router) on stand-in processes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch import dp
+from launch.front import Front, RequestParser
 from launch.serve import build_parser
 from relay.api import request_id as rid_mod
 from relay.metrics import ServerMetrics
@@ -85,6 +88,25 @@ def test_openai_client_through_the_router(server, oai):
     with server.client() as c:
         native = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3}}).json()
     assert native["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.slow
+def test_a_body_without_a_model_is_served_as_by_a_single_server(server):
+    """sglang-router alone refuses a completions body without `model` (422) and names a chat
+    body's missing model `unknown` (the replicas then say 404): the front door fills it in."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with server.client() as c:
+        completion = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        answers = [c.post("/v1/chat/completions", json=chat),
+                   c.post("/v1/chat/completions", json={**chat, "model": None}),
+                   c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "model": None})]
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        other = c.post("/v1/completions", json={"prompt": "Hi", "model": "other"})
+    assert completion.status_code == 200 and completion.json()["model"] == MODEL, completion.text
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    assert events[-1] == "data: [DONE]" and json.loads(events[0][5:])["model"] == MODEL
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
 
 
 @pytest.mark.slow
@@ -264,13 +286,14 @@ def test_replica_and_router_flags():
     again = parser.parse_args(argv)
     assert (again.port, again.replica_name, again.tp_size, again.log_requests, again.kv_cache_gb, again.api_key,
             again.dp, again.allowed_hosts, again.host) == (4242, "dp1", 2, True, 0.5, "k", 1, None, "127.0.0.1")
-    router = dp.router_argv(ns, [dp.Replica("dp0", 1), dp.Replica("dp1", 2)])
+    router = dp.router_argv(ns, [dp.Replica("dp0", 1), dp.Replica("dp1", 2)], 4343)
+    assert router[:4] == ["--host", "127.0.0.1", "--port", "4343"], "behind the front door, on loopback"
     assert router[router.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert router[router.index("--policy") + 1] == "round_robin" and router[router.index("--api-key") + 1] == "k"
     assert "http://box:8000" in router and "http://[::1]:8000" in router  # CORS: the names it answers to
     assert router[-2:] == ["--cache-threshold", "0.5"]
     anywhere = parser.parse_args(["--dp", "2", "--host", "0.0.0.0"])
-    assert "--cors-allowed-origins" not in dp.router_argv(anywhere, [])
+    assert "--cors-allowed-origins" not in dp.router_argv(anywhere, [], 4343)
 
 
 def test_request_ids():
@@ -318,6 +341,75 @@ def test_replica_label_on_every_series():
     assert "replica=" not in ServerMetrics().render()[0].decode()
 
 
+def test_the_front_door_fills_a_missing_model_and_reframes_each_request():
+    chunked_body = b'{"prompt": "Hi"}'
+    sent = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunked_body), chunked_body)
+            + request(b"POST", b"/v1/chat/completions?x=1", b'{"model": null, "messages": []}')
+            + request(b"GET", b"/v1/models", b"")
+            + request(b"POST", b"/generate", b'{"text": "Hi"}')
+            + request(b"POST", b"/v1/completions", b'{"model": "other", "prompt": "Hi"}')
+            + request(b"POST", b"/v1/completions", b"[1, 2]"))
+    parser = RequestParser(1 << 20, on_continue=lambda: None)
+    requests = parser.feed(sent[:40]) + parser.feed(sent[40:])  # split mid-request: pipelined, in pieces
+    assert len(requests) == 6 and not parser.partial
+    framed = b"".join(r.encode("M") for r in requests)
+    assert b"transfer-encoding" not in framed.lower()
+    again = RequestParser(1 << 20, on_continue=lambda: None).feed(framed)  # as the router reads them
+    assert [(r.method, r.url) for r in again] == [(r.method, r.url) for r in requests]
+    bodies = [json.loads(r.body) if r.body else None for r in again]
+    assert bodies == [{"prompt": "Hi", "model": "M"}, {"model": "M", "messages": []}, None, {"text": "Hi"},
+                      {"model": "other", "prompt": "Hi"}, [1, 2]]
+
+
+def request(method: bytes, url: bytes, body: bytes) -> bytes:
+    return b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (method, url, len(body), body)
+
+
+def test_the_front_door_streams_answers_and_passes_a_disconnect_on():
+    """A client that goes away closes its router connection (the router then aborts its request);
+    a body past the limit gets a 413; a request that stalls half-sent ends its connection."""
+    async def main():
+        bodies, router_saw_eof = asyncio.Queue(), asyncio.Event()
+
+        async def router(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+            await bodies.put(await reader.readexactly(length))
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await writer.drain()
+            if not await reader.read():
+                router_saw_eof.set()
+        stub = await asyncio.start_server(router, "127.0.0.1", 0)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()  # connections wait in its backlog until the front accepts them
+        front = Front(stub.sockets[0].getsockname()[1], "M", max_body=100, timeout=0.5)
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(front.serve(listener, stop))
+        address = listener.getsockname()
+
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(request(b"POST", b"/v1/completions", b"{}"))
+        assert json.loads(await asyncio.wait_for(bodies.get(), 10)) == {"model": "M"}
+        assert (await asyncio.wait_for(reader.readuntil(b"hello"), 10)).startswith(b"HTTP/1.1 200 OK")
+        writer.close()  # mid-answer
+        await asyncio.wait_for(router_saw_eof.wait(), 10)
+
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(request(b"POST", b"/v1/completions", b"x" * 500))
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 413") and json.loads(answer.split(b"\r\n\r\n")[1])["error"]["code"] == 413
+
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "closed once the request stalled past the timeout"
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        stub.close()
+    asyncio.run(main())
+
+
 class _Args(argparse.Namespace):
     api_key = None
 
@@ -330,7 +422,7 @@ def test_supervision_policy_on_stand_in_processes():
 
     def supervised(kill: list[int]) -> tuple[int, float]:
         reps = [dp.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
-        sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps)
+        sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps, free_port())
         sup.router = sleeper()
         everyone = [sup.router] + [r.proc for r in reps]
         for i in kill:
@@ -346,7 +438,7 @@ def test_supervision_policy_on_stand_in_processes():
     assert supervised([0])[0] == 1  # the router
 
     reps = [dp.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
-    sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps)
+    sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps, free_port())
     sup.router = sleeper()
     reps[0].proc.kill()
     try:

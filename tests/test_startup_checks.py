@@ -41,6 +41,18 @@ def test_a_taken_port_stops_the_server_before_any_model_loads():
     assert "relay::" not in out.stderr, "no child process started"
 
 
+def test_dp_checks_its_ports_before_starting_replicas():
+    """--dp: the front door's port is bound, the router's metrics port must be free."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        front = serve("--dp", "2", "--port", port)
+        metrics = serve("--dp", "2", "--port", "0", "--router-prometheus-port", port)
+    assert_one_line_error(front, f"127.0.0.1:{port}")
+    assert_one_line_error(metrics, f"127.0.0.1:{port}", "--router-prometheus-port")
+
+
 def test_a_cache_directory_that_is_a_file(tmp_path):
     path = tmp_path / "cache"
     path.write_text("not a directory")
