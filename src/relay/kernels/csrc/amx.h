@@ -28,6 +28,15 @@ static inline void amx_configure(int count, int short_tiles, int rows) {
     }
     _tile_loadconfig(&c);
 }
+
+// Tiles 0-3 to zero: the four C tiles the attention kernel accumulates in (tile numbers must be
+// constants, so no loop).
+static inline void amx_zero_tiles_0_to_3(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
 #else
 #define HAVE_AMX 0
 #endif

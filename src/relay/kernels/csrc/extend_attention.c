@@ -172,10 +172,7 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
     float sc[16 * KT] __attribute__((aligned(64)));
     uint16_t pb[16 * KT] __attribute__((aligned(64)));
     float part[16 * 16] __attribute__((aligned(64)));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_tiles_0_to_3();
     for (int64_t dc = 0; dc < D / 32; dc++) {
         _tile_loadd(4, qb + dc * 32, D * 2);
         _tile_loadd(5, ktp + dc * 16 * KT + 0 * 16, KT * 4);
@@ -220,10 +217,7 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
     }
     for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
         const int64_t nc = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_tiles_0_to_3();
         for (int64_t kc = 0; kc < KT / 32; kc++) {
             _tile_loadd(4, pb + kc * 32, KT * 2);
             const uint32_t* vb = vtp + kc * 16 * D + c0 * 16;
