@@ -81,6 +81,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the server's session (it and its children); it may have ended already."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def serve_until_ready(python: str, cwd: str, timeout: float = 300.0) -> None:
     cmd = [python, "-m", "launch.serve", "--load-format", "dummy-null", "--port", str(free_port())]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -97,15 +105,16 @@ def serve_until_ready(python: str, cwd: str, timeout: float = 300.0) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     came_up = ready.wait(timeout) and proc.poll() is None
-    os.killpg(proc.pid, signal.SIGTERM)
+    stop_group(proc, signal.SIGTERM)
     try:
         code = proc.wait(60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, signal.SIGKILL)
         code = proc.wait()
     if not came_up:
         raise SystemExit(f"`{' '.join(cmd)}` in {cwd} did not get ready:\n{''.join(lines[-60:])}")
     print(f"the installed wheel served (dummy-null) from {cwd} and stopped with exit {code}")
+    print("".join(line for line in lines if "off: " in line), end="")  # what a pip-only install lacks
     if code != 0:
         raise SystemExit(f"the server exited {code} on SIGTERM:\n{''.join(lines[-60:])}")
 
