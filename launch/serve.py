@@ -64,6 +64,10 @@ FLAG_HELP = {
                             "go to the prompts, and each decoding request waits once, at most this long, for its "
                             "next token; 0 (or --target-itl-ms): every step decodes every running request"),
     "max_queued_requests": "requests in flight beyond which new ones get 503",
+    "max_constraint_bytes": ("most bytes an output constraint may have (a JSON schema, a forced tool call's "
+                             "schema, a regex, an EBNF grammar); larger is a 400 naming the field"),
+    "grammar_compile_timeout": ("seconds a constrained request waits for its grammar to compile; then it ends "
+                                "with a 400 naming the field"),
     "disable_radix_cache": "turn off prefix caching",
     "context_length": "override the model's context length",
     "attention_backend": "torch (CPU), triton or flashinfer (CUDA), or auto",
@@ -332,7 +336,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     async def main() -> None:
         nonlocal exit_code
         client = ZmqEngineClient(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
-                                 server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout)
+                                 server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout,
+                                 max_constraint_bytes=cfg.max_constraint_bytes)
         app = build_app(client, guard)
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                        access_log=False, timeout_graceful_shutdown=3, lifespan="off",

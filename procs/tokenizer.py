@@ -2,7 +2,9 @@
 and to the detokenizer what it needs to turn the request's tokens back into text.
 
 Several workers can run (`--tokenizer-workers`); the http server's PUSH socket spreads
-requests over them, so tokenization never serialises on one process under load.
+requests over them, so tokenization never serialises on one process under load. An output
+constraint passes through unread: the scheduler parses and compiles it off its loop (a deeply
+nested schema takes seconds to parse, which here would hold up every request behind it).
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull,
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
 from relay.detokenizer import DetokenizeSpec
-from relay.grammar import check_constraint, warm_up_constraints
 from relay.outputs import error_output
 from relay.sampling_params import InvalidParam
 from relay.tokenizer import PromptPreparer, Tokenizer
@@ -28,7 +29,6 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
     """One TokenizedReq per choice; choice i > 0 of a seeded request gets seed + i."""
     ids = prep.prompt_ids(req.text, req.input_ids, req.messages, req.chat_kwargs)
     params = prep.fit_context(req.params, len(ids))
-    check_constraint(params)
     return [TokenizedReq(rid, ids, params if i == 0 or params.seed is None
                          else dataclasses.replace(params, seed=params.seed + i), req.priority, req.arrival_time)
             for i, rid in enumerate(req.rids)]
@@ -40,7 +40,6 @@ def main(args: ProcArgs) -> None:
     prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir),
                           cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
     prep.tok.warm_up()
-    warm_up_constraints()
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))

@@ -336,6 +336,29 @@ def test_output_constraints():
     assert parse_chat(chat(response_format={"type": "text"}), MODEL).params.constraint is None
 
 
+def test_constraint_size_limit_names_the_field():
+    """--max-constraint-bytes: a larger constraint is a 400 naming the API field it came from,
+    a forced tool call's schema included; one of exactly the limit passes."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    size = len(json.dumps(schema))
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    cases = [
+        (lambda limit: parse_completion(comp(json_schema=schema), MODEL, max_constraint_bytes=limit), "json_schema"),
+        (lambda limit: parse_chat(chat(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}), MODEL, max_constraint_bytes=limit), "response_format.json_schema.schema"),
+        (lambda limit: parse_chat(chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
+                                  MODEL, max_constraint_bytes=limit), "tools.0.function.parameters"),
+        (lambda limit: parse_generate(gen(sampling_params={"regex": "a" * (size % 2) + "é" * (size // 2)}),
+                                      max_constraint_bytes=limit), "sampling_params.regex"),  # bytes: 2 per é
+    ]
+    for parse, param in cases:
+        assert parse(size).params.constraint is not None
+        with pytest.raises(ProtocolError) as info:
+            parse(size - 1)
+        assert (info.value.status, info.value.param) == (400, param)
+        assert info.value.message.startswith(f"{param} must be at most {size - 1} bytes (--max-constraint-bytes)")
+
+
 def test_generate():
     req = parse_generate({"input_ids": [1, 2, 3], "rid": "abc", "stream": True, "priority": 2,
                           "return_logprob": True, "top_logprobs_num": 4, "logprob_start_len": 0,

@@ -131,7 +131,9 @@ def test_abort_request_endpoint(server):
 
 
 LONG = "hello " * 9000  # > 8192 tokens: longer than the context
-BAD_SCHEMA = {"type": "objec"}  # found by the tokenizer process's grammar check
+BAD_SCHEMA = {"type": "objec"}  # found by the scheduler's grammar compile
+# Over the default --max-constraint-bytes (128 KiB).
+HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
 
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", "invalid JSON", None),
@@ -167,6 +169,17 @@ BAD_INPUTS = [
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
      "invalid tool schema, named", "tools.0.function.parameters"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "invalid regex", "sampling_params.regex"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= root"}}, "grammar matching nothing",
+     "sampling_params.ebnf"),
+    # Its first token is allowed, then nothing: the request ends mid-output.
+    ("/generate", {"text": "Say a:", "sampling_params": {"ebnf": 'root ::= "a" x\nx ::= x', "max_new_tokens": 8}},
+     "grammar dead end", "sampling_params.ebnf"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "json_schema": HUGE_SCHEMA}, "constraint too large",
+     "json_schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": HUGE_SCHEMA}}},
+     "response schema too large", "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
      "legacy function_call", "function_call"),
 ]
@@ -321,6 +334,47 @@ def test_generate_regex_output_matches(server):
             "regex": pattern, "max_new_tokens": 16, "temperature": 0}}).json()
     assert r["meta_info"]["finish_reason"]["type"] == "stop", r
     assert re.fullmatch(pattern, r["text"]), r["text"]
+
+
+def nested_schema(depth: int) -> str:
+    """A JSON schema of objects nested depth deep: a few hundred levels take seconds to compile."""
+    return '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + '},"required":["a"]}' * depth
+
+
+def test_compiling_grammars_do_not_hold_up_a_plain_request(server):
+    """Ten distinct deeply nested schemas reach the scheduler first; a plain completion sent
+    after them finishes before any of their grammars has compiled (nothing parses or compiles on
+    a process's loop). Their clients then leave: the compiles not started are dropped, and the
+    requests and what they held are gone."""
+    async def server_stats(c: httpx.AsyncClient) -> dict:
+        return (await c.get("/get_server_info")).json()["scheduler"]
+
+    async def run() -> tuple[httpx.Response, dict, dict]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            before = (await server_stats(c))["grammar"]
+            slow = [asyncio.create_task(c.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "JSON, please."}], "max_tokens": 4,
+                "json_schema": nested_schema(300 + i)})) for i in range(10)]
+            async def all_at_the_scheduler() -> None:
+                while (await server_stats(c))["num_waiting"] < 10:
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(all_at_the_scheduler(), 60)  # a tokenizer parsing them never gets there
+            plain = await c.post("/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                          "max_tokens": 4, "temperature": 0})
+            during = await server_stats(c)
+            for task in slow:
+                task.cancel()
+            await asyncio.gather(*slow, return_exceptions=True)
+        return plain, before, during
+
+    plain, before, during = asyncio.run(run())
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
+    assert during["grammar"]["compiles"] == before["compiles"] and during["num_waiting"] == 10
+    stats = wait_until(lambda: (s := idle_stats(server))["num_waiting"] == 0 and s["grammar"]["live_matchers"] == 0
+                       and s, 30, "the leaving clients' requests to end")
+    assert stats["grammar"]["compiles_cancelled"] > before["compiles_cancelled"]
+    assert stats["num_running"] == 0 and stats["kv_locked_tokens"] == 0
 
 
 def test_constrained_stream_disconnect_frees_its_matcher_and_kv(server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from relay import Engine, SamplingParams
 from relay.config import ModelConfig
-from relay.grammar import apply_token_masks, make_backend
+from relay.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
 from relay.request import Req
 from relay.sampling_params import InvalidParam
 
@@ -132,6 +133,142 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     sched.process_output(batch, engine.runner.forward(batch))
     assert sched.stats().grammar["live_matchers"] == 0 and not sched.has_work
     engine.check()
+
+
+@pytest.fixture
+def held_compiles(engine, monkeypatch):
+    """Compiles on the engine's grammar backend wait at a gate until the test opens it (set());
+    whatever is still held then runs at teardown."""
+    backend = engine.scheduler.grammars
+    gate = threading.Event()
+    compile_now = backend._compile
+
+    def held(kind, text):
+        gate.wait()
+        return compile_now(kind, text)
+
+    monkeypatch.setattr(backend, "_compile", held)
+    yield gate
+    gate.set()
+
+
+def _schema(name: str) -> str:
+    return json.dumps({"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]})
+
+
+def _run(engine, done) -> list:
+    """Step the engine's scheduler (no Engine.generate: nothing waits for a compile) until done()."""
+    sched, records = engine.scheduler, []
+    while not done():
+        records += sched.poll_constraints()
+        batch = sched.schedule()
+        if batch is not None:
+            records += sched.process_output(batch, engine.runner.forward(batch))
+        else:
+            sched.wait_for_constraints()
+    return records
+
+
+def test_plain_requests_run_while_grammars_compile(engine, held_compiles):
+    """With every compile thread busy and more compiles queued behind them, a plain request
+    arriving after the constrained ones is admitted, runs and finishes while they all still
+    compile; then they run too."""
+    sched = engine.scheduler
+    held = [f"held-{i}" for i in range(COMPILE_WORKERS + 2)]
+    for rid in held:
+        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0,
+                                                             json_schema=_schema(rid))))
+    sched.add_request(Req("plain", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0)))
+    records = _run(engine, lambda: "plain" not in sched.reqs)
+    assert [r.finish_reason for r in records if r.rid == "plain"][-1] == "length"
+    assert all(sched.reqs[rid].grammar_compiling for rid in held)
+    held_compiles.set()
+    records = _run(engine, lambda: not sched.has_work)
+    assert {r.rid for r in records if r.finished and r.error is None} == set(held)
+    assert sched.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_grammar_compile_timeout_ends_the_request_with_a_400(engine, held_compiles, monkeypatch):
+    sched = engine.scheduler
+    now = [0.0]
+    monkeypatch.setattr(sched, "clock", lambda: now[0])
+    slow = _schema("slow_to_compile")
+    sched.add_request(Req("slow", [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=slow)))
+    assert sched.poll_constraints() == []
+    now[0] += sched.cfg.grammar_compile_timeout  # its deadline
+    (out,) = sched.poll_constraints()
+    assert out.finish_reason == "abort" and (out.status, out.param) == (400, "json_schema")
+    assert "did not compile within" in out.error and "--grammar-compile-timeout" in out.error
+    assert not sched.has_work and sched.stats().grammar["live_matchers"] == 0
+    # The offline engine's check before queueing says the same.
+    with pytest.raises(InvalidParam) as info:
+        sched.grammars.check([("json_schema", slow)], timeout=0.0)
+    assert info.value.field == "json_schema" and "did not compile within 0 s" in str(info.value)
+    assert sched.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_compile_nobody_waits_for_is_cancelled(engine, held_compiles):
+    """A compile not yet started is dropped once the last request that wanted it ends (abort,
+    client gone); while another still wants it, it stays."""
+    sched, backend = engine.scheduler, engine.scheduler.grammars
+    busy = [f"busy-{i}" for i in range(COMPILE_WORKERS)]  # holds every compile thread
+    for rid in busy:
+        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=_schema(rid))))
+    queued = _schema("queued_then_abandoned")
+    for rid in ("first", "second"):
+        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=queued)))
+    cancelled = backend.stats()["compiles_cancelled"]
+    sched.abort("first")
+    assert backend.stats()["compiles_cancelled"] == cancelled
+    sched.abort("second")
+    assert backend.stats()["compiles_cancelled"] == cancelled + 1
+    for rid in busy:
+        sched.abort(rid)
+    assert not sched.has_work and backend.stats()["live_matchers"] == 0
+    held_compiles.set()
+    # The dropped compile is not what a later request with the same text gets.
+    sched.add_request(Req("later", [1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0, json_schema=queued)))
+    records = _run(engine, lambda: not sched.has_work)
+    assert [r.error for r in records if r.finished] == [None]
+    assert backend.stats()["live_matchers"] == 0
+    engine.check()
+
+
+def test_unsatisfiable_grammar_is_refused_before_it_runs(engine):
+    """A grammar no output can match (no first token allowed) is a 400 naming its field before
+    a step runs, offline and on the server's path."""
+    never = SamplingParams(max_new_tokens=4, ebnf="root ::= root")
+    with pytest.raises(InvalidParam) as info:
+        engine.generate(["x"], never)
+    assert info.value.field == "ebnf" and "no output can match it" in str(info.value)
+    sched = engine.scheduler
+    sched.add_request(Req("never", [1, 2, 3], never))
+    records = _run(engine, lambda: not sched.has_work)
+    assert [(r.status, r.param, r.completion_tokens) for r in records] == [(400, "ebnf", 0)]
+    assert sched.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_grammar_dead_end_mid_output_ends_with_a_400(engine):
+    """A grammar that allows a first token and then none (its rule x matches nothing): the
+    request ends with a 400 naming the field once its matcher allows no token, not a 500, and
+    its KV and matcher come back."""
+    dead_end = SamplingParams(max_new_tokens=8, temperature=0, ebnf='root ::= "a" x\nx ::= x')
+    (out,) = engine.generate(["Say a:"], dead_end)
+    assert out.finish_reason == "abort" and (out.status, out.param) == (400, "ebnf"), out
+    assert out.error == "the ebnf allows no token after 1 output tokens: no output can complete it"
+    assert engine.scheduler.stats().grammar["live_matchers"] == 0
+    engine.check()
+
+
+def test_constraint_over_the_size_limit_is_refused(engine):
+    big = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}})
+    assert len(big) > engine.config.max_constraint_bytes
+    with pytest.raises(InvalidParam) as info:
+        engine.generate(["x"], SamplingParams(json_schema=big))
+    assert info.value.field == "json_schema" and "--max-constraint-bytes" in str(info.value)
 
 
 def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp_path):

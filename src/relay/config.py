@@ -52,6 +52,13 @@ class EngineConfig:
     # every running request.
     max_decode_stall_ms: float = 1000.0
     max_queued_requests: int = 4096  # beyond this the server answers 503
+    # Constrained decoding (relay/grammar.py): the most bytes a constraint's text may have (a
+    # JSON schema, a forced tool call's, a regex or an EBNF grammar; larger is a 400 naming the
+    # field), and the seconds a request waits for its grammar to compile before it ends with a
+    # 400 naming the field. A compile cannot be interrupted, so the byte limit is also what
+    # bounds how long one holds a compile thread.
+    max_constraint_bytes: int = 128 * 1024
+    grammar_compile_timeout: float = 30.0
     disable_radix_cache: bool = False
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     attention_backend: str = "auto"
@@ -111,6 +118,10 @@ class EngineConfig:
                      "speculative_num_draft_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_constraint_bytes < 1:
+            raise ValueError(f"max_constraint_bytes must be >= 1, got {self.max_constraint_bytes}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.max_decode_stall_ms < 0:
             raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -18,13 +18,13 @@ from typing import Sequence, Union
 from relay.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.detokenizer import Detokenizer, DetokenizeSpec
-from relay.grammar import check_constraint, make_backend
+from relay.grammar import make_backend
 from relay.model_files import resolve_model_dir
 from relay.model_runner import ModelRunner
 from relay.outputs import RequestOutput
 from relay.overlap import OverlapPolicy
 from relay.request import Req
-from relay.sampling_params import SamplingParams
+from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduler import Scheduler
 from relay.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
@@ -59,9 +59,10 @@ class Engine:
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _broadcast(priority, len(prompts), "priority")
         results: dict[str, RequestOutput] = {}
+        for p in params:
+            p.validate(self.tokenizer.vocab_size, self.config.max_constraint_bytes)
+        self._check_constraints(params)
         for prompt, p, prio in zip(prompts, params, priorities):
-            p.validate(self.tokenizer.vocab_size)
-            check_constraint(p)
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
             ids = self.prompts.prompt_ids(text, ids)
             p = self.prompts.fit_context(p, len(ids))
@@ -96,6 +97,19 @@ class Engine:
             for record in shown:
                 results[record.rid].extend(record)
         return list(results.values())
+
+    def _check_constraints(self, params: list[SamplingParams]) -> None:
+        """Compile the output constraints now and raise InvalidParam naming the field of one that
+        fails (it does not parse, matches nothing, or does not compile in time), before any
+        request queues."""
+        constraints = [p.constraint for p in params if p.constraint is not None]
+        if not constraints:
+            return
+        grammars = self.scheduler.grammars
+        if grammars is None:
+            kind = constraints[0][0]
+            raise InvalidParam(kind, f"{kind} needs xgrammar, which is not installed")
+        grammars.check(constraints, self.config.grammar_compile_timeout)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

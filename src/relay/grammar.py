@@ -1,17 +1,19 @@
 """Grammar-constrained decoding on xgrammar: a request's output matches a JSON schema, a regex
 or an EBNF grammar (SamplingParams.json_schema / regex / ebnf).
 
-Three processes take part, and only the first two import xgrammar:
-- the tokenizer checks a constraint's syntax (check_constraint: a parse, no vocabulary,
-  well under a millisecond for a schema), so a bad one is a 400 naming its field before the
-  request queues;
-- the scheduler compiles it against the vocabulary (GrammarBackend: on a worker thread, where
-  xgrammar's compiler runs without the GIL; one compile per distinct text, shared by every
-  request that brings it) and admits the request once it is compiled. Each step it fills the
-  request's row of the token bitmask (which tokens may come next) and advances the request's
-  matcher with every token the request emits. Shipping compiled grammars between processes
-  would not pay: deserialising one costs as much as compiling it;
+Two processes take part, and only the scheduler imports xgrammar:
+- the scheduler compiles a constraint against the vocabulary (GrammarBackend: a pool of
+  COMPILE_WORKERS threads, where xgrammar parses and compiles without the GIL; one compile per
+  distinct text, shared by every request that brings it) and admits the request once it is
+  compiled. A constraint that does not parse, that no output can match, or that has not
+  compiled within --grammar-compile-timeout ends its request with a 400 naming its field. Each
+  step the scheduler fills the request's row of the token bitmask (which tokens may come next)
+  and advances the request's matcher with every token the request emits. Shipping compiled
+  grammars between processes would not pay: deserialising one costs as much as compiling it;
 - the sampler sets disallowed tokens' logits to -inf (apply_token_masks: plain torch).
+
+No process's main thread parses or compiles: a schema nested 200 deep takes ~2 s to parse
+alone, and the tokenizer once did that on its loop, holding up every request behind it.
 
 JSON schemas compile without free whitespace (one space after ':' and ','): a small model
 given the freedom fills its token budget with newlines.
@@ -19,46 +21,36 @@ given the freedom fills its token budget with newlines.
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import re
+import sys
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from relay.sampling_params import InvalidParam, SamplingParams
+from relay.sampling_params import InvalidParam
 
 BITS = 32  # tokens per bitmask word
 CACHE_ENTRIES = 256  # distinct compiled grammars kept (a schema's is ~100 KB)
+# Compiles at once. A compile cannot be interrupted, so one that overruns its timeout holds its
+# thread until it ends (--max-constraint-bytes bounds how long); the other threads keep
+# compiling meanwhile. More threads than cores only share them.
+COMPILE_WORKERS = 4
+# Compile threads run this much nicer than the process (Linux: per thread): where the cores are
+# busy, the model runner's steps, which every running request waits for, get them first.
+COMPILE_NICENESS = 10
 COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _JSON_OPTIONS = {"any_whitespace": False, "strict_mode": True}
 
 
-def check_constraint(params: SamplingParams) -> None:
-    """Raise InvalidParam naming the field if params' constraint does not parse."""
-    constraint = params.constraint
-    if constraint is None:
-        return
-    kind, text = constraint
-    try:
-        import xgrammar
-    except ImportError:
-        raise InvalidParam(kind, f"{kind} needs the xgrammar package, which this server lacks") from None
-    parse = {"json_schema": lambda t: xgrammar.Grammar.from_json_schema(t, **_JSON_OPTIONS),
-             "regex": xgrammar.Grammar.from_regex, "ebnf": xgrammar.Grammar.from_ebnf}[kind]
-    try:
-        parse(text)
-    except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own JSON error
-        raise InvalidParam(kind, f"invalid {kind}: {clean_error(e)}") from None
-
-
-def warm_up_constraints() -> None:
-    """Import xgrammar now (~0.3 s), where it is installed, rather than in the first
-    constrained request."""
-    if importlib.util.find_spec("xgrammar") is not None:
-        check_constraint(SamplingParams(regex="a"))
+class Unsatisfiable(ValueError):
+    """The grammar matches no output: no token may come first."""
 
 
 def clean_error(e: Exception) -> str:
@@ -69,11 +61,15 @@ def clean_error(e: Exception) -> str:
 class Constraint:
     """One request's grammar: compiling, then a matcher that follows the request's output."""
 
-    def __init__(self, compiled: Future, on_release: Callable[[], None]):
+    def __init__(self, kind: str, compiled: Future, deadline: float, timeout: float,
+                 on_release: Callable[[], None]):
+        self.kind = kind
         self._compiled = compiled
+        self.deadline = deadline  # on the caller's clock: when to stop waiting for the compile
+        self._timeout = timeout  # the seconds before the deadline, for the error message
         self._on_release = on_release
         self.matcher: Any = None
-        self.error: str | None = None
+        self.error: str | None = None  # why the compile failed
 
     def ready(self) -> bool:
         """True once compiled (then `error` says whether that failed)."""
@@ -88,8 +84,20 @@ class Constraint:
             self.error = clean_error(e)
         return True
 
-    def wait(self) -> None:
-        self._compiled.exception()  # blocks until compiled (or failed)
+    def failure(self, now: float) -> str | None:
+        """Why its request must end (a 400 naming `kind`): the grammar failed to compile, or has
+        not compiled by the deadline (now is on the deadline's clock; math.inf: no more
+        waiting). None while it is compiled fine, or may still compile in time."""
+        if self.ready():
+            return None if self.error is None else f"invalid {self.kind}: {self.error}"
+        if now < self.deadline:
+            return None
+        return (f"{self.kind} did not compile within {self._timeout:g} s (--grammar-compile-timeout): "
+                "simplify it, or ask the operator to raise the limit")
+
+    def wait(self, timeout: float) -> None:
+        """Block until compiled (or failed), at most timeout seconds."""
+        wait([self._compiled], timeout)
 
     def masks(self, buffer: torch.Tensor, proposals: list[int]) -> bytes:
         """The bitmask of tokens allowed next (filled into buffer [1, words] int32), then one
@@ -103,6 +111,11 @@ class Constraint:
         if proposals:
             self.matcher.rollback(len(proposals))
         return b"".join(out)
+
+    def allows_nothing(self, buffer: torch.Tensor) -> bool:
+        """No token may come next: the grammar is at a dead end (buffer as for masks)."""
+        self.matcher.fill_next_token_bitmask(buffer, 0)
+        return not bool(buffer.any())
 
     def allowed_prefix(self, proposals: list[int]) -> list[int]:
         """The leading proposals the grammar allows, stopping before one that would complete
@@ -135,23 +148,40 @@ class Constraint:
         self.matcher = None
 
 
+class _Compile:
+    """One distinct constraint's compile and how many unreleased constraints wait on it."""
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.requesters = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.future.done() and (self.future.cancelled() or self.future.exception() is not None)
+
+
 class GrammarBackend:
-    """Compiles constraints for one vocabulary off the caller's thread, cached by text, and
-    counts what a server reports: compiles, cache hits, compile seconds, live matchers."""
+    """Compiles constraints for one vocabulary on a pool of threads, cached by text, and counts
+    what a server reports: compiles, cache hits, compile seconds, live matchers. Its methods are
+    called from one thread (the scheduler's); only _compile runs on the pool."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.words = (vocab_size + BITS - 1) // BITS
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-grammar")
-        self._compiler: Any = None  # built on the pool's thread, before any compile
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="relay-grammar",
+                                        initializer=_lower_thread_priority)
+        self._compiler: Any = None  # built on a pool thread, before any compile
+        self._compiler_lock = threading.Lock()  # one thread loads the vocabulary; the others wait for it
+        self._cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()
         self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
+        self._stats_lock = threading.Lock()  # the counters below that pool threads update
         self.compiles = 0
         self.cache_hits = 0
         self.compile_counts = [0] * (len(COMPILE_BUCKETS) + 1)  # per bucket, the last one +Inf
         self.compile_seconds = 0.0
+        self.cancelled = 0  # compiles dropped before they started: every requester had gone
         self.live = 0  # constraints handed out and not yet released
         # Loading the vocabulary (importing xgrammar and transformers, an HF tokenizer) takes
         # ~2-5 s of CPU: a server does it while its model loads and waits for it before
@@ -169,27 +199,61 @@ class GrammarBackend:
         """Whether the vocabulary is in (constraints then only compile)."""
         return self._compiler is not None
 
-    def start(self, kind: str, text: str) -> Constraint:
+    def start(self, kind: str, text: str, now: float = 0.0, timeout: float = math.inf) -> Constraint:
+        """The constraint for (kind, text), compiling on the pool unless its compile is cached
+        or under way (a failed one is tried again); it must have compiled timeout seconds after
+        now (the caller's clock)."""
         key = (kind, text)
-        compiled = self._cache.get(key)
-        if compiled is None or (compiled.done() and compiled.exception() is not None):
-            compiled = self._pool.submit(self._compile, kind, text)
-            self._cache[key] = compiled
+        entry = self._cache.get(key)
+        if entry is None or entry.failed:
+            entry = _Compile(self._pool.submit(self._compile, kind, text))
+            self._cache[key] = entry
             if len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+                self._cache.popitem(last=False)  # its requesters keep their future
         else:
             self.cache_hits += 1
             self._cache.move_to_end(key)
+        entry.requesters += 1
         self.live += 1
-        return Constraint(compiled, self._released)
+        return Constraint(kind, entry.future, now + timeout, timeout, lambda: self._released(key, entry))
+
+    def check(self, constraints: list[tuple[str, str]], timeout: float) -> None:
+        """Compile constraints (together, on the pool) and raise InvalidParam naming the field of
+        the first that fails or does not compile within timeout seconds. The offline engine
+        refuses a bad request this way before anything queues; the compiles stay cached for it."""
+        started = [self.start(kind, text, time.monotonic(), timeout) for kind, text in dict.fromkeys(constraints)]
+        try:
+            for constraint in started:
+                constraint.wait(max(0.0, constraint.deadline - time.monotonic()))
+                error = constraint.failure(math.inf)
+                if error is not None:
+                    raise InvalidParam(constraint.kind, error)
+        finally:
+            for constraint in started:
+                constraint.release()
+
+    def wait_for_any(self, constraints: list[Constraint], timeout: float) -> None:
+        """Block until one of constraints has compiled (or failed), at most timeout seconds."""
+        wait([c._compiled for c in constraints], timeout, return_when=FIRST_COMPLETED)
 
     def masks(self, constraint: Constraint, proposals: list[int]) -> bytes:
         return constraint.masks(self._buffer, proposals)
 
-    def _released(self) -> None:
+    def allows_nothing(self, constraint: Constraint) -> bool:
+        return constraint.allows_nothing(self._buffer)
+
+    def _released(self, key: tuple[str, str], entry: _Compile) -> None:
         self.live -= 1
+        entry.requesters -= 1
+        # Nobody waits for it any more: a compile still queued is dropped. One under way cannot
+        # be stopped; it ends in the cache, where the next request with its text finds it.
+        if entry.requesters == 0 and entry.future.cancel():
+            self.cancelled += 1
+            if self._cache.get(key) is entry:
+                del self._cache[key]
 
     def _compile(self, kind: str, text: str) -> Any:
+        """On a pool thread: compile, and refuse a grammar no output can match."""
         compiler = self._get_compiler()
         start = time.perf_counter()
         if kind == "json_schema":
@@ -198,33 +262,61 @@ class GrammarBackend:
             out = compiler.compile_regex(text)
         else:
             out = compiler.compile_grammar(text)
+        self._check_satisfiable(out)
         seconds = time.perf_counter() - start
-        self.compiles += 1
-        self.compile_seconds += seconds
-        self.compile_counts[sum(seconds > b for b in COMPILE_BUCKETS)] += 1
+        with self._stats_lock:
+            self.compiles += 1
+            self.compile_seconds += seconds
+            self.compile_counts[sum(seconds > b for b in COMPILE_BUCKETS)] += 1
         return out
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
-            from transformers import AutoTokenizer
+    def _check_satisfiable(self, compiled: Any) -> None:
+        """Raise Unsatisfiable if no token may come first (e.g. `root ::= root`): such a request
+        would otherwise run, sample from a row of -inf logits and fail on its first token."""
+        import xgrammar
 
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        mask = torch.zeros((1, self.words), dtype=torch.int32)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+        if not bool(mask.any()):
+            raise Unsatisfiable("no output can match it: it allows no first token")
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.stop_token_ids)
+                # No cache inside xgrammar: ours (CACHE_ENTRIES) is the one, and xgrammar's own
+                # is unbounded by default.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
     def stats(self) -> dict[str, Any]:
-        return {"compiles": self.compiles, "cache_hits": self.cache_hits, "live_matchers": self.live,
-                "compile_seconds_sum": self.compile_seconds, "compile_seconds_counts": list(self.compile_counts),
-                "compile_seconds_buckets": list(COMPILE_BUCKETS)}
+        with self._stats_lock:
+            return {"compiles": self.compiles, "cache_hits": self.cache_hits, "live_matchers": self.live,
+                    "compiles_cancelled": self.cancelled, "compile_seconds_sum": self.compile_seconds,
+                    "compile_seconds_counts": list(self.compile_counts),
+                    "compile_seconds_buckets": list(COMPILE_BUCKETS)}
+
+
+def _lower_thread_priority() -> None:
+    """Make the calling thread yield the CPU to the process's other threads (Linux only: there
+    a thread id is a process id to setpriority; elsewhere it would renice the whole process)."""
+    if sys.platform == "linux":
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS))
+        except OSError:  # a container may forbid it: compile at the usual priority
+            pass
 
 
 def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
                  ) -> GrammarBackend | None:
     """The backend, or None where xgrammar is not installed (constrained requests are then
-    refused with a 400). With preload, the vocabulary starts loading now on the backend's thread
+    refused with a 400). With preload, the vocabulary starts loading now on the backend's pool
     (a server: see GrammarBackend.wait_loaded); otherwise on the first constraint (an offline
     engine that may never see one)."""
     if importlib.util.find_spec("xgrammar") is None:

@@ -43,6 +43,7 @@ class Req:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field an error blames (a 4xx); None: the server's (a 500)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     queue_time: float | None = None  # seconds from arrival to first scheduling

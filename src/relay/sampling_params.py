@@ -107,8 +107,9 @@ class SamplingParams:
         """Whether sampling depends on the tokens output so far (the runner counts them)."""
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise InvalidParam naming the first bad field; return self for chaining."""
+    def validate(self, vocab_size: int | None = None, max_constraint_bytes: int | None = None) -> "SamplingParams":
+        """Raise InvalidParam naming the first bad field; return self for chaining. A server's
+        --max-constraint-bytes caps the constraint's text (None: no cap)."""
         for name, rule in RANGES.items():
             value = getattr(self, name)
             if (value is not None or name not in ("max_new_tokens", "seed")) and not rule.holds(value):
@@ -118,7 +119,7 @@ class SamplingParams:
                                                  f"{self.min_new_tokens!r}")
         if not (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS):
             raise InvalidParam("stop", f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
-        self._validate_constraint()
+        self._validate_constraint(max_constraint_bytes)
         limit = vocab_size or 2**31
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
@@ -134,12 +135,16 @@ class SamplingParams:
                 return kind, text
         return None
 
-    def _validate_constraint(self) -> None:
+    def _validate_constraint(self, max_bytes: int | None) -> None:
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
         for kind in given:
             text = getattr(self, kind)
             if not isinstance(text, str) or not text:
                 raise InvalidParam(kind, f"{kind} must be a non-empty string, got {text!r:.60}")
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if max_bytes is not None and size > max_bytes:
+                raise InvalidParam(kind, f"{kind} must be at most {max_bytes} bytes (--max-constraint-bytes), "
+                                         f"got {size}")
         if len(given) > 1:
             raise InvalidParam(given[1], f"give at most one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given)}")
 

@@ -130,24 +130,27 @@ class Scheduler:
         if constraint is not None:
             if self.grammars is None:
                 raise InvalidParam(constraint[0], f"{constraint[0]} needs xgrammar, which this server lacks")
-            req.constraint = self.grammars.start(*constraint)
+            req.constraint = self.grammars.start(*constraint, self.clock(), self.cfg.grammar_compile_timeout)
             self._compiling.append(req)
         req.seq = next(self._seq)
         self.reqs[req.rid] = req
         self._push_waiting(req)
 
     def poll_constraints(self) -> list[RequestOutput]:
-        """Make requests whose grammar compiled schedulable; end those whose grammar failed
-        to compile (a 400 naming the field), returning their records."""
-        failed = []
-        for req in [r for r in self._compiling if r.status != Status.WAITING or r.constraint.ready()]:
-            self._compiling.remove(req)
-            error = req.constraint.error if req.status == Status.WAITING else None
+        """Make requests whose grammar compiled schedulable; end with a 400 naming the field
+        those whose grammar failed (it does not parse, or matches nothing) or has not compiled
+        by its deadline (grammar_compile_timeout), returning their records."""
+        failed, still = [], []
+        now = self.clock()
+        for req in self._compiling:
+            if req.status != Status.WAITING:
+                continue  # it ended (an abort) while compiling
+            error = req.constraint.failure(now)
             if error is not None:
-                kind = req.params.constraint[0]
-                out = self._finish(req, FinishReason.ABORT, f"invalid {kind}: {error}")
-                out.status, out.param = 400, kind
-                failed.append(out)
+                failed.append(self._finish(req, FinishReason.ABORT, error, param=req.constraint.kind))
+            elif not req.constraint.ready():
+                still.append(req)
+        self._compiling = still
         return failed
 
     @property
@@ -156,11 +159,11 @@ class Scheduler:
         return bool(self._compiling)
 
     def wait_for_constraints(self) -> None:
-        """Block until every compiling grammar is compiled (the offline engine, when nothing
-        else can run)."""
-        for req in self._compiling:
-            if req.constraint is not None:  # None: it ended (an abort) while compiling
-                req.constraint.wait()
+        """Block until a compiling grammar is compiled or the first compile deadline passes
+        (the offline engine, when nothing else can run; poll_constraints() then)."""
+        pending = [r.constraint for r in self._compiling if r.constraint is not None]  # None: aborted
+        if pending:
+            self.grammars.wait_for_any(pending, max(0.0, min(c.deadline for c in pending) - self.clock()))
 
     def abort(self, rid: str) -> RequestOutput | None:
         """End a request wherever it is, freeing its KV; its last record, or None if it is
@@ -640,21 +643,29 @@ class Scheduler:
                 reason, stop = self._grammar_finish(req, token)
             if reason is not None:
                 req.matched_stop = stop
-                done = self._finish(req, reason, req.error)
+                done = self._finish(req, reason, req.error, req.error_param)
                 record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
-                record.error = done.error
+                record.error, record.status, record.param = done.error, done.status, done.param
                 break
         record.completion_tokens = len(req.output_ids)
         return record
 
     def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         """Advance req's matcher over token: STOP once the grammar is complete."""
-        if not req.constraint.accept(token):
+        if req.constraint.accept(token):
+            return (FinishReason.STOP, None) if req.constraint.terminated else (None, None)
+        if self.grammars.allows_nothing(req.constraint):
+            # The grammar led to a dead end (its mask allowed no token, so the sampler drew
+            # from -inf logits): the request's own grammar is at fault, a 4xx.
+            kind = req.constraint.kind
+            req.error = (f"the {kind} allows no token after {len(req.output_ids) - 1} output tokens: "
+                         "no output can complete it")
+            req.error_param = kind
+        else:
             # The sampler only draws allowed tokens; one that is not means the mask and
             # the matcher disagree. End the request rather than emit off-grammar text.
             req.error = f"token {token} does not match the grammar"
-            return FinishReason.ABORT, None
-        return (FinishReason.STOP, None) if req.constraint.terminated else (None, None)
+        return FinishReason.ABORT, None
 
     def _finish_reason(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         p, n = req.params, len(req.output_ids)
@@ -670,7 +681,10 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None, param: str | None = None
+                ) -> RequestOutput:
+        """End req wherever it is; its last record. An error with a param is the request's fault
+        (a 400 naming that field), one without the server's (a 500)."""
         req.finish_reason, req.error = reason, error
         if req.constraint is not None:
             req.constraint.release()
@@ -689,7 +703,8 @@ class Scheduler:
             self.on_finish(req)
         return RequestOutput(req.rid, finish_reason=reason, matched_stop=req.matched_stop,
                              prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                             cached_tokens=req.cached_tokens, queue_time=req.queue_time, error=error)
+                             cached_tokens=req.cached_tokens, queue_time=req.queue_time, error=error,
+                             status=400 if param is not None else 500, param=param)
 
     # ---- waiting queue ----------------------------------------------------------------
     def _push_waiting(self, req: Req) -> None:

@@ -239,10 +239,11 @@ def sampling_kwargs(body: dict[str, Any], keys: dict[str, str], rules: dict[str,
     return {name: rules[name](body[key], prefix + key) for key, name in keys.items() if body.get(key) is not None}
 
 
-def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None) -> SamplingParams:
+def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None,
+              max_constraint_bytes: int | None = None) -> SamplingParams:
     """Run SamplingParams.validate(), reporting failures under the API's field names."""
     try:
-        return params.validate(vocab_size)
+        return params.validate(vocab_size, max_constraint_bytes)
     except InvalidParam as e:
         # Rename only in the "<field> <rule>" head: the ", got <value>" tail may quote user text.
         head, sep, tail = str(e).partition(", got ")

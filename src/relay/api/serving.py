@@ -54,6 +54,7 @@ class EngineClient(Protocol):
     served_model: str
     context_len: int
     vocab_size: int | None
+    max_constraint_bytes: int | None  # --max-constraint-bytes
     server_info: dict[str, Any]
     metrics: ServerMetrics
     num_requests: int
