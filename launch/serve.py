@@ -32,6 +32,7 @@ from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_loggin
 from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
+from relay.kernels import isa
 from relay.model_files import ModelFileError, check_cache_dir, model_name, resolve_model_dir
 from relay.optional_features import missing_features
 from relay.speculative.draft_check import check_draft_model, draft_model_dir
@@ -383,6 +384,10 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    try:  # a held instruction-set level holds torch too, in every process: set before any starts
+        os.environ.update(isa.torch_env())
+    except ValueError as e:
+        parser.error(str(e))
     if ns.dp < 1:
         parser.error("--dp must be at least 1")
     if ns.dp > 1 and ns.nnodes > 1:

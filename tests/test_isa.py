@@ -38,3 +38,12 @@ def test_a_held_level_holds_torch_and_the_compiler(monkeypatch):
     assert isa.compile_flags("amx") == ["-march=native"]
     assert "-mno-amx-tile" in isa.compile_flags("avx512bf16")
     assert isa.compile_flags("avx2")[0] == "-march=x86-64-v3"
+
+
+def test_the_launcher_refuses_an_unknown_level_before_anything_starts(monkeypatch, capsys):
+    from launch import serve
+
+    monkeypatch.setenv(isa.ENV, "sse9")
+    with pytest.raises(SystemExit) as stop:
+        serve.main([])
+    assert stop.value.code == 2 and isa.ENV in capsys.readouterr().err
