@@ -564,6 +564,19 @@ def test_text_that_is_not_valid_unicode_is_refused_naming_the_field(raw, param):
     assert decode_json_body('{"prompt": "\\ud83d\\ude00 ok"}'.encode()) == {"prompt": "\U0001f600 ok"}
 
 
+@pytest.mark.parametrize("raw,param", [
+    (b'{"messages": [], "chat_template_kwargs": {"x": 1180591620717411303424}}', "chat_template_kwargs.x"),
+    (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),  # past Python's 4,300-digit limit
+])
+def test_integers_the_wire_cannot_carry_are_refused_naming_the_field(raw, param):
+    """msgpack carries 64-bit integers: a larger one in a field passed through whole was a 500."""
+    with pytest.raises(ProtocolError) as e:
+        decode_json_body(raw)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert decode_json_body(b'{"seed": 18446744073709551615, "x": -9223372036854775808}')
+
+
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1000, 100_000])
 def test_deeply_nested_json_is_a_400_not_a_crash(depth):
     with pytest.raises(ProtocolError) as e:
