@@ -82,9 +82,10 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         torch.zeros(1).sum()  # make sure torch's OpenMP runtime is the one our library binds to
-        _lib = build_level(isa.level())
-        logger.info("CPU kernels built for %s%s", isa.level(),
-                    f" (held there by {isa.ENV})" if isa.level() != isa.detected_level() else "")
+        level = isa.level()
+        _lib = build_level(level)
+        logger.info("CPU kernels built for %s%s", level,
+                    f" (held there by {isa.ENV})" if level != isa.detected_level() else "")
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels unavailable (%s); using the torch paths", e)
     return _lib
@@ -197,12 +198,12 @@ def amx_available() -> bool:
 
 def panels_preferred() -> bool:
     """Whether a bfloat16 model's batched GEMMs run on Bf16Panels here rather than on oneDNN's
-    prepacked weights: where the CPU has AVX512-BF16 (VDPBF16PS) and, without AMX, where it has
-    AMX (the panels are AMX's B tiles as they stand: csrc/gemm_amx.c), and then a step's layers run
-    in one C call. With AVX512-BF16 alone oneDNN reaches ~60 % of the VDPBF16PS peak at 32 rows and
-    the panels ~85 % (Zen 4, docs/benchmarks.md). With AMX but no kernel to use it (the tile state
-    refused, or held off), oneDNN's tile GEMMs (560 GFLOP/s at 32 rows, 1.5 TFLOP/s at 256 on a
-    2-core Xeon, ../shared/FACTS.md) beat any AVX-512 kernel."""
+    prepacked weights (and then a step's layers run in one C call): where the CPU has AVX512-BF16,
+    the panels on VDPBF16PS, unless it has AMX too, where they run on tiles (the panels are AMX's
+    B operand as they stand: csrc/gemm_amx.c) if Linux granted the tile state. With AVX512-BF16
+    alone oneDNN reaches ~60 % of the VDPBF16PS peak at 32 rows and the panels ~85 % (Zen 4,
+    docs/benchmarks.md); with AMX and the tiles refused, oneDNN's tile GEMMs (560 GFLOP/s at 32
+    rows on a 2-core Xeon, ../shared/FACTS.md) beat any VDPBF16PS kernel."""
     if not gemm_bf16_available():
         return False
     return amx_available() or not isa.at_least("amx")

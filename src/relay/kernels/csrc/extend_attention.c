@@ -245,15 +245,16 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
 
 // attend_rows on AMX tiles (same arguments, same results up to the order of float sums): the query
 // rows are copied once into blocks of 16 (the last one zero-padded), and every tile of keys is laid
-// out as attend_rows lays it out, then each block of rows runs amx_row_block over it.
-static void attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
+// out as attend_rows lays it out, then each block of rows runs amx_row_block over it. Returns 0,
+// having done nothing, where the copy of the rows cannot be allocated (attend_rows then runs).
+static int attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
                             const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
                             float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
     uint32_t* ktp = scratch;
     uint32_t* vtp = ktp + D / 2 * KT;
     const int64_t blocks = (rows + 15) / 16;
     uint16_t* qb = (uint16_t*)calloc((size_t)(blocks * 16 * D), sizeof(uint16_t));
-    if (!qb) return;
+    if (!qb) return 0;
     for (int64_t r = 0; r < rows; r++) memcpy(qb + r * D, qrows[r], sizeof(uint16_t) * (size_t)D);
     amx_configure(6, 0, 16);  // 0-3: C, 4: A, 5: B
     int64_t row[KT];
@@ -277,6 +278,7 @@ static void attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, 
     }
     _tile_release();
     free(qb);
+    return 1;
 }
 #endif
 
@@ -287,10 +289,9 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                         const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
                         float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
 #if HAVE_AMX
-    if (relay_gemm_amx_available()) {
-        attend_rows_amx(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, scratch);
+    if (relay_gemm_amx_available() &&
+        attend_rows_amx(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, scratch))
         return;
-    }
 #endif
     const int64_t NC = D / 16;
     uint32_t* ktp = scratch;             // [D / 2][KT] key pairs of dims
