@@ -1,12 +1,14 @@
 """What the CPU kernel tests share: the kernel library, built or skipped for a reason."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 
 import pytest
 
-from relay.kernels import cpu
+from relay.kernels import cpu, isa
 
 
 def cpu_kernels_or_skip() -> ctypes.CDLL:
@@ -23,3 +25,27 @@ def cpu_kernels_or_skip() -> ctypes.CDLL:
     except RuntimeError as e:
         pytest.fail(f"Relay's CPU kernels do not build with {cpu.compiler()}: {e}")
     pytest.fail("Relay's CPU kernels built but did not load (see the log)")
+
+
+def levels_here() -> list[str]:
+    """Every instruction-set level this CPU (or RELAY_CPU_ISA) reaches, lowest first: the kernel
+    tests run at each, so the AVX2 and generic paths are tested on every machine."""
+    return [level for level in isa.LEVELS if isa.at_least(level)]
+
+
+@contextlib.contextmanager
+def held_at(level: str) -> Iterator[ctypes.CDLL]:
+    """The kernel library built for `level`, swapped in for every kernel call until the block ends."""
+    cpu_kernels_or_skip()
+    previous = cpu.use(cpu.build_level(level))
+    try:
+        yield cpu.load()
+    finally:
+        cpu.use(previous)
+
+
+@pytest.fixture(params=levels_here())
+def kernel_level(request) -> Iterator[str]:
+    """Each level this CPU reaches, its library in use for the test (import this fixture)."""
+    with held_at(request.param):
+        yield request.param

@@ -10,7 +10,7 @@ from relay.kernels import cpu, isa
 from relay.layers import Linear, pack_for_cpu
 from relay.model_runner import ModelRunner
 from relay.weight_blocks import recover
-from tests.kernel_helpers import cpu_kernels_or_skip
+from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 
 def gguf_q4_1(w: np.ndarray) -> np.ndarray:
@@ -61,13 +61,12 @@ def test_weights_that_are_not_blocks_stay_float(monkeypatch):
 
 def blocks_or_skip() -> None:
     cpu_kernels_or_skip()
-    if not cpu.gemm_blocks_available():
-        pytest.skip("the block GEMM needs AVX-512")
+    assert cpu.gemm_blocks_available(), "the block GEMM runs at every instruction-set level"
 
 
-@pytest.fixture(scope="module")
-def lib():
-    blocks_or_skip()
+@pytest.fixture
+def lib(kernel_level):
+    """The block GEMM at each instruction-set level this CPU reaches."""
     return cpu.load()
 
 
@@ -85,7 +84,7 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 7, 13, 40])
 @pytest.mark.parametrize("n,k", [(200, 96), (40, 160), (64, 576)])
-def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(lib, kind, m, n, k):
+def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(lib, kernel_level, kind, m, n, k):
     """Blocks that stand for a bfloat16 model's weights (round_bf16): their GEMMs (Q8_0's of two
     rows or more) round the activations to bfloat16, as the model's own GEMMs do, where the CPU has
     bfloat16 dot products, and multiply them by the exact weights (float32 accumulation); one row
@@ -94,18 +93,18 @@ def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(
     blocks = recover(w)
     blocks.round_bf16 = True
     x = torch.randn(m, k + 5)[:, :k]
-    rounded = (m > 1 or kind == "q4_1") and isa.at_least("avx512bf16")
+    rounded = (m > 1 or kind == "q4_1") and isa.at_least("avx512bf16", kernel_level)
     expect = (x.bfloat16() if rounded else x).double() @ w.double().T
     torch.testing.assert_close(cpu.gemm_blocks(x, blocks).double(), expect, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(lib, kind):
+def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(lib, kernel_level, kind):
     """A decode step's rows (one per request) through a bfloat16 model's blocks: each row's output
     is the same bit for bit alone, in a small batch and in a large one (Q8_0 from two rows on: one
     row keeps float32 activations there), so a request's greedy output does not depend on how many
     others share its steps."""
-    if not isa.at_least("avx512bf16"):
+    if not isa.at_least("avx512bf16", kernel_level):
         pytest.skip("float32 activations here: few rows and many take differently ordered sums")
     w = weight(200, 96, kind, seed=7)
     blocks = recover(w)

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "vec.h"
 
 #define NS 32  // output features per strip
 #define KC 128  // inputs unpacked at a time (the last chunk of a row may be shorter)
@@ -33,12 +33,22 @@
 #endif
 #define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
 
-int relay_gemm_blocks_available(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
+int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 below, vec.h's otherwise
+
+// Block b of strip s (of Q4_1 or Q8_0 quants, d and m) on its way into the caches, for nobody
+// to wait on it later: the GEMVs read three streams (quants, d, m), each running on from one strip
+// to the next (a thread's strips are consecutive), and ask for each GEMV_AHEAD blocks ahead (past
+// the end: a prefetch does not fault). Streaming the default model's 120 layer GEMMs at 1-6 rows
+// on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to ~42 GB/s).
+static inline void prefetch_block(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
+                                  int64_t b) {
+    const int64_t nb = K / 32, qbytes = bits == 4 ? 16 * NS : 32 * NS;
+    const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
+    for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
+    for (int64_t o = 0; o < NS; o += 16) {
+        __builtin_prefetch(d + (s * nb + b) * NS + o, 0, 0);
+        if (bits == 4) __builtin_prefetch(m + (s * nb + b) * NS + o, 0, 0);
+    }
 }
 
 #if defined(__AVX512F__)
@@ -54,22 +64,6 @@ static inline __attribute__((always_inline)) void scale_block(const int64_t R, i
             const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
             for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * nb]), acc[i][h]);
         }
-    }
-}
-
-// Block b of strip s (of Q4_1 or Q8_0 quants, d and m) on its way into the caches, for nobody
-// to wait on it later: the GEMVs read three streams (quants, d, m), each running on from one strip
-// to the next (a thread's strips are consecutive), and ask for each GEMV_AHEAD blocks ahead (past
-// the end: a prefetch does not fault). Streaming the default model's 120 layer GEMMs at 1-6 rows
-// on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to ~42 GB/s).
-static inline void prefetch_block(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
-                                  int64_t b) {
-    const int64_t nb = K / 32, qbytes = bits == 4 ? 16 * NS : 32 * NS;
-    const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
-    for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
-    for (int64_t o = 0; o < NS; o += 16) {
-        __builtin_prefetch(d + (s * nb + b) * NS + o, 0, 0);
-        if (bits == 4) __builtin_prefetch(m + (s * nb + b) * NS + o, 0, 0);
     }
 }
 
@@ -195,8 +189,6 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, in
         _mm512_mask_storeu_ps(y + i * y_stride + n0 + 16, live1, acc[i][1]);
     }
 }
-
-#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
 
 #if defined(__AVX512BF16__)
 // bfloat16 models (round_bf16) on CPUs with AVX512-BF16 (Q4_1 at any row count, Q8_0 from
@@ -382,6 +374,152 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
 #endif
 #endif
 
+#if !defined(__AVX512F__)
+// The same two paths for every other level, over vec.h's VL lanes (AVX2 + FMA: 8; generic C: 8):
+// NV vectors per strip, the same sums in the same order per lane as the AVX-512 code, so every
+// level computes each output from the same products (summed in lanes of another width).
+#define NV (NS / VL)
+#define MB_P 6  // rows per register tile: 2 vectors of 6 rows are 12 of AVX2's 16 registers
+
+// acc[i] += d * part[i] (+ m * the block's sum of row i's x, for Q4_1), as scale_block.
+static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int bits, const float* db,
+                                                                const float* mb, const float* xs, int64_t nb,
+                                                                vf (*part)[NV], vf (*acc)[NV]) {
+    for (int64_t h = 0; h < NV; h++) {
+        const vf dv = vf_load(db + VL * h);
+        for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(dv, part[i][h], acc[i][h]);
+        if (bits == 4) {
+            const vf mv = vf_load(mb + VL * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(mv, vf_set1(xs[i * nb]), acc[i][h]);
+        }
+    }
+}
+
+// Features of vector h of a strip that exist, `left` from the strip's start on: all VL, or fewer.
+static inline int64_t lanes_live(int64_t left, int64_t h) {
+    left -= VL * h;
+    return left >= VL ? VL : left > 0 ? left : 0;
+}
+
+static inline void store_live(float* y, vf v, int64_t live) {
+    if (live == VL) vf_store(y, v);
+    else if (live > 0) vf_store_n(y, v, live);
+}
+
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, nb = K / 32;
+    vf acc[GEMV_ROWS][NV];
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t h = 0; h < NV; h++) acc[i][h] = vf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        vf part[GEMV_ROWS][NV];
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t h = 0; h < NV; h++) part[i][h] = vf_zero();
+        prefetch_block(bits, q, d, m, s, K, b + GEMV_AHEAD);
+        if (bits == 4) {
+            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+            for (int64_t p = 0; p < 16; p++) {
+                vf x0[GEMV_ROWS], x1[GEMV_ROWS];
+                for (int64_t i = 0; i < R; i++) {
+                    x0[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p]);
+                    x1[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p + 1]);
+                }
+                for (int64_t h = 0; h < NV; h++) {
+                    vf even, odd;
+                    vf_from_nibbles(qb + p * NS + VL * h, &even, &odd);
+                    for (int64_t i = 0; i < R; i++) {
+                        part[i][h] = vf_fma(x0[i], even, part[i][h]);
+                        part[i][h] = vf_fma(x1[i], odd, part[i][h]);
+                    }
+                }
+            }
+        } else {
+            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
+            for (int64_t k = 0; k < 32; k++)
+                for (int64_t h = 0; h < NV; h++) {
+                    const vf qv = vf_from_i8(qb + k * NS + VL * h);
+                    for (int64_t i = 0; i < R; i++)
+                        part[i][h] = vf_fma(vf_set1(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
+                }
+        }
+        scale_block_p(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+    }
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t h = 0; h < NV; h++) store_live(y + i * y_stride + n0 + VL * h, acc[i][h], lanes_live(N - n0, h));
+}
+
+// Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS], each d * q (+ m) as unpack.
+static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
+                          int64_t k0, int64_t kn, float* wbuf) {
+    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
+        const float* db = d + (s * (K / 32) + b) * NS;
+        const float* mb = m + (s * (K / 32) + b) * NS;
+        for (int64_t h = 0; h < NV; h++) {
+            const vf dv = vf_load(db + VL * h), mv = bits == 4 ? vf_load(mb + VL * h) : vf_zero();
+            for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+                float* w = wbuf + (k - k0) * NS + VL * h;
+                if (bits == 4) {
+                    vf even, odd;
+                    vf_from_nibbles(q + (s * (K / 2) + k / 2) * NS + VL * h, &even, &odd);
+                    vf_store(w, vf_add(vf_mul(dv, even), mv));
+                    vf_store(w + NS, vf_add(vf_mul(dv, odd), mv));
+                } else {
+                    const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + VL * h;
+                    vf_store(w, vf_mul(dv, vf_from_i8(qk)));
+                    vf_store(w + NS, vf_mul(dv, vf_from_i8(qk + NS)));
+                }
+            }
+        }
+    }
+}
+
+// y[m0 .. m0 + R, features h0 * VL .. (h0 + 2) * VL of the strip] (+)= x . wbuf, R <= MB_P rows.
+static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
+                                                       int64_t m0, const float* wbuf, int64_t h0, int64_t k0,
+                                                       int64_t kn, float* y, int64_t y_stride, int64_t n0, int64_t N,
+                                                       int first) {
+    const float* xr[MB_P];
+    for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
+    const int64_t live0 = lanes_live(N - n0, h0), live1 = lanes_live(N - n0, h0 + 1);
+    vf acc[MB_P][2];
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
+        acc[i][0] = first || !live0 ? vf_zero() : live0 == VL ? vf_load(yr) : vf_load_n(yr, live0);
+        acc[i][1] = first || !live1 ? vf_zero() : live1 == VL ? vf_load(yr + VL) : vf_load_n(yr + VL, live1);
+    }
+    for (int64_t k = 0; k < kn; k++) {
+        const vf w0 = vf_load(wbuf + k * NS + VL * h0), w1 = vf_load(wbuf + k * NS + VL * (h0 + 1));
+        for (int64_t i = 0; i < R; i++) {
+            const vf xv = vf_set1(xr[i][k]);
+            acc[i][0] = vf_fma(xv, w0, acc[i][0]);
+            acc[i][1] = vf_fma(xv, w1, acc[i][1]);
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
+        store_live(yr, acc[i][0], live0);
+        store_live(yr + VL, acc[i][1], live1);
+    }
+}
+
+#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, first); break;
+
+static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf, int64_t k0, int64_t kn, float* y,
+                  int64_t y_stride, int64_t n0, int64_t N, int first) {
+    for (int64_t h0 = 0; h0 < NV; h0 += 2)
+        for (int64_t m0 = 0; m0 < M; m0 += MB_P) {
+            switch (M - m0 < MB_P ? M - m0 : MB_P) {
+                TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
+            }
+        }
+}
+#endif
+
+#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
+
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
 // has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
 // round_bf16: the blocks stand for a bfloat16 model's weights, so their GEMMs (Q8_0: of
@@ -389,7 +527,6 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
 // this CPU has it.
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
-#if defined(__AVX512F__)
     if (K % 32 || M < 1) return 0;
     const int64_t strips = (N + NS - 1) / NS;
 #if defined(__AVX512BF16__)
@@ -423,10 +560,6 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
                 tiles(x, x_stride, M, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
             }
     }
+    (void)round_bf16;  // used where the CPU has AVX512-BF16
     return 1;
-#else
-    (void)bits; (void)q; (void)d; (void)m; (void)x; (void)x_stride; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
-    (void)round_bf16;
-    return 0;
-#endif
 }
