@@ -14,6 +14,7 @@ import torch
 
 from relay import Engine
 from relay.kernels import cpu as cpu_kernels
+from relay.kernels import isa
 from relay.layers import (INT4_MAX_ROWS, INT8_MAX_ROWS, W8A8_MIN_ROWS, Linear, int4_supported, quantize_int4,
                           quantize_int8, quantize_rows_int8, w8a8_weight)
 from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
@@ -155,8 +156,17 @@ def test_w8a8_is_the_integer_product_of_rows_rounded_to_int8(dtype):
     assert ((layer(few).double() - ref[:W8A8_MIN_ROWS - 1]).abs().max() / ref.abs().max()) > tolerance
 
 
+def test_w8a8_is_refused_where_int8_gemms_have_no_vnni(default_model_dir, monkeypatch):
+    """Held to AVX2 (as on a Zen 3), torch's int8 GEMM is a reference loop far slower than
+    float32: the mode is refused up front, naming what the CPU lacks, not served slowly."""
+    monkeypatch.setenv("RELAY_CPU_ISA", "avx2")
+    with pytest.raises(ValueError, match="quantization='w8a8' needs a CPU with VNNI"):
+        Engine(default_model_dir, quantization="w8a8", kv_cache_gb=0.2)
+
+
 @needs_kernels
 @pytest.mark.slow
+@pytest.mark.skipif(not isa.int8_dot_products(), reason="w8a8 is refused on this CPU (no VNNI): tested above")
 def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
     """16 requests at once: prompts and decode steps take the int8 x int8 GEMMs, and the answers
     stay the model's."""

@@ -85,6 +85,10 @@ class ModelRunner:
             raise ValueError(f"quantization={cfg.quantization!r} runs on CPU only")
         if cfg.quantization == "w8a8" and not cpu_kernels.available():
             raise ValueError("quantization='w8a8' needs Relay's CPU kernels (a C compiler; RELAY_CPU_KERNELS not 0)")
+        if cfg.quantization == "w8a8" and not isa.int8_dot_products():
+            raise ValueError(f"quantization='w8a8' needs a CPU with VNNI int8 dot products (AVX512-VNNI); this one "
+                             f"runs at {isa.level()!r}, where int8 GEMMs are slower than float32: use 'int8' "
+                             f"(weight-only) or no quantization")
         if cfg.quantization == "int4" and not int4_supported():
             raise ValueError("quantization='int4' needs torch's CPU int4 kernels (torch >= 2.6)")
         if self.device.type == "cpu":

@@ -27,7 +27,10 @@
 
 #define NS 32  // output features per strip
 #define KC 128  // inputs unpacked at a time (the last chunk of a row may be shorter)
-#define GEMV_ROWS 6  // at most this many rows go straight from the blocks (gemv_strip)
+#define GEMV_ROWS 6  // at most this many rows go straight from the blocks (gemv_strip) at a time
+#ifndef GEMV_GROUPS_MAX_ROWS
+#define GEMV_GROUPS_MAX_ROWS 6  // up to this many rows run as groups of GEMV_ROWS (more: unpacked tiles)
+#endif
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD 8  // blocks ahead the GEMVs prefetch (prefetch_block)
 #endif
@@ -518,7 +521,7 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
 }
 #endif
 
-#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, x, x_stride, xsum, y, y_stride, N); break;
+#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
 
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
 // has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
@@ -535,18 +538,26 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
         return 1;
     }
 #endif
-    if (M <= GEMV_ROWS) {
-        float xsum[GEMV_ROWS * (K / 32)];  // each row's sum over each block (Q4_1's m term)
+    if (M <= GEMV_GROUPS_MAX_ROWS) {
+        float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * (K / 32)));  // each row's sum per block (Q4_1's m)
         for (int64_t i = 0; i < (bits == 4 ? M : 0); i++)
             for (int64_t b = 0; b < K / 32; b++) {
                 float t = 0.f;
                 for (int64_t k = 0; k < 32; k++) t += x[i * x_stride + b * 32 + k];
                 xsum[i * (K / 32) + b] = t;
             }
+        const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS;  // row groups as even as they come
         _Pragma("omp parallel for schedule(static)")
-        for (int64_t s = 0; s < strips; s++) {
-            switch (M) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
-        }
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t g = 0, r0 = 0; g < groups; g++) {
+                const int64_t rows = M / groups + (g < M % groups);
+                const float* xg = x + r0 * x_stride;
+                const float* sg = xsum + r0 * (K / 32);
+                float* yg = y + r0 * y_stride;
+                switch (rows) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
+                r0 += rows;
+            }
+        free(xsum);
         return 1;
     }
     _Pragma("omp parallel")
