@@ -317,7 +317,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     tp0 = infos.get("tp0", {})
     server_info = {**cfg.to_dict(), "served_model_name": served_model, "model_dir": launcher.model_dir,
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
-                   "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__}
+                   "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__,
+                   "cpu_isa": isa.level()}
     guard = GuardConfig(api_key=ns.api_key, max_body_bytes=ns.max_request_body_bytes, body_timeout=ns.http_timeout,
                         allowed_hosts=default_allowed_hosts(ns.host, (ns.allowed_hosts or "").split(",")
                                                             if ns.allowed_hosts else None))
@@ -421,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     served_model = cfg.served_model_name or model_name(cfg.model_path)
     for feature in missing_features():
         logger.warning("off: %s", feature)
+    logger.info("CPU instruction-set level: %s", isa.describe())
     for path in remove_stale_ipc_dirs():
         logger.info("removed %s, left behind by a server that was killed", path)
     link = None

@@ -47,3 +47,25 @@ def test_the_launcher_refuses_an_unknown_level_before_anything_starts(monkeypatc
     with pytest.raises(SystemExit) as stop:
         serve.main([])
     assert stop.value.code == 2 and isa.ENV in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_server_held_to_avx2_serves_and_says_so(monkeypatch, default_model_dir):
+    """The whole server as an AVX2-only CPU runs it (a Zen 3): kernels built for avx2, torch held,
+    the default model's answer unchanged, and the level on /get_server_info and in the log."""
+    from tests.server_utils import Server
+
+    if not isa.at_least("avx2"):
+        pytest.skip("this CPU does not reach avx2")
+    monkeypatch.setenv(isa.ENV, "avx2")
+    server = Server("--kv-cache-gb", "0.2")
+    try:
+        with server.client() as c:
+            assert c.get("/get_server_info").json()["cpu_isa"] == "avx2"
+            body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+            assert "Paris" in c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert "CPU kernels built for avx2 (held there by RELAY_CPU_ISA)" in server.log
+    if isa.detected_level() != "avx2":
+        assert f"CPU instruction-set level: avx2 (held by {isa.ENV}" in server.log

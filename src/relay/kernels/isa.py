@@ -69,6 +69,13 @@ def level(env: dict[str, str] | None = None) -> str:
     return wanted
 
 
+def describe(current: str | None = None) -> str:
+    """The level for a log line: whether it is this CPU's own or held lower, and by what."""
+    current = current or level()
+    found = detected_level()
+    return current if current == found else f"{current} (held by {ENV}; this CPU reaches {found})"
+
+
 def at_least(name: str, current: str | None = None) -> bool:
     return LEVELS.index(current or level()) >= LEVELS.index(name)
 
