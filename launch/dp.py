@@ -25,7 +25,8 @@ what killed it (a crash, the OOM killer, a bad device) would most likely kill it
 a restart loop would hide that behind a server that looks up; capacity drops by one
 replica, loudly (an error log line, the router's /workers, the replica's missing series),
 until the operator restarts the server. SIGINT/SIGTERM stop the router (it lets requests in
-flight finish for up to 5 s, the replicas still serving them), then the replicas, and exit 0.
+flight finish for up to 5 s, the replicas still serving them), then the replicas, and exit 0, or
+1 where a replica or the router had died before the signal.
 """
 from __future__ import annotations
 
@@ -309,6 +310,17 @@ class Supervisor:
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("could not remove replica %s from the router (%s); its health checks will", replica.name, e)
 
+    def died(self) -> list[str]:
+        """The replicas and the router that had exited on their own, each as a line for the log:
+        asked when a stop signal comes, which must not make the exit status 0 after a death (as
+        a single server's launcher does). One ended by SIGTERM was stopped with the server."""
+        from launch.serve import exit_code
+
+        procs = [("the router (sglang-router)", self.router), *[(f"replica {r.name}", r.proc) for r in self.replicas]]
+        codes = [(who, proc, exit_code(proc)) for who, proc in procs if proc is not None]
+        return [f"{who} (pid {proc.pid}) exited with code {code}" for who, proc, code in codes
+                if code is not None and code != -signal.SIGTERM]
+
     def stop(self) -> None:
         """The front door and the router first (no new requests; those in flight may finish),
         then every replica; SIGKILL to a process group that has not stopped after its grace period."""
@@ -370,7 +382,10 @@ def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
               f"its metrics on port {ns.router_prometheus_port})", flush=True)
         return sup.supervise()
     except KeyboardInterrupt:
-        return 0
+        deaths = sup.died()
+        for death in deaths:
+            logger.error("%s before the stop signal: exiting 1", death)
+        return 1 if deaths else 0
     except RuntimeError as e:
         logger.error("%s", e)
         return 1

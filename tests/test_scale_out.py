@@ -255,7 +255,8 @@ def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything
     left = titled(server)
     assert "sglang::router" in left and "relay::http dp0" in left
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 0
+    assert server.proc.wait(30) == 1, "a replica had died: the stop must not hide it"
+    assert any("replica dp1" in l and "before the stop signal: exiting 1" in l for l in server.lines), server.log
     wait_until(lambda: not [p for p in left.values() if alive(p)], 10, "the router and every replica process gone")
 
 
@@ -444,6 +445,22 @@ def test_supervision_policy_on_stand_in_processes():
     try:
         with pytest.raises(TimeoutError):  # one replica left: still supervising
             _run_for(sup.supervise, 2.0)
+    finally:
+        sup.stop()
+
+
+def test_a_stop_after_a_death_names_it():
+    """SIGTERM after a replica (or the router) died must exit non-zero: died() names who."""
+    reps = [dp.Replica(f"dp{i}", 1, proc=subprocess.Popen(["sleep", "60"])) for i in range(2)]
+    sup = dp.Supervisor(argparse.ArgumentParser(), _Args(host="127.0.0.1", port=free_port()), reps, free_port())
+    sup.router = subprocess.Popen(["sleep", "60"])
+    try:
+        assert sup.died() == []
+        reps[1].proc.kill()
+        reps[1].proc.wait()  # as the supervisor's watch thread does: reaped already
+        sup.router.terminate()  # stopped with the server (a signal to its process group): no death
+        sup.router.wait()
+        assert sup.died() == [f"replica dp1 (pid {reps[1].proc.pid}) exited with code -9"]
     finally:
         sup.stop()
 
