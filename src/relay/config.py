@@ -55,8 +55,8 @@ class EngineConfig:
     # Constrained decoding (relay/grammar.py): the most bytes a constraint's text may have (a
     # JSON schema, a forced tool call's, a regex or an EBNF grammar; larger is a 400 naming the
     # field), and the seconds a request waits for its grammar to compile before it ends with a
-    # 400 naming the field. A compile cannot be interrupted, so the byte limit is also what
-    # bounds how long one holds a compile thread.
+    # 400 naming the field. A compile under way cannot be interrupted (xgrammar has no way to):
+    # the request ends at the timeout, its compile runs on (see grammar.COMPILE_WORKERS).
     max_constraint_bytes: int = 128 * 1024
     grammar_compile_timeout: float = 30.0
     disable_radix_cache: bool = False

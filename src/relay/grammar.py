@@ -39,8 +39,22 @@ from relay.sampling_params import InvalidParam
 BITS = 32  # tokens per bitmask word
 CACHE_ENTRIES = 256  # distinct compiled grammars kept (a schema's is ~100 KB)
 # Compiles at once. A compile cannot be interrupted, so one that overruns its timeout holds its
-# thread until it ends (--max-constraint-bytes bounds how long); the other threads keep
-# compiling meanwhile. More threads than cores only share them.
+# thread until it ends; the other threads keep compiling meanwhile. More threads than cores only
+# share them.
+#
+# Why not interrupted: xgrammar 0.2.9 has no way to stop a compile under way (GrammarCompiler's
+# compile_* take no deadline or cancel token, and its C++ never checks for signals; upstream's
+# feature request mlc-ai/xgrammar#298 is open). Only a process can be stopped mid-compile, and a
+# compile in a subprocess would have to come back serialized: CompiledGrammar.serialize_json of
+# a schema nested 200 deep (0.66 s to compile) is 6.4 MB, 0.24 s to write and 0.10 s to read back,
+# half the compile again on every request, beside a pool of processes to keep and restart. The
+# request itself is bounded (--grammar-compile-timeout answers it with a 400; a queued compile
+# whose requesters all went is dropped), the threads run niced (COMPILE_NICENESS), and a plain
+# request never waits for any of them. What is not bounded is how long an overrunning compile
+# holds its thread: --max-constraint-bytes bounds a schema's breadth well (0.55 s for 128 KiB of
+# tool schemas), not its depth, where xgrammar's time grows about as depth cubed (on the 2-core
+# box: nested objects 200 deep, 11 KB: 0.66 s; 400: 5.6 s; 800, 43 KB: 54 s). Four such
+# requests hold the four threads, and constrained requests meanwhile get the timeout's 400.
 COMPILE_WORKERS = 4
 # Compile threads run this much nicer than the process (Linux: per thread): where the cores are
 # busy, the model runner's steps, which every running request waits for, get them first.
@@ -246,7 +260,8 @@ class GrammarBackend:
         self.live -= 1
         entry.requesters -= 1
         # Nobody waits for it any more: a compile still queued is dropped. One under way cannot
-        # be stopped; it ends in the cache, where the next request with its text finds it.
+        # be stopped (see COMPILE_WORKERS); it ends in the cache, where the next request with its
+        # text finds it.
         if entry.requesters == 0 and entry.future.cancel():
             self.cancelled += 1
             if self._cache.get(key) is entry:
