@@ -72,7 +72,11 @@ FLAG_HELP = {
     "disable_radix_cache": "turn off prefix caching",
     "context_length": "override the model's context length",
     "attention_backend": "torch (CPU), triton or flashinfer (CUDA), or auto",
-    "num_threads": "torch threads per model-runner rank (default: cores / tp)",
+    "num_threads": ("torch threads per model-runner rank, fixed (default: cores / tp, fewer while other "
+                    "processes keep the cores busy: see --disable-thread-backoff)"),
+    "disable_thread_backoff": ("CPU: keep the default thread count while other processes load the cores (by "
+                               "default a rank whose threads wait for their cores runs on fewer, and tries more "
+                               "again once the cores have room)"),
     "seed": "seed for sampling requests that set no seed",
     "load_format": f"one of {LOAD_FORMATS}: dummy = random weights; dummy-null = no model (pipeline benchmark)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",

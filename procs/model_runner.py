@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import zmq
 
@@ -62,8 +63,10 @@ def main(args: ProcArgs) -> None:
         results = push(ctx, endpoint(args.ipc_dir, RUNNER_RESULT))
         send(results, Ready("tp0", info=info))
     announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
+    backoff = getattr(runner, "thread_backoff", None)  # fewer threads while other work loads the cores
     while True:
         batch = decode(inbox.recv())
+        start = time.perf_counter()
         try:
             out = runner.forward(batch)
         except Exception as e:
@@ -73,6 +76,8 @@ def main(args: ProcArgs) -> None:
             out = BatchOutput(batch.step, [], error=f"model step failed: {type(e).__name__}: {e}")
         if leader:
             send(results, out)
+        if backoff is not None:
+            backoff.after_step(time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ class EngineConfig:
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch threads per rank; default: cores // tp_size
+    # CPU: with the default thread count, a rank whose threads wait for their cores (other
+    # processes busy on them) runs on fewer until the cores are free again (relay/thread_backoff.py).
+    # A --num-threads given keeps its count.
+    disable_thread_backoff: bool = False
     seed: int = 0
     load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
     disable_cuda_graph: bool = False

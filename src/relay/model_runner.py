@@ -31,6 +31,7 @@ from relay.sampler import SampleResult, Sampler
 from relay.sampling_params import SamplingParams
 from relay.speculative.draft_check import check_draft_model, draft_model_dir
 from relay.speculative.draft_model import Drafter
+from relay.thread_backoff import ThreadBackoff, backoff_supported
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,14 @@ class ModelRunner:
                              f"(weight-only) or no quantization")
         if cfg.quantization == "int4" and not int4_supported():
             raise ValueError("quantization='int4' needs torch's CPU int4 kernels (torch >= 2.6)")
+        # What the step loop calls after every step on CPU (None: the thread count stays).
+        self.thread_backoff: ThreadBackoff | None = None
         if self.device.type == "cpu":
             # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
-            torch.set_num_threads(cfg.num_threads or max(1, available_cores() // self.tp.size))
+            threads = cfg.num_threads or max(1, available_cores() // self.tp.size)
+            torch.set_num_threads(threads)
+            if cfg.num_threads is None and not cfg.disable_thread_backoff and threads > 1 and backoff_supported():
+                self.thread_backoff = ThreadBackoff(threads)
         else:
             torch.cuda.set_device(self.device)
         self.context_len = cfg.context_length or mc.max_position_embeddings
