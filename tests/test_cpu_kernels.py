@@ -38,7 +38,7 @@ def reference(q, k, v, tables, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("d", [16, 20, 64, 80, 128])  # 20: not whole vectors (the plain C kernel)
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 9])
 @pytest.mark.parametrize("io,kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                    (torch.float32, torch.bfloat16)])
@@ -181,39 +181,54 @@ def dense_causal(q, k, v, table, prefix, n, scale):
     return torch.einsum("hnl,hld->nhd", p, vals)
 
 
-@pytest.mark.parametrize("d", [16, 64, 80, 128])
-@pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_attention_matches_dense(bf16_level, d, group, dtype):
+def check_extend_attention(lib, level, d, group, io, kv):
+    """extend_attention against dense causal attention, or its refusal where the level at `level`
+    does not take these dtypes and head_dim (the backend keeps torch's SDPA there)."""
     rng = np.random.default_rng(d + group)
     hkv = 2
     prefix_lens, extend_lens = [0, 37, 16, 300], [40, 5, 33, 17]
     free = rng.permutation(np.arange(1, 300)).tolist()
     tables = [[free.pop() for _ in range(-(-(p + e) // PS))] for p, e in zip(prefix_lens, extend_lens)]
-    k = torch.randn(hkv, 300 * PS, d).to(dtype)
-    v = torch.randn(hkv, 300 * PS, d).to(dtype)
+    k = torch.randn(hkv, 300 * PS, d).to(kv)
+    v = torch.randn(hkv, 300 * PS, d).to(kv)
     total = sum(extend_lens)
-    qkv = torch.randn(total, hkv * group * d + 7).to(dtype)  # q as a strided view into a wider row
+    qkv = torch.randn(total, hkv * group * d + 7).to(io)  # q as a strided view into a wider row
     q = qkv[:, :hkv * group * d].view(total, hkv * group, d)
     starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).tolist()
     plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
-    out = torch.zeros(total, hkv * group, d, dtype=dtype)
-    supported = cpu.tiled_attention_available(dtype, dtype, d)  # AVX-512 (bf16 x bf16: AVX512-BF16)
-    assert cpu.extend_attention(bf16_level, plan, q, k, v, out, PS, d ** -0.5) == supported
+    out = torch.zeros(total, hkv * group, d, dtype=io)
+    # float32 (a bfloat16 cache widened) at every level, head_dim whole vectors of 8 (16 with
+    # AVX-512); bfloat16 x bfloat16 on VDPBF16PS with AVX512-BF16, head_dim pairs of 16
+    vdpbf16 = io == kv == torch.bfloat16 and isa.at_least("avx512bf16", level)
+    supported = d % (32 if vdpbf16 else 16 if isa.at_least("avx512", level) else 8) == 0
+    assert cpu.tiled_attention_available(io, kv, d) == supported
+    assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d ** -0.5) == supported
     if not supported:
-        return  # the backend keeps torch's SDPA there
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+        return
+    tol = 1e-4 if io == torch.float32 else 3e-2  # (a bfloat16 cache's values are the reference's too)
     for table, p, e, s0 in zip(tables, prefix_lens, extend_lens, starts):
         ref = dense_causal(q[s0:s0 + e], k, v, table, p, e, d ** -0.5)
         torch.testing.assert_close(out[s0:s0 + e].float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
-def test_decode_attention_over_shared_prefixes_matches_dense(bf16_level, d, group, dtype):
-    """Requests that share a cached prefix's pages attend it in one pass (cascade): same result."""
-    if not cpu.tiled_attention_available(dtype, dtype, d):
-        pytest.skip("cascade attention needs AVX-512 (AVX512-BF16 for bfloat16)")
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_extend_attention_matches_dense(bf16_level, d, group):
+    # (held at amx or avx512bf16: either reaches avx512bf16, all that the expectations ask)
+    check_extend_attention(bf16_level, "avx512bf16", d, group, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_float32_extend_attention_matches_dense_at_every_level(level_lib, kernel_level, d, group, kv):
+    check_extend_attention(level_lib, kernel_level, d, group, torch.float32, kv)
+
+
+def check_shared_prefixes(lib, level, d, group, io, kv):
+    """Requests that share a cached prefix's pages attend it in one pass (cascade): the same result
+    as dense attention, and as each request alone."""
+    assert cpu.tiled_attention_available(io, kv, d)  # (head_dim 64 and 128: at every level, in every dtype)
     rng = np.random.default_rng(d)
     hkv = 2
     free = rng.permutation(np.arange(1, 500)).tolist()
@@ -225,13 +240,27 @@ def test_decode_attention_over_shared_prefixes_matches_dense(bf16_level, d, grou
     for n, pre in zip(lens, prefixes):
         own = -(-n // PS) - len(pre)
         tables.append(pre + [free.pop() for _ in range(own)])
-    k = torch.randn(hkv, 500 * PS, d).to(dtype)
-    v = torch.randn(hkv, 500 * PS, d).to(dtype)
-    q = torch.randn(len(lens), hkv * group, d).to(dtype)
+    k = torch.randn(hkv, 500 * PS, d).to(kv)
+    v = torch.randn(hkv, 500 * PS, d).to(kv)
+    q = torch.randn(len(lens), hkv * group, d).to(io)
     plan = cpu.DecodePlan(tables, lens, PS, share=True)
     assert plan.num_groups == 2  # system_a's four (one only partly) and system_b's two
-    out = cpu.decode_attention(bf16_level, plan, q, k, v, PS, d ** -0.5)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens, d ** -0.5), atol=tol, rtol=tol)
-    alone = cpu.decode_attention(bf16_level, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
+    out = cpu.decode_attention(lib, plan, q, k, v, PS, d ** -0.5)
+    # float queries over a bfloat16 cache go to VDPBF16PS rounded to bfloat16 with AVX512-BF16
+    rounded = io == torch.float32 and kv == torch.bfloat16 and isa.at_least("avx512bf16", level)
+    tol = 2e-2 if io == torch.bfloat16 else 5e-3 if rounded else 1e-4
+    expect = reference(q.to(torch.bfloat16) if rounded else q, k, v, tables, lens, d ** -0.5)
+    torch.testing.assert_close(out.float(), expect, atol=tol, rtol=tol)
+    alone = cpu.decode_attention(lib, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d ** -0.5)
     torch.testing.assert_close(out.float(), alone.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
+def test_decode_attention_over_shared_prefixes_matches_dense(bf16_level, d, group):
+    check_shared_prefixes(bf16_level, "avx512bf16", d, group, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (64, 1)])
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_float32_decode_over_shared_prefixes_at_every_level(level_lib, kernel_level, d, group, kv):
+    check_shared_prefixes(level_lib, kernel_level, d, group, torch.float32, kv)

@@ -163,8 +163,9 @@ GEMM_BF16_MAX_ROWS = 3
 def tiled_attention_available(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernels that take many query rows per tile of keys run with these query and
     cache dtypes here: extend_attention (prompt chunks) and decode_attention's cascade (a group's
-    shared prefix attended once for all of it). bfloat16 with AVX512-BF16; float32, or bfloat16
-    widened, with AVX-512."""
+    shared prefix attended once for all of it). float32, or bfloat16 widened, at every level (head_dim
+    a multiple of 16 with AVX-512, of 8 below); bfloat16 queries over a bfloat16 cache on VDPBF16PS
+    with AVX512-BF16 (head_dim a multiple of 32)."""
     lib = load()
     return lib is not None and bool(lib.relay_tiled_attention_available(int(q_dtype == torch.bfloat16),
                                                                 int(kv_dtype == torch.bfloat16), head_dim))

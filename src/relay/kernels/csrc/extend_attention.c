@@ -1,4 +1,4 @@
-// Paged attention of prompt chunks for CPUs with AVX-512: each request's new tokens over its
+// Paged attention of prompt chunks for CPUs: each request's new tokens over its
 // cached prefix and themselves (causal), reading the KV cache in place.
 //
 // A work item is (request, kv head, block of 16 to 64 new tokens, item_block): its query rows
@@ -8,13 +8,15 @@
 // a query row, no horizontal sums), values as [32 key pairs][head_dim] pairs of keys (one
 // instruction: 16 output dimensions for two keys); the probabilities are rounded to bfloat16 for
 // the value products, as the values are, and output dimensions come out in the order of
-// VPUNPCK{L,H}WD, put back in order when written. Everything else (attend_rows_f32): float32
-// math, keys transposed to [head_dim][64] floats, bfloat16 values widened as they load.
+// VPUNPCK{L,H}WD, put back in order when written. Everything else (attend_rows_f32, at every
+// level over vec.h): float32 math, keys transposed to [head_dim][64] floats, bfloat16 values
+// widened as they load.
 // Softmax is online (flash attention) in base 2; in the bfloat16 kernel the scale goes into the
 // exponent's FMA and a row block's rescale factors are one vector exp (a libm exp2f per row and
 // tile, and the spills its call forced: without them the kernel ran 1.4-1.6x faster), and each tile prefetches the
-// next one's keys and values into L2 over its row blocks. head_dim must be a multiple of 16 (32 for the
-// bfloat16 kernel); extend_attention returns 0 otherwise and the caller uses torch's SDPA.
+// next one's keys and values into L2 over its row blocks. head_dim must be a multiple of VL (16 with
+// AVX-512, 8 below; 32 for the bfloat16 kernel); extend_attention returns 0 otherwise and the
+// caller uses torch's SDPA.
 //
 // Layouts: q rows q_stride elements apart, the heads of a token at (h * G + g) * D in its row;
 // out [T, H, D]; k, v caches "HND" [HKV, S, D]; tables [R, P] int32 page ids; per request r its
@@ -26,7 +28,7 @@
 #include <string.h>
 
 #include "amx.h"
-#include "simd.h"
+#include "vec.h"
 
 #define QB 16  // the fewest new tokens per work item (item_block)
 #define QB_MAX 64  // the most
@@ -47,16 +49,12 @@ static int by_cost_desc(const void* a, const void* b) {  // the dearest first: d
     return (y->keys > x->keys) - (y->keys < x->keys);
 }
 
-#if defined(__AVX512F__)
-// alpha[b] = 2^(m_old[b] - m_new[b]) for a row block's `rows` (<= 16) rows at once: how much the
+// alpha[b] = 2^(m_old[b] - m_new[b]) for a row block's `rows` (<= VL) rows at once: how much the
 // online softmax scales a row's sum and accumulators down by. Where m_old is still -inf it gives
-// 2^-126, which scales zeros.
+// 2^-126, which scales zeros. (With AVX-512: masked loads and stores, and vexp2's polynomial.)
 static inline void rescale_factors(const float* m_old, const float* m_new, float* alpha, int rows) {
-    const __mmask16 live = (__mmask16)((1u << rows) - 1u);
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, m_old), _mm512_maskz_loadu_ps(live, m_new));
-    _mm512_mask_storeu_ps(alpha, live, vexp2(d));
+    vf_store_n(alpha, vf_exp2(vf_sub(vf_load_n(m_old, rows), vf_load_n(m_new, rows))), rows);
 }
-#endif
 
 #if defined(__AVX512BF16__)
 // sc[b][w]: the raw scores of query row b (bf16 pairs at qp[b]) against the tile's keys 16w to
@@ -483,20 +481,105 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
 }
 #endif
 
-#if defined(__AVX512F__)
 // The float32 twin of attend_rows, for float32 caches and for CPUs without AVX512-BF16 (bfloat16
-// values are widened as they load). qs [rows, D]: the query rows as floats, already scaled by
-// qscale; acc comes out in order. A tile's keys are transposed once into kt [D][KT] so a row's
-// scores for 16 keys are one FMA per dimension with no horizontal sums, and each loaded key or
-// value vector serves RB rows: a small GEMM per tile rather than a dot product per key.
-// NC (head_dim / 16) is a compile-time constant in each instance (attend_rows_f32 below), so the
-// accumulators of a row block stay in registers: with a runtime NC the compiler kept them on the
-// stack and copied them out with rep movs (5 % of the kernel's time).
+// values are widened as they load), one source for every level over vec.h's VL lanes (AVX-512: 16,
+// AVX2 + FMA: 8, generic C: 8). qs [rows, D]: the query rows as floats, already scaled by qscale;
+// acc comes out in order. A tile's keys are transposed once into kt [D][KT] (vf_transpose, VL x VL
+// at a time) so a row's scores for VL keys are one FMA per dimension with no horizontal sums, and
+// each loaded key or value vector serves RBF rows: a small GEMM per tile rather than a dot product
+// per key, on register tiles of RBF rows x NW vectors (NW * VL keys over every dimension for the
+// scores, NW * VL output dimensions over the keys for the values). The scores go through memory
+// (sc) for the softmax, which runs without masks. Against the AVX-512 kernel it replaced (scores
+// kept in registers, masked softmax), the same speed at AVX-512 (4 x 64 tokens over a 1,024-token
+// prefix, 1 x 256 with none; head_dim 64 and 128; float32 and bfloat16 caches; 0.96-1.00x time).
+#define NW (VL == 16 ? 4 : 2)  // 6 x 4 of AVX-512's 32 registers, 6 x 2 of AVX2's 16 (KT: a multiple of NW * VL)
+
+// sc[b][j]: query row q[b] (RBF rows of D floats) against key j of the tile (kt [D][KT]), for the
+// first `used` vectors of keys (rounded up to NW).
+static inline __attribute__((always_inline)) void tile_scores_f32(const int64_t D, const float* const* q,
+                                                                  const float* kt, int64_t used, float (*sc)[KT]) {
+    for (int64_t w0 = 0; w0 < used; w0 += NW) {
+        vf acc[RBF][NW];
+        for (int64_t b = 0; b < RBF; b++)
+            for (int64_t w = 0; w < NW; w++) acc[b][w] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            vf kk[NW];
+            for (int64_t w = 0; w < NW; w++) kk[w] = vf_load(kt + d * KT + (w0 + w) * VL);
+            for (int64_t b = 0; b < RBF; b++) {
+                const vf qq = vf_set1(q[b][d]);
+                for (int64_t w = 0; w < NW; w++) acc[b][w] = vf_fma(qq, kk[w], acc[b][w]);
+            }
+        }
+        for (int64_t b = 0; b < RBF; b++)
+            for (int64_t w = 0; w < NW; w++) vf_store(sc[b] + (w0 + w) * VL, acc[b][w]);
+    }
+}
+
+// The largest of s[0, n).
+static inline float row_max(const float* s, int64_t n) {
+    vf top = vf_set1(-INFINITY);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) top = vf_max(top, vf_load(s + j));
+    float mx = vf_hmax(top);
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
+
+// s[0, n) -> the softmax numerators 2^(s - mx) in place, and 0 from n up to `end` (a multiple of
+// VL: the keys the row does not see, whose probabilities the value products read); returns their sum.
+static inline float row_numerators(float* s, int64_t n, int64_t end, float mx) {
+    const vf mv = vf_set1(mx);
+    vf sum = vf_zero();
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+        const vf p = vf_exp2(vf_sub(vf_load(s + j), mv));
+        vf_store(s + j, p);
+        sum = vf_add(sum, p);
+    }
+    float total = vf_sum(sum);
+    if (j < n) {  // the last n - j, the rest of their vector zeroed
+        const vf p = vf_exp2(vf_sub(vf_load(s + j), mv));
+        vf_store(s + j, vf_zero());
+        vf_store_n(s + j, p, n - j);
+        for (int64_t i = j; i < n; i++) total += s[i];
+        j += VL;
+    }
+    for (; j < end; j += VL) vf_store(s + j, vf_zero());
+    return total;
+}
+
+// acc [nr, D] (a row block's) = acc * alpha + p . V over the tile's first `seen` keys, for the NV
+// vectors of output dimensions from vector c0 on (p: the block's probabilities).
+static inline __attribute__((always_inline)) void value_block(const int64_t NV, const int64_t D, int64_t c0,
+                                                              float (*p)[KT], const float* alpha, const int64_t* row,
+                                                              int64_t seen, const void* vh, int kv_bf16, float* acc,
+                                                              int64_t nr) {
+    vf av[RBF][NW];
+    for (int64_t b = 0; b < RBF; b++)
+        for (int64_t c = 0; c < NV; c++)
+            av[b][c] = vf_mul(vf_load(acc + (b < nr ? b : 0) * D + (c0 + c) * VL), vf_set1(alpha[b]));
+    for (int64_t j = 0; j < seen; j++) {
+        vf vv[NW];  // the values first, then one weight at a time (all RBF weights first spilled on AVX2)
+        for (int64_t c = 0; c < NV; c++) vv[c] = vf_load_act((const char*)vh + row[j], (c0 + c) * VL, kv_bf16);
+        for (int64_t b = 0; b < RBF; b++) {
+            const vf pw = vf_set1(p[b][j]);
+            for (int64_t c = 0; c < NV; c++) av[b][c] = vf_fma(pw, vv[c], av[b][c]);
+        }
+    }
+    for (int64_t b = 0; b < nr; b++)
+        for (int64_t c = 0; c < NV; c++) vf_store(acc + b * D + (c0 + c) * VL, av[b][c]);
+}
+
+// Query rows qs over keys [k0, k1) of one kv head, each row seeing keys below its own limit[r]
+// only; updates each row's online-softmax state m, l and acc [rows, D]. kt: D * KT floats. NC
+// (head_dim / VL) and kv_bf16 are compile-time constants in each instance (attend_rows_f32 below),
+// so the accumulators of a row block stay in registers: with a runtime NC the compiler kept them
+// on the stack and copied them out with rep movs (5 % of the AVX-512 kernel's time).
 static inline __attribute__((always_inline)) void attend_rows_f32_nc(
         const int64_t NC, const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
         int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, float* m, float* l, float* acc,
         float* kt) {
-    const int64_t D = NC * 16;
+    const int64_t D = NC * VL;
     const size_t esz = kv_bf16 ? 2 : 4;
     int64_t row[KT];  // byte offset of each of the tile's tokens in a kv head's [S, D] block
     for (int64_t base = k0; base < k1; base += KT) {
@@ -505,88 +588,51 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
             const int64_t t = base + j;
             row[j] = ((int64_t)table[t / PS] * PS + t % PS) * D * (int64_t)esz;
         }
-        for (int64_t w = 0; w < KT / 16; w++)
+        for (int64_t w = 0; w < KT / VL; w++)  // keys past n: zeros
             for (int64_t dc = 0; dc < NC; dc++) {
-                __m512i r[16];
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t key = w * 16 + j;
-                    r[j] = key < n ? _mm512_castps_si512(vload((const char*)kh + row[key], dc * 16, kv_bf16))
-                                   : _mm512_setzero_si512();
+                vf r[VL];
+                for (int64_t j = 0; j < VL; j++) {
+                    const int64_t key = w * VL + j;
+                    r[j] = key < n ? vf_load_act((const char*)kh + row[key], dc * VL, kv_bf16) : vf_zero();
                 }
-                transpose16_epi32(r);
-                for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(kt + (dc * 16 + i) * KT + w * 16, r[i]);
+                vf_transpose(r);
+                for (int64_t i = 0; i < VL; i++) vf_store(kt + (dc * VL + i) * KT + w * VL, r[i]);
             }
         for (int64_t r0 = 0; r0 < rows; r0 += RBF) {
             const int64_t nr = rows - r0 < RBF ? rows - r0 : RBF;
             int64_t visible[RBF], seen = 0;
+            const float* q[RBF];
             for (int64_t b = 0; b < RBF; b++) {
                 const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
                 visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
                 seen = visible[b] > seen ? visible[b] : seen;
+                q[b] = qs + (r0 + (b < nr ? b : 0)) * D;
             }
             if (seen == 0) continue;
-            __m512 sc[RBF][KT / 16];
-            for (int64_t b = 0; b < RBF; b++)
-                for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                __m512 qq[RBF];
-                for (int64_t b = 0; b < RBF; b++) qq[b] = _mm512_set1_ps(qs[(r0 + (b < nr ? b : 0)) * D + d]);
-                for (int64_t w = 0; w < KT / 16; w++) {
-                    const __m512 kk = _mm512_loadu_ps(kt + d * KT + w * 16);
-                    for (int64_t b = 0; b < RBF; b++) sc[b][w] = _mm512_fmadd_ps(qq[b], kk, sc[b][w]);
-                }
-            }
-            float pf[RBF][KT] __attribute__((aligned(64)));
+            const int64_t used = (seen + VL - 1) / VL;
+            float sc[RBF][KT] __attribute__((aligned(64)));
+            tile_scores_f32(D, q, kt, used, sc);
             float alpha[RBF], m_old[RBF], mx[RBF];
-            __mmask16 live[RBF][KT / 16];
             for (int64_t b = 0; b < RBF; b++) {  // each row's new max (rows that see nothing keep theirs)
                 m_old[b] = mx[b] = m[r0 + (b < nr ? b : 0)];
                 if (visible[b] == 0) continue;
-                __m512 mxv = _mm512_set1_ps(-INFINITY);
-                for (int64_t w = 0; w < KT / 16; w++) {
-                    const int64_t left = visible[b] - w * 16;
-                    live[b][w] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    mxv = _mm512_mask_max_ps(mxv, live[b][w], mxv, sc[b][w]);
-                }
-                const float mx_tile = _mm512_reduce_max_ps(mxv);
+                const float mx_tile = row_max(sc[b], visible[b]);
                 mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
             }
             rescale_factors(m_old, mx, alpha, RBF);
-            for (int64_t b = 0; b < RBF; b++) {
+            for (int64_t b = 0; b < RBF; b++) {  // sc -> probabilities (0 where a row sees no key)
                 if (visible[b] == 0) {
                     alpha[b] = 1.f;
-                    memset(pf[b], 0, sizeof(pf[b]));
+                    memset(sc[b], 0, sizeof(float) * (size_t)(used * VL));
                     continue;
                 }
                 const int64_t rr = r0 + b;
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t w = 0; w < KT / 16; w++) {
-                    const __m512 p = _mm512_maskz_mov_ps(live[b][w],
-                                                         vexp2(_mm512_sub_ps(sc[b][w], _mm512_set1_ps(mx[b]))));
-                    sum = _mm512_add_ps(sum, p);
-                    _mm512_store_ps(pf[b] + w * 16, p);
-                }
-                l[rr] = l[rr] * alpha[b] + _mm512_reduce_add_ps(sum);
+                l[rr] = l[rr] * alpha[b] + row_numerators(sc[b], visible[b], used * VL, mx[b]);
                 m[rr] = mx[b];
             }
-            for (int64_t c0 = 0; c0 < NC; c0 += 4) {  // acc += p . V, 64 output dims at a time
-                const int64_t nc = NC - c0 < 4 ? NC - c0 : 4;
-                __m512 av[RBF][4];
-                for (int64_t b = 0; b < RBF; b++)
-                    for (int64_t c = 0; c < nc; c++)
-                        av[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + (b < nr ? b : 0)) * D + (c0 + c) * 16),
-                                                 _mm512_set1_ps(alpha[b]));
-                for (int64_t j = 0; j < seen; j++) {
-                    __m512 pw[RBF];
-                    for (int64_t b = 0; b < RBF; b++) pw[b] = _mm512_set1_ps(pf[b][j]);
-                    for (int64_t c = 0; c < nc; c++) {
-                        const __m512 vv = vload((const char*)vh + row[j], (c0 + c) * 16, kv_bf16);
-                        for (int64_t b = 0; b < RBF; b++) av[b][c] = _mm512_fmadd_ps(pw[b], vv, av[b][c]);
-                    }
-                }
-                for (int64_t b = 0; b < nr; b++)
-                    for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(acc + (r0 + b) * D + (c0 + c) * 16, av[b][c]);
-            }
+            int64_t c0 = 0;  // acc += p . V, NW * VL output dims at a time (a count gcc knows: no spills)
+            for (; c0 + NW <= NC; c0 += NW) value_block(NW, D, c0, sc, alpha, row, seen, vh, kv_bf16, acc + r0 * D, nr);
+            for (; c0 < NC; c0++) value_block(1, D, c0, sc, alpha, row, seen, vh, kv_bf16, acc + r0 * D, nr);
         }
     }
 }
@@ -594,18 +640,21 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
 static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
                             int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
                             float* m, float* l, float* acc, float* kt) {
+#define ROWS_F32(NCV, KV) attend_rows_f32_nc(NCV, qs, limit, rows, kh, vh, KV, table, PS, k0, k1, m, l, acc, kt)
+    // the cache's dtype a constant too: with a test of kv_bf16 at every load the value products spilled
     switch (D) {
-        case 64: attend_rows_f32_nc(4, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt); return;
-        case 128: attend_rows_f32_nc(8, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt); return;
-        default: attend_rows_f32_nc(D / 16, qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, m, l, acc, kt);
+        case 64: if (kv_bf16) ROWS_F32(64 / VL, 1); else ROWS_F32(64 / VL, 0); return;
+        case 128: if (kv_bf16) ROWS_F32(128 / VL, 1); else ROWS_F32(128 / VL, 0); return;
+        default: ROWS_F32(D / VL, kv_bf16);
     }
+#undef ROWS_F32
 }
 
-// Query row i (float32 or bfloat16) as floats times qscale into qs [i, D].
+// Query row i (float32 or bfloat16) as floats times qscale into qs [i, D] (D a multiple of VL).
 static void scaled_rows(const void* const* qrows, int64_t rows, int64_t D, int io_bf16, float qscale, float* qs) {
     for (int64_t rr = 0; rr < rows; rr++)
-        for (int64_t c = 0; c < D; c += 16)
-            _mm512_storeu_ps(qs + rr * D + c, _mm512_mul_ps(vload(qrows[rr], c, io_bf16), _mm512_set1_ps(qscale)));
+        for (int64_t c = 0; c < D; c += VL)
+            vf_store(qs + rr * D + c, vf_mul(vf_load_act(qrows[rr], c, io_bf16), vf_set1(qscale)));
 }
 
 // extend_item's float32 twin: out rows in the queries' dtype.
@@ -642,15 +691,13 @@ static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, con
         }
     }
 }
-#endif
 
 // relay_attend_shared for float32 (or bfloat16 without AVX512-BF16) queries and caches, with
-// attend_rows_f32; acc_out rows come out in order. Returns 0 without AVX-512.
+// attend_rows_f32; acc_out rows come out in order. Returns 0 where head_dim is not whole vectors.
 int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows, const void* kh, const void* vh,
                             int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
                             float qscale, float* const* acc_out, float* const* m_out, float* const* l_out) {
-#if defined(__AVX512F__)
-    if (D % 16 || D > EXT_MAX_D) return 0;
+    if (D % VL || D > EXT_MAX_D) return 0;
     float* work = (float*)malloc(sizeof(float) * (size_t)(rows * (2 * D + 2) + D * KT));
     float* acc = work;
     float* qs = acc + rows * D;
@@ -669,25 +716,17 @@ int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows,
     free(limit);
     free(work);
     return 1;
-#else
-    (void)qrows; (void)io_bf16; (void)rows; (void)kh; (void)vh; (void)kv_bf16; (void)table; (void)PS; (void)k0;
-    (void)k1; (void)D; (void)qscale; (void)acc_out; (void)m_out; (void)l_out;
-    return 0;
-#endif
 }
 
-// Which query/cache dtypes extend_attention and the cascade (relay_attend_shared*) take here.
+// Which query/cache dtypes extend_attention and the cascade (relay_attend_shared*) take here:
+// float32 (bfloat16 widened) at every level, head_dim whole vectors (VL: 16 with AVX-512, else 8);
+// bfloat16 with both bfloat16 on VDPBF16PS where the CPU has AVX512-BF16 (head_dim pairs of 16).
 int relay_tiled_attention_available(int io_bf16, int kv_bf16, int64_t D) {
 #if defined(__AVX512BF16__)
     if (io_bf16 && kv_bf16) return D % 32 == 0 && D <= EXT_MAX_D;
 #endif
-#if defined(__AVX512F__)
     (void)io_bf16; (void)kv_bf16;
-    return D % 16 == 0 && D <= EXT_MAX_D;
-#else
-    (void)io_bf16; (void)kv_bf16; (void)D;
-    return 0;
-#endif
+    return D % VL == 0 && D <= EXT_MAX_D;
 }
 
 // Work items when each covers up to qb of a request's new tokens, per kv head.
@@ -712,7 +751,6 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
                      int io_bf16, int kv_bf16) {
-#if defined(__AVX512F__)
     const int64_t G = H / HKV;
 #if defined(__AVX512BF16__)
     const int bf16 = io_bf16 && kv_bf16;  // VDPBF16PS on the raw values
@@ -720,7 +758,7 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
     const int bf16 = 0;
 #endif
     const int64_t qb = item_block(extend_lens, R, HKV);
-    if (qb * G > EXT_MAX_ROWS || D > EXT_MAX_D || D % (bf16 ? 32 : 16)) return 0;
+    if (qb * G > EXT_MAX_ROWS || D > EXT_MAX_D || D % (bf16 ? 32 : VL)) return 0;
     const int64_t count = count_items(extend_lens, R, HKV, qb);
     Item* items = (Item*)malloc(sizeof(Item) * (count ? count : 1));
     int64_t c = 0;
@@ -755,10 +793,4 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
     }
     free(items);
     return 1;
-#else
-    (void)q; (void)q_stride; (void)k; (void)v; (void)tables; (void)P; (void)q_starts; (void)prefix_lens;
-    (void)extend_lens; (void)R; (void)out; (void)H; (void)HKV; (void)D; (void)S; (void)PS; (void)scale;
-    (void)io_bf16; (void)kv_bf16;
-    return 0;
-#endif
 }

@@ -60,6 +60,15 @@ static inline vf vf_load_n(const float* p, int64_t n) {
     return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
 }
 static inline void vf_store_n(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v); }
+// VL vectors in, one out: lane j is the sum of v[j]'s lanes (VL dot products' partial sums at once)
+static inline vf vf_sums(const vf* v) { return transpose_sum16(v); }
+// r[i] holds row i of a VL x VL block; on return r[j] holds column j
+static inline void vf_transpose(vf* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i++) t[i] = _mm512_castps_si512(r[i]);
+    transpose16_epi32(t);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(t[i]);
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -117,6 +126,31 @@ static inline __m256i vf_lanes_below(int64_t n) {
 }
 static inline vf vf_load_n(const float* p, int64_t n) { return _mm256_maskload_ps(p, vf_lanes_below(n)); }
 static inline void vf_store_n(float* p, vf v, int64_t n) { _mm256_maskstore_ps(p, vf_lanes_below(n), v); }
+static inline vf vf_sums(const vf* v) {  // pairs within 128-bit halves, then quads, then the halves
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+static inline void vf_transpose(vf* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c (c < 4) of rows i..i+3, and column c + 4 above it
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+        r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+    }
+}
 
 #else
 #define VL 8
@@ -201,6 +235,17 @@ static inline vf vf_load_n(const float* p, int64_t n) {
     return v;
 }
 static inline void vf_store_n(float* p, vf v, int64_t n) { memcpy(p, &v, sizeof(float) * (size_t)n); }
+static inline vf vf_sums(const vf* v) {
+    vf r;
+    for (int j = 0; j < VL; j++) r[j] = vf_sum(v[j]);
+    return r;
+}
+static inline void vf_transpose(vf* r) {
+    float t[VL][VL];
+    memcpy(t, r, sizeof t);
+    for (int i = 0; i < VL; i++)
+        for (int j = 0; j < VL; j++) r[j][i] = t[i][j];
+}
 #endif
 
 // Activations stored as float32 or bfloat16 (is_bf16), VL of them from element i on.
