@@ -67,6 +67,10 @@ FLAG_HELP = {
     "max_queued_requests": "requests in flight beyond which new ones get 503",
     "max_constraint_bytes": ("most bytes an output constraint may have (a JSON schema, a forced tool call's "
                              "schema, a regex, an EBNF grammar); larger is a 400 naming the field"),
+    "max_constraint_depth": ("deepest a JSON schema constraint may nest (its text's objects and arrays: two "
+                             "levels per nested object schema; a forced tool call's counts the schema built from "
+                             "the tools), as its compile time grows about as the cube of its depth; deeper is a "
+                             "400 naming the field; regexes and EBNF grammars are not limited"),
     "grammar_compile_timeout": ("seconds a constrained request waits for its grammar to compile; then it ends "
                                 "with a 400 naming the field"),
     "disable_radix_cache": "turn off prefix caching",
@@ -343,7 +347,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
         nonlocal exit_code
         client = ZmqEngineClient(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
                                  server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout,
-                                 max_constraint_bytes=cfg.max_constraint_bytes)
+                                 max_constraint_bytes=cfg.max_constraint_bytes,
+                                 max_constraint_depth=cfg.max_constraint_depth)
         app = build_app(client, guard)
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                        access_log=False, timeout_graceful_shutdown=3, lifespan="off",

@@ -6,16 +6,20 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
 import torch
 
 from relay import Engine, SamplingParams
-from relay.config import ModelConfig
+from relay.api.fields import ProtocolError
+from relay.api.openai import parse_chat, parse_completion
+from relay.api.sglang import parse_generate
+from relay.config import EngineConfig, ModelConfig
 from relay.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
 from relay.request import Req
-from relay.sampling_params import InvalidParam
+from relay.sampling_params import InvalidParam, json_depth
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -269,6 +273,83 @@ def test_constraint_over_the_size_limit_is_refused(engine):
     with pytest.raises(InvalidParam) as info:
         engine.generate(["x"], SamplingParams(json_schema=big))
     assert info.value.field == "json_schema" and "--max-constraint-bytes" in str(info.value)
+
+
+def _nested_objects(levels: int) -> str:
+    """Object schemas nested `levels` deep: a JSON document 2 * levels + 1 levels deep."""
+    return '{"type":"object","properties":{"a":' * levels + '{"type":"string"}' + '},"required":["a"]}' * levels
+
+
+def test_json_depth_counts_the_schema_documents_nesting():
+    """Objects and arrays of the document; brackets in strings (escaped quotes too) do not
+    count. Linear whatever the text: a string scan that could fail to close (on '"' followed
+    by escaped quotes) made the second text below take 43 s."""
+    assert json_depth(_nested_objects(3)) == 7
+    assert json_depth('{"enum": [[1], [2, [3]]]}') == 4
+    assert json_depth('{"a": "]]}} [[{{ \\" [[", "b": {"c": []}}') == 3
+    start = time.perf_counter()
+    assert json_depth("[" * 131072) == 131072
+    assert json_depth('"' + '\\"' * 65535) == 0
+    assert time.perf_counter() - start < 2
+
+
+def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
+    """--max-constraint-depth: a JSON schema nesting deeper than the limit is a 400 naming the
+    API field it came from (a forced tool call's: the schema built from the tools), at parsing,
+    before anything compiles; one exactly at the limit passes. Objects nested 800 deep took
+    54 s to compile; at the default limit the door turns them away at once, offline too, and a
+    schema at the limit compiles and runs."""
+    schema = json.loads(_nested_objects(5))
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    messages = [{"role": "user", "content": "Hi"}]
+    cases = {
+        "json_schema": lambda limit: parse_completion(
+            {"model": "m", "prompt": "x", "json_schema": schema}, "m", max_constraint_depth=limit),
+        "response_format.json_schema.schema": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "m",
+            max_constraint_depth=limit),
+        "guided_json": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "guided_json": json.dumps(schema)}, "m", max_constraint_depth=limit),
+        "tools": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"}, "m",
+            max_constraint_depth=limit),
+        "tools.0.function.parameters": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "tools": [tool],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}, "m", max_constraint_depth=limit),
+        "sampling_params.json_schema": lambda limit: parse_generate(
+            {"text": "x", "sampling_params": {"json_schema": schema}}, max_constraint_depth=limit),
+    }
+    for param, parse in cases.items():
+        depth = json_depth(parse(None).params.json_schema)
+        assert depth >= 11 and parse(depth).params.json_schema
+        with pytest.raises(ProtocolError) as info:
+            parse(depth - 1)
+        assert (info.value.status, info.value.param) == (400, param)
+        assert info.value.message == (f"{param} must nest at most {depth - 1} levels deep "
+                                      f"(--max-constraint-depth), got {depth}")
+    two = [tool, {"type": "function", "function": {"name": "g"}}]  # the calls' schemas under an anyOf
+    assert [json_depth(parse_chat({"model": "m", "messages": messages, "tools": tools, "tool_choice": "required"},
+                                  "m").params.json_schema) - json_depth(json.dumps(schema)) for tools in ([tool], two)
+            ] == [3, 5]
+
+    limit = EngineConfig().max_constraint_depth
+    deep = _nested_objects(800)  # 43 KB, 1601 levels
+    compiles = engine.scheduler.grammars.stats()["compiles"]
+    start = time.perf_counter()
+    with pytest.raises(ProtocolError) as info:
+        parse_generate({"text": "x", "sampling_params": {"json_schema": deep}}, max_constraint_depth=limit)
+    assert (info.value.status, info.value.param) == (400, "sampling_params.json_schema")
+    assert info.value.message.endswith(f"at most {limit} levels deep (--max-constraint-depth), got 1601")
+    with pytest.raises(InvalidParam) as offline:
+        engine.generate(["x"], SamplingParams(json_schema=deep))
+    assert offline.value.field == "json_schema" and "--max-constraint-depth" in str(offline.value)
+    assert time.perf_counter() - start < 1 and engine.scheduler.grammars.stats()["compiles"] == compiles
+    at_limit = '{"type":"array","items":' * (limit - 1) + '{"type":"integer"}' + "}" * (limit - 1)
+    assert json_depth(at_limit) == limit
+    (out,) = engine.generate(["x"], SamplingParams(max_new_tokens=2, temperature=0, json_schema=at_limit))
+    assert out.error is None and out.finish_reason == "length", out
+    engine.check()
 
 
 def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp_path):

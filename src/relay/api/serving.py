@@ -55,6 +55,7 @@ class EngineClient(Protocol):
     context_len: int
     vocab_size: int | None
     max_constraint_bytes: int | None  # --max-constraint-bytes
+    max_constraint_depth: int | None  # --max-constraint-depth
     server_info: dict[str, Any]
     metrics: ServerMetrics
     num_requests: int
