@@ -152,7 +152,16 @@ BAD_REQUESTS = [
     ("chat", chat(function_call="none"), 400, "function_call"),
     ("chat", chat(functions=[]), 400, "functions"),
     ("chat", chat(echo=True), 400, "echo"),
-    ("chat", chat(logit_bias={"5": 1}), 400, "logit_bias"),
+    ("chat", chat(logit_bias=[5, 1]), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": -100.5}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": "1"}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": True}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={"-1": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={"five": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={" 5": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias"),
+    ("generate", gen(sampling_params={"logit_bias": {"5": 200}}), 400, "sampling_params.logit_bias"),
     ("completion", comp(echo="yes"), 400, "echo"),
     ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]), 400,
      "messages.0.tool_calls"),
@@ -534,6 +543,9 @@ VOCAB_PARSERS = {
     ("chat", chat(stop_token_ids=[VOCAB]), "stop_token_ids"),
     ("generate", {"input_ids": [VOCAB + 5]}, "input_ids"),
     ("generate", gen(sampling_params={"stop_token_ids": [VOCAB]}), "sampling_params.stop_token_ids"),
+    ("completion", comp(logit_bias={str(VOCAB): 5}), "logit_bias"),
+    ("chat", chat(logit_bias={"0": 1, str(VOCAB + 7): -5}), "logit_bias"),
+    ("generate", gen(sampling_params={"logit_bias": {str(VOCAB): 1}}), "sampling_params.logit_bias"),
 ])
 def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, param):
     """An out-of-vocabulary stop id once reached the sampler and failed every request in the
@@ -541,6 +553,19 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, pa
     with pytest.raises(ProtocolError) as e:
         VOCAB_PARSERS[kind](body)
     assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_logit_bias_parses_to_token_ids_and_names_the_id_outside_the_vocabulary():
+    for parsed in (parse_completion(comp(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL,
+                                    vocab_size=VOCAB),
+                   parse_chat(chat(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL, vocab_size=VOCAB),
+                   parse_generate(gen(sampling_params={"logit_bias": {"0": -100, str(VOCAB - 1): 100, "7": 2.5}}),
+                                  vocab_size=VOCAB)):
+        assert parsed.params.logit_bias == {0: -100.0, VOCAB - 1: 100.0, 7: 2.5}
+    assert parse_chat(chat(logit_bias={}), MODEL).params.logit_bias == {}
+    with pytest.raises(ProtocolError) as e:
+        parse_chat(chat(logit_bias={"99999": 1}), MODEL, vocab_size=49152)
+    assert e.value.message == "logit_bias: token id 99999 is outside the vocabulary (49152)"
 
 
 def test_token_ids_inside_the_vocabulary_pass():

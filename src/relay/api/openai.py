@@ -40,6 +40,7 @@ _KEYS = {
     "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
     "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
+    "logit_bias": "logit_bias",
 }
 
 
@@ -134,7 +135,6 @@ def _refused(value: Any) -> bool:
 # Unsupported on both routes (see _reject_unsupported).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
-    "logit_bias": lambda v: v == {},
 }
 
 
