@@ -7,6 +7,7 @@ the waiting routes. The routes themselves live in relay.api, one module per API.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,9 +19,9 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ipc.codec import encode
-from ipc.messages import AbortRequest, ControlCall, ControlReply, GenerateReq, Heartbeat, OutputBatch
+from ipc.messages import AbortRequest, ControlCall, ControlReply, GenerateReq, Heartbeat, OutputBatch, TokenizeCall
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
-from relay.api import admin, openai, sglang
+from relay.api import admin, openai, sglang, tokenization
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
 from relay.api.request_id import RequestIdMiddleware, request_id, submitted
@@ -58,6 +59,7 @@ class ZmqEngineClient:
         self.server_info = server_info
         self.routes: dict[str, tuple[ApiRequest, int]] = {}  # choice rid -> (its request, choice index)
         self.num_requests = 0
+        self.tokenizer_calls = 0  # /tokenize and /detokenize in flight: they count against max_queued too
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.metrics = ServerMetrics(server_info.get("replica"))  # --replica-name labels every series
@@ -66,11 +68,8 @@ class ZmqEngineClient:
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest, kind: str) -> ApiRequest:
-        if self.dead:
-            raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
-        if self.num_requests >= self.max_queued:
-            raise ProtocolError(503, f"server overloaded: {self.num_requests} requests in flight; retry later",
-                                None, "server_error")
+        self._refuse_if_stopping()
+        self._refuse_if_full()
         api = ApiRequest(parsed.rid or request_id(kind, self.routes), parsed.n, parsed.param_names)
         if any(r in self.routes for r in api.rids):
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
@@ -87,6 +86,42 @@ class ZmqEngineClient:
             raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
         submitted(api.rid)
         return api
+
+    def _refuse_if_stopping(self) -> None:
+        if self.dead:
+            raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
+
+    def _refuse_if_full(self) -> None:
+        in_flight = self.num_requests + self.tokenizer_calls
+        if in_flight >= self.max_queued:
+            raise ProtocolError(503, f"server overloaded: {in_flight} requests in flight; retry later",
+                                None, "server_error")
+
+    async def tokenizer_call(self, query: Any) -> dict[str, Any]:
+        """/tokenize or /detokenize, done by a tokenizer process (relay.api.tokenization.TokenizeQuery);
+        its answer's data, or a ProtocolError: the tokenizer's refusal (400 naming the field), 503
+        when full or no tokenizer is there, 504 when none answers within the health timeout."""
+        self._refuse_if_stopping()
+        self._refuse_if_full()
+        call_id = next(self._call_ids)
+        data = encode(TokenizeCall(call_id, **dataclasses.asdict(query)))
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        self.tokenizer_calls += 1
+        try:
+            if not self._to_tokenizer(data):
+                raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
+            reply = await asyncio.wait_for(fut, self.heartbeats.timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(504, f"no tokenizer answered within {self.heartbeats.timeout:g} s", None,
+                                "server_error") from None
+        finally:
+            self.calls.pop(call_id, None)
+            self.tokenizer_calls -= 1
+        if not reply.ok:
+            raise ProtocolError(reply.data.get("status", 500), reply.data.get("message", "tokenizer error"),
+                                reply.data.get("param"))
+        return reply.data
 
     async def wait_for_tokenizer(self, timeout: float) -> bool:
         """Whether a tokenizer connected within `timeout` s. Tokenizers connect before this
@@ -213,6 +248,6 @@ def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> Fast
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(ProtocolError(500, f"internal error: {type(e).__name__}", None))
 
-    for api in (openai, sglang, admin):
+    for api in (openai, sglang, tokenization, admin):
         api.add_routes(app, client)
     return app

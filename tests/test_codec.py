@@ -136,6 +136,10 @@ STRATEGIES = {
     m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
     m.NodeMsg: st.builds(m.NodeMsg, node=U31, kind=st.sampled_from(["hello", "beat", "ready", "down", "bye"]),
                          detail=TEXT, info=STR_DICT),
+    m.TokenizeCall: st.builds(m.TokenizeCall, call_id=I64, kind=st.sampled_from(["tokenize", "detokenize"]),
+                              text=OPT_STR, messages=st.none() | st.lists(STR_DICT, max_size=2), chat_kwargs=STR_DICT,
+                              add_special_tokens=st.booleans(), return_token_strs=st.booleans(),
+                              tokens=st.none() | st.lists(TOKEN, max_size=8)),
 }
 
 
@@ -286,7 +290,7 @@ EXAMPLES = [
     m.TokenizedReq("a", [1, 2], SamplingParams()), m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
     m.AbortRequest("a"), m.StopGenerating("a", "\n"), m.ControlCall(1, "get_info"),
     m.ControlReply(1, True, {"x": [1]}), m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
-    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
+    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}), m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
 ]
 
 

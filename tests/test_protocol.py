@@ -796,3 +796,54 @@ def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(t
     assert (streamed.message.content or None) == whole_choice.message.content
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("tool_calls") == 1
+
+
+# ---- /tokenize, /detokenize --------------------------------------------------------------------
+from relay.api.tokenization import TokenizeQuery, parse_detokenize, parse_tokenize  # noqa: E402
+
+
+def test_tokenize_parses_vllms_text_and_chat_requests():
+    assert parse_tokenize({"model": MODEL, "prompt": "Hi"}, MODEL) == TokenizeQuery("tokenize", text="Hi")
+    assert parse_tokenize({"prompt": "", "add_special_tokens": False, "return_token_strs": True}, MODEL) == \
+        TokenizeQuery("tokenize", text="", add_special_tokens=False, return_token_strs=True)
+    chat_q = parse_tokenize({"messages": [{"role": "developer", "content": "Be brief."}], "add_generation_prompt": False,
+                             "chat_template_kwargs": {"enable_thinking": False}}, MODEL)
+    assert chat_q == TokenizeQuery("tokenize", messages=[{"role": "system", "content": "Be brief."}],
+                                   chat_kwargs={"enable_thinking": False, "add_generation_prompt": False},
+                                   add_special_tokens=False)
+    cont = parse_tokenize({"messages": [{"role": "assistant", "content": "The"}], "continue_final_message": True}, MODEL)
+    assert cont.chat_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
+    tools = parse_tokenize({"messages": [{"role": "user", "content": "x"}],
+                            "tools": [{"type": "function", "function": {"name": "f"}}]}, MODEL)
+    assert [t["function"]["name"] for t in tools.chat_kwargs["tools"]] == ["f"]
+    assert parse_detokenize({"tokens": [0, 5]}, MODEL, 10, 100) == TokenizeQuery("detokenize", tokens=[0, 5])
+    assert parse_detokenize({"tokens": []}, MODEL, 10, 100).tokens == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"), ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ({"prompt": 5}, "prompt"), ({"prompt": ["a"]}, "prompt"), ({"prompt": "a", "add_special_tokens": "no"},
+                                                                "add_special_tokens"),
+    ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"), ({"prompt": "a", "model": "other"}, "model"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_special_tokens": True}},
+     "chat_template_kwargs.add_special_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
+])
+def test_tokenize_refusals_name_the_field(body, param):
+    with pytest.raises(ProtocolError) as e:
+        parse_tokenize(body, MODEL)
+    assert e.value.param == param and e.value.status in (400, 404)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "'tokens' is required"), ({"tokens": "1 2"}, "list of token ids"), ({"tokens": [1, -1]}, "item 1"),
+    ({"tokens": [1, True]}, "item 1"), ({"tokens": [10]}, "outside the vocabulary [0, 10)"),
+    ({"tokens": [1] * 101}, "at most 100 ids"),
+])
+def test_detokenize_refusals_name_tokens(body, message):
+    with pytest.raises(ProtocolError) as e:
+        parse_detokenize(body, MODEL, 10, 100)
+    assert (e.value.status, e.value.param) == (400, "tokens") and message in e.value.message

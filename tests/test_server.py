@@ -430,3 +430,29 @@ def test_logit_bias_forces_and_bans_greedy_tokens_next_to_an_unbiased_request(se
     assert banned["output_ids"][0] != first and first not in banned["output_ids"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert r.json()["error"]["message"] == "logit_bias: token id 99999 is outside the vocabulary (49152)"
+
+
+def test_tokenize_and_detokenize_round_trip_and_equal_the_tokenizer(server, default_model_dir):
+    """vLLM's shapes; the ids are the model tokenizer's own, a chat's are those its completion is
+    billed for, and an id outside the vocabulary is a 400 naming `tokens`."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "Héllo, world! 日本語 🙂\n  indented"
+    with server.client() as c:
+        out = c.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+        assert out == {"count": len(hf.encode(text)), "max_model_len": c.get("/v1/models").json()["data"][0]
+                       ["max_model_len"], "tokens": hf.encode(text), "token_strs": hf.convert_ids_to_tokens(
+                           hf.encode(text))}
+        assert c.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json() == {"prompt": text}
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = c.post("/tokenize", json={"messages": msgs}).json()
+        assert chat["token_strs"] is None
+        assert chat["tokens"] == list(hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
+        billed = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()["usage"]
+        assert chat["count"] == billed["prompt_tokens"]
+        bad = c.post("/detokenize", json={"tokens": [1, 49152]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        long = c.post("/tokenize", json={"prompt": "word " * 20_000})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"

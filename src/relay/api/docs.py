@@ -92,6 +92,14 @@ BODIES: dict[str, dict[str, Any]] = {
         "return_logprob": _BOOL, "top_logprobs_num": _ranged("top_logprobs"), "priority": _int(),
     }, []),
     "abort": _object({"rid": {"type": "string", "minLength": 1}}, ["rid"]),
+    # vLLM's: a text or a chat, one of the two.
+    "tokenize": _object({
+        "model": _STR, "prompt": _STR, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "add_special_tokens": _BOOL, "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
+        "chat_template_kwargs": {"type": "object"}, "tools": {"type": "array"}, "tool_choice": {},
+        "return_token_strs": _BOOL,
+    }, []),
+    "detokenize": _object({"model": _STR, "tokens": _TOKEN_IDS}, ["tokens"]),
 }
 
 
