@@ -65,6 +65,8 @@ class ZmqEngineClient:
         self.metrics = ServerMetrics(server_info.get("replica"))  # --replica-name labels every series
         self.heartbeats = Heartbeats(health_timeout)
         self.dead: str | None = None  # set when a child process died: refuse new work
+        self.draining: str | None = None  # set by a graceful stop (relay.api.drain): refuse new work
+        self._idle = asyncio.Event()  # set whenever a request ends, for a drain to look at what is left
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest, kind: str) -> ApiRequest:
@@ -90,6 +92,8 @@ class ZmqEngineClient:
     def _refuse_if_stopping(self) -> None:
         if self.dead:
             raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
+        if self.draining:
+            raise ProtocolError(503, f"{self.draining}; retry on another server", None, "server_error")
 
     def _refuse_if_full(self) -> None:
         in_flight = self.num_requests + self.tokenizer_calls
@@ -118,6 +122,7 @@ class ZmqEngineClient:
         finally:
             self.calls.pop(call_id, None)
             self.tokenizer_calls -= 1
+            self._idle.set()
         if not reply.ok:
             raise ProtocolError(reply.data.get("status", 500), reply.data.get("message", "tokenizer error"),
                                 reply.data.get("param"))
@@ -151,6 +156,7 @@ class ZmqEngineClient:
                 send(self._sync_to_sched, AbortRequest(r, sent_at=time.time()))
         if routed:  # still counted as in flight
             self.num_requests -= 1
+            self._idle.set()
             if abort:
                 self.metrics.observe_abort(reason, finish_seen=False)
 
@@ -193,7 +199,7 @@ class ZmqEngineClient:
             self.heartbeats.undelivered(seq, now)
 
     def health_problem(self) -> str | None:
-        return self.dead or self.heartbeats.problem(time.monotonic())
+        return self.dead or self.draining or self.heartbeats.problem(time.monotonic())
 
     # ---- the dispatcher -------------------------------------------------------------
     async def dispatch_forever(self) -> None:
@@ -224,7 +230,31 @@ class ZmqEngineClient:
             api.open_choices -= 1
             if api.open_choices == 0:
                 self.num_requests -= 1
+                self._idle.set()
         api.put(index, record)
+
+    # ---- a graceful stop (relay.api.drain) ---------------------------------------------
+    def stop_accepting(self, reason: str) -> None:
+        self.draining = reason
+
+    def in_flight(self) -> int:
+        return self.num_requests + self.tokenizer_calls
+
+    async def wait_idle(self) -> None:
+        while self.in_flight():
+            self._idle.clear()
+            await self._idle.wait()
+
+    def abort_all(self, message: str) -> int:
+        """End every generating request in flight with an error (503), and free it in the
+        scheduler; how many API requests that was. (A /tokenize call answers in milliseconds:
+        uvicorn's own graceful close covers it.)"""
+        apis = {id(api) for api, _ in self.routes.values()}
+        now = time.monotonic()
+        for rid in list(self.routes):
+            send(self._sync_to_sched, AbortRequest(rid, sent_at=time.time()))
+            self._route(RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now)
+        return len(apis)
 
     def fail_all(self, message: str) -> None:
         """A child died: end every request in flight with an error."""
