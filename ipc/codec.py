@@ -20,7 +20,7 @@ from relay.sampling_params import SamplingParams
 WIRE_TYPES: list[type] = [
     SamplingParams, SamplingSpec, BatchInput, BatchOutput, EngineConfig, RequestOutput, DetokenizeSpec,
     m.GenerateReq, m.TokenizedReq, m.OutputBatch, m.AbortRequest, m.StopGenerating, m.ControlCall,
-    m.ControlReply, m.Ready, m.Heartbeat, m.NodeMsg,
+    m.ControlReply, m.Ready, m.Heartbeat, m.NodeMsg, m.TokenizeCall,
 ]
 
 

@@ -7,7 +7,8 @@ Its outputs: scheduler -OutputBatch-> detokenizer -OutputBatch-> http (RequestOu
 Ending it:   http -AbortRequest-> scheduler (client gone);
              detokenizer -StopGenerating-> scheduler (a stop string ended its output)
 Also:        tokenizer -OutputBatch-> http (a request refused before it ran), ControlCall and
-             ControlReply between http and scheduler, a Heartbeat around the pipeline, Ready;
+             ControlReply between http and scheduler, TokenizeCall http -> tokenizer answered
+             by a ControlReply (/tokenize, /detokenize), a Heartbeat around the pipeline, Ready;
              NodeMsg between the launchers of a multi-node server (launch/multinode.py).
 """
 from __future__ import annotations
@@ -69,6 +70,21 @@ class ControlCall:
     """http -> scheduler: `get_info` | `flush_cache`, answered by the ControlReply with the same id."""
     call_id: int
     kind: str
+
+
+@dataclass
+class TokenizeCall:
+    """http -> tokenizer: /tokenize (text or messages) or /detokenize (tokens), as
+    relay.api.tokenization.TokenizeQuery; answered by the ControlReply with the same id (data:
+    {"tokens", "token_strs"?} or {"prompt"}; when not ok, {"message", "param", "status"})."""
+    call_id: int
+    kind: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    tokens: list[int] | None = None
 
 
 @dataclass

@@ -328,7 +328,8 @@ class Supervisor:
         if self.front is not None:
             self.front.stop()
         terminate([self.router], ROUTER_GRACE_SECONDS + 1.0, whole_group=True)
-        terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS, whole_group=True)
+        # A replica drains for up to --shutdown-timeout before it stops: not SIGKILLed meanwhile.
+        terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS + self.ns.shutdown_timeout, whole_group=True)
 
 
 def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.socket:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import zmq
 
@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=20.0,
                    help="/health reports 503 once a heartbeat has not made it through every process, or a "
                         "model step has run, for this many seconds")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM (or SIGINT) stop taking requests (/health and new requests get 503) and "
+                        "let those in flight finish for up to this many seconds; what is still running then "
+                        "ends with an error (an error event for a stream); 0 aborts them at once, as vLLM; "
+                        "a second signal ends the wait")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every process")
@@ -321,6 +326,7 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
 
     from procs.http_server import ZmqEngineClient, build_app
     from relay import __version__
+    from relay.api.drain import drain
 
     tp0 = infos.get("tp0", {})
     server_info = {**cfg.to_dict(), "served_model_name": served_model, "model_dir": launcher.model_dir,
@@ -334,6 +340,35 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     exit_code = 0
 
     class Server(uvicorn.Server):
+        # Set in main(): the drain to run on the first signal, the event a second one sets, and
+        # the loop the (synchronous) signal handler hands both to.
+        drain: Callable[[asyncio.Event], Awaitable[int]] | None = None
+        cut_drain: asyncio.Event | None = None
+        loop: asyncio.AbstractEventLoop | None = None
+        draining = False
+        drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            """The first signal starts a drain (relay.api.drain) that ends in should_exit; another
+            during the drain cuts its wait short; after it, uvicorn's own (a SIGINT forces the exit)."""
+            if self.should_exit or not self.started or self.drain is None:
+                return super().handle_exit(sig, frame)
+            if not self.draining:
+                self.draining = True
+                self._captured_signals.append(sig)  # re-raised once serve() returns: the exit-0 path
+                self.loop.call_soon_threadsafe(self._start_drain)
+            else:
+                self.loop.call_soon_threadsafe(self.cut_drain.set)
+
+        def _start_drain(self) -> None:
+            self.drain_task = self.loop.create_task(self._drain())  # held: a task nobody holds may be collected
+
+        async def _drain(self) -> None:
+            try:
+                await self.drain(self.cut_drain)
+            finally:
+                self.should_exit = True
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
@@ -350,11 +385,13 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                                  max_constraint_bytes=cfg.max_constraint_bytes,
                                  max_constraint_depth=cfg.max_constraint_depth)
         app = build_app(client, guard)
+        loop = asyncio.get_running_loop()
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                        access_log=False, timeout_graceful_shutdown=3, lifespan="off",
                                        http=guarded_protocol(max_connections),
                                        timeout_keep_alive=max(1, int(ns.http_timeout))))
-        loop = asyncio.get_running_loop()
+        server.cut_drain, server.loop = asyncio.Event(), loop
+        server.drain = lambda cut: drain(client, ns.shutdown_timeout, cut)
 
         def fail(message: str) -> None:
             nonlocal exit_code
@@ -400,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if ns.dp < 1:
         parser.error("--dp must be at least 1")
+    if not 0 <= ns.shutdown_timeout < float("inf"):  # NaN too
+        parser.error("--shutdown-timeout must be a finite number of seconds >= 0")
     if ns.dp > 1 and ns.nnodes > 1:
         parser.error("--dp and --nnodes cannot be combined")
     if ns.dp > 1:

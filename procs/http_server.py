@@ -7,6 +7,7 @@ the waiting routes. The routes themselves live in relay.api, one module per API.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,9 +19,9 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ipc.codec import encode
-from ipc.messages import AbortRequest, ControlCall, ControlReply, GenerateReq, Heartbeat, OutputBatch
+from ipc.messages import AbortRequest, ControlCall, ControlReply, GenerateReq, Heartbeat, OutputBatch, TokenizeCall
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
-from relay.api import admin, openai, sglang
+from relay.api import admin, openai, sglang, tokenization
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
 from relay.api.request_id import RequestIdMiddleware, request_id, submitted
@@ -58,19 +59,19 @@ class ZmqEngineClient:
         self.server_info = server_info
         self.routes: dict[str, tuple[ApiRequest, int]] = {}  # choice rid -> (its request, choice index)
         self.num_requests = 0
+        self.tokenizer_calls = 0  # /tokenize and /detokenize in flight: they count against max_queued too
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.metrics = ServerMetrics(server_info.get("replica"))  # --replica-name labels every series
         self.heartbeats = Heartbeats(health_timeout)
         self.dead: str | None = None  # set when a child process died: refuse new work
+        self.draining: str | None = None  # set by a graceful stop (relay.api.drain): refuse new work
+        self._idle = asyncio.Event()  # set whenever a request ends, for a drain to look at what is left
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest, kind: str) -> ApiRequest:
-        if self.dead:
-            raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
-        if self.num_requests >= self.max_queued:
-            raise ProtocolError(503, f"server overloaded: {self.num_requests} requests in flight; retry later",
-                                None, "server_error")
+        self._refuse_if_stopping()
+        self._refuse_if_full()
         api = ApiRequest(parsed.rid or request_id(kind, self.routes), parsed.n, parsed.param_names)
         if any(r in self.routes for r in api.rids):
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
@@ -87,6 +88,45 @@ class ZmqEngineClient:
             raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
         submitted(api.rid)
         return api
+
+    def _refuse_if_stopping(self) -> None:
+        if self.dead:
+            raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
+        if self.draining:
+            raise ProtocolError(503, f"{self.draining}; retry on another server", None, "server_error")
+
+    def _refuse_if_full(self) -> None:
+        in_flight = self.num_requests + self.tokenizer_calls
+        if in_flight >= self.max_queued:
+            raise ProtocolError(503, f"server overloaded: {in_flight} requests in flight; retry later",
+                                None, "server_error")
+
+    async def tokenizer_call(self, query: Any) -> dict[str, Any]:
+        """/tokenize or /detokenize, done by a tokenizer process (relay.api.tokenization.TokenizeQuery);
+        its answer's data, or a ProtocolError: the tokenizer's refusal (400 naming the field), 503
+        when full or no tokenizer is there, 504 when none answers within the health timeout."""
+        self._refuse_if_stopping()
+        self._refuse_if_full()
+        call_id = next(self._call_ids)
+        data = encode(TokenizeCall(call_id, **dataclasses.asdict(query)))
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        self.tokenizer_calls += 1
+        try:
+            if not self._to_tokenizer(data):
+                raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
+            reply = await asyncio.wait_for(fut, self.heartbeats.timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(504, f"no tokenizer answered within {self.heartbeats.timeout:g} s", None,
+                                "server_error") from None
+        finally:
+            self.calls.pop(call_id, None)
+            self.tokenizer_calls -= 1
+            self._idle.set()
+        if not reply.ok:
+            raise ProtocolError(reply.data.get("status", 500), reply.data.get("message", "tokenizer error"),
+                                reply.data.get("param"))
+        return reply.data
 
     async def wait_for_tokenizer(self, timeout: float) -> bool:
         """Whether a tokenizer connected within `timeout` s. Tokenizers connect before this
@@ -116,6 +156,7 @@ class ZmqEngineClient:
                 send(self._sync_to_sched, AbortRequest(r, sent_at=time.time()))
         if routed:  # still counted as in flight
             self.num_requests -= 1
+            self._idle.set()
             if abort:
                 self.metrics.observe_abort(reason, finish_seen=False)
 
@@ -158,7 +199,7 @@ class ZmqEngineClient:
             self.heartbeats.undelivered(seq, now)
 
     def health_problem(self) -> str | None:
-        return self.dead or self.heartbeats.problem(time.monotonic())
+        return self.dead or self.draining or self.heartbeats.problem(time.monotonic())
 
     # ---- the dispatcher -------------------------------------------------------------
     async def dispatch_forever(self) -> None:
@@ -189,7 +230,31 @@ class ZmqEngineClient:
             api.open_choices -= 1
             if api.open_choices == 0:
                 self.num_requests -= 1
+                self._idle.set()
         api.put(index, record)
+
+    # ---- a graceful stop (relay.api.drain) ---------------------------------------------
+    def stop_accepting(self, reason: str) -> None:
+        self.draining = reason
+
+    def in_flight(self) -> int:
+        return self.num_requests + self.tokenizer_calls
+
+    async def wait_idle(self) -> None:
+        while self.in_flight():
+            self._idle.clear()
+            await self._idle.wait()
+
+    def abort_all(self, message: str) -> int:
+        """End every generating request in flight with an error (503), and free it in the
+        scheduler; how many API requests that was. (A /tokenize call answers in milliseconds:
+        uvicorn's own graceful close covers it.)"""
+        apis = {id(api) for api, _ in self.routes.values()}
+        now = time.monotonic()
+        for rid in list(self.routes):
+            send(self._sync_to_sched, AbortRequest(rid, sent_at=time.time()))
+            self._route(RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now)
+        return len(apis)
 
     def fail_all(self, message: str) -> None:
         """A child died: end every request in flight with an error."""
@@ -213,6 +278,6 @@ def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> Fast
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(ProtocolError(500, f"internal error: {type(e).__name__}", None))
 
-    for api in (openai, sglang, admin):
+    for api in (openai, sglang, tokenization, admin):
         api.add_routes(app, client)
     return app

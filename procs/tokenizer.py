@@ -13,7 +13,7 @@ import logging
 
 import zmq
 
-from ipc.messages import GenerateReq, Heartbeat, OutputBatch, Ready, TokenizedReq
+from ipc.messages import ControlReply, GenerateReq, Heartbeat, OutputBatch, Ready, TokenizeCall, TokenizedReq
 from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
@@ -34,6 +34,22 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
             for i, rid in enumerate(req.rids)]
 
 
+def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:
+    """/tokenize or /detokenize: the answer's data, or why not (a refusal names the field)."""
+    try:
+        if call.kind == "detokenize":
+            return ControlReply(call.call_id, True, {"prompt": prep.detokenize(call.tokens or [])})
+        ids = prep.tokenize(call.text, call.messages, call.chat_kwargs, call.add_special_tokens)
+        strs = {"token_strs": prep.tok.token_strs(ids)} if call.return_token_strs else {}
+        return ControlReply(call.call_id, True, {"tokens": ids, **strs})
+    except InvalidParam as e:
+        return ControlReply(call.call_id, False, {"message": str(e), "param": e.field, "status": 400})
+    except Exception as e:  # this call's failure, never the worker's
+        logger.exception("%s failed", call.kind)
+        return ControlReply(call.call_id, False, {"message": f"{call.kind} failed: {type(e).__name__}: {e}",
+                                                  "param": None, "status": 500})
+
+
 def main(args: ProcArgs) -> None:
     cfg = args.engine_config
     mc = ModelConfig.from_dir(args.model_dir)
@@ -51,6 +67,9 @@ def main(args: ProcArgs) -> None:
         for msg in recv_ready(inbox):
             if isinstance(msg, Heartbeat):
                 send(to_sched, msg)
+                continue
+            if isinstance(msg, TokenizeCall):
+                send(to_http, answer(prep, msg))
                 continue
             try:
                 reqs = tokenize(prep, msg)

@@ -42,7 +42,8 @@ sampling_params = st.builds(
     repetition_penalty=st.floats(0.01, 10), frequency_penalty=st.floats(-2, 2), presence_penalty=st.floats(-2, 2),
     seed=st.none() | I64, stop=st.lists(st.text(min_size=1, max_size=10), max_size=4),
     stop_token_ids=st.lists(TOKEN, max_size=4), ignore_eos=st.booleans(), skip_special_tokens=st.booleans(),
-    include_stop_str_in_output=st.booleans(), logprobs=st.booleans(), top_logprobs=st.integers(0, 20))
+    include_stop_str_in_output=st.booleans(), logprobs=st.booleans(), top_logprobs=st.integers(0, 20),
+    logit_bias=st.dictionaries(TOKEN, st.floats(-100, 100), max_size=4))
 sampling_specs = st.builds(SamplingSpec, sid=U31, params=sampling_params, stop_token_ids=st.lists(TOKEN, max_size=3),
                            prompt_ids=st.lists(TOKEN, max_size=20))
 
@@ -135,6 +136,10 @@ STRATEGIES = {
     m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
     m.NodeMsg: st.builds(m.NodeMsg, node=U31, kind=st.sampled_from(["hello", "beat", "ready", "down", "bye"]),
                          detail=TEXT, info=STR_DICT),
+    m.TokenizeCall: st.builds(m.TokenizeCall, call_id=I64, kind=st.sampled_from(["tokenize", "detokenize"]),
+                              text=OPT_STR, messages=st.none() | st.lists(STR_DICT, max_size=2), chat_kwargs=STR_DICT,
+                              add_special_tokens=st.booleans(), return_token_strs=st.booleans(),
+                              tokens=st.none() | st.lists(TOKEN, max_size=8)),
 }
 
 
@@ -192,13 +197,15 @@ def test_lists_of_batch_inputs_round_trip(batches):
 def test_nested_dataclasses_realistic_batch():
     spec = SamplingSpec(7, SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=-3,
                                           stop=["\n\n", "世界"], repetition_penalty=1.1, logprobs=True,
-                                          top_logprobs=5), [2, 0], prompt_ids=[1, 9690, 198])
+                                          top_logprobs=5, logit_bias={49151: 100.0, 0: -100.0, 17: 0.5}), [2, 0],
+                        prompt_ids=[1, 9690, 198])
     batch = BatchInput(step=12, sids=[7, 3], input_ids=[1, 9690, 198, 13], prefix_lens=[0, 40],
                        extend_lens=[3, 1], page_starts=[0, 2], new_pages=[[5], [9]], sample=[True, True],
                        output_lens=[0, 17], new_specs=[spec], released_sids=[4])
     back = decode(encode(batch))
     assert back == batch
     assert back.new_specs[0].params.stop == ["\n\n", "世界"] and back.new_specs[0].params.seed == -3
+    assert back.new_specs[0].params.logit_bias == {49151: 100.0, 0: -100.0, 17: 0.5}  # int keys stay ints
     assert back.num_tokens == 4 and not back.is_decode
     # Wire types inside plain containers, and containers inside wire types.
     mixed = {"batch": batch, "outs": [BatchOutput(12, [5, 6], [-0.1, -math.inf], [[[5], [-0.1]], None])],
@@ -283,7 +290,7 @@ EXAMPLES = [
     m.TokenizedReq("a", [1, 2], SamplingParams()), m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
     m.AbortRequest("a"), m.StopGenerating("a", "\n"), m.ControlCall(1, "get_info"),
     m.ControlReply(1, True, {"x": [1]}), m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
-    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
+    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}), m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
 ]
 
 

@@ -244,11 +244,12 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70
                                                                                       max_size=3), max_leaves=8)
 FIELDS = ["prompt", "messages", "text", "input_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
           "n", "stream", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "sampling_params", "rid",
-          "stream_options", "priority", "response_format", "tools", "chat_template_kwargs", "echo", "logit_bias"]
+          "stream_options", "priority", "response_format", "tools", "chat_template_kwargs", "echo", "logit_bias",
+          "tokens", "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs"]
 BASES = {"/v1/completions": {"prompt": "Hi", "max_tokens": 3},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
          "/generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 3}},
-         "/abort_request": {"rid": "nope"}}
+         "/abort_request": {"rid": "nope"}, "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

@@ -23,9 +23,9 @@ class CountingTokenizer:
         self.tok, self.chars = tok, 0
         self.vocab_size, self.max_token_chars = tok.vocab_size, tok.max_token_chars
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.chars += len(text)
-        return self.tok.encode(text)
+        return self.tok.encode(text, add_special_tokens)
 
     def apply_chat_template(self, messages, **kw):
         self.chars += sum(len(m["content"]) for m in messages)
@@ -82,3 +82,48 @@ def test_ids_outside_the_models_vocabulary_are_refused(tok):
     with pytest.raises(InvalidParam, match="outside this model's vocabulary"):
         prep.prompt_ids("a text whose tokens run past id 1000: überraschend")
     assert prep.prompt_ids(input_ids=[0, 999]) == [0, 999]
+
+
+# ---- /tokenize and /detokenize (the tokenizer process's side) -------------------------------------
+
+def test_tokenize_is_the_tokenizers_encoding_and_detokenize_its_inverse(tok):
+    prep = PromptPreparer(tok, context_len=2048)
+    text = "Hello world! Ünïcödé 日本語 🙂  two  spaces\n"
+    for special in (True, False):
+        assert prep.tokenize(text, add_special_tokens=special) == tok.hf.encode(text, add_special_tokens=special)
+    ids = prep.tokenize(text, add_special_tokens=False)
+    assert prep.detokenize(ids) == text
+    assert prep.tokenize("") == [] and prep.detokenize([]) == ""
+    assert tok.token_strs(ids) == tok.hf.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert prep.tokenize(messages=messages, chat_kwargs={"add_generation_prompt": True}) == \
+        prep.prompt_ids(messages=messages, chat_kwargs={"add_generation_prompt": True})
+    special = [t for t in prep.tokenize(messages=messages) if t in tok.byte_table().special]
+    assert special and prep.detokenize(prep.tokenize(messages=messages)).startswith("<|im_start|>")
+
+
+def test_tokenize_and_detokenize_refuse_naming_the_field(tok):
+    prep = PromptPreparer(tok, context_len=64, vocab_size=49152)
+    with pytest.raises(InvalidParam) as e:
+        prep.tokenize("word " * 500)
+    assert e.value.field == "prompt" and "context is 64 tokens" in str(e.value)
+    with pytest.raises(InvalidParam) as e:
+        prep.tokenize(messages=[{"role": "user", "content": "word " * 500}])
+    assert e.value.field == "messages"
+    for ids in ([0, 49152], [-1], [1] * 65):
+        with pytest.raises(InvalidParam) as e:
+            prep.detokenize(ids)
+        assert e.value.field == "tokens"
+
+
+def test_the_tokenizer_process_answers_tokenize_calls(tok):
+    from ipc.messages import TokenizeCall
+    from procs.tokenizer import answer
+
+    prep = PromptPreparer(tok, context_len=64)
+    ok = answer(prep, TokenizeCall(3, "tokenize", text="Hi there", return_token_strs=True))
+    assert (ok.call_id, ok.ok, ok.data) == (3, True, {"tokens": tok.encode("Hi there"),
+                                                      "token_strs": tok.token_strs(tok.encode("Hi there"))})
+    assert answer(prep, TokenizeCall(4, "detokenize", tokens=ok.data["tokens"])).data == {"prompt": "Hi there"}
+    refused = answer(prep, TokenizeCall(5, "detokenize", tokens=[10**6]))
+    assert not refused.ok and refused.data["param"] == "tokens" and refused.data["status"] == 400

@@ -152,7 +152,16 @@ BAD_REQUESTS = [
     ("chat", chat(function_call="none"), 400, "function_call"),
     ("chat", chat(functions=[]), 400, "functions"),
     ("chat", chat(echo=True), 400, "echo"),
-    ("chat", chat(logit_bias={"5": 1}), 400, "logit_bias"),
+    ("chat", chat(logit_bias=[5, 1]), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": -100.5}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": "1"}), 400, "logit_bias"),
+    ("chat", chat(logit_bias={"5": True}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={"-1": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={"five": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={" 5": 1}), 400, "logit_bias"),
+    ("completion", comp(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias"),
+    ("generate", gen(sampling_params={"logit_bias": {"5": 200}}), 400, "sampling_params.logit_bias"),
     ("completion", comp(echo="yes"), 400, "echo"),
     ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]), 400,
      "messages.0.tool_calls"),
@@ -534,6 +543,9 @@ VOCAB_PARSERS = {
     ("chat", chat(stop_token_ids=[VOCAB]), "stop_token_ids"),
     ("generate", {"input_ids": [VOCAB + 5]}, "input_ids"),
     ("generate", gen(sampling_params={"stop_token_ids": [VOCAB]}), "sampling_params.stop_token_ids"),
+    ("completion", comp(logit_bias={str(VOCAB): 5}), "logit_bias"),
+    ("chat", chat(logit_bias={"0": 1, str(VOCAB + 7): -5}), "logit_bias"),
+    ("generate", gen(sampling_params={"logit_bias": {str(VOCAB): 1}}), "sampling_params.logit_bias"),
 ])
 def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, param):
     """An out-of-vocabulary stop id once reached the sampler and failed every request in the
@@ -541,6 +553,19 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, pa
     with pytest.raises(ProtocolError) as e:
         VOCAB_PARSERS[kind](body)
     assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_logit_bias_parses_to_token_ids_and_names_the_id_outside_the_vocabulary():
+    for parsed in (parse_completion(comp(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL,
+                                    vocab_size=VOCAB),
+                   parse_chat(chat(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL, vocab_size=VOCAB),
+                   parse_generate(gen(sampling_params={"logit_bias": {"0": -100, str(VOCAB - 1): 100, "7": 2.5}}),
+                                  vocab_size=VOCAB)):
+        assert parsed.params.logit_bias == {0: -100.0, VOCAB - 1: 100.0, 7: 2.5}
+    assert parse_chat(chat(logit_bias={}), MODEL).params.logit_bias == {}
+    with pytest.raises(ProtocolError) as e:
+        parse_chat(chat(logit_bias={"99999": 1}), MODEL, vocab_size=49152)
+    assert e.value.message == "logit_bias: token id 99999 is outside the vocabulary (49152)"
 
 
 def test_token_ids_inside_the_vocabulary_pass():
@@ -771,3 +796,54 @@ def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(t
     assert (streamed.message.content or None) == whole_choice.message.content
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("tool_calls") == 1
+
+
+# ---- /tokenize, /detokenize --------------------------------------------------------------------
+from relay.api.tokenization import TokenizeQuery, parse_detokenize, parse_tokenize  # noqa: E402
+
+
+def test_tokenize_parses_vllms_text_and_chat_requests():
+    assert parse_tokenize({"model": MODEL, "prompt": "Hi"}, MODEL) == TokenizeQuery("tokenize", text="Hi")
+    assert parse_tokenize({"prompt": "", "add_special_tokens": False, "return_token_strs": True}, MODEL) == \
+        TokenizeQuery("tokenize", text="", add_special_tokens=False, return_token_strs=True)
+    chat_q = parse_tokenize({"messages": [{"role": "developer", "content": "Be brief."}], "add_generation_prompt": False,
+                             "chat_template_kwargs": {"enable_thinking": False}}, MODEL)
+    assert chat_q == TokenizeQuery("tokenize", messages=[{"role": "system", "content": "Be brief."}],
+                                   chat_kwargs={"enable_thinking": False, "add_generation_prompt": False},
+                                   add_special_tokens=False)
+    cont = parse_tokenize({"messages": [{"role": "assistant", "content": "The"}], "continue_final_message": True}, MODEL)
+    assert cont.chat_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
+    tools = parse_tokenize({"messages": [{"role": "user", "content": "x"}],
+                            "tools": [{"type": "function", "function": {"name": "f"}}]}, MODEL)
+    assert [t["function"]["name"] for t in tools.chat_kwargs["tools"]] == ["f"]
+    assert parse_detokenize({"tokens": [0, 5]}, MODEL, 10, 100) == TokenizeQuery("detokenize", tokens=[0, 5])
+    assert parse_detokenize({"tokens": []}, MODEL, 10, 100).tokens == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"), ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ({"prompt": 5}, "prompt"), ({"prompt": ["a"]}, "prompt"), ({"prompt": "a", "add_special_tokens": "no"},
+                                                                "add_special_tokens"),
+    ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"), ({"prompt": "a", "model": "other"}, "model"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_special_tokens": True}},
+     "chat_template_kwargs.add_special_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
+])
+def test_tokenize_refusals_name_the_field(body, param):
+    with pytest.raises(ProtocolError) as e:
+        parse_tokenize(body, MODEL)
+    assert e.value.param == param and e.value.status in (400, 404)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "'tokens' is required"), ({"tokens": "1 2"}, "list of token ids"), ({"tokens": [1, -1]}, "item 1"),
+    ({"tokens": [1, True]}, "item 1"), ({"tokens": [10]}, "outside the vocabulary [0, 10)"),
+    ({"tokens": [1] * 101}, "at most 100 ids"),
+])
+def test_detokenize_refusals_name_tokens(body, message):
+    with pytest.raises(ProtocolError) as e:
+        parse_detokenize(body, MODEL, 10, 100)
+    assert (e.value.status, e.value.param) == (400, "tokens") and message in e.value.message

@@ -577,3 +577,58 @@ def test_state_allocated_only_for_penalties():
     assert st[3].counts is not None
     assert st[4].seen is not None and st[4].seen.tolist() == [i == 3 for i in range(V)]
     assert st[5].seen is None
+
+
+# ---- logit_bias --------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_greedy_tokens_per_row():
+    """+100 forces a token, -100 on the argmax hands the step to the runner-up; the unbiased row
+    in the same batch, and the caller's logits, are untouched."""
+    logits = torch.tensor([BASE, BASE, BASE])
+    before = logits.clone()
+    s = make([spec(1, temperature=0.0, logit_bias={2: 100.0}), spec(2, temperature=0.0, logit_bias={4: -100.0}),
+              spec(3, temperature=0.0)])
+    assert s.sample(logits, [1, 2, 3], [0, 0, 0]).token_ids == [2, 0, 4]
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_shifts_the_sampled_distribution():
+    bias = {0: -2.0, 5: 3.0, 7: 1.5}
+    biased = torch.tensor(BASE) + torch.tensor([bias.get(t, 0.0) for t in range(V)])
+    want = torch.softmax(biased, -1).tolist()
+    assert_matches(draw_many(torch.tensor(BASE), 4000, temperature=1.0, logit_bias=bias), want)
+
+
+def test_logit_bias_cannot_lift_a_masked_token():
+    """A grammar's -inf (applied before the sampler) and min_new_tokens' stop mask win over +100."""
+    row = list(BASE)
+    row[2] = float("-inf")
+    s = make([spec(1, stop=[3], temperature=0.0, min_new_tokens=2, logit_bias={2: 100.0, 3: 100.0}),
+              spec(2, temperature=0.9, seed=5, logit_bias={2: 100.0})])
+    for n in range(20):
+        first, second = s.sample(torch.tensor([row, row]), [1, 2], [0, n]).token_ids
+        assert first not in (2, 3) and second != 2
+
+
+def test_logit_bias_logprobs_are_of_the_biased_distribution():
+    s = make([spec(1, temperature=0.0, logprobs=True, logit_bias={1: 5.0})])
+    res = s.sample(torch.tensor([BASE]), [1], [0])
+    biased = torch.tensor(BASE)
+    biased[1] += 5.0
+    assert res.token_ids == [1]
+    assert res.logprobs[0] == pytest.approx(float(torch.log_softmax(biased, -1)[1]), abs=1e-5)
+
+
+def test_logit_bias_holds_under_speculative_verification_and_drafting():
+    """A verified greedy request keeps a proposal only where it equals the biased argmax, so its
+    output is the one without speculation; a draft proposes as its sampler would."""
+    s = make([spec(1, temperature=0.0, logit_bias={3: 100.0}), spec(2, temperature=0.0)])
+    rows = torch.tensor([BASE] * 5)  # request 1 verifies [3, 4], request 2 verifies [4]
+    assert s.verify(rows, [1, 2], [0, 0], [[3, 4], [4]]) == [[3, 3], [4, 4]]
+    tokens, dists = s.propose(torch.tensor([BASE, BASE]), [1, 2], [0, 0], [[], []])
+    assert tokens == [3, 4] and dists == [None, None]
+
+
+def test_logit_bias_state_only_for_biased_requests():
+    s = make([spec(1), spec(2, logit_bias={6: 1.0, 0: -1.0})])
+    assert s.states[1].bias_ids is None
+    assert s.states[2].bias_ids.tolist() == [6, 0] and s.states[2].bias_values.tolist() == [1.0, -1.0]

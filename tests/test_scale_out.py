@@ -413,6 +413,7 @@ def test_the_front_door_streams_answers_and_passes_a_disconnect_on():
 
 class _Args(argparse.Namespace):
     api_key = None
+    shutdown_timeout = 0.0
 
 
 def test_supervision_policy_on_stand_in_processes():

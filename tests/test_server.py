@@ -398,3 +398,61 @@ def test_constrained_stream_disconnect_frees_its_matcher_and_kv(server):
     stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s["grammar"]["live_matchers"] == 0
                        and s, 15, "the abort to free the request and its matcher")
     assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+
+def test_logit_bias_forces_and_bans_greedy_tokens_next_to_an_unbiased_request(server):
+    """+100 forces its token at every step and -100 on the greedy first token replaces it (and
+    that token never comes), while an unbiased request sent alongside (in the same steps) keeps
+    its greedy output."""
+    prompt, n = "The capital of France is", 12
+    sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    with server.client() as c:
+        plain = c.post("/generate", json={"text": prompt, "sampling_params": sampling}).json()
+        forced = c.post("/tokenize", json={"prompt": " Lyon", "add_special_tokens": False}).json()["tokens"][0]
+    assert "Paris" in plain["text"]
+    first = plain["output_ids"][0]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(
+                c.post("/generate", json={"text": prompt, "sampling_params": sampling}),
+                c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                "ignore_eos": True, "logit_bias": {str(forced): 100}}),
+                c.post("/generate", json={"text": prompt, "sampling_params": {**sampling,
+                                                                               "logit_bias": {str(first): -100}}}))
+
+    unbiased, pushed, banned = (r.json() for r in asyncio.run(together()))
+    assert unbiased["output_ids"] == plain["output_ids"]
+    with server.client() as c:
+        assert pushed["choices"][0]["text"] == c.post("/detokenize", json={"tokens": [forced] * n}).json()["prompt"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "logit_bias": {"99999": 1}})
+    assert banned["output_ids"][0] != first and first not in banned["output_ids"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert r.json()["error"]["message"] == "logit_bias: token id 99999 is outside the vocabulary (49152)"
+
+
+def test_tokenize_and_detokenize_round_trip_and_equal_the_tokenizer(server, default_model_dir):
+    """vLLM's shapes; the ids are the model tokenizer's own, a chat's are those its completion is
+    billed for, and an id outside the vocabulary is a 400 naming `tokens`."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "Héllo, world! 日本語 🙂\n  indented"
+    with server.client() as c:
+        out = c.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+        assert out == {"count": len(hf.encode(text)), "max_model_len": c.get("/v1/models").json()["data"][0]
+                       ["max_model_len"], "tokens": hf.encode(text), "token_strs": hf.convert_ids_to_tokens(
+                           hf.encode(text))}
+        assert c.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json() == {"prompt": text}
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = c.post("/tokenize", json={"messages": msgs}).json()
+        assert chat["token_strs"] is None
+        assert chat["tokens"] == list(hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
+        billed = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()["usage"]
+        assert chat["count"] == billed["prompt_tokens"]
+        bad = c.post("/detokenize", json={"tokens": [1, 49152]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        long = c.post("/tokenize", json={"prompt": "word " * 20_000})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"

@@ -55,13 +55,21 @@ def test_tp2_equals_tp1_in_float32():
 
 
 def test_process_titles_and_sigterm_leaves_no_orphans():
-    s = Server("--load-format", "dummy-null", "--tokenizer-workers", "2")
+    """Also: by default (--shutdown-timeout 0, vLLM's) SIGTERM aborts a stream in flight at once,
+    with an error event, and still exits 0."""
+    s = Server("--load-format", "dummy-null", "--tokenizer-workers", "2", "--context-length", "100000")
     children = s.children()
     titles = {open(f"/proc/{p}/cmdline").read().strip("\0") for p in children}
     assert {"relay::sched", "relay::tp0", "relay::detok", "relay::tokenizer0", "relay::tokenizer1"} <= titles
     assert open(f"/proc/{s.proc.pid}/cmdline").read().strip("\0") == "relay::http"
     ipc_dirs = {d for d in os.listdir("/tmp") if d.startswith("relay-")}
-    s.proc.send_signal(signal.SIGTERM)
+    body = {"prompt": "hi", "max_tokens": 90000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=s.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+        s.proc.send_signal(signal.SIGTERM)
+        last = [line for line in lines if line][-1]
+    assert '"code":503' in last and "shutting down" in last
     assert s.proc.wait(15) == 0
     assert not [p for p in children if alive(p)]
     assert {d for d in os.listdir("/tmp") if d.startswith("relay-")} < ipc_dirs, "its ipc directory is removed"
@@ -120,3 +128,44 @@ def test_terminating_a_session_ends_what_outlives_its_leader():
     terminate([leader], 10, whole_group=True)
     assert leader.returncode == -signal.SIGTERM  # the leader itself went on SIGTERM
     wait_until(lambda: not alive(straggler), 10, "the leader's child to be gone")
+
+
+def test_sigterm_drains_requests_in_flight_for_the_shutdown_timeout_then_aborts_the_rest():
+    """SIGTERM with --shutdown-timeout: /health and new requests get 503 at once; a stream that
+    ends within the timeout ends normally; a stream and a whole request still running at the
+    timeout end with an error (an error event, a 503 body), never cut silently; exit 0."""
+    import json
+    import threading
+
+    s = Server("--load-format", "dummy-null", "--context-length", "1000000", "--shutdown-timeout", "10")
+    endless = {"prompt": "hi", "max_tokens": 990_000, "ignore_eos": True}
+    whole: dict = {}
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json={**endless, "stream": True}) as long_stream, \
+                c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3000, "ignore_eos": True,
+                                                          "stream": True, "stream_options": {"include_usage": True}}
+                         ) as short_stream:
+            long_lines, short_lines = long_stream.iter_lines(), short_stream.iter_lines()
+            assert next(long_lines).startswith("data:") and next(short_lines).startswith("data:")
+            worker = threading.Thread(target=lambda: whole.update(r=httpx.post(s.url + "/v1/completions", json=endless,
+                                                                                 timeout=60)))
+            worker.start()
+            wait_until(lambda: c.get("/get_server_info").json()["num_http_requests"] == 3, 30, "3 requests in flight")
+            s.proc.send_signal(signal.SIGTERM)
+            health = wait_until(lambda: (r := c.get("/health")).status_code == 503 and r, 10, "/health to say 503")
+            assert "shutting down" in health.json()["reason"]
+            refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            short = [line for line in short_lines if line]
+            long_tail = [line for line in long_lines if line][-2:]
+        assert short[-1] == "data: [DONE]" and not any("error" in json.loads(line[6:]) for line in short[:-1])
+        assert json.loads(short[-2][6:])["usage"]["completion_tokens"] == 3000
+        last = json.loads(long_tail[-1][6:])
+        assert last["error"]["code"] == 503 and "--shutdown-timeout 10 s" in last["error"]["message"]
+        worker.join(60)
+        assert whole["r"].status_code == 503 and "shutting down" in whole["r"].json()["error"]["message"]
+        assert s.proc.wait(30) == 0
+        assert "Traceback" not in s.log
+    finally:
+        s.stop()

@@ -50,6 +50,31 @@ def test_greedy_output_through_the_server_is_the_engines_without_speculation(ser
     assert "spec_accepted=" in server.log
 
 
+def test_logit_bias_under_speculation_is_the_engines_without_speculation(server, default_model_dir):
+    """Proposals copied from the prompt carry tokens the bias bans: verification against the
+    biased logits rejects them, so each request's tokens are the Engine's without speculation."""
+    engine = Engine(default_model_dir, dtype="float32")
+    (copy,) = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    bias = {copy.token_ids[4]: -100.0, copy.token_ids[9]: -100.0, 11: 2.0}
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, logit_bias=bias)
+    expected = [o.token_ids for o in engine.generate(PROMPTS, params)]
+
+    def generate(prompt: str) -> list[int]:
+        with server.client() as c:
+            body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True,
+                                                        "logit_bias": {str(k): v for k, v in bias.items()}}}
+            return c.post("/generate", json=body).json()["output_ids"]
+
+    with server.client() as c:
+        before = c.get("/get_server_info").json()["scheduler"]["spec"]["spec_accepted_tokens"]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(generate, PROMPTS))
+    assert got == expected
+    assert not any(t in out for out in got for t in (copy.token_ids[4], copy.token_ids[9]))
+    with server.client() as c:
+        assert c.get("/get_server_info").json()["scheduler"]["spec"]["spec_accepted_tokens"] > before
+
+
 def test_a_draft_model_through_the_server_keeps_greedy_output(tiny_model_dir):
     """standalone speculation (the target's own weights in int4 as the draft) on a tiny
     full-vocabulary model: 16 concurrent requests, each the Engine's tokens without speculation."""

@@ -53,6 +53,12 @@ def test_dp_checks_its_ports_before_starting_replicas():
     assert_one_line_error(metrics, f"127.0.0.1:{port}", "--router-prometheus-port")
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_shutdown_timeout_that_is_not_a_number_of_seconds_is_refused(value):
+    out = serve("--shutdown-timeout", value)
+    assert out.returncode == 2 and "--shutdown-timeout must be a finite number of seconds >= 0" in out.stderr
+
+
 def test_a_cache_directory_that_is_a_file(tmp_path):
     path = tmp_path / "cache"
     path.write_text("not a directory")

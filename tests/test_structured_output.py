@@ -86,6 +86,21 @@ def test_outputs_fully_match_their_regexes(engine):
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (regex, out.text)
 
 
+def test_logit_bias_never_beats_the_grammar(engine):
+    """+100 on tokens the grammar forbids changes nothing (the mask's -inf stays); -100 on the
+    constrained greedy choice makes the grammar take its next best, still a match."""
+    tok = engine.tokenizer.hf
+    regex, prompt = r"(yes|no)", "Is the sky blue? Answer:"
+    (plain,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex))
+    letters = {tok.convert_tokens_to_ids(t): 100.0 for t in ("x", "z", "Q")}
+    (pushed,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex,
+                                                         logit_bias=letters))
+    assert pushed.token_ids == plain.token_ids
+    (banned,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex,
+                                                         logit_bias={plain.token_ids[0]: -100.0}))
+    assert re.fullmatch(regex, banned.text) and banned.token_ids[0] != plain.token_ids[0]
+
+
 def test_ebnf(engine):
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
     (out,) = engine.generate(["Is the sky blue?"], SamplingParams(max_new_tokens=16, temperature=0, ebnf=grammar))

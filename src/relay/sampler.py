@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 The sampler lives with the model runner (on the leader rank) and keeps each request's
 sampling state keyed by the scheduler's request handle (sid): its parameters, and for
@@ -32,6 +32,8 @@ class _State:
     spec: SamplingSpec
     counts: torch.Tensor | None = None  # [vocab] output-token counts (frequency/presence)
     seen: torch.Tensor | None = None  # [vocab] bool: prompt or output token (repetition)
+    bias_ids: torch.Tensor | None = None  # logit_bias's token ids [n] int64, and their biases [n]
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,13 +63,16 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 st.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
                 st.seen[torch.tensor(spec.prompt_ids + spec.output_ids, dtype=torch.int64, device=self.device)] = True
+            if p.logit_bias:  # built once: a step only concatenates the biased rows' tensors
+                st.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
+                st.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
             self.states[spec.sid] = st
 
     def sample(self, logits: torch.Tensor, sids: list[int], output_lens: list[int]) -> SampleResult:
         """logits: [rows, vocab] float32, one row per sid; returns one token per row."""
         states = [self.states[sid] for sid in sids]
         params = [st.spec.params for st in states]
-        logits = self._apply_penalties(logits, states)
+        logits = self._adjusted(logits, states)
         self._mask_early_stops(logits, states, output_lens)
         tokens = self._choose(logits, params, output_lens)
         result = SampleResult(tokens.tolist())  # the step's one device -> host copy of tokens
@@ -77,14 +82,25 @@ class Sampler:
         return result
 
     # ---- logit processing -----------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, states: list[_State],
-                         extra: list[list[int]] | None = None) -> torch.Tensor:
-        """Penalised logits (a copy: the caller's tensor is left alone). extra: per row, tokens
-        to count as generated on top of the request's own (proposals ahead of a verified row)."""
+    def _adjusted(self, logits: torch.Tensor, states: list[_State],
+                  extra: list[list[int]] | None = None) -> torch.Tensor:
+        """Logits after the penalties and then logit_bias (a copy where either, or the early-stop
+        mask that follows, changes them: the caller's tensor is left alone). extra: per row,
+        tokens to count as generated on top of the request's own (proposals ahead of a verified
+        row). A grammar's mask, applied by the runner before this, stays -inf whatever the bias:
+        as if the bias came first and the mask after it."""
         rows = [i for i, st in enumerate(states) if st.counts is not None or st.seen is not None]
+        biased = [i for i, st in enumerate(states) if st.bias_ids is not None]
         early = any(st.spec.params.min_new_tokens for st in states)
-        if rows or early:
+        if rows or biased or early:
             logits = logits.clone()
+        self._penalise(logits, states, rows, extra)
+        if biased:
+            _add_bias(logits, [states[i] for i in biased], biased)
+        return logits
+
+    def _penalise(self, logits: torch.Tensor, states: list[_State], rows: list[int],
+                  extra: list[list[int]] | None) -> None:
         for i in rows:  # penalised requests are rare; one small op chain each
             st, p, row = states[i], states[i].spec.params, logits[i]
             ahead = torch.tensor(extra[i], dtype=torch.int64, device=row.device) if extra and extra[i] else None
@@ -96,7 +112,6 @@ class Sampler:
                 counts = st.counts if ahead is None else st.counts.clone().index_add_(
                     0, ahead, torch.ones_like(ahead, dtype=st.counts.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, states: list[_State], output_lens: list[int]) -> None:
         """Stop tokens get -inf until a request has min_new_tokens (one indexed write per step)."""
@@ -169,7 +184,7 @@ class Sampler:
         distribution it was drawn from (None for greedy ones)."""
         states = [self.states[sid] for sid in sids]
         lens = [n + len(d) for n, d in zip(output_lens, drafted)]
-        logits = self._apply_penalties(logits, states, drafted)
+        logits = self._adjusted(logits, states, drafted)
         self._mask_early_stops(logits, states, lens)
         tokens = logits.argmax(dim=-1).tolist()
         dists: list[torch.Tensor | None] = [None] * len(sids)
@@ -201,7 +216,7 @@ class Sampler:
                 ahead.append(props[:j])
                 lens.append(n + j)
             starts.append(len(row_states))
-        logits = self._apply_penalties(logits, row_states, ahead)
+        logits = self._adjusted(logits, row_states, ahead)
         self._mask_early_stops(logits, row_states, lens)
         top = logits.argmax(dim=-1).tolist()
         emitted = []
@@ -268,6 +283,16 @@ class Sampler:
                 st.counts[tok] += 1
             if st.seen is not None:
                 st.seen[tok] = True
+
+
+def _add_bias(logits: torch.Tensor, states: list[_State], rows: list[int]) -> None:
+    """Each biased row's logit_bias added in one indexed accumulate over the batch (-inf + bias
+    stays -inf, so a masked token stays masked)."""
+    ids = torch.cat([st.bias_ids for st in states])
+    values = torch.cat([st.bias_values for st in states]).to(logits.dtype)
+    counts = torch.tensor([len(st.bias_ids) for st in states])
+    index = torch.repeat_interleave(torch.tensor(rows), counts).to(logits.device, non_blocking=True)
+    logits.index_put_((index, ids), values, accumulate=True)
 
 
 def _filter_knobs(p, vocab: int) -> list[float]:

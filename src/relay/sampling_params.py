@@ -16,6 +16,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_NEW_TOKENS = 1_000_000  # above this a budget is a client bug, not a real one
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's range; -100 bans a token in practice and +100 forces it. The entry
+# count is bounded like stop_token_ids: each entry costs an index on every step.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024
 _I64 = 2**63
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
 
@@ -114,12 +118,16 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # token id -> number added to its logit before sampling (OpenAI's logit_bias); after the
+    # penalties, and it cannot lift a token that min_new_tokens or a grammar masks (-inf stays).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == 0:
             self.top_k = -1
 
@@ -151,7 +159,23 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
                                                  f"{self.stop_token_ids!r}")
+        self._validate_logit_bias(vocab_size)
         return self
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"logit_bias allows at most {MAX_LOGIT_BIAS} tokens, got "
+                                             f"{len(self.logit_bias)}")
+        lo, hi = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
+            if vocab_size is not None and token >= vocab_size:
+                raise InvalidParam("logit_bias", f"logit_bias: token id {token} is outside the vocabulary "
+                                                 f"({vocab_size})")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not lo <= bias <= hi:
+                raise InvalidParam("logit_bias", f"logit_bias values must be numbers in [{lo:g}, {hi:g}]; token "
+                                                 f"{token} has {bias!r:.40}")
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -35,8 +35,12 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level pieces as the vocabulary spells them, 'Ġthe')."""
+        return [t if t is not None else "" for t in self.hf.convert_ids_to_tokens(ids)]
 
     def warm_up(self) -> None:
         """Build what is otherwise built on first use (the byte table, max_token_chars: ~0.1 s for
@@ -45,9 +49,15 @@ class Tokenizer:
         self.decode(self.encode("warm up"))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> list[int]:
+                            add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        """The chat's token ids as its template renders it; add_special_tokens adds the tokenizer's
+        own (a BOS) on top of those the template writes, as vLLM's /tokenize does."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        if add_special_tokens:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **kwargs)
+            return self.encode(text, add_special_tokens=True)
         out = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                           **kwargs)
         if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
@@ -131,23 +141,33 @@ class PromptPreparer:
                    messages: list[dict[str, Any]] | None = None, chat_kwargs: dict[str, Any] | None = None
                    ) -> list[int]:
         field = "messages" if messages is not None else "prompt"
-        if messages is not None:
-            contents = [m.get("content") for m in messages if isinstance(m, dict)]
-            self._refuse_if_too_long([c for c in contents if isinstance(c, str)], field)
-            try:
-                ids = self.tok.apply_chat_template(messages, **(chat_kwargs or {}))
-            except Exception as e:  # a template that fails on these messages is the request's fault
-                raise InvalidParam(field, f"the chat template failed on these messages: {e}") from None
-        elif input_ids is not None:
-            ids = list(input_ids)
-        else:
-            self._refuse_if_too_long([text or ""], field)
-            ids = self.tok.encode(text or "")
+        ids = list(input_ids) if input_ids is not None else self.tokenize(text, messages, chat_kwargs)
         if not ids:
             raise InvalidParam(field, "the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise InvalidParam(field, f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
+        check_prompt_length(len(ids), self.context_len, field)
+        return ids
+
+    def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                 chat_kwargs: dict[str, Any] | None = None, add_special_tokens: bool | None = None) -> list[int]:
+        """A text's or a chat's token ids, under the prompt's limits: InvalidParam naming the field
+        when it cannot fit the context. add_special_tokens (None: the default for the kind, as
+        generation uses it) adds the tokenizer's special tokens: by default to a text and not to
+        a chat, whose template writes its own."""
+        field = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            contents = [m.get("content") for m in messages if isinstance(m, dict)]
+            self._refuse_if_too_long([c for c in contents if isinstance(c, str)], field)
+            try:
+                ids = self.tok.apply_chat_template(messages, add_special_tokens=bool(add_special_tokens),
+                                                   **(chat_kwargs or {}))
+            except Exception as e:  # a template that fails on these messages is the request's fault
+                raise InvalidParam(field, f"the chat template failed on these messages: {e}") from None
+        else:
+            self._refuse_if_too_long([text or ""], field)
+            ids = self.tok.encode(text or "", add_special_tokens is not False)
         check_prompt_length(len(ids), self.context_len, field)
         return ids
 
@@ -188,6 +208,18 @@ class PromptPreparer:
                                              f"tokens exceed this model's context of {self.context_len}")
         budget = room if params.max_new_tokens is None else params.max_new_tokens
         return dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
+
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens included (vLLM's /detokenize): tokenize's inverse.
+        InvalidParam naming `tokens` for an id outside the model's vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParam("tokens", f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.context_len:  # no prompt or output is longer
+            raise InvalidParam("tokens", f"tokens allows at most {self.context_len} ids (this model's context), "
+                                         f"got {len(ids)}")
+        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 # Tokens a prefix may hold beyond the same stretch of the whole text (its last word may

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.api.fields import MAX_N
-from relay.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, Range
+from relay.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, Range
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +36,17 @@ _TOKEN_IDS = {"type": "array", "items": _int(0)}
 _STOP = {"anyOf": [{"type": "string", "minLength": 1},
                    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}]}
 
+# OpenAI's logit_bias: token ids as JSON keys -> a bias (ids past the vocabulary are a 400 too).
+_LOGIT_BIAS = {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+               "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                        "maximum": LOGIT_BIAS_RANGE[1]}}
+
 _SAMPLING = {
     **{name: _ranged(name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                         "frequency_penalty", "presence_penalty", "seed")},
     "stop": _STOP, "stop_token_ids": {**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS},
     "min_tokens": _ranged("min_new_tokens"), "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
-    "include_stop_str_in_output": _BOOL,
+    "include_stop_str_in_output": _BOOL, "logit_bias": _LOGIT_BIAS,
 }
 _OPENAI_COMMON = {
     "model": _STR, "n": _int(1, MAX_N), "stream": _BOOL,
@@ -68,14 +73,14 @@ BODIES: dict[str, dict[str, Any]] = {
     "completion": _object({
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]},
         "logprobs": _ranged("top_logprobs"), "echo": _BOOL, "best_of": _int(1, MAX_N), "suffix": _STR,
-        "logit_bias": {"type": "object"}, **_OPENAI_COMMON,
+        **_OPENAI_COMMON,
     }, ["prompt"]),
     "chat": _object({
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": _ranged("max_new_tokens"), "logprobs": _BOOL,
         "top_logprobs": _ranged("top_logprobs"), "chat_template_kwargs": {"type": "object"},
         "add_generation_prompt": _BOOL, "response_format": {"type": "object"}, "tools": {"type": "array"},
-        "tool_choice": {}, "logit_bias": {"type": "object"}, **_OPENAI_COMMON,
+        "tool_choice": {}, **_OPENAI_COMMON,
     }, ["messages"]),
     "generate": _object({
         "text": {"type": "string", "minLength": 1}, "input_ids": {**_TOKEN_IDS, "minItems": 1},
@@ -87,6 +92,14 @@ BODIES: dict[str, dict[str, Any]] = {
         "return_logprob": _BOOL, "top_logprobs_num": _ranged("top_logprobs"), "priority": _int(),
     }, []),
     "abort": _object({"rid": {"type": "string", "minLength": 1}}, ["rid"]),
+    # vLLM's: a text or a chat, one of the two.
+    "tokenize": _object({
+        "model": _STR, "prompt": _STR, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "add_special_tokens": _BOOL, "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
+        "chat_template_kwargs": {"type": "object"}, "tools": {"type": "array"}, "tool_choice": {},
+        "return_token_strs": _BOOL,
+    }, []),
+    "detokenize": _object({"model": _STR, "tokens": _TOKEN_IDS}, ["tokens"]),
 }
 
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from relay.sampling_params import (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, InvalidParam, Range,
-                                   SamplingParams)
+from relay.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES,
+                                   InvalidParam, Range, SamplingParams)
 
 if TYPE_CHECKING:
     from relay.api.tool_calls import ToolCalling
@@ -231,6 +231,26 @@ def _as_stop_ids(value: Any, param: str) -> list[int]:
     return list(ids)
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+def _as_logit_bias(value: Any, param: str) -> dict[int, float]:
+    """OpenAI's logit_bias: {"<token id>": bias}, JSON keys being strings; the ids' vocabulary
+    check is SamplingParams.validate's (it knows the model)."""
+    biases = as_dict(value, param)
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise bad(param, f"'{param}' allows at most {MAX_LOGIT_BIAS} tokens, got {len(biases)}")
+    rule, (lo, hi) = Range(*LOGIT_BIAS_RANGE), LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for key, bias in biases.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad(param, f"'{param}' keys must be token ids (decimal integers >= 0), got {show(key)}")
+        if not rule.holds(bias):
+            raise bad(param, f"'{param}' values must be numbers in [{lo:g}, {hi:g}]; token {key} has {show(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
 # SamplingParams field -> converter(value, param) that type- and range-checks one value.
 FIELD_RULES: dict[str, Callable[[Any, str], Any]] = {
     **{name: ranged(name) for name in RANGES},
@@ -239,6 +259,7 @@ FIELD_RULES: dict[str, Callable[[Any, str], Any]] = {
     "ignore_eos": as_bool,
     "skip_special_tokens": as_bool,
     "include_stop_str_in_output": as_bool,
+    "logit_bias": _as_logit_bias,
 }
 
 

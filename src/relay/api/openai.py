@@ -29,6 +29,7 @@ _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation",
     "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_special_tokens",  # /tokenize's own field; generation never adds them to a chat
 })
 # OpenAI caps temperature at 2 (SGLang's native API does not).
 _RULES = {**F.FIELD_RULES, "temperature": F.ranged("temperature", Range(0, 2))}
@@ -40,6 +41,7 @@ _KEYS = {
     "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
     "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
+    "logit_bias": "logit_bias",
 }
 
 
@@ -106,7 +108,7 @@ async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int
 
 # ---- parsing -------------------------------------------------------------------------------
 
-def _check_model(body: dict[str, Any], served_model: str) -> None:
+def check_model(body: dict[str, Any], served_model: str) -> None:
     model = body.get("model")
     if model is None:
         return
@@ -134,7 +136,6 @@ def _refused(value: Any) -> bool:
 # Unsupported on both routes (see _reject_unsupported).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
-    "logit_bias": lambda v: v == {},
 }
 
 
@@ -151,7 +152,7 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def _common(body: dict[str, Any], served_model: str, max_n: int) -> dict[str, Any]:
     """Fields the two endpoints share, as ParsedRequest keyword arguments."""
-    _check_model(body, served_model)
+    check_model(body, served_model)
     stream, include_usage = _stream_fields(body)
     return {"stream": stream, "include_usage": include_usage, "priority": F.priority(body),
             "n": F.opt(body, "n", 1, lambda v, p: F.as_int(v, p, 1, max_n))}
@@ -245,13 +246,13 @@ def _message(msg: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad("messages", "'messages' must be a non-empty list of message objects")
     return [_message(m, i) for i, m in enumerate(value)]
 
 
-def _chat_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     extra = F.opt(body, "chat_template_kwargs", {}, F.as_dict)
     for key in extra:
         if key in _RESERVED_TEMPLATE_KWARGS:
@@ -282,7 +283,7 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     body = F.require_object(body)
     common = _common(body, served_model, max_n)
     _reject_unsupported(body, _CHAT_UNSUPPORTED)
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
     budget_key, max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
@@ -292,7 +293,7 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
     params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size, max_constraint_bytes,
                          max_constraint_depth)
-    chat_kwargs = _chat_kwargs(body)
+    chat_kwargs = chat_template_kwargs(body)
     if tools is not None:
         chat_kwargs["tools"] = tools.template_tools()
     return ParsedRequest(params=params, messages=messages, chat_kwargs=chat_kwargs, param_names=param_names,

@@ -21,6 +21,7 @@ _KEYS = {
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
     "seed": "seed", "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output",
+    "logit_bias": "logit_bias",
 }
 
 
