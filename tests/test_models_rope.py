@@ -271,3 +271,30 @@ def test_the_server_names_a_repo_id_it_cannot_find_in_one_line(tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert_one_line_error(serve("--port", "0", "--model-path", "tiny-org/absent"), "'tiny-org/absent'", "HF_HUB_OFFLINE")
+
+
+def test_bf16_cpu_rope_kernel_reads_the_longrope_tables_as_the_torch_path_does(model_dir):
+    """bfloat16 Phi-3 with Relay's fused CPU ops (the rope kernel reads the per-position tables at
+    each token's position) against the same model on torch's ops, over a 40-token prompt that
+    reaches past the original length: the logits agree to bf16 precision."""
+    from relay.config import EngineConfig
+    from relay.model_runner import ModelRunner
+    from tests.kernel_helpers import cpu_kernels_or_skip
+    from tests.test_model_runner import PS, prefill, spec
+
+    cpu_kernels_or_skip()
+    path = model_dir("phi3-longrope")
+    cfg = EngineConfig(dtype="bfloat16", page_size=PS, kv_cache_gb=0.01)
+    fast, plain = (ModelRunner(cfg, path, ModelConfig.from_dir(path)) for _ in range(2))
+    plain.model.fused_cpu_ops = False
+    for module in plain.model.modules():
+        for name in ("fused", "gemv"):
+            if hasattr(module, name):
+                setattr(module, name, False)
+        if hasattr(module, "rotary") and module is not plain.model:
+            module.rotary = None
+    assert fast.model.layers[0].self_attn.rotary is not None, "the kernel must be on for this test"
+    prompt = random_prompts(TINY_VOCAB, [40], seed=5)
+    batch = prefill([0], prompt, [spec(0)])
+    a, b = fast.step_logits(batch, batch.new_pages), plain.step_logits(batch, batch.new_pages)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
