@@ -298,3 +298,26 @@ def test_bf16_cpu_rope_kernel_reads_the_longrope_tables_as_the_torch_path_does(m
     batch = prefill([0], prompt, [spec(0)])
     a, b = fast.step_logits(batch, batch.new_pages), plain.step_logits(batch, batch.new_pages)
     assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
+def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
+    from relay.config import EngineConfig
+    from relay.model_runner import ModelRunner
+    from tests.test_model_runner import PS, prefill, spec
+
+    runner = ModelRunner(EngineConfig(dtype="float32", tp_size=2, page_size=PS, kv_cache_gb=0.01), model_dir,
+                         ModelConfig.from_dir(model_dir), tp)
+    batch = prefill([0], [prompt], [spec(0)])
+    return runner.step_logits(batch, batch.new_pages)[-1]
+
+
+def test_phi3_over_two_tensor_parallel_ranks_computes_transformers_logits(tmp_path, model_dir):
+    """--tp 2: each rank loads its share of the fused qkv_proj and gate_up_proj; the all-reduced
+    logits of a 40-token prompt (past the original length) are transformers'."""
+    from tests.test_tp_shared_memory import run_ranks
+
+    path = model_dir("phi3-longrope")
+    prompt = random_prompts(TINY_VOCAB, [40], seed=7)[0]
+    _, want = cached_reference(path, prompt, 1)
+    for got in run_ranks(_phi3_last_logits, tmp_path, path, prompt):
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5
