@@ -6,6 +6,7 @@ Tiny random-weight models with short context lengths put the rope scalings' boun
 (original_max_position_embeddings, max_position_embeddings) inside the prompts and generations."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -90,53 +91,33 @@ def engine(path: str, **kw) -> Engine:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_output_equals_transformers(model_dir, name):
-    """Prompts and 16 new tokens: the dynamic-NTK model decodes past max_position_embeddings
-    (transformers recomputes its base for each token decoded there), the others run through prompt
-    chunks of 24 tokens. The LongRoPE models stay within original_max_position_embeddings here,
-    where transformers' generate never switches factors (the next test goes past it)."""
-    path = model_dir(name)
-    prompts = random_prompts(TINY_VOCAB, [3, 9, 13] if "longrope" in name else [3, 9, 17, 25, 31, 40])
+    """Prompts and 16 new tokens through prompt chunks of 24 tokens, again from the prefix cache,
+    and once more in a KV pool so small that requests are retracted and recomputed. The LongRoPE
+    models' original length is 32: prompts of 25 and 31 tokens grow past it while decoding
+    (transformers' generate then recomputes the sequence with the long factors, and Relay too),
+    prompts of 40 and 70 start past it. The dynamic-NTK model decodes past max_position_embeddings
+    (transformers recomputes its base for each token decoded there)."""
+    from tests.test_engine import check_three_ways
+
+    lengths = [3, 9, 13, 25, 31, 40, 70] if "longrope" in name else [3, 9, 17, 25, 31, 40]
+    head_dim = 32 if name == "qwen3-yarn" else 16
+    small = 40 * 4 * (2 * 2 * head_dim * 2 * 4) / (1 << 30)  # ~40 pages of 4 tokens
+    check_three_ways(model_dir(name), random_prompts(TINY_VOCAB, lengths), small, page_size=4,
+                     chunked_prefill_size=24, kv_cache_gb=0.01, context_length=96 if "dynamic" in name else None)
+
+
+@pytest.mark.parametrize("how", [dict(overlap_min_share=0.0), dict(speculative_algorithm="ngram")],
+                         ids=["overlap-scheduling", "ngram-speculation"])
+def test_longrope_switches_to_the_long_factors_under_overlap_and_speculation(model_dir, how):
+    """The step that takes a sequence past the original length recomputes it on the long factors
+    with steps scheduled ahead (overlap) too, and proposals are never verified across it."""
+    path = model_dir("phi3-longrope")
+    rng_prompts = random_prompts(TINY_VOCAB, [20, 25, 31, 40])
+    prompts = [p[:6] * 5 for p in rng_prompts]  # repetitive: n-gram proposals find matches
     expected = reference(path, prompts, NEW_TOKENS)
-    eng = engine(path, context_length=96 if "dynamic" in name else None)
+    eng = engine(path, **how)
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == expected
-    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == expected  # again, from the prefix cache
     eng.check()
-
-
-def cached_reference(path: str, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and last prompt logits from its model with a KV cache: the prompt's
-    first ORIGINAL tokens in one call, the rest in another, then one token a call. LongRoPE takes
-    the long factors in every call that reaches past position ORIGINAL - 1, and keeps the keys already
-    cached: Relay's per-position rule (relay/rope.py). (transformers' generate instead recomputes the
-    whole sequence with the long factors once it grows past ORIGINAL tokens.)"""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt[:ORIGINAL]]), use_cache=True)
-        if len(prompt) > ORIGINAL:
-            out = model(torch.tensor([prompt[ORIGINAL:]]), cache=out.past_key_values, use_cache=True)
-        last_logits = out.logits[0, -1]
-        tokens = []
-        for _ in range(n):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
-    return tokens, last_logits
-
-
-@pytest.mark.parametrize("name", ["phi3-longrope", "phi4mini-partial-longrope"])
-def test_longrope_takes_the_long_factors_from_the_original_length_on(model_dir, name):
-    """Prompts of 25 and 31 tokens that decode past position 32 (the original length), and of 40
-    and 70 that start past it: every token from position 32 on is rotated with the long factors,
-    the ones below with the short, as transformers' model computes with its KV cache."""
-    path = model_dir(name)
-    prompts = random_prompts(TINY_VOCAB, [25, 31, 40, 70], seed=3)
-    outs = engine(path).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS,
-                                                         ignore_eos=True, logprobs=True))
-    for prompt, out in zip(prompts, outs):
-        tokens, logits = cached_reference(path, prompt, NEW_TOKENS)
-        assert out.token_ids == tokens
-        assert abs(out.logprobs[0] - torch.log_softmax(logits, -1)[tokens[0]].item()) < 1e-4
 
 
 def test_the_long_factors_change_what_the_model_computes(model_dir):
@@ -273,10 +254,10 @@ def test_the_server_names_a_repo_id_it_cannot_find_in_one_line(tmp_path, monkeyp
     assert_one_line_error(serve("--port", "0", "--model-path", "tiny-org/absent"), "'tiny-org/absent'", "HF_HUB_OFFLINE")
 
 
-def test_bf16_cpu_rope_kernel_reads_the_longrope_tables_as_the_torch_path_does(model_dir):
-    """bfloat16 Phi-3 with Relay's fused CPU ops (the rope kernel reads the per-position tables at
-    each token's position) against the same model on torch's ops, over a 40-token prompt that
-    reaches past the original length: the logits agree to bf16 precision."""
+def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(model_dir):
+    """Phi-3 with Relay's fused CPU ops (the rope kernel reads the table rows it is given) against
+    the same model on torch's ops, over a 40-token prompt on the long factors' rows (float32: the
+    kernel computes what torch does to rounding)."""
     from relay.config import EngineConfig
     from relay.model_runner import ModelRunner
     from tests.kernel_helpers import cpu_kernels_or_skip
@@ -284,7 +265,7 @@ def test_bf16_cpu_rope_kernel_reads_the_longrope_tables_as_the_torch_path_does(m
 
     cpu_kernels_or_skip()
     path = model_dir("phi3-longrope")
-    cfg = EngineConfig(dtype="bfloat16", page_size=PS, kv_cache_gb=0.01)
+    cfg = EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01)
     fast, plain = (ModelRunner(cfg, path, ModelConfig.from_dir(path)) for _ in range(2))
     plain.model.fused_cpu_ops = False
     for module in plain.model.modules():
@@ -295,9 +276,12 @@ def test_bf16_cpu_rope_kernel_reads_the_longrope_tables_as_the_torch_path_does(m
             module.rotary = None
     assert fast.model.layers[0].self_attn.rotary is not None, "the kernel must be on for this test"
     prompt = random_prompts(TINY_VOCAB, [40], seed=5)
-    batch = prefill([0], prompt, [spec(0)])
+    batch = dataclasses.replace(prefill([0], prompt, [spec(0)]), rope_long=[True])  # the long-factor rows
     a, b = fast.step_logits(batch, batch.new_pages), plain.step_logits(batch, batch.new_pages)
-    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+    assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+    on_short_rows = dataclasses.replace(batch, rope_long=[False])
+    short = plain.step_logits(on_short_rows, on_short_rows.new_pages)
+    assert (short - b).abs().max().item() > 0.01 * b.abs().max().item(), "the two sets of rows differ"
 
 
 def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
@@ -307,7 +291,7 @@ def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch
 
     runner = ModelRunner(EngineConfig(dtype="float32", tp_size=2, page_size=PS, kv_cache_gb=0.01), model_dir,
                          ModelConfig.from_dir(model_dir), tp)
-    batch = prefill([0], [prompt], [spec(0)])
+    batch = dataclasses.replace(prefill([0], [prompt], [spec(0)]), rope_long=[True])  # 40 tokens: past 32
     return runner.step_logits(batch, batch.new_pages)[-1]
 
 
@@ -318,6 +302,9 @@ def test_phi3_over_two_tensor_parallel_ranks_computes_transformers_logits(tmp_pa
 
     path = model_dir("phi3-longrope")
     prompt = random_prompts(TINY_VOCAB, [40], seed=7)[0]
-    _, want = cached_reference(path, prompt, 1)
+    from transformers import AutoModelForCausalLM
+
+    with torch.inference_mode():
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).logits[0, -1]
     for got in run_ranks(_phi3_last_logits, tmp_path, path, prompt):
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5

@@ -245,6 +245,13 @@ class ModelConfig:
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(extra))
         return cfg
 
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings: sequences longer than this rotate with the
+        long factors (relay.rope); None for every other rope."""
+        s = self.rope_scaling or {}
+        return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+
     def attention_break_even(self) -> int:
         """The context length at which a token's attention costs as many FLOPs as its dense
         layers (q/k/v/o and MLP GEMMs): past it, attention dominates a prompt chunk's cost."""

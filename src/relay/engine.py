@@ -46,7 +46,8 @@ class Engine:
         eos = eos_ids(mc, self.tokenizer)
         grammars = make_backend(self.config.tokenizer_path or model_dir, mc.vocab_size, eos)
         self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len, eos,
-                                   attention_break_even=mc.attention_break_even(), grammars=grammars)
+                                   attention_break_even=mc.attention_break_even(), grammars=grammars,
+                                   long_rope_after=mc.long_rope_after)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 

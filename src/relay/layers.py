@@ -18,7 +18,7 @@ from torch import nn
 
 from relay.distributed import TPGroup, split_evenly
 from relay.kernels import cpu as cpu_kernels
-from relay.rope import rotary_tables
+from relay.rope import long_rope_rows, rotary_tables
 from relay.weight_blocks import BlockWeight
 
 
@@ -352,6 +352,9 @@ class RotaryEmbedding(nn.Module):
         self.covers_head = self.rotary_dim == head_dim  # Relay's C rope kernels rotate whole heads only
         cos, sin = rotary_tables(theta, self.rotary_dim, scaling, max_positions,
                                  max_position_embeddings or max_positions)
+        # LongRoPE: row position + long_rows rotates with the long factors (relay.rope); a step's
+        # "positions" are table rows, which the model runner offsets for such requests.
+        self.long_rows = long_rope_rows(scaling, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -7,15 +7,17 @@ tables are transformers' bit for bit. A token's rotation then depends on its pos
 prefix cache, chunked prefill and batching all rely on that.
 
 Two types make transformers choose frequencies by the length of the sequence in the forward call
-(max(position_ids) + 1), which a per-position table cannot follow in every case. Relay's rule is
-the one transformers applies to a token decoded one at a time at position p:
-  - longrope: the short factors for positions below original_max_position_embeddings, the long ones
-    from there on. Exact for every prompt of at most original_max_position_embeddings tokens, its
-    generation past that length included (transformers switches to the long factors for each token
-    decoded there and keeps the short-rotated keys in its cache, as Relay does). A longer prompt
-    transformers rotates whole with the long factors in its single prefill call; Relay keeps the
-    short ones below the boundary, which is what transformers computes when the prompt's first
-    original_max_position_embeddings tokens were already in its cache.
+(max(position_ids) + 1):
+  - longrope: the short factors while the sequence is at most original_max_position_embeddings
+    long, the long ones past it. Phi-3's generate goes further: the step at which the sequence
+    first grows past that length recomputes the whole sequence, so every token of a longer
+    sequence is rotated with the long factors. Relay keeps two sets of rows: rows [0, P) rotate
+    position p with the short factors below original_max_position_embeddings and the long ones
+    from there on (what transformers' model computes with a KV cache), rows [P, 2P) (position +
+    long_rope_rows) with the long factors everywhere. The scheduler sends a request's tokens to
+    the long rows once its sequence is longer than original_max_position_embeddings, and a
+    request that grows past it while decoding is recomputed on them (Scheduler: long_rope_after),
+    which is transformers' generate, token for token.
   - dynamic (NTK): the base frequency of max(p + 1, max_position_embeddings): within
     max_position_embeddings exactly the default rope; past it, exact for decoded tokens, while a
     prompt longer than that transformers rotates whole with its full length's base.
@@ -195,10 +197,10 @@ def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
     if kind == "yarn":
         inv, factor = yarn_inv_freq(theta, dim, scaling, max_position_embeddings)
         return t[:, None] * inv, factor
-    if kind == "longrope":
+    if kind == "longrope":  # see long_rope_rows: positions by their own rule, then all on the long factors
         short, long, factor = longrope_inv_freqs(theta, dim, scaling, max_position_embeddings)
         edge = min(scaling["original_max_position_embeddings"], positions)
-        return torch.cat([t[:edge, None] * short, t[edge:, None] * long]), factor
+        return torch.cat([t[:edge, None] * short, t[edge:, None] * long, t[:, None] * long]), factor
     if kind == "dynamic":
         # Within max_position_embeddings transformers keeps the frequencies of its start-up, computed
         # with Python floats (there factor * L / L - (factor - 1) is 1).
@@ -212,10 +214,16 @@ def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
     raise ValueError(f"rope_type {kind!r} is not supported; Relay implements {', '.join(ROPE_TYPES)}")
 
 
+def long_rope_rows(scaling: dict | None, positions: int) -> int:
+    """Where a LongRoPE model's second set of table rows starts (position p of a sequence on the
+    long factors is row p + this); 0 for every other rope."""
+    return positions if (scaling or {}).get("rope_type") == "longrope" else 0
+
+
 def rotary_tables(theta: float, dim: int, scaling: dict | None, positions: int, max_position_embeddings: int
                   ) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """float32 [positions, dim] cos and signed-sin tables: cat(cos, cos) and cat(-sin, sin), times
-    the attention factor (rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in
+    """float32 [positions (twice that for LongRoPE: long_rope_rows), dim] cos and signed-sin tables:
+    cat(cos, cos) and cat(-sin, sin), times the attention factor (rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in
     the table)."""
     import torch
 
