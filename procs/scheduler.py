@@ -60,7 +60,8 @@ class SchedulerLoop:
                                   page_size=info["page_size"])
         self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], eos,
                                on_finish=log_request if cfg.log_requests else None,
-                               attention_break_even=mc.attention_break_even(), grammars=grammars)
+                               attention_break_even=mc.attention_break_even(), grammars=grammars,
+                               long_rope_after=mc.long_rope_after)
         self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
         self.pending: list[RequestOutput] = []

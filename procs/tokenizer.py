@@ -53,7 +53,7 @@ def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:
 def main(args: ProcArgs) -> None:
     cfg = args.engine_config
     mc = ModelConfig.from_dir(args.model_dir)
-    prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir),
+    prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir, cfg.chat_template),
                           cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
     prep.tok.warm_up()
     ctx = zmq.Context()

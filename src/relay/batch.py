@@ -59,6 +59,9 @@ class BatchInput:
     # Constrained decoding: batch row -> bitmask of the tokens its next token may be
     # (relay.grammar.apply_token_masks); such rows never speculate.
     token_masks: dict[int, bytes] = field(default_factory=dict)
+    # LongRoPE models: per row, whether its tokens rotate with the long factors everywhere (its
+    # sequence is longer than original_max_position_embeddings: relay.rope); empty: no row does.
+    rope_long: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +93,8 @@ class BatchInput:
             catchup_ids=_pick_runs(self.catchup_ids, catchup_lens, keep) if self.catchup_ids else [],
             catchup_lens=pick(self.catchup_lens) if self.catchup_lens else [],
             draft_prefix_lens=pick(self.draft_prefix_lens) if self.draft_prefix_lens else [],
-            token_masks={new: self.token_masks[old] for new, old in enumerate(keep) if old in self.token_masks})
+            token_masks={new: self.token_masks[old] for new, old in enumerate(keep) if old in self.token_masks},
+            rope_long=pick(self.rope_long) if self.rope_long else [])
 
     def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
         """values split into one run per row by lens (e.g. proposed_ids by spec_lens)."""

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.rope import rope_settings
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "dummy-null")
 QUANTIZATIONS = (None, "int8", "int4", "w8a8")
@@ -23,6 +25,7 @@ DRAFT_QUANTIZATIONS = (None, "none", "int8", "int4")
 class EngineConfig:
     model_path: str | None = None  # HF directory or .gguf file; None = the default model
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
+    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on GPUs and CPUs with AVX512-BF16 or AMX, else float32
     # KV cache dtype; auto = the model's. bfloat16 under float32 weights halves the bytes
@@ -195,19 +198,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # relay.rope.rope_settings's: None is the default rope
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's features the rope rotates (Phi-4-mini: 0.75)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type", ""), "")])[0]
         heads = cfg["num_attention_heads"]
-        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope = rope_settings(cfg, arch, head_dim)  # refuses a rope type Relay does not implement
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -216,18 +218,19 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            rope_scaling=dict(scaling) if scaling else None,
+            rope_scaling=rope.scaling,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            partial_rotary_factor=rope.partial_rotary_factor,
         )
 
     @classmethod
@@ -241,6 +244,13 @@ class ModelConfig:
             extra = [eos] if isinstance(eos, int) else list(eos or [])
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(extra))
         return cfg
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings: sequences longer than this rotate with the
+        long factors (relay.rope); None for every other rope."""
+        s = self.rope_scaling or {}
+        return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
 
     def attention_break_even(self) -> int:
         """The context length at which a token's attention costs as many FLOPs as its dense
@@ -259,4 +269,5 @@ _ARCH_BY_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }

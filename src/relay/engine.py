@@ -40,13 +40,14 @@ class Engine:
             raise ValueError("load_format dummy-null only exists in the server (it measures the pipeline)")
         model_dir = resolve_model_dir(model_path)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir)
+        self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir, self.config.chat_template)
         self.runner = ModelRunner(self.config, model_dir, mc)
         self.prompts = PromptPreparer(self.tokenizer, self.runner.context_len, mc.vocab_size)
         eos = eos_ids(mc, self.tokenizer)
         grammars = make_backend(self.config.tokenizer_path or model_dir, mc.vocab_size, eos)
         self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len, eos,
-                                   attention_break_even=mc.attention_break_even(), grammars=grammars)
+                                   attention_break_even=mc.attention_break_even(), grammars=grammars,
+                                   long_rope_after=mc.long_rope_after)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from relay.distributed import TPGroup, split_evenly
 from relay.kernels import cpu as cpu_kernels
+from relay.rope import long_rope_rows, rotary_tables
 from relay.weight_blocks import BlockWeight
 
 
@@ -339,27 +340,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half) with the HF scaling variants Llama/Qwen use."""
+    """Neox-style rotary embedding (rotate_half) over the first rotary_dim = head_dim x
+    partial_rotary_factor features of each head, with every HF rope scaling relay.rope implements.
+    Tables for every position up to max_positions; max_position_embeddings is the config's (what
+    YaRN, LongRoPE and dynamic NTK scale against)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 partial_rotary_factor: float = 1.0, max_position_embeddings: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        attention_factor = 1.0
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if kind == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif kind == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif kind == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
-        elif kind not in ("default", None):
-            raise NotImplementedError(f"rope scaling {kind!r} is not supported")
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
-        # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in the table.
-        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.covers_head = self.rotary_dim == head_dim  # Relay's C rope kernels rotate whole heads only
+        cos, sin = rotary_tables(theta, self.rotary_dim, scaling, max_positions,
+                                 max_position_embeddings or max_positions)
+        # LongRoPE: row position + long_rows rotates with the long factors (relay.rope); a step's
+        # "positions" are table rows, which the model runner offsets for such requests.
+        self.long_rows = long_rope_rows(scaling, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token tables, gathered once per step and shared by every layer."""
@@ -381,37 +378,12 @@ class StepRope:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation, bit-identical to x * cos + rotate_half(x) * sin.
-    x: [tokens, heads, head_dim]; cos/signed_sin: [tokens, 1, head_dim] from cos_sin()."""
+    """Neox-style rotation, bit-identical to x * cos + rotate_half(x) * sin (transformers'), of the
+    first cos.shape[-1] features of each head; the rest pass through (partial rotary).
+    x: [tokens, heads, head_dim]; cos/signed_sin: [tokens, 1, rotary_dim] from cos_sin()."""
     t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    r = cos.shape[-1]
+    if r < d:
+        return torch.cat([apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]], dim=-1)
+    swapped = x.reshape(t, h, 2, d // 2).flip(2).view(t, h, d)
     return x * cos + swapped * signed_sin
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
-    factor = s["factor"]
-    old_len = s.get("original_max_position_embeddings", 4096)
-    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
-    extrapolation = 1 - ramp.clamp(0, 1)
-    inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
-    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-    return inv, mscale

@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -74,17 +75,64 @@ def model_name(model_path: str | None) -> str:
 
 
 def resolve_model_dir(model_path: str | None) -> str:
-    """An HF-layout directory for `model_path` (converting a GGUF file on first use)."""
+    """An HF-layout directory for `model_path`: a directory, a .gguf file (converted on first use)
+    or a Hugging Face repo id (org/name) from the hub's cache, downloaded there when missing."""
     path = default_model_file() if model_path is None else os.path.expanduser(model_path)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ModelFileError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if not os.path.isfile(path):
-        raise ModelFileError(f"model path {path!r} does not exist (want an HF directory or a .gguf file)")
+        if looks_like_repo_id(path):
+            return hub_snapshot(path)
+        raise ModelFileError(f"model path {path!r} does not exist (want an HF directory, a .gguf file "
+                             "or a Hugging Face repo id org/name)")
     if not path.endswith(".gguf"):
         raise ModelFileError(f"model path {path!r} is a file but not .gguf")
     return convert_gguf(path)
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def looks_like_repo_id(path: str) -> bool:
+    """org/name, as the hub spells repo ids (a path that does not exist: checked first)."""
+    return _REPO_ID.fullmatch(path) is not None and not path.endswith(".gguf")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The directory of repo_id's newest snapshot in the Hugging Face cache ($HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub): from the cache alone under HF_HUB_OFFLINE, else
+    downloaded (the model's config, tokenizer and safetensors weights only) or, with no network,
+    what the cache holds."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelFileError(f"model path {repo_id!r} is not a local path, and reading a Hugging Face repo "
+                             "id needs huggingface_hub: pip install huggingface_hub") from None
+    offline = hub_offline()
+    # Read at call time: the hub reads its environment once, at import.
+    cache = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        path = snapshot_download(repo_id, cache_dir=cache, local_files_only=offline,
+                                 allow_patterns=HUB_FILES)
+    except Exception as e:  # the hub's errors: not cached, no network, no such repo, gated, bad revision
+        where = cache or "the Hugging Face cache"
+        how = "HF_HUB_OFFLINE is set" if offline else "it cannot be downloaded"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFileError(f"model path {repo_id!r} is neither a local path nor a repo in {where}, and "
+                             f"{how} ({type(e).__name__}: {reason})") from None
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ModelFileError(f"{repo_id} ({path}) has no config.json: not a Hugging Face model")
+    return path
+
+
+# What a download of a repo fetches: enough to serve it, not its other formats' weights.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 
 
 def _gguf_key(path: str) -> str:

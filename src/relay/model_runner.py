@@ -508,7 +508,11 @@ class ModelRunner:
             errors = {i: "malformed batch: input ids and extend lengths disagree" for i in range(len(batch.sids))}
         return errors
 
-    def _prepare(self, batch: BatchInput, tables: list[list[int]]) -> tuple[StepMeta, torch.Tensor]:
+    def _prepare(self, batch: BatchInput, tables: list[list[int]], model: torch.nn.Module | None = None
+                 ) -> tuple[StepMeta, torch.Tensor]:
+        """The step's metadata and input ids. Its positions are the rows of model's rotary tables
+        (default: the model's): each token's position, plus the LongRoPE long-factor offset for
+        the rows in batch.rope_long."""
         ps = self.page_size
         if batch.is_decode:
             pos = np.asarray(batch.prefix_lens, dtype=np.int64)
@@ -520,6 +524,7 @@ class ModelRunner:
             slots = np.concatenate([
                 np.asarray(pt, dtype=np.int64)[np.arange(p, p + e) // ps] * ps + np.arange(p, p + e) % ps
                 for pt, p, e in zip(tables, batch.prefix_lens, batch.extend_lens)])
+        pos = _on_long_rope_rows(pos, batch, model if model is not None else self.model)
         dev = self.device
         meta = StepMeta(batch.prefix_lens, batch.extend_lens, tables,
                         positions=torch.from_numpy(pos).to(dev), out_slots=torch.from_numpy(slots).to(dev))
@@ -547,7 +552,7 @@ class ModelRunner:
                   rows: list[int] | None = None) -> torch.Tensor | None:
         """An eager forward of model over its KV pool (attn's) and these page tables; float32
         logits of the given token rows (default: each sampling request's last token)."""
-        meta, input_ids = self._prepare(batch, tables)
+        meta, input_ids = self._prepare(batch, tables, model)
         rows = _last_rows(batch) if rows is None else rows
         attn.plan(meta)
         ordered = all(a < b for a, b in zip(rows, rows[1:]))
@@ -704,3 +709,14 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _on_long_rope_rows(pos: np.ndarray, batch: BatchInput, model: torch.nn.Module) -> np.ndarray:
+    """pos with the tokens of batch.rope_long's rows moved to the model's long-factor rows
+    (RotaryEmbedding.long_rows; a model without them, such as a draft model on another rope,
+    keeps the positions)."""
+    offset = getattr(getattr(model, "rotary", None), "long_rows", 0)
+    if not offset or not any(batch.rope_long):
+        return pos
+    per_token = np.repeat(np.asarray(batch.rope_long, dtype=np.int64), batch.extend_lens)
+    return pos + offset * per_token

@@ -40,6 +40,7 @@ class Req:
     pages_synced: int = 0  # leading pages the runner's copy of the page table has right
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     spec_sent: bool = False  # the runner has this request's sampling spec
+    long_rope: bool = False  # its KV rotates with LongRoPE's long factors (Scheduler.long_rope_after)
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None

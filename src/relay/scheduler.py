@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # tokens with a request whose prefill is in flight: next step it reuses that KV instead.
 SHARED_PREFIX_DEFER_TOKENS = 32
 
+# Radix keys of tokens whose KV rotates with LongRoPE's long factors are token id + this (token
+# ids stay below 2**31): one tree, one eviction order, no match across the two rotations.
+LONG_ROPE_KEY = 1 << 32
+
 
 @dataclass
 class StepInFlight:
@@ -76,12 +80,16 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
                  eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
                  attention_break_even: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 grammars: GrammarBackend | None = None):
+                 grammars: GrammarBackend | None = None, long_rope_after: int | None = None):
         self.cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
         # ModelConfig.attention_break_even: prompt chunks deep into a long prompt cost more
         # per token (attention over the prefix) and get fewer tokens of the step budget, so
         # a step's cost stays bounded however long the prompt. None: one token, one unit.
         self.attn_even = attention_break_even
+        # LongRoPE models (ModelConfig.long_rope_after): a sequence longer than this many tokens
+        # rotates every token with the long factors, as transformers' Phi-3 generate does, and a
+        # request that grows past it is recomputed so (_switch_to_long_rope); None: any other rope.
+        self.long_rope_after = long_rope_after
         self.on_finish = on_finish  # e.g. the server's per-request log line
         self.clock = clock  # time.monotonic; a simulated clock in tests of the latency policy
         self.page_size = self.cfg.page_size
@@ -202,6 +210,7 @@ class Scheduler:
         decodes leave, so a short request that arrives behind a long prompt starts within a
         step instead of after the whole prompt; whatever admission leaves goes back to them.
         Decodes that yield to a backlog of prompts (_decodes_to_hold) sit the step out."""
+        self._switch_to_long_rope()
         by_rank = sorted(self.running, key=lambda r: (-r.priority, r.seq))
         decoding = [r for r in by_rank if not r.in_prefill]
         prompts = [r for r in by_rank if r.in_prefill]
@@ -290,6 +299,8 @@ class Scheduler:
             if req.constraint is not None and self.spec.algorithm != "ngram":
                 continue  # a draft model proposes in the runner, where no matcher is
             row = self.spec.plan(req, budget)
+            if row is not None and self._verify_crosses_long_rope(req, row.k):
+                continue  # its proposals' logits would need the long factors: it decodes plainly
             if row is not None and req.constraint is not None:
                 kept = req.constraint.allowed_prefix(row.proposals)
                 row = SpecRow(len(kept), kept, []) if kept else None
@@ -362,6 +373,8 @@ class Scheduler:
         next token: only a plain sample, and not one that ends it by length (a wasted row)."""
         if not req.pending:
             return True
+        if self._crosses_long_rope(req):
+            return False  # it restarts on the long factors once its last token is known (_switch_to_long_rope)
         p = req.params
         return (req.chainable and len(req.output_ids) + req.pending < p.max_new_tokens
                 and req.seq_len < self.context_len and self._pages_for(req.seq_len) <= self.allocator.capacity)
@@ -497,7 +510,8 @@ class Scheduler:
         """Lock the longest cached prefix of a waiting request and adopt its pages."""
         # Match at most seq_len - 1 tokens: the last one is always computed, since its
         # logits give the next token.
-        pages, node = self.cache.match_prefix(req.token_slice(0, req.seq_len - 1))
+        req.long_rope = self._past_long_rope(req)
+        pages, node = self.cache.match_prefix(self._cache_key(req, req.seq_len - 1))
         self.cache.lock(node)
         req.set_pages(0, pages)
         req.last_node = node
@@ -538,7 +552,8 @@ class Scheduler:
         if req.seq_len - 1 < hi:
             return False
         want = req.token_slice(lo, hi)
-        return any(other.in_prefill and other.token_slice(lo, hi) == want for other in self.running)
+        return any(other.in_prefill and other.long_rope == self._past_long_rope(req) and other.token_slice(lo, hi) == want
+                   for other in self.running)
 
     def _decode_headroom(self) -> int:
         """Pages to keep free so every decoding request can grow by one page next step."""
@@ -581,8 +596,8 @@ class Scheduler:
     def _lowest_ranked_running(self) -> Req:
         return min(self.running, key=lambda r: (r.priority, -r.seq))
 
-    def _retract(self, req: Req) -> None:
-        logger.info("KV pool full: retracting request %s (%d tokens) for recompute", req.rid, req.seq_len)
+    def _retract(self, req: Req, why: str = "KV pool full") -> None:
+        logger.info("%s: retracting request %s (%d tokens) for recompute", why, req.rid, req.seq_len)
         self._release_kv(req)
         req.unwritten = req.pending = 0  # what steps still out produce for it is dropped
         # ... and the runner's penalty counts with it: a penalised request's spec goes again,
@@ -594,12 +609,45 @@ class Scheduler:
         self._retractions_total += 1
         self._push_waiting(req)
 
+    def _switch_to_long_rope(self) -> None:
+        """Recompute each running request whose next decode step makes its sequence longer than
+        long_rope_after while its KV holds the short factors' rotation: transformers' Phi-3
+        generate recomputes the whole sequence with the long factors at that step. The retracted
+        request restarts on the long rows (_match): its whole sequence is now past the boundary."""
+        if self.long_rope_after is None:
+            return
+        # One whose last token a step still out is sampling waits for it (_may_run_ahead): a
+        # retraction drops tokens in flight, and without that one its sequence is not past.
+        for req in [r for r in self.running if self._crosses_long_rope(r) and not r.pending]:
+            self._retract(req, f"past {self.long_rope_after} tokens (LongRoPE's long factors from here)")
+
+    def _crosses_long_rope(self, req: Req) -> bool:
+        """Whether req's next decode step takes its sequence past long_rope_after on the short factors."""
+        return (self.long_rope_after is not None and not req.long_rope and not req.in_prefill
+                and req.kv_len >= self.long_rope_after)
+
+    def _past_long_rope(self, req: Req) -> bool:
+        """Whether a request starting (or restarting) now computes its sequence on the long factors."""
+        return self.long_rope_after is not None and req.seq_len > self.long_rope_after
+
+    def _verify_crosses_long_rope(self, req: Req, k: int) -> bool:
+        """Whether verifying k proposals would read logits at a sequence length past
+        long_rope_after with the KV of the short factors (plain decoding switches there first)."""
+        return self.long_rope_after is not None and not req.long_rope and req.kv_len + k >= self.long_rope_after
+
+    def _cache_key(self, req: Req, n: int) -> list[int]:
+        """The radix tree's key for the request's first n tokens: the tokens, moved to a range of
+        their own when their KV rotates with LongRoPE's long factors (the same tokens on the short
+        factors have other keys and values)."""
+        tokens = req.token_slice(0, n)
+        return [t + LONG_ROPE_KEY for t in tokens] if req.long_rope else tokens
+
     def _cache_prefix(self, req: Req) -> None:
         """Hand the request's computed whole pages to the radix tree and lock them there."""
         n = req.written_len - req.written_len % self.page_size
         if self.cache.disabled or n <= req.tree_len:
             return
-        tokens = req.token_slice(0, n)
+        tokens = self._cache_key(req, n)
         held = self.cache.insert(tokens, req.pages[:n // self.page_size])
         if held > req.tree_len:  # someone cached the same tokens meanwhile: use theirs
             self.allocator.free(req.pages[req.tree_len // self.page_size:held // self.page_size])
@@ -756,6 +804,7 @@ class Scheduler:
             new_specs=specs,
             released_sids=released,
             token_masks=self._token_masks(batch, spec_rows),
+            rope_long=[req.long_rope for req, _ in batch] if self.long_rope_after is not None else [],
             **self._spec_fields(batch, spec_rows),
         )
         speculating = self.spec is not None and self.spec.active(len(self.running))

@@ -27,10 +27,14 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: str | None = None):
+        """chat_template: a Jinja file that replaces the tokenizer's own template (or gives a
+        model without one, such as a base model, a chat format)."""
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            self.hf.chat_template = read_chat_template(chat_template)
         self.raw = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: no Python layers
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
@@ -53,7 +57,8 @@ class Tokenizer:
         """The chat's token ids as its template renders it; add_special_tokens adds the tokenizer's
         own (a BOS) on top of those the template writes, as vLLM's /tokenize does."""
         if not self.hf.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions, or start "
+                             "the server with --chat-template FILE")
         if add_special_tokens:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                **kwargs)
@@ -84,6 +89,26 @@ class Tokenizer:
         if not hasattr(self, "_byte_table"):
             self._byte_table = ByteTable.build(self.raw) if self.raw is not None else None
         return self._byte_table
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a Jinja chat template file, checked to parse (with jinja2, which transformers
+    renders templates with); ValueError naming --chat-template and the file otherwise, at start-up
+    rather than at the first chat request."""
+    import jinja2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path!r} is empty")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path!r} is not a valid Jinja template: line {e.lineno}: {e.message}") from None
+    return text
 
 
 @dataclass

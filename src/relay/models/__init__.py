@@ -4,11 +4,13 @@ from __future__ import annotations
 from torch import nn
 
 from relay.models.llama import LlamaForCausalLM
+from relay.models.phi3 import Phi3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -16,4 +18,5 @@ def model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODELS[architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; Relay runs {sorted(MODELS)}") from None
+        raise ValueError(f"unsupported architecture {architecture!r} (config.json architectures); "
+                         f"Relay runs {', '.join(sorted(MODELS))}") from None

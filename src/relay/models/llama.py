@@ -113,7 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
                         else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
-        self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+        self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling,
+                                      mc.partial_rotary_factor, mc.max_position_embeddings)
         self.fused_cpu_ops = False  # see pack_for_cpu
         self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
         self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
@@ -140,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             plan = attn.prompt_kernel_plan
             if plan is not None:
                 return chunks[1].run(self.embed_tokens(input_ids), positions, plan, keep)
-        rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops)
+        rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head)
         x, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
@@ -175,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
             self.norm.fused = True
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
-                layer.self_attn.rotary = self.rotary
+                if self.rotary.covers_head:  # the kernel rotates whole heads; a partial rotary stays in torch
+                    layer.self_attn.rotary = self.rotary
 
     def use_decode_layers(self, attn: AttentionBackend) -> bool:
         """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
@@ -188,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
         bfloat16 panels where it has them). Returns whether it does."""
         layers = self.layers
-        eligible = (self.fused_cpu_ops and self.tp.collectives_in_c
+        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
                     and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
                             if m is not self.lm_head))
@@ -218,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         rows than go to other GEMM kernels (_rows_off_panels): the same output as the layers, bit
         for bit. Returns whether."""
         modules = [m for m in self.gemm_modules() if m is not self.lm_head]
-        eligible = (self.fused_cpu_ops and self.tp.collectives_in_c and self.dtype == torch.bfloat16
+        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
+                    and self.dtype == torch.bfloat16
                     and attn.kv.layout == "HND" and attn.kv.k[0].dtype == torch.bfloat16
                     and attn.kv.k[0].device.type == "cpu" and getattr(attn, "kernel", None) is not None
                     and cpu_kernels.tiled_attention_available(torch.bfloat16, torch.bfloat16, self.config.head_dim)
