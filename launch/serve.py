@@ -94,6 +94,10 @@ FLAG_HELP = {
     "disable_weight_blocks": ("CPU: multiply by float weights even where the checkpoint's weights are exactly "
                               "GGUF Q4_1/Q8_0 blocks (by default GEMMs of up to the rows measured at start-up "
                               "read those blocks: the checkpoint's own weights, 4-7x fewer bytes than float32)"),
+    "block_activations": ("CPU, GEMMs on GGUF blocks: int8 rounds activations to 8 bits per block of 32 and sums "
+                          "quant products in integers (as llama.cpp; 2-5x faster single-stream GEMMs, outputs "
+                          "change slightly); float multiplies float32 activations by the exact weights; auto: "
+                          "int8 for a float32 model on x86 with AVX2 or more, else float"),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
     "log_steps": ("log one line per forward step: its prompt chunks (tokens, cached tokens they attend over), "

@@ -228,6 +228,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--block-activations", default="auto", help="int8, float or auto (EngineConfig)")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--context", type=int, default=256, help="KV tokens per request before decoding")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prompt chunk timed")
@@ -245,6 +246,7 @@ def main() -> None:
         label_c_kernels()
     model_dir = resolve_model_dir(None)
     cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       block_activations=args.block_activations,
                        kv_cache_gb=1.0)
     runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
     print(f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "

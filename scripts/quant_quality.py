@@ -1,10 +1,12 @@
-"""How much do `--quantization int8`, `int4` and `w8a8` change the model? Teacher-forced comparison
-with transformers.
+"""How much do `--quantization int8`, `int4`, `w8a8` and `--block-activations int8` change the model?
+Teacher-forced comparison with transformers.
 
 Runs transformers on a text with the checkpoint's weights, then with every GEMM weight replaced by
 Relay's int8 and int4 quantization of it (`relay.layers.quantize_int8` / `quantize_int4`,
 dequantized), and for w8a8 also every decoder linear layer's input rounded as Relay's kernel rounds
-it (int8 per token, csrc/w8a8.c), and reports top-1 agreement of the next-token predictions, the
+it (int8 per token, csrc/w8a8.c), and for int8 block activations the checkpoint's weights with every
+linear layer's input, the LM head's too, rounded to 8 bits per block of 32 (csrc/gemm_dot.c; this rounds
+Q4_1's m term's sums too, as llama.cpp does, which Relay takes exactly: an upper bound), and reports top-1 agreement of the next-token predictions, the
 mean KL divergence, and perplexity on the text.
 
     python scripts/quant_quality.py                    # default model, README.md + docs/*.md
@@ -29,6 +31,12 @@ def main() -> None:
     def round_rows_int8(x: torch.Tensor) -> torch.Tensor:  # x on its rows' int8 grids, as Relay's kernel rounds it
         q, s = quantize_rows_int8(x)
         return q * s
+
+    def round_blocks_int8(x: torch.Tensor) -> torch.Tensor:  # x on int8 grids per block of 32 (csrc/gemm_dot.c)
+        b = x.reshape(*x.shape[:-1], -1, 32)
+        amax = b.abs().amax(-1, keepdim=True)
+        inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
+        return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
     from relay.model_files import resolve_model_dir
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,9 +52,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
     int8 = lambda w: quantize_int8(w)[1]  # noqa: E731
-    schemes = [("int8, one scale per row", int8, False),
-               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], False),
-               ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, True)]
+    same = lambda w: w  # noqa: E731
+    schemes = [("int8, one scale per row", int8, None),
+               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], None),
+               ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, "rows"),
+               ("checkpoint weights, int8 block activations (--block-activations int8)", same, "blocks")]
     with torch.inference_mode():
         ref = model(ids).logits[0].float()
         results = []
@@ -55,9 +65,11 @@ def main() -> None:
                 if name in original:  # every GEMM weight (a tied embedding with the LM head; w8a8 leaves it)
                     head = "embed_tokens" in name or "lm_head" in name
                     param.data = original[name] if activations and head else quantize(original[name])
-            hooks = [m.register_forward_pre_hook(lambda _, args: (round_rows_int8(args[0]),))
+            rounding = round_rows_int8 if activations == "rows" else round_blocks_int8
+            hooks = [m.register_forward_pre_hook(lambda _, args, r=rounding: (r(args[0]),))
                      for name, m in model.named_modules()
-                     if activations and isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+                     if activations and isinstance(m, torch.nn.Linear)
+                     and (activations == "blocks" or "lm_head" not in name)]
             results.append((label, model(ids).logits[0].float()))
             for hook in hooks:
                 hook.remove()

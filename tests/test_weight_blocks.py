@@ -333,7 +333,7 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
     from relay.config import EngineConfig, ModelConfig
 
     runners = [ModelRunner(EngineConfig(kv_cache_gb=0.05, **cfg), default_model_dir, ModelConfig.from_dir(default_model_dir))
-               for cfg in ({"dtype": "float32"}, {"dtype": "bfloat16"},
+               for cfg in ({"dtype": "float32", "block_activations": "float"}, {"dtype": "bfloat16"},
                            {"dtype": "bfloat16", "disable_weight_blocks": True})]
     exact, rounded = (r.model.gemm_modules() for r in runners[:2])
     for a, b in zip(exact, rounded):
@@ -361,3 +361,36 @@ def test_a_dense_float32_checkpoint_in_bfloat16_is_a_plain_bfloat16_model(tiny_m
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
     assert all(m.blocks is None for m in runner.model.gemm_modules())
+
+
+def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
+    """What GEMMs with int8 block activations compute, in float64: x rounded to 8 bits per block of
+    32 (scale max |x| / 127, round half to even) times the exact weights, except Q4_1's m term, which
+    takes the exact x's block sums."""
+    k = x.shape[1]
+    xb = x.reshape(x.shape[0], k // 32, 32)  # float32 steps, as the kernel takes them
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)  # a float32 division, as the kernel does
+    rounded = torch.where(amax > 0, torch.round(xb * inv), 0.0).double()
+    xq = (rounded * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape[0], k)
+    n, w = blocks.out_features, blocks.dequantize().double()
+    m = blocks.m.permute(0, 2, 1).reshape(-1, k // 32)[:n].double().repeat_interleave(32, dim=1)
+    return xq @ w.T + (x.double() - xq) @ m.T
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 6, 7, 13, 33])
+@pytest.mark.parametrize("n,k", [(200, 96), (40, 160), (64, 576)])
+def test_int8_block_activations_are_x_rounded_to_8_bits_times_the_exact_weights(lib, kind, m, n, k):
+    """--block-activations int8 (csrc/gemm_dot.c): integer sums of quant products at every level,
+    whatever the row count, as the float64 reference of the same rounding; and the dot layout holds
+    the same weights."""
+    w = weight(n, k, kind, seed=m)
+    blocks = recover(w).to_dot()
+    assert torch.equal(blocks.dequantize(), w)
+    x = torch.randn(m, k + 5)[:, :k]
+    x[0, :32] = 0.0  # an all-zero block of x (scale 0)
+    y = cpu.gemm_blocks(x, blocks)
+    torch.testing.assert_close(y.double(), int8_rounded_product(x, blocks), atol=1e-5, rtol=1e-5)
+    alone = cpu.gemm_blocks(x[-1:], blocks)
+    assert torch.equal(y[-1:], alone), "a row's output does not depend on the rows beside it"

@@ -16,6 +16,7 @@ from relay.rope import rope_settings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "dummy-null")
+BLOCK_ACTIVATIONS = ("auto", "int8", "float")
 QUANTIZATIONS = (None, "int8", "int4", "w8a8")
 SPECULATIVE_ALGORITHMS = (None, "ngram", "standalone")
 DRAFT_QUANTIZATIONS = (None, "none", "int8", "int4")
@@ -88,6 +89,10 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     overlap_min_share: float = 0.1
     disable_weight_blocks: bool = False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
+    # What the GEMMs on GGUF blocks multiply: int8 rounds x to 8 bits per block of 32 and sums
+    # quant products in integers (csrc/gemm_dot.c, as llama.cpp does); float multiplies float32 x by
+    # the exact weights. auto: int8 for a float32 model on x86 with AVX2 or more, else float.
+    block_activations: str = "auto"
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
     log_steps: bool = False
@@ -129,6 +134,8 @@ class EngineConfig:
                              "ngram works with any tp_size")
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
+        if self.block_activations not in BLOCK_ACTIVATIONS:
+            raise ValueError(f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",

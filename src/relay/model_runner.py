@@ -174,6 +174,8 @@ class ModelRunner:
         kept = model.use_weight_blocks() if blocks else 0
         if model.dtype != self.dtype:
             model = self._cast_keeping_blocks(model, mc)
+        if kept and self._int8_block_activations():
+            model.use_dot_blocks()
         if quantization == "int8":
             model.quantize_int8()  # before packing: the packed copy holds the quantized values
         elif quantization == "w8a8":
@@ -215,6 +217,15 @@ class ModelRunner:
             return True
         float32_bytes = checkpoint_float32_bytes(model_dir)
         return 0 < float32_bytes < available_memory_bytes() // 4
+
+    def _int8_block_activations(self) -> bool:
+        """Whether the GEMMs on GGUF blocks round activations to int8 (EngineConfig.block_activations):
+        by default for a float32 model where the CPU has AVX2 (x86: its integer dot products;
+        elsewhere the level is generic, where the plain C sums are slower than float); a bfloat16
+        model's blocks already multiply bfloat16-rounded activations, in bfloat16 dot products)."""
+        if self.cfg.block_activations != "auto":
+            return self.cfg.block_activations == "int8"
+        return self.dtype == torch.float32 and isa.at_least("avx2")
 
     def _cast_keeping_blocks(self, twin: torch.nn.Module, mc: ModelConfig) -> torch.nn.Module:
         """The model in self.dtype with twin's weights (rounded) and twin's blocks (exact)."""

@@ -9,13 +9,14 @@ exactly such blocks (a dense checkpoint, a tensor-parallel shard that cuts a blo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 BLOCK = 32
 STRIP = 32  # output features the kernel takes together (csrc/gemm_blocks.c); rows padded with zeros
 PROBE_BLOCKS = 64  # blocks tried first: a dense weight fails here, before a full pass
+DOT_FLAG = 0x100  # relay_gemm_blocks's bits for q in the dot layout (csrc/gemm_dot.c)
 CHUNK_BLOCKS = 1 << 20  # blocks fitted at a time (each needs ~0.5 KB of float32 scratch)
 
 
@@ -38,19 +39,66 @@ class BlockWeight:
     # round the activations to bfloat16 and use the CPU's bfloat16 dot products
     # (csrc/gemm_blocks.c), as the model's own GEMMs would; the weights stay exact.
     round_bf16: bool = False
+    # q is in the integer dot products' layout (csrc/gemm_dot.c): the GEMMs round x to 8 bits per
+    # block and sum quant products in integers (--block-dot); otherwise q is in strips as above
+    # and the GEMMs are float32 (bit for bit the dequantized weights' products).
+    dot: bool = False
+
+    @property
+    def kernel_bits(self) -> int:
+        """What relay_gemm_blocks takes as `bits`: 4 or 8, with DOT_FLAG for the dot layout."""
+        return self.bits | (DOT_FLAG if self.dot else 0)
+
+    def to_dot(self) -> BlockWeight:
+        """The same blocks with q in the integer dot products' layout."""
+        if self.dot:
+            return self
+        return replace(self, q=dot_layout(self.q, self.bits), dot=True)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these blocks stand for, computed as the dequantizer did."""
         n, k = self.out_features, self.in_features
+        qs = strips_layout(self.q, self.bits) if self.dot else self.q
         if self.bits == 4:
-            q = torch.stack([self.q & 0x0F, self.q >> 4], dim=2).reshape(-1, k, STRIP).float()
+            q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, k, STRIP).float()
         else:
-            q = self.q.float()
+            q = qs.float()
         d = self.d.repeat_interleave(BLOCK, dim=1)
         w = d * q
         if self.bits == 4:
             w = w + self.m.repeat_interleave(BLOCK, dim=1)
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:  # [S, K / 2, STRIP] pairs -> [S, K, STRIP] quants 0..15
+    return torch.stack([q & 0x0F, q >> 4], dim=2).reshape(q.shape[0], -1, STRIP)
+
+
+def dot_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Strips' quants ([S, K / 2, STRIP] Q4_1 pairs or [S, K, STRIP] Q8_0) in csrc/gemm_dot.c's
+    layout: per strip 4 groups of 8 features, then blocks, then 32-byte units of 8 features x 4 bytes."""
+    s = q.shape[0]
+    if bits == 4:
+        k = q.shape[1] * 2
+        # k = 32 b + 8 o + 4 h + j, feature 8 g + f; byte = quant(h = 0) | quant(h = 1) << 4
+        t = _nibbles(q).reshape(s, k // 32, 4, 2, 4, 4, 8).permute(0, 5, 1, 2, 6, 4, 3)
+        return (t[..., 0] | (t[..., 1] << 4)).contiguous().reshape(s, -1)
+    k = q.shape[1]
+    # k = 32 b + 4 o + j
+    return q.reshape(s, k // 32, 8, 4, 4, 8).permute(0, 4, 1, 2, 5, 3).contiguous().reshape(s, -1)
+
+
+def strips_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """dot_layout's inverse."""
+    s = q.shape[0]
+    if bits == 4:
+        nb = q.shape[1] // (4 * 128)
+        t = q.reshape(s, 4, nb, 4, 8, 4)  # g, b, o, f, j
+        t = torch.stack([t & 0x0F, t >> 4], dim=-1).permute(0, 2, 3, 6, 5, 1, 4)  # b, o, h, j, g, f
+        t = t.reshape(s, nb * 32, STRIP)
+        return (t[:, 0::2] | (t[:, 1::2] << 4)).contiguous()
+    nb = q.shape[1] // (4 * 256)
+    return q.reshape(s, 4, nb, 8, 8, 4).permute(0, 2, 3, 5, 1, 4).contiguous().reshape(s, nb * 32, STRIP)
 
 
 def recover(weight: torch.Tensor) -> BlockWeight | None:

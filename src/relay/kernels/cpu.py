@@ -265,7 +265,7 @@ def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         x = x.float().contiguous()
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
-    _lib.relay_gemm_blocks(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
+    _lib.relay_gemm_blocks(w.kernel_bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
                            y.data_ptr(), y.stride(0), m, w.out_features, w.in_features, int(w.round_bf16))
     return y
 
@@ -488,7 +488,7 @@ class DecodeLayers:
                  tp: int | None = None):
         def mat(w: LayerGemm) -> _LayerGemm:
             b = w.blocks
-            return _LayerGemm(b.bits, b.q.data_ptr(), b.d.data_ptr(), b.m.data_ptr(), b.out_features, b.in_features,
+            return _LayerGemm(b.kernel_bits, b.q.data_ptr(), b.d.data_ptr(), b.m.data_ptr(), b.out_features, b.in_features,
                               int(b.round_bf16), None if w.panels is None else w.panels.data.data_ptr(), b.max_rows)
 
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these (and the fields below)

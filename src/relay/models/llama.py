@@ -255,6 +255,13 @@ class LlamaForCausalLM(nn.Module):
             kept += module.blocks is not None
         return kept
 
+    def use_dot_blocks(self) -> None:
+        """Every GEMM's blocks in the integer dot products' layout: their GEMMs round x to 8 bits
+        per block (EngineConfig.block_activations)."""
+        for module in self.gemm_modules():
+            if module.blocks is not None:
+                module.blocks = module.blocks.to_dot()
+
     def limit_weight_blocks(self, max_rows: int) -> None:
         """GEMMs of at most max_rows rows read the blocks; with 0, none do (a decode step in one
         C call may still: see drop_unused_weight_blocks)."""

@@ -35,6 +35,10 @@
 #define GEMV_AHEAD 8  // blocks ahead the GEMVs prefetch (prefetch_block)
 #endif
 #define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
+#define DOT_FLAG 0x100  // in bits: q is in gemm_dot.c's layout, for its integer dot products (weight_blocks.DOT_FLAG)
+
+int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                   float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
 
 int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 below, vec.h's otherwise
 
@@ -523,13 +527,15 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
 
 #define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
 
-// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused). K a multiple of 32. Returns 0 where this build
+// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), | DOT_FLAG for q in gemm_dot.c's layout (its integer
+// dot products). K a multiple of 32. Returns 0 where this build
 // has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
 // round_bf16: the blocks stand for a bfloat16 model's weights, so their GEMMs (Q8_0: of
 // BF16_MIN_ROWS or more rows) may round x to bfloat16 and use VDPBF16PS (gemm_blocks_bf16) where
 // this CPU has it.
 int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
+    if (bits & DOT_FLAG) return relay_gemm_dot(bits & ~DOT_FLAG, q, d, m, x, x_stride, y, y_stride, M, N, K);
     if (K % 32 || M < 1) return 0;
     const int64_t strips = (N + NS - 1) / NS;
 #if defined(__AVX512BF16__)
