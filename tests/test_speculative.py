@@ -278,8 +278,11 @@ def test_no_kv_leaks_after_many_requests_with_aborts_and_stops(tiny_model_dir):
 def test_default_model_greedy_output_is_unchanged_by_a_quantized_self_draft(default_model_dir):
     prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4, 5,", "Once upon a time"]
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    plain = Engine(default_model_dir, dtype="float32").generate(prompts, params)
-    engine = Engine(default_model_dir, dtype="float32", speculative_algorithm="standalone")  # int4 self-draft
+    # float block products: a verify step's rows then multiply as exactly as a decode step's (int8
+    # block activations round x, so a last-bit difference between the attention paths can turn a token)
+    plain = Engine(default_model_dir, dtype="float32", block_activations="float").generate(prompts, params)
+    engine = Engine(default_model_dir, dtype="float32", speculative_algorithm="standalone",  # int4 self-draft
+                    block_activations="float")
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.scheduler.stats().spec["spec_acceptance_rate"] > 0.5
