@@ -85,6 +85,8 @@ class SparseMoeBlock(nn.Module):
         The (token, slot) pairs are sorted by expert, so each expert with tokens runs one GEMM over
         its tokens' rows and adds them back, scaled, into their tokens' rows; experts ascending,
         as transformers adds them (the same sums in the same order)."""
+        if x.shape[0] == 1:
+            return self._one_token_output(x, weights, experts)
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -99,6 +101,16 @@ class SparseMoeBlock(nn.Module):
             rows = tokens[start:end]
             y = expert(x.index_select(0, rows)) * scales[start:end]
             out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    def _one_token_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """experts_output of a single token (a batch-1 decode step): its k experts on x itself, no
+        sort, gather or scatter. Summed in ascending expert order from the first term (0 + a is a
+        exactly), so the bits are the grouped path's."""
+        out = None
+        for slot, e in sorted(enumerate(experts[0].tolist()), key=lambda pair: pair[1]):
+            y = (self.experts[e](x) * weights[:, slot:slot + 1]).to(x.dtype)
+            out = y if out is None else out + y
         return out
 
 
