@@ -11,10 +11,13 @@ On CPU a step's tokens are grouped by expert: one GEMM per expert that has token
 Linear, so the packed, bfloat16 GEMV and quantized paths apply to expert weights too), none for
 the others. That data-dependent work is why a MoE model does not capture CUDA graphs, and why
 the one-call C decoder layers (use_decode_layers / use_prompt_layers, which know dense MLPs
-only) are not used for it: its steps run layer by layer.
+only) are not used for it: its steps run layer by layer. On CUDA, with Triton installed, the
+experts run as two grouped GEMMs (kernels/triton_moe.py: checked under Triton's interpreter
+only, never yet on a GPU).
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import torch
@@ -45,6 +48,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(mc.num_experts, mc.hidden_size, dtype)
         self.experts = nn.ModuleList(MLP(mc, tp, dtype, mc.moe_intermediate_size, reduce=False)
                                      for _ in range(mc.num_experts))
+        # On CUDA: the Triton grouped GEMMs over the experts' weights stacked [experts, out, in]
+        # (stack_experts, on first use; the per-expert weights become views into the stacks).
+        self.use_triton = self.gate.weight.is_cuda and importlib.util.find_spec("triton") is not None
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         self.shared_expert = self.shared_expert_gate = None
         if mc.shared_expert_intermediate_size:
             self.shared_expert = MLP(mc, tp, dtype, mc.shared_expert_intermediate_size, reduce=False)
@@ -85,6 +92,8 @@ class SparseMoeBlock(nn.Module):
         The (token, slot) pairs are sorted by expert, so each expert with tokens runs one GEMM over
         its tokens' rows and adds them back, scaled, into their tokens' rows; experts ascending,
         as transformers adds them (the same sums in the same order)."""
+        if self.use_triton:
+            return self._triton_output(x, weights, experts)
         if x.shape[0] == 1:
             return self._one_token_output(x, weights, experts)
         out = torch.zeros_like(x)
@@ -112,6 +121,24 @@ class SparseMoeBlock(nn.Module):
             y = (self.experts[e](x) * weights[:, slot:slot + 1]).to(x.dtype)
             out = y if out is None else out + y
         return out
+
+
+    def _triton_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from relay.kernels.triton_moe import fused_experts
+
+        if self._stacked is None:
+            self._stacked = self.stack_experts()
+        return fused_experts(x, *self._stacked, weights, experts)
+
+    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' gate/up [experts, 2 x inter, hidden] and down [experts, hidden, inter]
+        weights as two tensors; each expert's Linear weights become views into them (no second
+        copy)."""
+        gate_up = torch.stack([e.gate_up_proj.weight for e in self.experts])
+        down = torch.stack([e.down_proj.weight for e in self.experts])
+        for i, e in enumerate(self.experts):
+            e.gate_up_proj.weight.data, e.down_proj.weight.data = gate_up[i], down[i]
+        return gate_up, down
 
 
 class MoeForCausalLM(LlamaForCausalLM):
