@@ -102,13 +102,15 @@ def main() -> None:
         for b, f in zip(blocks, outputs):
             b.experts_output = f
 
-    variants = {"moe": (runners["moe"], grouped), "moe-loop": (runners["moe"], looped), "dense": (runners["dense"], None)}
+    variants = {"moe": (runners["moe"], grouped), "moe-loop": (runners["moe"], looped),
+                "dense": (runners["dense"], None)}
     mc = runners["moe"].model.config
     active = mc.num_layers * 3 * mc.hidden_size * mc.active_intermediate_size()
     print(f"{args.dtype}, {args.threads} thread(s); {mc.num_layers} layers, hidden {mc.hidden_size}, "
           f"{mc.num_experts} experts x {mc.moe_intermediate_size} top-{mc.num_experts_per_tok} "
           f"(dense MLP {args.top_k * args.moe_inter}); FFN weights per token {active / 1e6:.0f} M both, "
-          f"{mc.num_layers * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.num_experts / 1e6:.0f} M in all experts; "
+          f"{mc.num_layers * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.num_experts / 1e6:.0f} M "
+          "in all experts; "
           f"load {os.getloadavg()[0]:.1f}")
     with torch.inference_mode():
         for batch in args.batches:

@@ -295,8 +295,8 @@ def triton_path_matches_torch_path() -> None:
 def test_triton_grouped_experts_in_interpreter():
     path = [ROOT, os.path.join(ROOT, "src")] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_models_moe as t; t.triton_path_matches_torch_path()"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    check = "import tests.test_models_moe as t; t.triton_path_matches_torch_path()"
+    proc = subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.count("ok ") == 2 * len(ARCHS), proc.stdout + proc.stderr[-3000:]
 
 
@@ -324,5 +324,6 @@ def test_triton_expert_gemm_compiles_for_gpu(arch):
                      "A": f"*{ty}", "W": f"*{ty}"}
             sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
             src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2})
+            options = {"num_warps": 4, "num_stages": 2}
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             assert compiled.metadata.shared <= 99 * 1024

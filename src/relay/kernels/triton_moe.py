@@ -90,7 +90,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor, block_expert
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _expert_gemm[grid](a, w, out, pair_ids, block_expert, scales if scales is not None else out, pairs, n, k, top_k,
                        a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_BY_TOKEN=by_token,
-                       SCALE=scales is not None, IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+                       SCALE=scales is not None, IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                       BLOCK_K=block_k)
     return out
 
 

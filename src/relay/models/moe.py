@@ -122,7 +122,6 @@ class SparseMoeBlock(nn.Module):
             out = y if out is None else out + y
         return out
 
-
     def _triton_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         from relay.kernels.triton_moe import fused_experts
 
