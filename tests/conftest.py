@@ -10,7 +10,7 @@ TINY_VOCAB = 1024
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -28,6 +28,16 @@ def _tiny_config(arch: str):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**{**common, "head_dim": 32})
+    # Mixtures of experts, top-2. Qwen2-MoE: a shared expert, no top-k renormalisation, and its
+    # middle layer dense (mlp_only_layers); Qwen3-MoE: q/k norms and norm_topk_prob.
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "head_dim": 32}, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(arch)
 
 

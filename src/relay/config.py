@@ -210,6 +210,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: str | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's features the rope rotates (Phi-4-mini: 0.75)
+    # Mixture of experts (0 experts: a dense model). A sparse layer routes each token to
+    # num_experts_per_tok of num_experts MLPs of moe_intermediate_size (softmax over the router's
+    # logits, then top-k; renormalised over the top-k where moe_renormalize), plus, where
+    # shared_expert_intermediate_size, a shared MLP every token takes, scaled by sigmoid of its gate.
+    # Layers in mlp_only_layers, and all but every decoder_sparse_step-th, stay dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = False
+    # The routing weights stay float32 when they scale the experts' outputs (Mixtral) instead of
+    # being cast to the activations' dtype first (Qwen): the same rounding as transformers in bfloat16.
+    moe_float32_weights: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -218,6 +233,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = rope_settings(cfg, arch, head_dim)  # refuses a rope type Relay does not implement
         eos = cfg.get("eos_token_id")
+        qkv_bias_default = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
@@ -231,13 +247,15 @@ class ModelConfig:
             rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            # Qwen2-MoE's config names its q/k/v biases qkv_bias
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope_scaling=rope.scaling,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             partial_rotary_factor=rope.partial_rotary_factor,
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -259,11 +277,23 @@ class ModelConfig:
         s = self.rope_scaling or {}
         return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer layer_id's feed-forward block is sparse (transformers' rule for Qwen2/3-MoE)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    def active_intermediate_size(self) -> int:
+        """The MLP features one token's feed-forward pass computes: a sparse layer's top-k experts
+        and shared expert (a dense model's intermediate_size)."""
+        if not self.num_experts:
+            return self.intermediate_size
+        return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+
     def attention_break_even(self) -> int:
         """The context length at which a token's attention costs as many FLOPs as its dense
         layers (q/k/v/o and MLP GEMMs): past it, attention dominates a prompt chunk's cost."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        dense = 2 * (self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size)
+        dense = 2 * (self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.active_intermediate_size())
         return max(1, dense // (4 * q))  # QK^T and PV: 2 FLOPs each per query dim per key
 
     def kv_bytes_per_token(self, itemsize: int, tp_size: int = 1) -> int:
@@ -277,4 +307,26 @@ _ARCH_BY_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from an HF config (none for a dense architecture).
+    Qwen2-MoE and Qwen3-MoE renormalise the top-k weights where norm_topk_prob says (default
+    false), Mixtral always; Mixtral's experts are intermediate_size wide, Qwen's
+    moe_intermediate_size. transformers 5 writes Qwen3-MoE's expert count as num_local_experts,
+    the released checkpoints as num_experts."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], moe_renormalize=True, moe_float32_weights=True)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                    num_experts_per_tok=cfg["num_experts_per_tok"], moe_intermediate_size=cfg["moe_intermediate_size"],
+                    moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                    decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                    mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+    return {}

@@ -579,6 +579,10 @@ class ModelRunner:
             logger.info("the %s attention backend does not support CUDA graphs: decode runs eagerly",
                         self.attn.name)
             return None
+        if not self.model.supports_cuda_graph:
+            logger.info("%s steps run eagerly: which experts run depends on the tokens, which a CUDA graph "
+                        "cannot follow", self.model.config.architecture)
+            return None
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
         if max_bs < 1:
             return None

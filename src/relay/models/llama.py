@@ -1,7 +1,8 @@
 """The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama, Mistral), Qwen2, Qwen3.
 
 The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
-before the rotary embedding. q/k/v and gate/up are fused into one GEMM each.
+before the rotary embedding. q/k/v and gate/up are fused into one GEMM each. The
+mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
 """
 from __future__ import annotations
 
@@ -62,11 +63,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+    """silu(x W_gate) * (x W_up) W_down, gate/up fused into one GEMM; the intermediate features
+    split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
+    caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, intermediate_size: int | None = None,
+                 reduce: bool = True):
         super().__init__()
-        self.inter = split_evenly(mc.intermediate_size, tp.size, tp.rank)[1]
+        self.start, self.inter = split_evenly(intermediate_size or mc.intermediate_size, tp.size, tp.rank)
         self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
-        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp)
+        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp if reduce else None)
         self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,14 +81,25 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def load(self, which: str, w: torch.Tensor) -> str:
+        """Copy this rank's slice of a checkpoint's full gate_proj, up_proj or down_proj weight in;
+        the name of the parameter it went to."""
+        start, n = self.start, self.inter
+        if which == "down_proj":
+            self.down_proj.weight.copy_(w[:, start:start + n])
+            return "down_proj.weight"
+        offset = {"gate_proj": 0, "up_proj": n}[which]
+        self.gate_up_proj.weight[offset:offset + n].copy_(w[start:start + n])
+        return "gate_up_proj.weight"
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.self_attn = Attention(mc, tp, dtype, layer_id)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.mlp = MLP(mc, tp, dtype)
+        self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
                 attn: AttentionBackend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +120,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_cuda_graph = True  # a step's work depends on its shapes alone (a MoE step's does not)
+
     def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.config = mc
         self.tp = tp
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(mc, tp, dtype, i) for i in range(mc.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(mc, tp, dtype, i, self._make_mlp(i)) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
                         else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
@@ -119,6 +138,10 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
         self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
         self._layer_gemms: list[Linear] = []  # the decoder layers' GEMM modules, once prompt_layers is set
+
+    def _make_mlp(self, layer_id: int) -> nn.Module:
+        """Layer layer_id's feed-forward block (a MoE model's sparse layers give theirs)."""
+        return MLP(self.config, self.tp, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 rows: list[int] | None = None) -> torch.Tensor:
@@ -308,14 +331,16 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, w in weights:
             target = self._load_one(name, w)
-            if target:
+            if isinstance(target, str):
                 loaded.add(target)
+            elif target:  # a checkpoint tensor holding several parameters (all experts' weights in one)
+                loaded.update(target)
         expected = {n for n, _ in self.named_parameters()}
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
 
-    def _load_one(self, name: str, w: torch.Tensor) -> str | None:
+    def _load_one(self, name: str, w: torch.Tensor) -> str | list[str] | None:
         name = name.removeprefix("model.")
         if "rotary_emb" in name:
             return None
@@ -349,15 +374,8 @@ class LlamaForCausalLM(nn.Module):
         if part == "self_attn.o_proj":
             attn.o_proj.weight.copy_(w[:, sh.q_start * d:(sh.q_start + sh.q_count) * d])
             return prefix + "self_attn.o_proj.weight"
-        if part in ("mlp.gate_proj", "mlp.up_proj"):
-            start, n = split_evenly(w.shape[0], self.tp.size, self.tp.rank)
-            offset = 0 if part == "mlp.gate_proj" else n
-            mlp.gate_up_proj.weight[offset:offset + n].copy_(w[start:start + n])
-            return prefix + "mlp.gate_up_proj.weight"
-        if part == "mlp.down_proj":
-            start, n = split_evenly(w.shape[1], self.tp.size, self.tp.rank)
-            mlp.down_proj.weight.copy_(w[:, start:start + n])
-            return prefix + "mlp.down_proj.weight"
+        if part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            return prefix + "mlp." + mlp.load(part[4:], w)
         module = layer.get_submodule(part)  # input/post-attention norms, q/k norms
         module.weight.copy_(w)
         return prefix + part + ".weight"
