@@ -24,15 +24,18 @@ PROMPTS = [f"Repeat this JSON exactly: {PASSAGE}\nJSON: {PASSAGE[:40]}", "The ca
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--dtype", "float32", "--kv-cache-gb", "1", "--log-requests", "--speculative-algorithm", "ngram",
-               "--speculative-disable-by-batch-size", "16")
+    # float block products: greedy output with speculation equals it without bit for bit only there
+    # (int8 block activations round x, and a verify step attends through another kernel)
+    s = Server("--dtype", "float32", "--block-activations", "float", "--kv-cache-gb", "1", "--log-requests",
+               "--speculative-algorithm", "ngram", "--speculative-disable-by-batch-size", "16")
     yield s
     s.stop()
 
 
 def test_greedy_output_through_the_server_is_the_engines_without_speculation(server, default_model_dir):
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
-    expected = [o.token_ids for o in Engine(default_model_dir, dtype="float32").generate(PROMPTS, params)]
+    expected = [o.token_ids for o in Engine(default_model_dir, dtype="float32", block_activations="float").generate(
+        PROMPTS, params)]
 
     def generate(prompt: str) -> list[int]:
         with server.client() as c:
@@ -53,7 +56,7 @@ def test_greedy_output_through_the_server_is_the_engines_without_speculation(ser
 def test_logit_bias_under_speculation_is_the_engines_without_speculation(server, default_model_dir):
     """Proposals copied from the prompt carry tokens the bias bans: verification against the
     biased logits rejects them, so each request's tokens are the Engine's without speculation."""
-    engine = Engine(default_model_dir, dtype="float32")
+    engine = Engine(default_model_dir, dtype="float32", block_activations="float")
     (copy,) = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
     bias = {copy.token_ids[4]: -100.0, copy.token_ids[9]: -100.0, 11: 2.0}
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, logit_bias=bias)
