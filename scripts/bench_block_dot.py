@@ -14,15 +14,28 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
 
 from relay.kernels import cpu  # noqa: E402
 from relay.weight_blocks import recover  # noqa: E402
-from tests.test_weight_blocks import weight  # noqa: E402  (ggml's quantizers, dequantized as gguf-py does)
 
 SHAPES = [("q4_1", 960, 576), ("q4_1", 3072, 576), ("q8_0", 49152, 576)]
+
+
+def weight(n: int, k: int, kind: str) -> torch.Tensor:
+    """A random [n, k] weight quantized to Q4_1 or Q8_0 as ggml does, dequantized as gguf-py does."""
+    b = (np.random.default_rng(0).standard_normal((n * k // 32, 32)) * 0.05).astype(np.float32)
+    if kind == "q4_1":
+        lo, d = b.min(1), (b.max(1) - b.min(1)) / 15
+        q = np.minimum(15, ((b - lo[:, None]) / d[:, None] + 0.5).astype(np.int8)).astype(np.float32)
+        w = d.astype(np.float16).astype(np.float32)[:, None] * q + lo.astype(np.float16).astype(np.float32)[:, None]
+    else:
+        d = np.abs(b).max(1) / 127
+        w = d.astype(np.float16).astype(np.float32)[:, None] * np.round(b / d[:, None]).astype(np.float32)
+    return torch.from_numpy(w.reshape(n, k))
 
 
 def median_ms(fn, reps: int) -> float:
