@@ -73,6 +73,9 @@ FLAG_HELP = {
                              "levels per nested object schema; a forced tool call's counts the schema built from "
                              "the tools), as its compile time grows about as the cube of its depth; deeper is a "
                              "400 naming the field; regexes and EBNF grammars are not limited"),
+    "max_constraint_properties": ("most optional properties (not in its \"required\") one object of a JSON schema "
+                                  "constraint may have, as compile time grows much faster than their number "
+                                  "(2,000 in one object: 13 s); more is a 400 naming the field"),
     "grammar_compile_timeout": ("seconds a constrained request waits for its grammar to compile; then it ends "
                                 "with a 400 naming the field"),
     "disable_radix_cache": "turn off prefix caching",
@@ -403,7 +406,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
         client = ZmqEngineClient(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
                                  server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout,
                                  max_constraint_bytes=cfg.max_constraint_bytes,
-                                 max_constraint_depth=cfg.max_constraint_depth)
+                                 max_constraint_depth=cfg.max_constraint_depth,
+                                 max_constraint_properties=cfg.max_constraint_properties)
         app = build_app(client, guard)
         loop = asyncio.get_running_loop()
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,

@@ -136,6 +136,9 @@ BAD_SCHEMA = {"type": "objec"}  # found by the scheduler's grammar compile
 HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
 # Objects nested 800 deep (43 KB, 1601 levels of JSON: over the default --max-constraint-depth, 128):
 # 54 s to compile.
+# 2,000 optional properties in one object (over the default --max-constraint-properties, 128):
+# 13 s to compile.
+WIDE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
 DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 800 + '{"type":"string"}' + '},"required":["a"]}' * 800
 
 BAD_INPUTS = [
@@ -185,6 +188,10 @@ BAD_INPUTS = [
      "response schema too large", "response_format.json_schema.schema"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": DEEP_SCHEMA}}, "schema nested too deep",
      "sampling_params.json_schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}},
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": WIDE_SCHEMA}}]},
+     "tool schema too wide", "tools.0.function.parameters"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
      "legacy function_call", "function_call"),
 ]
@@ -341,11 +348,13 @@ def test_generate_regex_output_matches(server):
     assert re.fullmatch(pattern, r["text"]), r["text"]
 
 
-def wide_schema(width: int) -> str:
-    """An object of width optional integer properties: within the default limits (1,500: 39 KB,
-    3 levels deep), yet seconds to compile (2.4 s on the 2-core box; nesting that costs as much
-    is refused at the door by --max-constraint-depth)."""
-    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(width)}})
+def slow_schema(tag: int) -> str:
+    """20 objects of 128 optional string properties each: within the default limits (70 KB, 5
+    levels deep, 128 optional properties per object), yet seconds to compile (4.1 s on the
+    2-core box at load 8; nesting or breadth that costs as much in one object is refused at the
+    door by --max-constraint-depth / --max-constraint-properties). tag makes each one distinct."""
+    inner = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(128)}}
+    return json.dumps({"type": "object", "properties": {f"o{j}_{tag}": inner for j in range(20)}})
 
 
 def test_compiling_grammars_do_not_hold_up_a_plain_request(server):
@@ -361,7 +370,7 @@ def test_compiling_grammars_do_not_hold_up_a_plain_request(server):
             before = (await server_stats(c))["grammar"]
             slow = [asyncio.create_task(c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "JSON, please."}], "max_tokens": 4,
-                "json_schema": wide_schema(1500 + i)})) for i in range(10)]
+                "json_schema": slow_schema(i)})) for i in range(10)]
             async def all_at_the_scheduler() -> None:
                 while (await server_stats(c))["num_waiting"] < 10:
                     await asyncio.sleep(0.02)

@@ -19,7 +19,7 @@ from relay.api.sglang import parse_generate
 from relay.config import EngineConfig, ModelConfig
 from relay.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
 from relay.request import Req
-from relay.sampling_params import InvalidParam, json_depth
+from relay.sampling_params import InvalidParam, json_depth, widest_object
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -312,6 +312,30 @@ def test_json_depth_counts_the_schema_documents_nesting():
     assert time.perf_counter() - start < 2
 
 
+def _parses_by_field(schema: dict, limit_name: str) -> dict:
+    """For each API field a JSON schema may come in: the field's name -> a parse of a request
+    carrying schema there under limit_name=limit (a forced tool call's: the tool's parameters)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    messages = [{"role": "user", "content": "Hi"}]
+    return {
+        "json_schema": lambda limit: parse_completion(
+            {"model": "m", "prompt": "x", "json_schema": schema}, "m", **{limit_name: limit}),
+        "response_format.json_schema.schema": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "m", **{limit_name: limit}),
+        "guided_json": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "guided_json": json.dumps(schema)}, "m", **{limit_name: limit}),
+        "tools": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"}, "m",
+            **{limit_name: limit}),
+        "tools.0.function.parameters": lambda limit: parse_chat(
+            {"model": "m", "messages": messages, "tools": [tool],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}, "m", **{limit_name: limit}),
+        "sampling_params.json_schema": lambda limit: parse_generate(
+            {"text": "x", "sampling_params": {"json_schema": schema}}, **{limit_name: limit}),
+    }
+
+
 def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
     """--max-constraint-depth: a JSON schema nesting deeper than the limit is a 400 naming the
     API field it came from (a forced tool call's: the schema built from the tools), at parsing,
@@ -321,24 +345,7 @@ def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
     schema = json.loads(_nested_objects(5))
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     messages = [{"role": "user", "content": "Hi"}]
-    cases = {
-        "json_schema": lambda limit: parse_completion(
-            {"model": "m", "prompt": "x", "json_schema": schema}, "m", max_constraint_depth=limit),
-        "response_format.json_schema.schema": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "response_format": {
-                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "m",
-            max_constraint_depth=limit),
-        "guided_json": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "guided_json": json.dumps(schema)}, "m", max_constraint_depth=limit),
-        "tools": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"}, "m",
-            max_constraint_depth=limit),
-        "tools.0.function.parameters": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "tools": [tool],
-             "tool_choice": {"type": "function", "function": {"name": "f"}}}, "m", max_constraint_depth=limit),
-        "sampling_params.json_schema": lambda limit: parse_generate(
-            {"text": "x", "sampling_params": {"json_schema": schema}}, max_constraint_depth=limit),
-    }
+    cases = _parses_by_field(schema, "max_constraint_depth")
     for param, parse in cases.items():
         depth = json_depth(parse(None).params.json_schema)
         assert depth >= 11 and parse(depth).params.json_schema
@@ -368,6 +375,60 @@ def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
     assert json_depth(at_limit) == limit
     (out,) = engine.generate(["x"], SamplingParams(max_new_tokens=2, temperature=0, json_schema=at_limit))
     assert out.error is None and out.finish_reason == "length", out
+    engine.check()
+
+
+def _wide_object(optional: int, required: int = 0) -> dict:
+    """An object schema of integer properties p0, p1, ...: the first `optional` of them optional."""
+    names = [f"p{i}" for i in range(optional + required)]
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[optional:]}
+
+
+def test_widest_object_counts_optional_properties_per_object():
+    """Per object, its properties not under "required", anywhere in the document (an array's
+    items, an anyOf's branch); where, as a JSON pointer. A text that is not JSON, or nests too
+    deep to parse, counts nothing: the compiler or the depth limit refuses it."""
+    doc = {"type": "object", "properties": {"a": _wide_object(5, required=40),
+                                            "b/c": {"anyOf": [{"type": "array", "items": _wide_object(7)}]}}}
+    assert widest_object(json.dumps(doc)) == (7, "/properties/b~1c/anyOf/0/items")
+    assert widest_object(json.dumps(_wide_object(3, required=1))) == (3, "/")
+    assert widest_object(json.dumps({"properties": {"x": {}}, "required": "x"})) == (1, "/")  # not a list: none
+    assert widest_object('{"type": "objec"') == (0, "")
+    assert widest_object("[" * 100_000 + "]" * 100_000) == (0, "")
+
+
+def test_schema_wider_than_the_property_limit_is_a_400_naming_the_field(engine):
+    """--max-constraint-properties: an object with more optional properties than the limit is a
+    400 naming the API field the schema came from, at parsing, before anything compiles; one at
+    the limit passes, and required properties do not count. The issue's flat object of 2,000
+    optional properties (13 s to compile; 5,900 in 128 KiB: 404 s) is turned away at once,
+    offline too, and an object at the default limit compiles and generates to its schema."""
+    for param, parse in _parses_by_field(_wide_object(9, required=30), "max_constraint_properties").items():
+        assert parse(9).params.json_schema
+        with pytest.raises(ProtocolError) as info:
+            parse(8)
+        assert (info.value.status, info.value.param) == (400, param)
+        assert info.value.message.startswith(f"{param} objects may have at most 8 optional properties each "
+                                             "(--max-constraint-properties; required ones are not counted), got 9 at /")
+
+    limit = EngineConfig().max_constraint_properties
+    compiles = engine.scheduler.grammars.stats()["compiles"]
+    start = time.perf_counter()
+    with pytest.raises(InvalidParam) as offline:
+        engine.generate(["x"], SamplingParams(json_schema=json.dumps(_wide_object(2000))))
+    assert offline.value.field == "json_schema" and str(offline.value).endswith(
+        f"at most {limit} optional properties each (--max-constraint-properties; required ones are not counted), "
+        "got 2000 at /")
+    assert time.perf_counter() - start < 1 and engine.scheduler.grammars.stats()["compiles"] == compiles
+    # The model lists property after property: the text so far, closed after its last whole
+    # property, holds only the schema's properties with the schema's types.
+    at_limit = _wide_object(limit, required=2)
+    (out,) = engine.generate(["A record:"], SamplingParams(max_new_tokens=32, temperature=0,
+                                                          json_schema=json.dumps(at_limit)))
+    assert out.error is None and out.finish_reason == "length", out
+    so_far = json.loads(out.text[:out.text.rindex(", ")] + "}")
+    assert len(so_far) >= 3, out.text
+    jsonschema.validate(so_far, {**at_limit, "required": [], "additionalProperties": False})
     engine.check()
 
 

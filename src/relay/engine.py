@@ -61,7 +61,8 @@ class Engine:
         priorities = _broadcast(priority, len(prompts), "priority")
         results: dict[str, RequestOutput] = {}
         for p in params:
-            p.validate(self.tokenizer.vocab_size, self.config.max_constraint_bytes, self.config.max_constraint_depth)
+            p.validate(self.tokenizer.vocab_size, self.config.max_constraint_bytes, self.config.max_constraint_depth,
+                       self.config.max_constraint_properties)
         self._check_constraints(params)
         for prompt, p, prio in zip(prompts, params, priorities):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))

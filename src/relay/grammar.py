@@ -9,7 +9,8 @@ Two processes take part, and only the scheduler imports xgrammar:
   compiled within --grammar-compile-timeout ends its request with a 400 naming its field. Each
   step the scheduler fills the request's row of the token bitmask (which tokens may come next)
   and advances the request's matcher with every token the request emits. Shipping compiled
-  grammars between processes would not pay: deserialising one costs as much as compiling it;
+  grammars between processes would not pay: deserialising one costs as much as compiling it,
+  and a wide object's many times more (see COMPILE_WORKERS);
 - the sampler sets disallowed tokens' logits to -inf (apply_token_masks: plain torch).
 
 No process's main thread parses or compiles: a schema nested 200 deep takes ~2 s to parse
@@ -47,14 +48,22 @@ CACHE_ENTRIES = 256  # distinct compiled grammars kept (a schema's is ~100 KB)
 # feature request mlc-ai/xgrammar#298 is open). Only a process can be stopped mid-compile, and a
 # compile in a subprocess would have to come back serialized: CompiledGrammar.serialize_json of
 # a schema nested 200 deep (0.66 s to compile) is 6.4 MB, 0.24 s to write and 0.10 s to read back,
-# half the compile again on every request, beside a pool of processes to keep and restart. The
+# half the compile again on every request, beside a pool of processes to keep and restart. Wide
+# objects are far worse: it writes every rule's copy of the grammar's automaton, so the JSON grows
+# with the square of an object's optional properties (default model, 49k tokens: 200 of them,
+# 25 ms to compile, 13 MB, 0.55 s to write, 0.36 s to read; 1,000: 0.72 s to compile, 356 MB, 13 s
+# to write, 11 s and +1.9 GB to read; 2,000: the writer ran out of memory), and even a small
+# schema (5 ms) would take 17 ms more to read back in the scheduler. Breadth is bounded at the
+# door instead (--max-constraint-properties, sampling_params.widest_object). The
 # request itself is bounded (--grammar-compile-timeout answers it with a 400; a queued compile
 # whose requesters all went is dropped), the threads run niced (COMPILE_NICENESS), and a plain
 # request never waits for any of them. What is not bounded is how long an overrunning compile
-# holds its thread: --max-constraint-bytes bounds a schema's breadth well (0.55 s for 128 KiB of
-# tool schemas), not its depth, where xgrammar's time grows about as depth cubed (on the 2-core
-# box: nested objects 200 deep, 11 KB: 0.66 s; 400: 5.6 s; 800, 43 KB: 54 s). Four such
-# requests hold the four threads, and constrained requests meanwhile get the timeout's 400.
+# holds its thread: --max-constraint-bytes bounds neither a schema's depth, where xgrammar's time
+# grows about as depth cubed (on the 2-core box: nested objects 200 deep, 11 KB: 0.66 s; 400:
+# 5.6 s; 800, 43 KB: 54 s), nor its breadth (one object of 2,000 optional properties: 13 s;
+# ~5,900 in 128 KiB: 404 s), hence --max-constraint-depth and --max-constraint-properties, under
+# which the costliest schema we found within 128 KiB compiles in ~6 s. Four such requests hold
+# the four threads, and constrained requests meanwhile get the timeout's 400.
 COMPILE_WORKERS = 4
 # Compile threads run this much nicer than the process (Linux: per thread): where the cores are
 # busy, the model runner's steps, which every running request waits for, get them first.

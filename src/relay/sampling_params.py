@@ -7,6 +7,7 @@ the API's own field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -46,6 +47,50 @@ def json_depth(text: str) -> int:
         elif token in _CLOSE and depth:
             depth -= 1
     return deepest
+
+
+def widest_object(text: str) -> tuple[int, str]:
+    """The most optional properties (listed under "properties", not under "required") that one
+    object of a JSON schema text has, and where (a JSON pointer into the text). Grammar compile
+    time grows much faster than linearly in them (see EngineConfig.max_constraint_properties);
+    required properties are cheap. Every object of the document counts, not only those at a
+    schema's places: a property named "properties" may make its schema's keywords count, a
+    handful, never a false refusal of a schema within the limit's order. A text that is not
+    JSON, or nests too deep to parse, is (0, ""): the compiler or the depth limit refuses it."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return 0, ""
+    # A node's path is a chain (parent's chain, key): O(1) per node; only the widest's is spelled.
+    most, widest = 0, None
+    stack: list[tuple[Any, Any]] = [(document, None)] if isinstance(document, (dict, list)) else []
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            optional = _optional_properties(node)
+            if optional > most:
+                most, widest = optional, path
+            stack.extend((v, (path, k)) for k, v in node.items() if isinstance(v, (dict, list)))
+        else:
+            stack.extend((v, (path, i)) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+    return most, _json_pointer(widest) if most else ""
+
+
+def _json_pointer(path: Any) -> str:
+    keys = []
+    while path is not None:
+        path, key = path
+        keys.append(str(key).replace("~", "~0").replace("/", "~1"))
+    return "/" + "/".join(reversed(keys))
+
+
+def _optional_properties(schema: dict) -> int:
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return 0
+    required = schema.get("required")
+    required = set(r for r in required if isinstance(r, str)) if isinstance(required, list) else set()
+    return sum(name not in required for name in properties)
 
 
 class InvalidParam(ValueError):
@@ -141,10 +186,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 
     def validate(self, vocab_size: int | None = None, max_constraint_bytes: int | None = None,
-                 max_constraint_depth: int | None = None) -> "SamplingParams":
+                 max_constraint_depth: int | None = None, max_constraint_properties: int | None = None
+                 ) -> "SamplingParams":
         """Raise InvalidParam naming the first bad field; return self for chaining. A server's
         --max-constraint-bytes caps the constraint's text, --max-constraint-depth a JSON schema's
-        nesting (json_depth; None: no cap)."""
+        nesting (json_depth), --max-constraint-properties the optional properties of each of its
+        objects (widest_object); None: no cap."""
         for name, rule in RANGES.items():
             value = getattr(self, name)
             if (value is not None or name not in ("max_new_tokens", "seed")) and not rule.holds(value):
@@ -154,7 +201,7 @@ class SamplingParams:
                                                  f"{self.min_new_tokens!r}")
         if not (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS):
             raise InvalidParam("stop", f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
-        self._validate_constraint(max_constraint_bytes, max_constraint_depth)
+        self._validate_constraint(max_constraint_bytes, max_constraint_depth, max_constraint_properties)
         limit = vocab_size or 2**31
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
@@ -186,7 +233,7 @@ class SamplingParams:
                 return kind, text
         return None
 
-    def _validate_constraint(self, max_bytes: int | None, max_depth: int | None) -> None:
+    def _validate_constraint(self, max_bytes: int | None, max_depth: int | None, max_properties: int | None) -> None:
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
         for kind in given:
             text = getattr(self, kind)
@@ -199,6 +246,13 @@ class SamplingParams:
             if kind == "json_schema" and max_depth is not None and (depth := json_depth(text)) > max_depth:
                 raise InvalidParam(kind, f"{kind} must nest at most {max_depth} levels deep "
                                          f"(--max-constraint-depth), got {depth}")
+            # Each property is a key and a ':': a text with no more ':' than the limit needs no parse.
+            if kind == "json_schema" and max_properties is not None and text.count(":") > max_properties:
+                widest, where = widest_object(text)
+                if widest > max_properties:
+                    raise InvalidParam(kind, f"{kind} objects may have at most {max_properties} optional properties "
+                                             f"each (--max-constraint-properties; required ones are not counted), "
+                                             f"got {widest} at {where}")
         if len(given) > 1:
             raise InvalidParam(given[1], f"give at most one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given)}")
 

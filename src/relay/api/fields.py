@@ -270,10 +270,11 @@ def sampling_kwargs(body: dict[str, Any], keys: dict[str, str], rules: dict[str,
 
 
 def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None,
-              max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None) -> SamplingParams:
+              max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
+              max_constraint_properties: int | None = None) -> SamplingParams:
     """Run SamplingParams.validate(), reporting failures under the API's field names."""
     try:
-        return params.validate(vocab_size, max_constraint_bytes, max_constraint_depth)
+        return params.validate(vocab_size, max_constraint_bytes, max_constraint_depth, max_constraint_properties)
     except InvalidParam as e:
         # Rename only in the "<field> <rule>" head: the ", got <value>" tail may quote user text.
         head, sep, tail = str(e).partition(", got ")

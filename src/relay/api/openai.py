@@ -66,7 +66,8 @@ async def _serve(request: Request, client: EngineClient, parse: Callable[..., Pa
     try:
         parsed = parse(F.decode_json_body(await request.body()), client.served_model, vocab_size=client.vocab_size,
                        max_constraint_bytes=client.max_constraint_bytes,
-                       max_constraint_depth=client.max_constraint_depth)
+                       max_constraint_depth=client.max_constraint_depth,
+                       max_constraint_properties=client.max_constraint_properties)
         api = client.submit(parsed, kind)
     except ProtocolError as e:
         return error_response(e)
@@ -190,11 +191,11 @@ _COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_toke
 
 
 def parse_completion(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None,
-                     max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None
-                     ) -> ParsedRequest:
+                     max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
+                     max_constraint_properties: int | None = None) -> ParsedRequest:
     """POST /v1/completions. Token ids (prompt, stop_token_ids) are checked against
-    vocab_size when it is given, an output constraint's size and nesting against
-    max_constraint_bytes and max_constraint_depth."""
+    vocab_size when it is given, an output constraint's size, nesting and breadth against
+    max_constraint_bytes, max_constraint_depth and max_constraint_properties."""
     body = F.require_object(body)
     common = _common(body, served_model, max_n)
     _reject_unsupported(body, {**_COMPLETION_UNSUPPORTED, "best_of": lambda v: v == common["n"]})
@@ -207,7 +208,7 @@ def parse_completion(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_s
     kwargs.update(_completion_logprobs(body))
     grammar, param_names = F.constraint(body, response_format=True)
     params = F.validated(SamplingParams(**kwargs, **grammar), _COMPLETION_NAMES | param_names, vocab_size,
-                         max_constraint_bytes, max_constraint_depth)
+                         max_constraint_bytes, max_constraint_depth, max_constraint_properties)
     return ParsedRequest(params=params, text=text, input_ids=input_ids, param_names=param_names, **common)
 
 
@@ -278,7 +279,8 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_UNSUPPORTED, "function
 
 
 def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None,
-               max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None) -> ParsedRequest:
+               max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
+               max_constraint_properties: int | None = None) -> ParsedRequest:
     """POST /v1/chat/completions. Without max_tokens the answer may fill the context."""
     body = F.require_object(body)
     common = _common(body, served_model, max_n)
@@ -292,7 +294,7 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
     params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size, max_constraint_bytes,
-                         max_constraint_depth)
+                         max_constraint_depth, max_constraint_properties)
     chat_kwargs = chat_template_kwargs(body)
     if tools is not None:
         chat_kwargs["tools"] = tools.template_tools()

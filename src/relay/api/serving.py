@@ -56,6 +56,7 @@ class EngineClient(Protocol):
     vocab_size: int | None
     max_constraint_bytes: int | None  # --max-constraint-bytes
     max_constraint_depth: int | None  # --max-constraint-depth
+    max_constraint_properties: int | None  # --max-constraint-properties
     server_info: dict[str, Any]
     metrics: ServerMetrics
     num_requests: int

@@ -31,7 +31,8 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
         try:
             parsed = parse_generate(F.decode_json_body(await request.body()), vocab_size=client.vocab_size,
                                     max_constraint_bytes=client.max_constraint_bytes,
-                                    max_constraint_depth=client.max_constraint_depth)
+                                    max_constraint_depth=client.max_constraint_depth,
+                                    max_constraint_properties=client.max_constraint_properties)
             api = client.submit(parsed, "generate")
         except ProtocolError as e:
             return error_response(e)
@@ -108,7 +109,8 @@ def _rid(body: dict[str, Any]) -> str | None:
 
 
 def parse_generate(body: Any, max_n: int = F.MAX_N, vocab_size: int | None = None,
-                   max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None) -> ParsedRequest:
+                   max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
+                   max_constraint_properties: int | None = None) -> ParsedRequest:
     """POST /generate (single request; no batches)."""
     body = F.require_object(body)
     text, input_ids = _input(body, vocab_size)
@@ -117,7 +119,7 @@ def parse_generate(body: Any, max_n: int = F.MAX_N, vocab_size: int | None = Non
     grammar, param_names = F.constraint(sp, "sampling_params.")
     names = {f: f"sampling_params.{f}" for f in F.FIELD_RULES} | {"top_logprobs": "top_logprobs_num"} | param_names
     params = F.validated(SamplingParams(**kwargs, **grammar), names, vocab_size, max_constraint_bytes,
-                         max_constraint_depth)
+                         max_constraint_depth, max_constraint_properties)
     return ParsedRequest(params=params, text=text, input_ids=input_ids, n=n, param_names=param_names,
                          stream=F.opt(body, "stream", False, F.as_bool), priority=F.priority(body), rid=_rid(body))
 
