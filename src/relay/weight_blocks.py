@@ -40,7 +40,7 @@ class BlockWeight:
     # (csrc/gemm_blocks.c), as the model's own GEMMs would; the weights stay exact.
     round_bf16: bool = False
     # q is in the integer dot products' layout (csrc/gemm_dot.c): the GEMMs round x to 8 bits per
-    # block and sum quant products in integers (--block-dot); otherwise q is in strips as above
+    # block and sum quant products in integers (--block-activations int8); otherwise q is in strips as above
     # and the GEMMs are float32 (bit for bit the dequantized weights' products).
     dot: bool = False
 

@@ -4,7 +4,7 @@
 // float before its FMA; here a 32-byte load feeds 64 multiply-adds in two VPMADDUBSW (AVX2) or two
 // VPDPBUSD (AVX512-VNNI), so a decode step's GEMVs do a third of the instructions and come near the
 // speed of reading the weights (docs/benchmarks.md). The cost is x's rounding: ~0.4 % of a block's
-// largest value (weight_blocks.py's `dot` mode, chosen per server with --block-dot).
+// largest value (BlockWeight.dot, chosen per server with --block-activations).
 //
 // Layout ("dot", relay/weight_blocks.py dot_layout), per strip s of 32 output features: 4 groups g of 8
 // features, then the K / 32 blocks, then per block 32-byte units of 8 features x 4 bytes (feature
