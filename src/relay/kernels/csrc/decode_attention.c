@@ -429,6 +429,23 @@ static inline __attribute__((always_inline)) vf key_scores(const int64_t ND, con
     return vf_sums(dots);
 }
 
+// A bfloat16 cache's keys widen once per block of VL keys into a float buffer that every query
+// head of the group then reads (L1), rather than once per head: with G heads per kv head each key
+// cost G widenings (a shift and a zero-extend per vector, on the FMA ports) before. Head_dim up to
+// MAX_D_WIDE; a group of one widens as it loads (nothing to share).
+#define MAX_D_WIDE 256
+#define WIDEN_ONCE(G, kv_bf16) ((kv_bf16) && (G) > 1 && ND * VL <= MAX_D_WIDE)
+
+// rows (row_bytes apart, bfloat16, the first `live` real) -> kbuf [VL][ND * VL] floats; rows past
+// live repeat the last (their lanes' scores are overwritten or lie past the item).
+static inline __attribute__((always_inline)) void widen_block(const int64_t ND, const char* rows, int64_t row_bytes,
+                                                              int64_t live, float* kbuf) {
+    for (int64_t j = 0; j < VL; j++) {
+        const uint16_t* row = (const uint16_t*)(rows + (j < live ? j : live - 1) * row_bytes);
+        for (int64_t c = 0; c < ND; c++) vf_store(kbuf + (j * ND + c) * VL, vf_from_bf16(row + c * VL));
+    }
+}
+
 // attend_chunk_two_pass (above) over VL lanes: a page's run of up to TILE keys at a time, VL keys'
 // dot products summed across lanes together (vf_sums); the same prefetches, a row at a time.
 // G and ND (head_dim / VL) are compile-time in the dispatcher's instances, runtime in its last.
@@ -439,6 +456,7 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
     const size_t esz = kv_bf16 ? 2 : 4;
     // a head's scores TWO_PASS_MAX apart; the last tile's stores may run up to TILE past its end
     float s[MAX_GROUP * TWO_PASS_MAX + TILE] __attribute__((aligned(64)));
+    float kbuf[VL * MAX_D_WIDE] __attribute__((aligned(64)));  // a block of keys widened (WIDEN_ONCE)
     for (int64_t base = t0; base < t1;) {  // scores
         const int64_t page = base / PS, off = base - page * PS;
         int64_t n = PS - off < TILE ? PS - off : TILE;
@@ -450,19 +468,30 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         const char* vnow = (const char*)vh + ((int64_t)table[page] * PS + off) * D * esz;
         if (base == t0) prefetch_ahead(kh, table, PS, t0, base, n, t1, D * esz);
         base += n;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t h = 0; h < TILE; h += VL) {  // VL keys at a time
-                const char* ahead = kahead && g == 0 ? kahead + h * D * esz : NULL;
+        for (int64_t h = 0; h < TILE; h += VL) {  // VL keys at a time, every head against them
+            const char* ahead = kahead ? kahead + h * D * esz : NULL;
+            if (h >= n) {  // past the run: only the prefetches ahead
+                for (int64_t j = 0; ahead && j < VL; j++) prefetch_row(ahead, j, D * esz);
+                continue;
+            }
+            const int64_t live = n - h < VL ? n - h : VL;
+            const char* rows = krows + h * D * esz;
+            if (WIDEN_ONCE(G, kv_bf16)) {  // the block's keys widened once, for all G heads
+                widen_block(ND, rows, D * esz, live, kbuf);
+                for (int64_t g = 0; g < G; g++)
+                    vf_store(s + g * TWO_PASS_MAX + j0 + h,
+                             key_scores(ND, VL, qf + g * D, (const char*)kbuf, D * 4, 0, g == 0 ? ahead : NULL,
+                                        g == G - 1 ? vnow + h * D * esz : NULL, live));
+                continue;
+            }
+            for (int64_t g = 0; g < G; g++) {
                 const char* vn = g == G - 1 ? vnow + h * D * esz : NULL;
-                if (h >= n) {  // past the run: only the prefetches ahead
-                    for (int64_t j = 0; ahead && j < VL; j++) prefetch_row(ahead, j, D * esz);
-                    continue;
-                }
-                const char* rows = krows + h * D * esz;
-                const vf sc = n - h >= VL ? key_scores(ND, VL, qf + g * D, rows, D * esz, kv_bf16, ahead, vn, VL)
-                                          : key_scores(ND, n - h, qf + g * D, rows, D * esz, kv_bf16, ahead, vn, n - h);
+                const char* ah = g == 0 ? ahead : NULL;
+                const vf sc = live == VL ? key_scores(ND, VL, qf + g * D, rows, D * esz, kv_bf16, ah, vn, VL)
+                                         : key_scores(ND, live, qf + g * D, rows, D * esz, kv_bf16, ah, vn, live);
                 vf_store(s + g * TWO_PASS_MAX + j0 + h, sc);  // lanes past n: overwritten, or past the item
             }
+        }
     }
     for (int64_t g = 0; g < G; g++)  // softmax numerators in base 2, their max and sum
         l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g]);
