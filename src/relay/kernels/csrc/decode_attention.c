@@ -8,10 +8,14 @@
 // Work items are ordered by (kv head, first page, chunk, request): requests that share a
 // prefix (the same first pages) run back to back on one thread and find its KV in cache.
 //
-// With AVX-512 the inner loops use 16-lane vectors (head_dim 64 or 128); at every other level
-// (AVX2 + FMA, generic C) the same two passes over vec.h's VL lanes (any head_dim of whole
-// vectors); a plain C loop with an online softmax per 16 keys takes what is left. Built at first
-// use with the system C compiler for this CPU (-march=native) and loaded with ctypes (relay/attention/cpu_kernels.py); OpenMP resolves
+// A chunk runs the two passes compiled for its shape: head_dim 64 or 128 with 1..8 query heads
+// per kv head are instances of their own (the group and the vectors per row compile-time: queries
+// and accumulators in registers), any other head_dim of whole vectors a runtime-shaped instance of
+// the same code, with AVX-512's 16 lanes (its own kernels) or, at every other level (AVX2 + FMA,
+// generic C), vec.h's VL lanes; a plain C loop with an online softmax per 16 keys takes the rest.
+// Every head of a group scores against one read of a block of keys (a bfloat16 cache's widened
+// once for all of them below AVX-512). Built at first use with the system C compiler for this
+// CPU's level (relay.kernels.isa) and loaded with ctypes (relay/kernels/cpu.py); OpenMP resolves
 // to the runtime torch already loaded, so torch's thread count and pool are shared.
 //
 // Layouts: q, out [B, H, D] (float32 or bfloat16, the same); k, v caches "HND" [HKV, S, D]
