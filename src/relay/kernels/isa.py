@@ -4,8 +4,9 @@ lower with RELAY_CPU_ISA so that any machine can run (and test) what a smaller C
 Levels, lowest first: generic (plain C, any CPU, aarch64 included), avx2 (AVX2 + FMA), avx512
 (F/BW/CD/DQ/VL), avx512bf16 (+ AVX512-BF16: bfloat16 dot products), amx (+ AMX-BF16 tiles).
 Each level compiles the kernel library for itself (compile_flags), and a held level holds torch
-too: ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA (torch_env), set for every process before torch
-loads (launch.serve does it for the whole server), so a held server runs as that CPU would.
+too: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (torch_env), set for
+every process before torch loads (launch.serve does it for the whole server), so a held server
+runs as that CPU would.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 _ATEN = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512", "amx": "avx512"}
 _ONEDNN = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512bf16": "AVX512_CORE_BF16",
            "amx": "AVX512_CORE_AMX"}
+# MKL's own dispatch (torch's float32 GEMMs where oneDNN does not take them): the newest set MKL may
+# use, in MKL_ENABLE_INSTRUCTIONS' names: AVX512 is F/CD/BW/DQ/VL, AVX512_E1 adds VNNI, AVX512_E3
+# VNNI + BF16, AVX512_E4 AMX (Intel processors only: MKL ignores it on others).
+_MKL = {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512bf16": "AVX512_E3", "amx": "AVX512_E4"}
 
 
 def cpu_flags() -> str:
@@ -110,4 +115,5 @@ def torch_env(current: str | None = None) -> dict[str, str]:
     current = current or level()
     if current == detected_level():
         return {}
-    return {"ATEN_CPU_CAPABILITY": _ATEN[current], "ONEDNN_MAX_CPU_ISA": _ONEDNN[current]}
+    return {"ATEN_CPU_CAPABILITY": _ATEN[current], "ONEDNN_MAX_CPU_ISA": _ONEDNN[current],
+            "MKL_ENABLE_INSTRUCTIONS": _MKL[current]}

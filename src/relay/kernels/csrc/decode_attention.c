@@ -8,10 +8,14 @@
 // Work items are ordered by (kv head, first page, chunk, request): requests that share a
 // prefix (the same first pages) run back to back on one thread and find its KV in cache.
 //
-// With AVX-512 the inner loops use 16-lane vectors (head_dim 64 or 128); at every other level
-// (AVX2 + FMA, generic C) the same two passes over vec.h's VL lanes (any head_dim of whole
-// vectors); a plain C loop with an online softmax per 16 keys takes what is left. Built at first
-// use with the system C compiler for this CPU (-march=native) and loaded with ctypes (relay/attention/cpu_kernels.py); OpenMP resolves
+// A chunk runs the two passes compiled for its shape: head_dim 64 or 128 with 1..8 query heads
+// per kv head are instances of their own (the group and the vectors per row compile-time: queries
+// and accumulators in registers), any other head_dim of whole vectors a runtime-shaped instance of
+// the same code, with AVX-512's 16 lanes (its own kernels) or, at every other level (AVX2 + FMA,
+// generic C), vec.h's VL lanes; a plain C loop with an online softmax per 16 keys takes the rest.
+// Every head of a group scores against one read of a block of keys (a bfloat16 cache's widened
+// once for all of them below AVX-512). Built at first use with the system C compiler for this
+// CPU's level (relay.kernels.isa) and loaded with ctypes (relay/kernels/cpu.py); OpenMP resolves
 // to the runtime torch already loaded, so torch's thread count and pool are shared.
 //
 // Layouts: q, out [B, H, D] (float32 or bfloat16, the same); k, v caches "HND" [HKV, S, D]
@@ -268,7 +272,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float* acc, float* m, float* l) {
     const int64_t D = ND * 16, n_all = t1 - t0;
     const size_t esz = kv_bf16 ? 2 : 4;
-    float s[MAX_GROUP * TWO_PASS_MAX] __attribute__((aligned(64)));
+    // a head's scores TWO_PASS_MAX apart; the last tile's stores may run up to 16 past its end
+    float s[MAX_GROUP * TWO_PASS_MAX + 16] __attribute__((aligned(64)));
     __m512 q[G][ND];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < ND; c++) q[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
@@ -339,17 +344,22 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
     else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                      \
     return 1;
 #define CASES_G(NDV) switch (G) { CASE_G(1, NDV) CASE_G(2, NDV) CASE_G(3, NDV) CASE_G(4, NDV) \
-                                  CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: return 0; }
+                                  CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: break; }
 
-// Runs the specialised kernel when (G, D) is one it was built for; returns 0 otherwise.
+// Runs the kernel specialised for (G, D) where it was built for them, else its runtime-shaped
+// instance (any head_dim of whole 16-float vectors, any group; float, a bfloat16 cache widened);
+// returns 0 for the rest (the plain C kernel's).
 static int attend_chunk_fast(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
                              int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
                              float* acc, float* m, float* l) {
     switch (D) {
         case 64: CASES_G(4)
         case 128: CASES_G(8)
-        default: return 0;
+        default: break;
     }
+    if (t1 - t0 > TWO_PASS_MAX || D % 16 || G > MAX_GROUP) return 0;
+    attend_chunk_two_pass(G, D / 16, qf, kh, vh, table, PS, t0, t1, kv_bf16, acc, m, l);
+    return 1;
 }
 #else
 // Every other level: the same two passes over vec.h's VL lanes (AVX2 + FMA, or generic C), for
@@ -397,12 +407,28 @@ static inline __attribute__((always_inline)) void values_two_pass(const int64_t 
         const char* vrows = (const char*)vh + ((int64_t)table[page] * PS + off) * D * esz + c0 * VL * esz;
         const float* p = s + (base - t0);
         base += n;  // (its rows were prefetched with the keys)
-        for (int64_t j = 0; j < n; j++)
+        for (int64_t j = 0; j < n; j++) {
+            if (kv_bf16 && NV % 2 == 0) {  // pairs widened in vf_from_bf16_2's order, put back at the end
+                for (int64_t c = 0; c < NV; c += 2) {
+                    vf va, vb;
+                    vf_from_bf16_2((const uint16_t*)(vrows + j * D * esz) + c * VL, &va, &vb);
+                    for (int64_t g = 0; g < G; g++) {
+                        const vf w = vf_set1(p[g * TWO_PASS_MAX + j]);
+                        a[g][c] = vf_fma(w, va, a[g][c]);
+                        a[g][c + 1] = vf_fma(w, vb, a[g][c + 1]);
+                    }
+                }
+                continue;
+            }
             for (int64_t c = 0; c < NV; c++) {
                 const vf vv = vf_load_act(vrows + j * D * esz, c * VL, kv_bf16);
                 for (int64_t g = 0; g < G; g++) a[g][c] = vf_fma(vf_set1(p[g * TWO_PASS_MAX + j]), vv, a[g][c]);
             }
+        }
     }
+    if (kv_bf16 && NV % 2 == 0)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < NV; c += 2) vf_order2(&a[g][c], &a[g][c + 1]);
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < NV; c++) vf_store(acc + g * D + (c0 + c) * VL, a[g][c]);
 }
@@ -429,6 +455,49 @@ static inline __attribute__((always_inline)) vf key_scores(const int64_t ND, con
     return vf_sums(dots);
 }
 
+// A bfloat16 cache's keys widen once per block of VL keys into a float buffer that every query
+// head of the group then reads (L1), rather than once per head: with G heads per kv head each key
+// cost G widenings (a shift and a zero-extend per vector, on the FMA ports) before. Head_dim up to
+// MAX_D_WIDE; a group of one widens as it loads (nothing to share).
+#define MAX_D_WIDE 256
+#define WIDEN_ONCE(G, kv_bf16) ((kv_bf16) && (G) > 1 && ND * VL <= MAX_D_WIDE)
+
+// rows (row_bytes apart, bfloat16, the first `live` real) -> kbuf [VL][ND * VL] floats; rows past
+// live repeat the last (their lanes' scores are overwritten or lie past the item).
+// Pairs of vectors widen in vf_from_bf16_2's order (no shift), an odd last one in order: the
+// queries go into the same order (in_pair_order).
+static inline __attribute__((always_inline)) void widen_block(const int64_t ND, const char* rows, int64_t row_bytes,
+                                                              int64_t live, float* kbuf) {
+    for (int64_t j = 0; j < VL; j++) {
+        const uint16_t* row = (const uint16_t*)(rows + (j < live ? j : live - 1) * row_bytes);
+        float* dst = kbuf + j * ND * VL;
+        int64_t c = 0;
+        for (; c + 2 <= ND; c += 2) {
+            vf a, b;
+            vf_from_bf16_2(row + c * VL, &a, &b);
+            vf_store(dst + c * VL, a);
+            vf_store(dst + (c + 1) * VL, b);
+        }
+        if (c < ND) vf_store(dst + c * VL, vf_from_bf16(row + c * VL));
+    }
+}
+
+// G rows of ND vectors, each pair of vectors into vf_from_bf16_2's order (or back: the same
+// shuffle), an odd last one left alone.
+static inline __attribute__((always_inline)) void in_pair_order(const int64_t G, const int64_t ND, const float* src,
+                                                                float* dst) {
+    for (int64_t g = 0; g < G; g++) {
+        int64_t c = 0;
+        for (; c + 2 <= ND; c += 2) {
+            vf a = vf_load(src + (g * ND + c) * VL), b = vf_load(src + (g * ND + c + 1) * VL);
+            vf_order2(&a, &b);
+            vf_store(dst + (g * ND + c) * VL, a);
+            vf_store(dst + (g * ND + c + 1) * VL, b);
+        }
+        if (c < ND) vf_store(dst + (g * ND + c) * VL, vf_load(src + (g * ND + c) * VL));
+    }
+}
+
 // attend_chunk_two_pass (above) over VL lanes: a page's run of up to TILE keys at a time, VL keys'
 // dot products summed across lanes together (vf_sums); the same prefetches, a row at a time.
 // G and ND (head_dim / VL) are compile-time in the dispatcher's instances, runtime in its last.
@@ -439,6 +508,9 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
     const size_t esz = kv_bf16 ? 2 : 4;
     // a head's scores TWO_PASS_MAX apart; the last tile's stores may run up to TILE past its end
     float s[MAX_GROUP * TWO_PASS_MAX + TILE] __attribute__((aligned(64)));
+    float kbuf[VL * MAX_D_WIDE] __attribute__((aligned(64)));  // a block of keys widened (WIDEN_ONCE)
+    float qo[MAX_GROUP * MAX_D_WIDE] __attribute__((aligned(64)));  // the queries in kbuf's order
+    if (WIDEN_ONCE(G, kv_bf16)) in_pair_order(G, ND, qf, qo);
     for (int64_t base = t0; base < t1;) {  // scores
         const int64_t page = base / PS, off = base - page * PS;
         int64_t n = PS - off < TILE ? PS - off : TILE;
@@ -450,19 +522,30 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         const char* vnow = (const char*)vh + ((int64_t)table[page] * PS + off) * D * esz;
         if (base == t0) prefetch_ahead(kh, table, PS, t0, base, n, t1, D * esz);
         base += n;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t h = 0; h < TILE; h += VL) {  // VL keys at a time
-                const char* ahead = kahead && g == 0 ? kahead + h * D * esz : NULL;
+        for (int64_t h = 0; h < TILE; h += VL) {  // VL keys at a time, every head against them
+            const char* ahead = kahead ? kahead + h * D * esz : NULL;
+            if (h >= n) {  // past the run: only the prefetches ahead
+                for (int64_t j = 0; ahead && j < VL; j++) prefetch_row(ahead, j, D * esz);
+                continue;
+            }
+            const int64_t live = n - h < VL ? n - h : VL;
+            const char* rows = krows + h * D * esz;
+            if (WIDEN_ONCE(G, kv_bf16)) {  // the block's keys widened once, for all G heads
+                widen_block(ND, rows, D * esz, live, kbuf);
+                for (int64_t g = 0; g < G; g++)
+                    vf_store(s + g * TWO_PASS_MAX + j0 + h,
+                             key_scores(ND, VL, qo + g * D, (const char*)kbuf, D * 4, 0, g == 0 ? ahead : NULL,
+                                        g == G - 1 ? vnow + h * D * esz : NULL, live));
+                continue;
+            }
+            for (int64_t g = 0; g < G; g++) {
                 const char* vn = g == G - 1 ? vnow + h * D * esz : NULL;
-                if (h >= n) {  // past the run: only the prefetches ahead
-                    for (int64_t j = 0; ahead && j < VL; j++) prefetch_row(ahead, j, D * esz);
-                    continue;
-                }
-                const char* rows = krows + h * D * esz;
-                const vf sc = n - h >= VL ? key_scores(ND, VL, qf + g * D, rows, D * esz, kv_bf16, ahead, vn, VL)
-                                          : key_scores(ND, n - h, qf + g * D, rows, D * esz, kv_bf16, ahead, vn, n - h);
+                const char* ah = g == 0 ? ahead : NULL;
+                const vf sc = live == VL ? key_scores(ND, VL, qf + g * D, rows, D * esz, kv_bf16, ah, vn, VL)
+                                         : key_scores(ND, live, qf + g * D, rows, D * esz, kv_bf16, ah, vn, live);
                 vf_store(s + g * TWO_PASS_MAX + j0 + h, sc);  // lanes past n: overwritten, or past the item
             }
+        }
     }
     for (int64_t g = 0; g < G; g++)  // softmax numerators in base 2, their max and sum
         l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g]);

@@ -720,12 +720,10 @@ int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows,
 
 // Which query/cache dtypes extend_attention and the cascade (relay_attend_shared*) take here:
 // float32 (bfloat16 widened) at every level, head_dim whole vectors (VL: 16 with AVX-512, else 8);
-// bfloat16 with both bfloat16 on VDPBF16PS where the CPU has AVX512-BF16 (head_dim pairs of 16).
+// bfloat16 with both bfloat16 on VDPBF16PS where the CPU has AVX512-BF16 and head_dim is pairs of
+// 16 (the float tiles for the rest, so every head_dim of whole vectors is taken in every dtype).
 int relay_tiled_attention_available(int io_bf16, int kv_bf16, int64_t D) {
-#if defined(__AVX512BF16__)
-    if (io_bf16 && kv_bf16) return D % 32 == 0 && D <= EXT_MAX_D;
-#endif
-    (void)io_bf16; (void)kv_bf16;
+    (void)io_bf16; (void)kv_bf16;  // (VDPBF16PS where both are bfloat16 and head_dim pairs of 16, else float)
     return D % VL == 0 && D <= EXT_MAX_D;
 }
 
@@ -753,7 +751,8 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
                      int io_bf16, int kv_bf16) {
     const int64_t G = H / HKV;
 #if defined(__AVX512BF16__)
-    const int bf16 = io_bf16 && kv_bf16;  // VDPBF16PS on the raw values
+    // VDPBF16PS on the raw values; a head_dim of an odd number of 16s takes the float tiles
+    const int bf16 = io_bf16 && kv_bf16 && D % 32 == 0;
 #else
     const int bf16 = 0;
 #endif

@@ -152,6 +152,21 @@ static inline void vf_transpose(vf* r) {
     }
 }
 
+// 2 * VL bfloat16 values widened in the order vf_order2 gives (AVX2: dims 0-3, 8-11 into *a and
+// 4-7, 12-15 into *b, two shuffles and no shift: a widening per vector cost a shift on the FMA
+// ports). For dot products against queries in the same order, and sums to put back in order.
+static inline void vf_from_bf16_2(const uint16_t* p, vf* a, vf* b) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)p), zero = _mm256_setzero_si256();
+    *a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+    *b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+}
+// two consecutive vectors (dims 0-7, 8-15) into vf_from_bf16_2's order, and back (its own inverse)
+static inline void vf_order2(vf* a, vf* b) {
+    const vf x = *a, y = *b;
+    *a = _mm256_permute2f128_ps(x, y, 0x20);
+    *b = _mm256_permute2f128_ps(x, y, 0x31);
+}
+
 #else
 #define VL 8
 typedef float vf __attribute__((vector_size(4 * VL)));
@@ -246,6 +261,15 @@ static inline void vf_transpose(vf* r) {
     for (int i = 0; i < VL; i++)
         for (int j = 0; j < VL; j++) r[j][i] = t[i][j];
 }
+#endif
+
+#if !(defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+// (AVX2's order is its own; elsewhere the natural one: dims 0..VL-1, then VL..2VL-1)
+static inline void vf_from_bf16_2(const uint16_t* p, vf* a, vf* b) {
+    *a = vf_from_bf16(p);
+    *b = vf_from_bf16(p + VL);
+}
+static inline void vf_order2(vf* a, vf* b) { (void)a; (void)b; }
 #endif
 
 // Activations stored as float32 or bfloat16 (is_bf16), VL of them from element i on.
