@@ -56,6 +56,8 @@ class EngineClient(Protocol):
     vocab_size: int | None
     max_constraint_bytes: int | None  # --max-constraint-bytes
     max_constraint_depth: int | None  # --max-constraint-depth
+    reasoning_parser: str | None  # --reasoning-parser
+    tool_call_parser: str  # --tool-call-parser, or the chat template's format
     server_info: dict[str, Any]
     metrics: ServerMetrics
     num_requests: int
