@@ -298,6 +298,9 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
+    chat_kwargs = chat_template_kwargs(body)
+    if chat_kwargs.get("enable_thinking") is False:
+        reasoning_parser = None  # the template closed an empty block in the prompt: all output is answer
     tools = T.parse_tool_calling(body, tool_call_parser)
     grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
     if grammar and reasoning_parser is not None:
@@ -308,7 +311,6 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
     params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size, max_constraint_bytes,
                          max_constraint_depth)
-    chat_kwargs = chat_template_kwargs(body)
     if tools is not None:
         chat_kwargs["tools"] = tools.template_tools()
     return ParsedRequest(params=params, messages=messages, chat_kwargs=chat_kwargs, param_names=param_names,
