@@ -230,3 +230,123 @@ def test_bad_parser_names_are_refused_at_start():
         assert e.value.code == 2
     ns = build_parser().parse_args(["--reasoning-parser", "deepseek-r1", "--tool-call-parser", "pythonic"])
     assert (ns.reasoning_parser, ns.tool_call_parser) == ("deepseek-r1", "pythonic")
+
+
+# ---- the HTTP layer over a stub token stream -----------------------------------------------------
+# The default model cannot be made to think in <think> tags or to call tools in these formats on
+# its own; these run the real /v1/chat/completions route (parsing, SSE, the openai client's
+# reassembly) over scripted model text, one record per delta.
+
+import asyncio  # noqa: E402
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+
+from relay.api import openai as openai_routes  # noqa: E402
+from relay.api.serving import ApiRequest  # noqa: E402
+from relay.outputs import RequestOutput  # noqa: E402
+
+
+class ScriptedRequest(ApiRequest):
+    """Hands the route one scripted record per take(), as the engine would stream them."""
+
+    def __init__(self, rid: str, deltas: list[str], finish: str):
+        super().__init__(rid, 1)
+        self._records = [RequestOutput(rid, [i], finish_reason=finish if i == len(deltas) - 1 else None,
+                                       completion_tokens=i + 1, text=d) for i, d in enumerate(deltas)]
+
+    async def take(self):
+        return [(0, self._records.pop(0))]
+
+
+class StubTokenStreamClient:
+    """An EngineClient whose every request streams the same scripted deltas."""
+    served_model, context_len, vocab_size = MODEL, 4096, None
+    max_constraint_bytes = max_constraint_depth = None
+    server_info: dict = {}
+    num_requests = 0
+
+    def __init__(self, deltas: list[str], reasoning_parser: str | None, tool_call_parser: str = "hermes",
+                 finish: str = "stop"):
+        self.deltas, self.finish = deltas, finish
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
+        self.parsed = []
+
+    def submit(self, parsed, kind):
+        self.parsed.append(parsed)
+        return ScriptedRequest("chatcmpl-1", list(self.deltas), self.finish)
+
+    def release(self, api, abort, reason="client_disconnect"):
+        pass
+
+
+def _ask(stub: StubTokenStreamClient, stream: bool, **kw):
+    app = FastAPI()
+    openai_routes.add_routes(app, stub)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
+            args = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], **kw)
+            if not stream:
+                return (await client.chat.completions.create(**args)).model_dump()
+            chunks = [c async for c in await client.chat.completions.create(stream=True, **args)]
+            return [c.model_dump(exclude_unset=True) for c in chunks]
+
+    return asyncio.run(go())
+
+
+def test_http_reasoning_content_whole_and_streamed_over_a_stub_token_stream():
+    deltas = ["<th", "ink>\nThe user", " wants Paris.</th", "ink>\n\nIt is", " sunny."]
+    stub = StubTokenStreamClient(deltas, "qwen3")
+    whole = _ask(stub, stream=False)["choices"][0]
+    assert whole["message"]["reasoning_content"] == "The user wants Paris."
+    assert whole["message"]["content"] == "It is sunny."
+    chunks = _ask(stub, stream=True)
+    deltas_out = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas_out) == "The user wants Paris."
+    assert "".join(d.get("content") or "" for d in deltas_out) == "It is sunny."
+    assert all("<think>" not in (d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas_out)
+    assert deltas_out[0]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("parser,deltas", [
+    ("hermes", ["<think>Use the tool.</think>\n<tool_", 'call>{"name": "get_weather", "argu',
+                'ments": {"city": "Pa', 'ris"}}</tool_call>']),
+    ("llama3", ["<think>Use the tool.</think>", '<|python_tag|>{"name": "get_weather", ',
+                '"parameters": {"city":', ' "Paris"}}']),
+    ("mistral", ["<think>Use the tool.</think>[TOOL_", "CALLS]get_weather[AR", 'GS]{"city": "Paris"}']),
+    ("pythonic", ["<think>Use the tool.</think>[get_wea", 'ther(city="Par', 'is")]']),
+])
+def test_http_streamed_tool_calls_reassemble_like_the_whole_response(parser, deltas):
+    stub = StubTokenStreamClient(deltas, "qwen3", parser)
+    tools = [WEATHER, NOW]
+    whole = _ask(stub, stream=False, tools=tools)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert whole["message"]["reasoning_content"] == "Use the tool."
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert calls == [("get_weather", PARIS)]
+    state = ChatCompletionStreamState()
+    chunks = _ask(stub, stream=True, tools=tools)
+    for chunk in chunks:
+        state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
+    named = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    assert named[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
+def test_http_parallel_tool_calls_false_returns_one_call_over_a_stub_token_stream():
+    stub = StubTokenStreamClient(['[get_weather(city="Paris"), now()]'], None, "pythonic")
+    whole = _ask(stub, stream=False, tools=[WEATHER, NOW], parallel_tool_calls=False)["choices"][0]
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_http_bad_parallel_tool_calls_is_a_400_naming_it():
+    stub = StubTokenStreamClient(["x"], None)
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(stub, stream=False, tools=[WEATHER], extra_body={"parallel_tool_calls": "yes"})
+    assert e.value.body["param"] == "parallel_tool_calls"
