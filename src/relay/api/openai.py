@@ -320,8 +320,8 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
 def _tool_constraint(tools: T.ToolCalling | None, grammar: dict[str, str], param_names: dict[str, str]
                      ) -> tuple[dict[str, str], dict[str, str]]:
     """The output constraint: a forced tool call's schema replaces none the client gave, since
-    only one grammar can rule the output. With "auto" a client's constraint stands (and rules
-    out calls: its output is returned as content)."""
+    only one grammar can rule the output. With "auto" a client's constraint stands, and calls
+    are still read from its output."""
     if tools is None or not tools.constrained:
         return grammar, param_names
     if param_names:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from relay.api.tool_parsers.events import CallName, Event, partial_suffix
-from relay.api.tool_parsers.json_call import JsonCallReader, JsonDepth
+from relay.api.tool_parsers.json_call import JsonCallReader
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -20,8 +20,6 @@ class MistralParser:
         self._state = "text"  # text | after_bot | array | name | args | content
         self._held = ""
         self._call: JsonCallReader | None = None
-        self._depth: JsonDepth | None = None
-        self._calls_seen = False
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
