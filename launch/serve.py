@@ -359,7 +359,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     tokenizer = next((info for name, info in infos.items() if name.startswith("tokenizer")), {})
     # The tokenizer read the chat template: it resolves the default tool-call format.
     tool_call_parser = cfg.tool_call_parser or tokenizer.get("tool_call_parser") or "hermes"
-    server_info = {**cfg.to_dict(), "tool_call_parser": tool_call_parser, "served_model_name": served_model, "model_dir": launcher.model_dir,
+    server_info = {**cfg.to_dict(), "tool_call_parser": tool_call_parser, "served_model_name": served_model,
+                   "model_dir": launcher.model_dir,
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
                    "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__,
                    "cpu_isa": isa.level()}

@@ -105,7 +105,8 @@ def test_output_cut_short_inside_the_reasoning_is_all_reasoning(oai):
         "type": "json_object"}).choices[0]
     # The grammar's optional block opened and never closed within 12 tokens.
     assert out.finish_reason == "length" and out.message.content is None, out
-    assert out.message.model_extra["reasoning_content"] and "<think>" not in out.message.model_extra["reasoning_content"]
+    reasoning = out.message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning
 
 
 def test_bad_constraint_under_a_reasoning_parser_names_its_field(oai):

@@ -163,9 +163,9 @@ def held_compiles(engine, monkeypatch):
     gate = threading.Event()
     compile_now = backend._compile
 
-    def held(kind, text):
+    def held(kind, text, reasoning=None):
         gate.wait()
-        return compile_now(kind, text)
+        return compile_now(kind, text, reasoning)
 
     monkeypatch.setattr(backend, "_compile", held)
     yield gate

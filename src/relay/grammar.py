@@ -233,12 +233,13 @@ class GrammarBackend:
         self.live += 1
         return Constraint(kind, entry.future, now + timeout, timeout, lambda: self._released(key, entry))
 
-    def check(self, constraints: list[tuple[str, str, tuple[str, str] | None]], timeout: float) -> None:
-        """Compile constraints (together, on the pool) and raise InvalidParam naming the field of
-        the first that fails or does not compile within timeout seconds. The offline engine
-        refuses a bad request this way before anything queues; the compiles stay cached for it."""
-        started = [self.start(kind, text, time.monotonic(), timeout, reasoning)
-                   for kind, text, reasoning in dict.fromkeys(constraints)]
+    def check(self, constraints: list[tuple], timeout: float) -> None:
+        """Compile constraints, each (kind, text) or (kind, text, reasoning tags), together on the
+        pool, and raise InvalidParam naming the field of the first that fails or does not compile
+        within timeout seconds. The offline engine refuses a bad request this way before anything
+        queues; the compiles stay cached for it."""
+        started = [self.start(kind, text, time.monotonic(), timeout, *reasoning)
+                   for kind, text, *reasoning in dict.fromkeys(constraints)]
         try:
             for constraint in started:
                 constraint.wait(max(0.0, constraint.deadline - time.monotonic()))

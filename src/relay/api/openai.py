@@ -16,11 +16,11 @@ from fastapi import FastAPI, Request
 from relay.api import fields as F
 from relay.api import tool_calls as T
 from relay.api.chat_output import ChatOutput, piece_delta, whole_message
-from relay.api.reasoning import REASONING_PARSERS
-from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import (SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole)
+from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_TOP_LOGPROBS, Range, SamplingParams
 
