@@ -29,7 +29,7 @@ from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
 from launch.multinode import NodeLink, NodePlan, add_flags as add_multinode_flags, gloo_env, plan_from_args
 from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging, terminate
-from relay.config import DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
+from relay.config import DTYPES, LOAD_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
 from relay.kernels import isa
@@ -48,6 +48,14 @@ FLAG_HELP = {
     "tokenizer_path": "tokenizer directory (default: the model's)",
     "chat_template": "a Jinja chat template file, used instead of the tokenizer's (or for a model without one)",
     "served_model_name": "model name reported by /v1/models and required in requests (default: from the path)",
+    "reasoning_parser": ("split a reasoning model's <think> block off chat answers into reasoning_content: qwen3 "
+                         "(the model opens <think> itself) or deepseek-r1 (the template opens it: the output begins "
+                         "inside the reasoning; also Qwen3-Thinking-2507); a constraint (response_format, a forced "
+                         "tool call) then applies to the answer after </think> (default: off)"),
+    "tool_call_parser": ("the format tool calls are read in with tool_choice auto: hermes (<tool_call>{...}"
+                         "</tool_call>: Qwen, Hermes), llama3 (JSON {\"name\", \"parameters\"}), mistral "
+                         "([TOOL_CALLS]), pythonic ([f(a=1)]) (default: from the chat template, hermes where it "
+                         "does not say)"),
     "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and CPUs with bf16 dot products (AVX512-BF16 or AMX), else float32",
     "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "
                       "the KV memory and the bytes decode attention reads (CPU)",
@@ -122,6 +130,8 @@ FLAG_HELP = {
     "adaptive_window_s": "adaptive batching: seconds of latency samples each decision looks at",
 }
 FLAG_ALIASES = {"tp_size": ["--tp"]}
+FLAG_CHOICES = {"reasoning_parser": [c for c in REASONING_PARSERS if c],
+                "tool_call_parser": [c for c in TOOL_CALL_PARSERS if c]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*flags, dest=f.name, action="store_true", help=FLAG_HELP[f.name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=FLAG_HELP[f.name])
+            p.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=FLAG_HELP[f.name],
+                           choices=FLAG_CHOICES.get(f.name))
     dp = p.add_argument_group("data parallelism (docs/scaling.md)")
     dp.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1,
                     help="independent replicas of the whole server (each with its own tokenizer, scheduler, "
@@ -352,7 +363,11 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     from relay.api.drain import drain
 
     tp0 = infos.get("tp0", {})
-    server_info = {**cfg.to_dict(), "served_model_name": served_model, "model_dir": launcher.model_dir,
+    tokenizer = next((info for name, info in infos.items() if name.startswith("tokenizer")), {})
+    # The tokenizer read the chat template: it resolves the default tool-call format.
+    tool_call_parser = cfg.tool_call_parser or tokenizer.get("tool_call_parser") or "hermes"
+    server_info = {**cfg.to_dict(), "tool_call_parser": tool_call_parser, "served_model_name": served_model,
+                   "model_dir": launcher.model_dir,
                    "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
                    "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__,
                    "cpu_isa": isa.level()}
@@ -407,7 +422,8 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                                  server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout,
                                  max_constraint_bytes=cfg.max_constraint_bytes,
                                  max_constraint_depth=cfg.max_constraint_depth,
-                                 max_constraint_properties=cfg.max_constraint_properties)
+                                  max_constraint_properties=cfg.max_constraint_properties,
+                                  reasoning_parser=cfg.reasoning_parser, tool_call_parser=tool_call_parser)
         app = build_app(client, guard)
         loop = asyncio.get_running_loop()
         server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,

@@ -39,7 +39,8 @@ class ZmqEngineClient:
     def __init__(self, ipc_dir: str, served_model: str, context_len: int, max_queued: int,
                  server_info: dict[str, Any], vocab_size: int | None = None, health_timeout: float = 20.0,
                  max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
-                 max_constraint_properties: int | None = None):
+                 max_constraint_properties: int | None = None,
+                 reasoning_parser: str | None = None, tool_call_parser: str = "hermes"):
         self.ctx = zmq.asyncio.Context()
         self.to_tokenizer = push(self.ctx, endpoint(ipc_dir, TOKENIZER), bind=True)
         self.to_sched = push(self.ctx, endpoint(ipc_dir, SCHEDULER))
@@ -57,6 +58,8 @@ class ZmqEngineClient:
         self.max_constraint_bytes = max_constraint_bytes
         self.max_constraint_depth = max_constraint_depth
         self.max_constraint_properties = max_constraint_properties
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser, or the chat template's format
         self.max_queued = max_queued
         self.server_info = server_info
         self.routes: dict[str, tuple[ApiRequest, int]] = {}  # choice rid -> (its request, choice index)

@@ -16,6 +16,7 @@ import zmq
 from ipc.messages import ControlReply, GenerateReq, Heartbeat, OutputBatch, Ready, TokenizeCall, TokenizedReq
 from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
+from relay.api.tool_parsers import parser_for_template
 from relay.config import ModelConfig
 from relay.detokenizer import DetokenizeSpec
 from relay.outputs import error_output
@@ -61,7 +62,9 @@ def main(args: ProcArgs) -> None:
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))
     to_detok = push(ctx, endpoint(args.ipc_dir, DETOKENIZER))
     to_http = push(ctx, endpoint(args.ipc_dir, HTTP))
-    announce_ready(ctx, args.ipc_dir, Ready(args.name))
+    # The chat template says which tool-call format the model was taught (--tool-call-parser's default).
+    announce_ready(ctx, args.ipc_dir, Ready(args.name, info={"tool_call_parser": parser_for_template(
+        prep.tok.hf.chat_template if isinstance(prep.tok.hf.chat_template, str) else None)}))
     while True:
         inbox.poll()
         for msg in recv_ready(inbox):

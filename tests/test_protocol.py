@@ -14,11 +14,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from relay.api.fields import MAX_JSON_DEPTH, ParsedRequest, ProtocolError, decode_json_body, error_body
+from relay.api.chat_output import ChatOutput
 from relay.api.openai import (chat_chunk, chat_response, completion_chunk, completion_response, parse_chat,
-                              parse_completion, tool_chat_chunks, usage_chunk)
+                              parse_completion, parsed_chat_chunks, usage_chunk)
 from relay.api.serving import SSE_DONE, Usage, sse
 from relay.api.sglang import generate_response, parse_abort, parse_generate
-from relay.api.tool_calls import OutputStream, StreamedCall, parse_output
+from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output
 from relay.outputs import RequestOutput
 
 MODEL = "tiny-model"
@@ -738,11 +739,10 @@ def test_the_stream_parser_fed_random_pieces_agrees_with_the_whole_text_parser(t
             at += step
         rest, got_reason = stream.finish(finish)
         pieces += rest
-        text_pieces = [p for p in pieces if isinstance(p, str)]
-        assert ("".join(text_pieces) or None) == content and got_reason == reason
-        streamed = [p for p in pieces if isinstance(p, StreamedCall)]
-        assert [(p.call.name, p.call.arguments) for p in streamed] == calls
-        assert [p.index for p in streamed] == list(range(len(calls)))
+        got_content, got_calls = assemble(pieces)
+        assert (got_content or None) == content and got_reason == reason
+        assert [(c.name, c.arguments) for c in got_calls] == calls
+        assert [p.index for p in pieces if isinstance(p, CallStart)] == list(range(len(calls)))
 
 
 def test_auto_stream_holds_back_only_what_may_open_a_block():
@@ -780,9 +780,9 @@ def _stream_records(texts: list[str], finish: str) -> list[RequestOutput]:
 ])
 def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(tool_choice, texts):
     tools = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice=tool_choice), MODEL).tools
-    stream, chunks = OutputStream(tools), []
+    stream, chunks = ChatOutput(tools, None), []
     for i, r in enumerate(_stream_records(texts, "stop")):
-        chunks += tool_chat_chunks("c", 3, MODEL, 0, r, stream, first=i == 0)
+        chunks += parsed_chat_chunks("c", 3, MODEL, 0, r, stream, first=i == 0)
     state = ChatCompletionStreamState()
     for chunk in chunks:
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))

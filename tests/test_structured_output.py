@@ -4,6 +4,7 @@ unconstrained neighbours left exactly as they were."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -166,9 +167,9 @@ def held_compiles(engine, monkeypatch):
     gate = threading.Event()
     compile_now = backend._compile
 
-    def held(kind, text):
+    def held(kind, text, reasoning=None):
         gate.wait()
-        return compile_now(kind, text)
+        return compile_now(kind, text, reasoning)
 
     monkeypatch.setattr(backend, "_compile", held)
     yield gate
@@ -488,3 +489,56 @@ def test_ngram_speculation_keeps_constrained_output(engine, default_model_dir):
     assert spec.scheduler.spec_stats.to_dict()["spec_accepted_tokens"] > 0
     assert spec.scheduler.stats().grammar["live_matchers"] == 0
     spec.check()
+
+
+# ---- a constraint after a reasoning block (--reasoning-parser) ---------------------------------
+
+def _accepts(backend, kind: str, text: str, tags, output: str, tokenizer) -> bool:
+    """Whether the grammar lets the model write exactly `output` and then stop."""
+    constraint = backend.start(kind, text, reasoning=tags)
+    constraint.wait(30)
+    assert constraint.failure(math.inf) is None
+    try:
+        ok = all(constraint.accept(t) for t in tokenizer.encode(output, add_special_tokens=False))
+        return ok and constraint.accept(2) and constraint.terminated
+    finally:
+        constraint.release()
+
+
+def test_reasoning_runs_free_until_its_close_tag_then_the_constraint_rules(engine):
+    backend, tok = engine.scheduler.grammars, engine.tokenizer.hf
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    r1, qwen3 = ("", "</think>"), ("<think>", "</think>")
+    for tags, output, ok in [
+            (r1, 'Free text, even {"a": "no"} JSON-ish.</think>\n\n{"a": 1}', True),
+            (r1, '<think>\nRepeated open tag.</think>{"a": 1}', True),
+            (r1, '{"a": 1}', False),  # the reasoning must close first
+            (r1, 'x</think>{"a": "one"}', False),  # the answer must match the schema
+            (r1, 'x</think>{"a": 1} and more', False),
+            (qwen3, '<think>why not</think>\n\n{"a": 1}', True),
+            (qwen3, '{"a": 1}', True),  # no block (enable_thinking false in the template)
+            (qwen3, 'Free text first</think>{"a": 1}', False),  # a block must open with <think>
+    ]:
+        assert _accepts(backend, "json_schema", schema, tags, output, tok) is ok, (tags, output)
+    assert _accepts(backend, "regex", r"(yes|no)", r1, "maybe</think> yes", tok)
+    assert _accepts(backend, "ebnf", 'root ::= "A" | "B"', qwen3, "<think></think>B", tok)
+
+
+def test_bad_constraint_under_reasoning_still_names_its_field(engine):
+    params = SamplingParams(json_schema='{"type": "objec"}', reasoning_open="", reasoning_close="</think>")
+    with pytest.raises(InvalidParam) as info:
+        engine.generate(["x"], params)
+    assert info.value.field == "json_schema"
+
+
+def test_constrained_answer_after_optional_reasoning_validates(engine):
+    from relay.api.chat_output import whole_message
+
+    schema = SCHEMAS[1]
+    params = SamplingParams(max_new_tokens=120, temperature=0, json_schema=json.dumps(schema),
+                            reasoning_open="<think>", reasoning_close="</think>")
+    (out,) = engine.generate(["Answer in JSON: is it sunny in Paris?"], params)
+    message, reason = whole_message(None, "qwen3", out.text, out.finish_reason)
+    assert reason == "stop", out.text
+    jsonschema.validate(json.loads(message["content"]), schema)
+    assert engine.scheduler.stats().grammar["live_matchers"] == 0

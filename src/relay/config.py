@@ -19,6 +19,9 @@ LOAD_FORMATS = ("auto", "dummy", "dummy-null")
 BLOCK_ACTIVATIONS = ("auto", "int8", "float")
 QUANTIZATIONS = (None, "int8", "int4", "w8a8")
 SPECULATIVE_ALGORITHMS = (None, "ngram", "standalone")
+# The names of relay.api.reasoning.REASONING_PARSERS and relay.api.tool_parsers.PARSERS.
+REASONING_PARSERS = (None, "qwen3", "deepseek-r1")
+TOOL_CALL_PARSERS = (None, "hermes", "llama3", "mistral", "pythonic")
 DRAFT_QUANTIZATIONS = (None, "none", "int8", "int4")
 
 
@@ -28,6 +31,11 @@ class EngineConfig:
     tokenizer_path: str | None = None  # defaults to the model's own tokenizer
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's chat template
     served_model_name: str | None = None
+    # Chat output parsing (relay.api.reasoning, relay.api.tool_parsers): a reasoning model's
+    # <think> block split off into reasoning_content; the format tool calls are read in
+    # (None: chosen from the chat template, hermes where it does not say).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on GPUs and CPUs with AVX512-BF16 or AMX, else float32
     # KV cache dtype; auto = the model's. bfloat16 under float32 weights halves the bytes
     # decode attention reads (CPU backend only).
@@ -144,6 +152,10 @@ class EngineConfig:
             raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
         if self.block_activations not in BLOCK_ACTIVATIONS:
             raise ValueError(f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",

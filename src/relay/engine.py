@@ -104,7 +104,7 @@ class Engine:
         """Compile the output constraints now and raise InvalidParam naming the field of one that
         fails (it does not parse, matches nothing, or does not compile in time), before any
         request queues."""
-        constraints = [p.constraint for p in params if p.constraint is not None]
+        constraints = [(*p.constraint, p.reasoning_tags) for p in params if p.constraint is not None]
         if not constraints:
             return
         grammars = self.scheduler.grammars

@@ -197,7 +197,7 @@ class GrammarBackend:
                                         initializer=_lower_thread_priority)
         self._compiler: Any = None  # built on a pool thread, before any compile
         self._compiler_lock = threading.Lock()  # one thread loads the vocabulary; the others wait for it
-        self._cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Compile] = OrderedDict()  # (kind, text, reasoning tags)
         self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
         self._stats_lock = threading.Lock()  # the counters below that pool threads update
         self.compiles = 0
@@ -222,14 +222,16 @@ class GrammarBackend:
         """Whether the vocabulary is in (constraints then only compile)."""
         return self._compiler is not None
 
-    def start(self, kind: str, text: str, now: float = 0.0, timeout: float = math.inf) -> Constraint:
+    def start(self, kind: str, text: str, now: float = 0.0, timeout: float = math.inf,
+              reasoning: tuple[str, str] | None = None) -> Constraint:
         """The constraint for (kind, text), compiling on the pool unless its compile is cached
         or under way (a failed one is tried again); it must have compiled timeout seconds after
-        now (the caller's clock)."""
-        key = (kind, text)
+        now (the caller's clock). reasoning: (open, close) of a reasoning block the output may
+        run through freely before the constraint applies (SamplingParams.reasoning_tags)."""
+        key = (kind, text, reasoning)
         entry = self._cache.get(key)
         if entry is None or entry.failed:
-            entry = _Compile(self._pool.submit(self._compile, kind, text))
+            entry = _Compile(self._pool.submit(self._compile, kind, text, reasoning))
             self._cache[key] = entry
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)  # its requesters keep their future
@@ -240,11 +242,13 @@ class GrammarBackend:
         self.live += 1
         return Constraint(kind, entry.future, now + timeout, timeout, lambda: self._released(key, entry))
 
-    def check(self, constraints: list[tuple[str, str]], timeout: float) -> None:
-        """Compile constraints (together, on the pool) and raise InvalidParam naming the field of
-        the first that fails or does not compile within timeout seconds. The offline engine
-        refuses a bad request this way before anything queues; the compiles stay cached for it."""
-        started = [self.start(kind, text, time.monotonic(), timeout) for kind, text in dict.fromkeys(constraints)]
+    def check(self, constraints: list[tuple], timeout: float) -> None:
+        """Compile constraints, each (kind, text) or (kind, text, reasoning tags), together on the
+        pool, and raise InvalidParam naming the field of the first that fails or does not compile
+        within timeout seconds. The offline engine refuses a bad request this way before anything
+        queues; the compiles stay cached for it."""
+        started = [self.start(kind, text, time.monotonic(), timeout, *reasoning)
+                   for kind, text, *reasoning in dict.fromkeys(constraints)]
         try:
             for constraint in started:
                 constraint.wait(max(0.0, constraint.deadline - time.monotonic()))
@@ -265,7 +269,7 @@ class GrammarBackend:
     def allows_nothing(self, constraint: Constraint) -> bool:
         return constraint.allows_nothing(self._buffer)
 
-    def _released(self, key: tuple[str, str], entry: _Compile) -> None:
+    def _released(self, key: tuple, entry: _Compile) -> None:
         self.live -= 1
         entry.requesters -= 1
         # Nobody waits for it any more: a compile still queued is dropped. One under way cannot
@@ -276,11 +280,13 @@ class GrammarBackend:
             if self._cache.get(key) is entry:
                 del self._cache[key]
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, reasoning: tuple[str, str] | None = None) -> Any:
         """On a pool thread: compile, and refuse a grammar no output can match."""
         compiler = self._get_compiler()
         start = time.perf_counter()
-        if kind == "json_schema":
+        if reasoning is not None:
+            out = compiler.compile_structural_tag(after_reasoning(kind, text, *reasoning))
+        elif kind == "json_schema":
             out = compiler.compile_json_schema(text, **_JSON_OPTIONS)
         elif kind == "regex":
             out = compiler.compile_regex(text)
@@ -324,6 +330,35 @@ class GrammarBackend:
                     "compiles_cancelled": self.cancelled, "compile_seconds_sum": self.compile_seconds,
                     "compile_seconds_counts": list(self.compile_counts),
                     "compile_seconds_buckets": list(COMPILE_BUCKETS)}
+
+
+# Whitespace a reasoning model puts between its reasoning's close tag and its answer (Qwen3:
+# "</think>\n\n"). Bounded: a small model given free whitespace fills its budget with it.
+_AFTER_REASONING_SPACE = r"[ \t\r\n]{0,4}"
+
+
+def after_reasoning(kind: str, text: str, open_tag: str, close_tag: str) -> str:
+    """An xgrammar structural tag (JSON text): free reasoning up to close_tag, a little
+    whitespace, then the constraint (kind, text). open_tag "": the output begins inside the
+    reasoning; otherwise the reasoning block is optional and begins with open_tag. The
+    constraint goes in as the EBNF of its own grammar, so it keeps its exact options (JSON
+    without free whitespace)."""
+    import json
+
+    import xgrammar
+
+    if kind == "json_schema":
+        inner = xgrammar.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+    elif kind == "regex":
+        inner = xgrammar.Grammar.from_regex(text)
+    else:
+        inner = xgrammar.Grammar.from_ebnf(text)
+    answer = {"type": "grammar", "grammar": str(inner)}
+    reasoning = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": open_tag, "content": {"type": "any_text"}, "end": close_tag},
+        {"type": "regex", "pattern": _AFTER_REASONING_SPACE}, answer]}
+    fmt = reasoning if not open_tag else {"type": "or", "elements": [reasoning, answer]}
+    return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def _lower_thread_priority() -> None:

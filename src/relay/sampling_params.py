@@ -163,6 +163,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # A reasoning model's constraint rules only its answer: the output may first run free through
+    # a reasoning block that ends with reasoning_close (e.g. "</think>"). reasoning_open "": the
+    # output begins inside the block; otherwise the block is optional and opens with it.
+    reasoning_open: str | None = None
+    reasoning_close: str | None = None
     # token id -> number added to its logit before sampling (OpenAI's logit_bias); after the
     # penalties, and it cannot lift a token that min_new_tokens or a grammar masks (-inf stays).
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -233,7 +238,17 @@ class SamplingParams:
                 return kind, text
         return None
 
+    @property
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """(open, close) of the reasoning block before a constrained answer; None if none."""
+        return None if self.reasoning_close is None else (self.reasoning_open or "", self.reasoning_close)
+
     def _validate_constraint(self, max_bytes: int | None, max_depth: int | None, max_properties: int | None) -> None:
+        if self.reasoning_close is not None or self.reasoning_open is not None:
+            if not (isinstance(self.reasoning_close, str) and self.reasoning_close
+                    and isinstance(self.reasoning_open or "", str)):
+                raise InvalidParam("reasoning_close", "reasoning_close must be a non-empty string (and "
+                                                      "reasoning_open a string)")
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
         for kind in given:
             text = getattr(self, kind)

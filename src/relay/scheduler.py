@@ -138,7 +138,8 @@ class Scheduler:
         if constraint is not None:
             if self.grammars is None:
                 raise InvalidParam(constraint[0], f"{constraint[0]} needs xgrammar, which this server lacks")
-            req.constraint = self.grammars.start(*constraint, self.clock(), self.cfg.grammar_compile_timeout)
+            req.constraint = self.grammars.start(*constraint, self.clock(), self.cfg.grammar_compile_timeout,
+                                                 req.params.reasoning_tags)
             self._compiling.append(req)
         req.seq = next(self._seq)
         self.reqs[req.rid] = req

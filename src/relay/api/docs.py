@@ -80,7 +80,7 @@ BODIES: dict[str, dict[str, Any]] = {
         "max_completion_tokens": _ranged("max_new_tokens"), "logprobs": _BOOL,
         "top_logprobs": _ranged("top_logprobs"), "chat_template_kwargs": {"type": "object"},
         "add_generation_prompt": _BOOL, "response_format": {"type": "object"}, "tools": {"type": "array"},
-        "tool_choice": {}, **_OPENAI_COMMON,
+        "tool_choice": {}, "parallel_tool_calls": _BOOL, **_OPENAI_COMMON,
     }, ["messages"]),
     "generate": _object({
         "text": {"type": "string", "minLength": 1}, "input_ids": {**_TOKEN_IDS, "minItems": 1},

@@ -155,6 +155,7 @@ class ParsedRequest:
     # process (a grammar that does not parse is found by the tokenizer).
     param_names: dict[str, str] = field(default_factory=dict)
     tools: ToolCalling | None = None  # chat: the tools the model may call, and how
+    reasoning: str | None = None  # chat: the --reasoning-parser that splits reasoning_content off
 
 
 # ---- typed field access --------------------------------------------------------------------

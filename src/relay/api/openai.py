@@ -5,6 +5,7 @@ submit it, answer whole or as SSE chunks. The parsers and builders are pure func
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -14,9 +15,12 @@ from fastapi import FastAPI, Request
 
 from relay.api import fields as F
 from relay.api import tool_calls as T
+from relay.api.chat_output import ChatOutput, piece_delta, whole_message
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import (SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole)
+from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_TOP_LOGPROBS, Range, SamplingParams
 
@@ -54,7 +58,9 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=request_body("chat"), responses=ERROR_RESPONSES)
     async def chat_completions(request: Request):
-        return await _serve(request, client, parse_chat, "chat")
+        parse = functools.partial(parse_chat, reasoning_parser=client.reasoning_parser,
+                                  tool_call_parser=client.tool_call_parser)
+        return await _serve(request, client, parse, "chat")
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models():
@@ -80,7 +86,7 @@ async def _serve(request: Request, client: EngineClient, parse: Callable[..., Pa
         return done
     if kind == "completion":
         return completion_response(api.rid, created, model, done)
-    return chat_response(api.rid, created, model, done, parsed.tools)
+    return chat_response(api.rid, created, model, done, parsed.tools, parsed.reasoning)
 
 
 async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int, model: str,
@@ -88,7 +94,8 @@ async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int
     started = [False] * parsed.n
     offsets = [0] * parsed.n  # text_offset of each choice's next chunk (completions logprobs)
     last: list[RequestOutput | None] = [None] * parsed.n
-    tools = [T.OutputStream(parsed.tools) for _ in range(parsed.n)] if parsed.tools is not None else None
+    parsing = parsed.tools is not None or parsed.reasoning is not None
+    outputs = [ChatOutput(parsed.tools, parsed.reasoning) for _ in range(parsed.n)] if parsing else None
     async for index, r in outs:
         if r.error is not None:
             yield sse(F.error_body(r.status, r.error, r.param))
@@ -96,10 +103,10 @@ async def _events(outs: AsyncIterator[Choice], kind: str, rid: str, created: int
         if kind == "completion":
             yield sse(completion_chunk(rid, created, model, index, r, offsets[index]))
             offsets[index] += len(r.text)
-        elif tools is None:
+        elif outputs is None:
             yield sse(chat_chunk(rid, created, model, index, r, first=not started[index]))
         else:
-            for chunk in tool_chat_chunks(rid, created, model, index, r, tools[index], first=not started[index]):
+            for chunk in parsed_chat_chunks(rid, created, model, index, r, outputs[index], first=not started[index]):
                 yield sse(chunk)
         started[index], last[index] = True, r
     if parsed.include_usage:
@@ -280,8 +287,11 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_UNSUPPORTED, "function
 
 def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: int | None = None,
                max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
-               max_constraint_properties: int | None = None) -> ParsedRequest:
-    """POST /v1/chat/completions. Without max_tokens the answer may fill the context."""
+               max_constraint_properties: int | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str = "hermes") -> ParsedRequest:
+    """POST /v1/chat/completions. Without max_tokens the answer may fill the context.
+    reasoning_parser and tool_call_parser: the server's --reasoning-parser and
+    --tool-call-parser (relay.api.reasoning, relay.api.tool_parsers)."""
     body = F.require_object(body)
     common = _common(body, served_model, max_n)
     _reject_unsupported(body, _CHAT_UNSUPPORTED)
@@ -290,23 +300,30 @@ def parse_chat(body: Any, served_model: str, max_n: int = F.MAX_N, vocab_size: i
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
-    tools = T.parse_tool_calling(body)
+    chat_kwargs = chat_template_kwargs(body)
+    if chat_kwargs.get("enable_thinking") is False:
+        reasoning_parser = None  # the template closed an empty block in the prompt: all output is answer
+    tools = T.parse_tool_calling(body, tool_call_parser)
     grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
+    if grammar and reasoning_parser is not None:
+        # The constraint rules the answer after the reasoning, which runs free up to its close tag.
+        grammar["reasoning_open"], grammar["reasoning_close"] = REASONING_PARSERS[reasoning_parser].grammar_tags()
+    if tools is not None and tool_call_parser in NEEDS_SPECIAL_TOKENS and body.get("skip_special_tokens") is None:
+        kwargs["skip_special_tokens"] = False  # the format's call marker is a special token
     names = {"max_new_tokens": budget_key, "min_new_tokens": "min_tokens", "top_logprobs": "top_logprobs"}
     params = F.validated(SamplingParams(**kwargs, **grammar), names | param_names, vocab_size, max_constraint_bytes,
                          max_constraint_depth, max_constraint_properties)
-    chat_kwargs = chat_template_kwargs(body)
     if tools is not None:
         chat_kwargs["tools"] = tools.template_tools()
     return ParsedRequest(params=params, messages=messages, chat_kwargs=chat_kwargs, param_names=param_names,
-                         tools=tools, **common)
+                         tools=tools, reasoning=reasoning_parser, **common)
 
 
 def _tool_constraint(tools: T.ToolCalling | None, grammar: dict[str, str], param_names: dict[str, str]
                      ) -> tuple[dict[str, str], dict[str, str]]:
     """The output constraint: a forced tool call's schema replaces none the client gave, since
-    only one grammar can rule the output. With "auto" a client's constraint stands (and rules
-    out calls: its output is returned as content)."""
+    only one grammar can rule the output. With "auto" a client's constraint stands, and calls
+    are still read from its output."""
     if tools is None or not tools.constrained:
         return grammar, param_names
     if param_names:
@@ -384,21 +401,20 @@ def _chat_logprobs_body(r: RequestOutput) -> dict[str, Any] | None:
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[RequestOutput],
-                  tools: T.ToolCalling | None = None) -> dict[str, Any]:
-    """A whole chat answer; with tools, each choice's calls are parsed out of its text."""
+                  tools: T.ToolCalling | None = None, reasoning: str | None = None) -> dict[str, Any]:
+    """A whole chat answer; with tools, each choice's calls are parsed out of its text, and with
+    a reasoning parser its reasoning is split off into reasoning_content."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [_chat_choice(i, c, tools) for i, c in enumerate(choices)],
+            "choices": [_chat_choice(i, c, tools, reasoning) for i, c in enumerate(choices)],
             "usage": Usage.of(choices).to_openai()}
 
 
-def _chat_choice(index: int, r: RequestOutput, tools: T.ToolCalling | None) -> dict[str, Any]:
+def _chat_choice(index: int, r: RequestOutput, tools: T.ToolCalling | None, reasoning: str | None
+                 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": r.text}
     finish_reason = r.finish_reason
-    if tools is not None:
-        out = T.parse_output(tools, r.text, r.finish_reason)
-        message["content"], finish_reason = out.content, out.finish_reason
-        if out.tool_calls:
-            message["tool_calls"] = [call.to_openai() for call in out.tool_calls]
+    if tools is not None or reasoning is not None:
+        message, finish_reason = whole_message(tools, reasoning, r.text, r.finish_reason)
     return {"index": index, "message": message, "logprobs": _chat_logprobs_body(r), "finish_reason": finish_reason}
 
 
@@ -411,18 +427,19 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: RequestOut
     return _chat_chunk(rid, created, model, index, body, _chat_logprobs_body(delta), delta.finish_reason)
 
 
-def tool_chat_chunks(rid: str, created: int, model: str, index: int, delta: RequestOutput, stream: T.OutputStream,
-                     first: bool) -> list[dict[str, Any]]:
-    """The chunks of one streamed record of a request with tools (none while the stream holds
-    back everything so far): content deltas, and each complete call as OpenAI streams one, its
-    id and name with empty arguments, then its arguments. Constrained calls (tool_choice
-    "required" or named) are held until the output ends, so they arrive in the last chunks."""
+def parsed_chat_chunks(rid: str, created: int, model: str, index: int, delta: RequestOutput, stream: ChatOutput,
+                       first: bool) -> list[dict[str, Any]]:
+    """The chunks of one streamed record of a request whose output is parsed (tools, or a
+    reasoning parser); none while the stream holds back everything so far: reasoning_content
+    and content deltas, and calls as OpenAI streams them, a call's id and name with empty
+    arguments, then its arguments in pieces. Constrained calls (tool_choice "required" or
+    named) are held until the output ends, so they arrive in the last chunks."""
     pieces = stream.feed(delta.text)
     finish_reason = None
     if delta.finished:
         rest, finish_reason = stream.finish(delta.finish_reason)
         pieces += rest
-    deltas = [d for piece in pieces for d in _piece_deltas(piece)]
+    deltas = [piece_delta(piece) for piece in pieces]
     if first:
         deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {})}]
     logprobs = _chat_logprobs_body(delta)
@@ -430,15 +447,6 @@ def tool_chat_chunks(rid: str, created: int, model: str, index: int, delta: Requ
         deltas = [{}]
     return [_chat_chunk(rid, created, model, index, d, logprobs if k == 0 else None,
                         finish_reason if k == len(deltas) - 1 else None) for k, d in enumerate(deltas)]
-
-
-def _piece_deltas(piece: T.Piece) -> list[dict[str, Any]]:
-    if isinstance(piece, str):
-        return [{"content": piece}]
-    call = piece.call
-    return [{"tool_calls": [{"index": piece.index, "id": call.id, "type": "function",
-                             "function": {"name": call.name, "arguments": ""}}]},
-            {"tool_calls": [{"index": piece.index, "function": {"arguments": call.arguments}}]}]
 
 
 def _chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],

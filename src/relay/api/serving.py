@@ -57,6 +57,8 @@ class EngineClient(Protocol):
     max_constraint_bytes: int | None  # --max-constraint-bytes
     max_constraint_depth: int | None  # --max-constraint-depth
     max_constraint_properties: int | None  # --max-constraint-properties
+    reasoning_parser: str | None  # --reasoning-parser
+    tool_call_parser: str  # --tool-call-parser, or the chat template's format
     server_info: dict[str, Any]
     metrics: ServerMetrics
     num_requests: int

@@ -1,26 +1,24 @@
-"""OpenAI tool calls on /v1/chat/completions: the `tools` and `tool_choice` fields, the
-output constraint that forces a call, and the parsers that turn a model's text into calls.
+"""OpenAI tool calls on /v1/chat/completions: the `tools`, `tool_choice` and
+`parallel_tool_calls` fields, and the output constraint that forces a call. The output side
+(turning a model's text into calls) is relay.api.tool_output, over relay.api.tool_parsers.
 
 How each tool_choice is served:
 - "none": the tools are ignored entirely; they are not rendered into the prompt and the output
   is not searched for calls (a model shown tools tends to call them anyway).
 - "auto" (the default when tools are given): the tools reach the chat template, the output is
-  free, and Qwen2/Qwen3/Hermes-style blocks (`<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`) in it become calls; the rest, stripped, is the content.
+  free, and the server's tool-call parser (--tool-call-parser: hermes, llama3, mistral,
+  pythonic) finds calls in it; the rest, stripped, is the content.
 - "required": the output is constrained to a JSON array of one or more
-  {"name": <a tool's name>, "parameters": <its arguments>} objects.
+  {"name": <a tool's name>, "parameters": <its arguments>} objects (exactly one with
+  parallel_tool_calls false).
 - a named function: the output is constrained to that function's parameters schema; the
   output is the call's arguments.
-
-Every parser here is pure: the whole-response parser is the streaming one fed the whole text,
-so a streamed response reassembles to exactly the calls of the whole one.
 """
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from relay.api.fields import as_dict, bad, show
@@ -29,7 +27,6 @@ MAX_TOOLS = 128  # OpenAI's limit
 AUTO, REQUIRED, NAMED = "auto", "required", "named"
 # OpenAI allows [a-zA-Z0-9_-]; dots and colons are common in namespaced (MCP) tool names.
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # msgpack's integer range: a larger one in a schema could not reach the tokenizer process.
 _WIRE_INT = (-2**63, 2**64)
@@ -63,6 +60,8 @@ class ToolCalling:
     tools: tuple[Tool, ...]
     mode: str  # AUTO | REQUIRED | NAMED
     named: str | None = None  # NAMED: the function that must be called
+    parser: str = "hermes"  # the output format calls are read in (relay.api.tool_parsers)
+    parallel: bool = True  # parallel_tool_calls: false keeps at most one call
 
     @property
     def constrained(self) -> bool:
@@ -75,7 +74,8 @@ class ToolCalling:
         if self.mode == REQUIRED:
             calls = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.arguments_schema},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            return array if self.parallel else {**array, "maxItems": 1}
         return None
 
     def schema_param(self) -> str:
@@ -94,13 +94,17 @@ class ToolCalling:
         return self.tools[self._index(name)]
 
 
-def parse_tool_calling(body: dict[str, Any]) -> ToolCalling | None:
-    """`tools` and `tool_choice`; None when no tool may be called (none given, or "none")."""
+def parse_tool_calling(body: dict[str, Any], parser: str = "hermes") -> ToolCalling | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`; None when no tool may be called (none
+    given, or "none"). parser: the server's --tool-call-parser."""
     tools = _tools(body.get("tools"))
     mode, named = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"'parallel_tool_calls' must be a boolean, got {show(parallel)}")
     if mode == "none" or not tools:
         return None
-    return ToolCalling(tuple(tools), mode, named)
+    return ToolCalling(tuple(tools), mode, named, parser, parallel is not False)
 
 
 def _tools(value: Any) -> list[Tool]:
@@ -209,193 +213,3 @@ def _json_object(text: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-
-
-# ---- the model's output ------------------------------------------------------------------
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # the arguments object as JSON text
-    id: str = field(default_factory=new_call_id, compare=False)
-
-    @classmethod
-    def of(cls, name: str, arguments: dict[str, Any]) -> "ToolCall":
-        # One serialisation for every path, so streamed and whole responses agree.
-        return cls(name, json.dumps(arguments, ensure_ascii=False))
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class StreamedCall:
-    index: int  # the call's position among its choice's calls
-    call: ToolCall
-
-
-Piece = str | StreamedCall  # content text, or a complete call
-
-
-@dataclass
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ToolCall]
-    finish_reason: str | None
-
-
-def parse_output(calling: ToolCalling, text: str, finish_reason: str | None) -> ParsedOutput:
-    """A whole response: its content, its calls, and its finish reason ("tool_calls" when
-    the model ended normally having called tools)."""
-    stream = OutputStream(calling)
-    pieces = stream.feed(text)
-    rest, reason = stream.finish(finish_reason)
-    pieces += rest
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return ParsedOutput(content or None, [p.call for p in pieces if isinstance(p, StreamedCall)], reason)
-
-
-class OutputStream:
-    """One choice's output, fed as it streams; yields content and complete calls.
-
-    A constrained (required / named) output is held whole and parsed at the end: its calls
-    arrive in the last chunk, as deltas the openai client reassembles. An auto output streams
-    its content as it comes, holding back only what may be the start of a <tool_call> block."""
-
-    def __init__(self, calling: ToolCalling):
-        self.calling = calling
-        self._held = ""  # constrained: the output so far
-        self._tags = TaggedCallParser()
-        self._trim = _Trim()
-        self._calls = 0
-
-    def feed(self, text: str) -> list[Piece]:
-        if self.calling.constrained:
-            self._held += text
-            return []
-        return self._number(self._tags.feed(text))
-
-    def finish(self, finish_reason: str | None) -> tuple[list[Piece], str | None]:
-        """The pieces still held, and the choice's finish reason."""
-        if self.calling.constrained:
-            calls = parse_constrained(self.calling, self._held)
-            pieces = self._number(calls) if calls is not None else ([self._held] if self._held else [])
-        else:
-            pieces = self._number(self._tags.finish())
-        if self._calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return pieces, finish_reason
-
-    def _number(self, pieces: list[str | ToolCall]) -> list[Piece]:
-        out: list[Piece] = []
-        for p in pieces:
-            if isinstance(p, ToolCall):
-                out.append(StreamedCall(self._calls, p))
-                self._calls += 1
-            elif (text := p if self.calling.constrained else self._trim.push(p)):
-                out.append(text)
-        return out
-
-
-class _Trim:
-    """Strips a streamed text's leading and trailing whitespace as it streams: whitespace is
-    held until text that is not whitespace follows it."""
-
-    def __init__(self) -> None:
-        self._started = False
-        self._pending = ""
-
-    def push(self, text: str) -> str:
-        text = self._pending + text
-        if not self._started:
-            text = text.lstrip()
-        body = text.rstrip()
-        self._pending = text[len(body):]
-        self._started = self._started or bool(body)
-        return body
-
-
-def parse_constrained(calling: ToolCalling, text: str) -> list[ToolCall] | None:
-    """The calls in a constrained output; None if it does not parse (it was cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if calling.mode == NAMED:
-        return [ToolCall.of(calling.named, value)] if isinstance(value, dict) else None
-    if not isinstance(value, list) or not value:
-        return None
-    calls = [_required_call(v) for v in value]
-    return None if any(c is None for c in calls) else calls
-
-
-def _required_call(value: Any) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("parameters")
-    return ToolCall.of(value["name"], arguments) if isinstance(arguments, dict) else None
-
-
-class TaggedCallParser:
-    """Finds `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in a text fed in
-    pieces. Text outside blocks comes out as soon as it cannot be the start of one; a block
-    that does not hold a valid call comes out as text, tags and all."""
-
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._inside = False  # an open tag was read; the buffer holds the block after it
-
-    def feed(self, text: str) -> list[str | ToolCall]:
-        self._buffer += text
-        out: list[str | ToolCall] = []
-        while True:
-            if self._inside:
-                end = self._buffer.find(CLOSE_TAG)
-                if end < 0:
-                    return out
-                inner, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE_TAG):]
-                self._inside = False
-                call = _tagged_call(inner)
-                out.append(call if call is not None else OPEN_TAG + inner + CLOSE_TAG)
-            else:
-                start = self._buffer.find(OPEN_TAG)
-                if start < 0:
-                    cut = len(self._buffer) - _partial_tag(self._buffer)
-                    ready, self._buffer = self._buffer[:cut], self._buffer[cut:]
-                    return out + ([ready] if ready else [])
-                if start:
-                    out.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(OPEN_TAG):]
-                self._inside = True
-
-    def finish(self) -> list[str | ToolCall]:
-        """What is left at the end: an unclosed block, or a tail that looked like a tag, as text."""
-        rest = (OPEN_TAG if self._inside else "") + self._buffer
-        self._buffer, self._inside = "", False
-        return [rest] if rest else []
-
-
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of text that is a proper prefix of the open tag."""
-    for n in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
-        if OPEN_TAG.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _tagged_call(inner: str) -> ToolCall | None:
-    try:
-        value = json.loads(inner)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    # Most templates say "arguments"; some fine-tunes write "parameters".
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # a model that wrote the arguments as JSON text
-        arguments = _json_object(arguments)
-    return ToolCall.of(value["name"], arguments) if isinstance(arguments, dict) else None
