@@ -1,8 +1,11 @@
 """GGUF blocks recovered from dequantized float32 weights, and the GEMM that reads them."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
+
 import torch
 
 from relay import layers, weight_blocks
@@ -274,12 +277,21 @@ def linear_on_blocks(n: int, k: int, seed: int) -> Linear:
     return lin
 
 
-def slowed(fn, times: int = 10):
-    def slow(*args, **kwargs):
-        for _ in range(times):
-            out = fn(*args, **kwargs)
-        return out
-    return slow
+class VirtualClock:
+    """Stands in for the clock PathTiming reads, so that which path "takes longer" is what a test
+    says, not what a loaded 2-core machine happens to do (a threaded C kernel waiting for a busy
+    core once lost to a float path slowed 100x)."""
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        monkeypatch.setattr(layers, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
+
+    def costing(self, fn, seconds: float):
+        """fn, run for real, taking `seconds` of this clock per call."""
+        def timed(*args, **kwargs):
+            self.now += seconds
+            return fn(*args, **kwargs)
+        return timed
 
 
 def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
@@ -287,13 +299,12 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
     the blocks up to where they stop winning: nowhere when the block kernel is the slow one, at
     every size tried when the float path is."""
     modules = [linear_on_blocks(64, 96, seed) for seed in range(2)]
-    monkeypatch.setattr(cpu, "gemm_blocks", slowed(cpu.gemm_blocks))
-    assert layers.blocks_crossover_rows(modules) == 0
-    monkeypatch.undo()
-    # Each timed call follows a cache flush: of ten calls, nine find the weights in cache, which on a
-    # CPU with a large L3 (a Xeon with AMX) left the slowed path still the faster one at one row.
-    monkeypatch.setattr(layers, "cpu_matmul", slowed(layers.cpu_matmul, 100))
-    assert layers.blocks_crossover_rows(modules) == layers.BLOCKS_ROW_CANDIDATES[-1]
+    gemm_blocks, cpu_matmul = cpu.gemm_blocks, layers.cpu_matmul
+    for blocks_cost, floats_cost, rows in ((1.0, 0.1, 0), (0.1, 1.0, layers.BLOCKS_ROW_CANDIDATES[-1])):
+        clock = VirtualClock(monkeypatch)
+        monkeypatch.setattr(cpu, "gemm_blocks", clock.costing(gemm_blocks, blocks_cost))
+        monkeypatch.setattr(layers, "cpu_matmul", clock.costing(cpu_matmul, floats_cost))
+        assert layers.blocks_crossover_rows(modules) == rows
 
 
 @pytest.mark.slow
@@ -310,12 +321,16 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
         return ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
                            ModelConfig.from_dir(default_model_dir))
 
-    monkeypatch.setattr(cpu.DecodeLayers, "run", slowed(cpu.DecodeLayers.run))
+    clock = VirtualClock(monkeypatch)
+    monkeypatch.setattr(layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001))  # GEMMs: blocks win
+    run, forward = cpu.DecodeLayers.run, llama.DecoderLayer.forward
+    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 1.0))
+    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
     slow_call = runner()
     assert slow_call.model.decode_layers is None
     assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
-    monkeypatch.undo()
-    monkeypatch.setattr(llama.DecoderLayer, "forward", slowed(llama.DecoderLayer.forward, 3))
+    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 0.001))
+    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
     per_request = -(-(model_runner.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
     held = [s for s in model_runner.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
