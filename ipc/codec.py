@@ -9,9 +9,9 @@ from typing import Any
 import msgpack
 
 from ipc import messages as m
-from relay.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.detokenizer import DetokenizeSpec
+from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
 

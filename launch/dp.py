@@ -46,7 +46,7 @@ import time
 import urllib.request
 
 from launch.front import Front, FrontThread
-from procs.common import die_with_parent, set_title, setup_logging, terminate
+from procs.common import child_pythonpath, die_with_parent, set_title, setup_logging, terminate
 
 logger = logging.getLogger("relay.dp")
 
@@ -198,9 +198,8 @@ class Supervisor:
         self.events: queue.Queue = queue.Queue()
 
     def _env(self, **extra: str) -> dict[str, str]:
-        from launch.serve import _pythonpath
 
-        return {**os.environ, DP_PARENT_ENV: str(os.getpid()), "PYTHONPATH": _pythonpath(), **extra}
+        return {**os.environ, DP_PARENT_ENV: str(os.getpid()), "PYTHONPATH": child_pythonpath(), **extra}
 
     def start_replicas(self) -> None:
         for r in self.replicas:
@@ -337,7 +336,7 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
     front door; the router's metrics port free: the router binds it once the replicas are up),
     the cache directory and the model, for the replicas. Returns the --port socket."""
     from launch.serve import bind_port, check_model_config, engine_config
-    from relay.model_files import ModelFileError, check_cache_dir, resolve_model_dir
+    from relay.execution.model_files import ModelFileError, check_cache_dir, resolve_model_dir
 
     check_cache_dir()
     sock = bind_port(ns.host, ns.port)
@@ -352,7 +351,7 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
 
 def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from launch.serve import PortUnavailable, engine_config
-    from relay.model_files import ModelFileError, model_name
+    from relay.execution.model_files import ModelFileError, model_name
 
     set_title("relay::dp")
     setup_logging(ns.log_level.upper(), "dp")

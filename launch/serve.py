@@ -28,14 +28,14 @@ import zmq
 from ipc.messages import Ready
 from ipc.sockets import LAUNCHER, endpoint, make_ipc_dir, pull, recv_ready, remove_ipc_dir, remove_stale_ipc_dirs
 from launch.multinode import NodeLink, NodePlan, add_flags as add_multinode_flags, gloo_env, plan_from_args
-from procs.common import ARGS_ENV, ProcArgs, proc_label, set_title, setup_logging, terminate
+from procs.common import ARGS_ENV, child_pythonpath, ProcArgs, proc_label, set_title, setup_logging, terminate
 from relay.config import DTYPES, LOAD_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, ModelConfig
 from relay.api.guard import (DEFAULT_MAX_BODY_BYTES, GuardConfig, close_idle_forever, default_allowed_hosts,
                               default_max_connections, guarded_protocol, raise_fd_limit)
-from relay.kernels import isa
-from relay.model_files import ModelFileError, check_cache_dir, model_name, resolve_model_dir
+from relay.execution.kernels import isa
+from relay.execution.model_files import ModelFileError, check_cache_dir, model_name, resolve_model_dir
 from relay.optional_features import missing_features
-from relay.speculative.draft_check import check_draft_model, draft_model_dir
+from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
 
 logger = logging.getLogger("relay.launch")
 
@@ -200,8 +200,8 @@ def check_model_config(cfg: EngineConfig, model_dir: str) -> ModelConfig:
     """The model's config, read and checked before any process starts: ValueError, naming what to
     fix, for an unreadable config.json, a rope type or architecture Relay does not implement, or a
     --chat-template file that is missing or not Jinja."""
-    from relay.models import model_class
-    from relay.tokenizer import read_chat_template
+    from relay.execution.models import model_class
+    from relay.text.tokenizer import read_chat_template
 
     mc = ModelConfig.from_dir(model_dir)
     model_class(mc.architecture)
@@ -256,7 +256,7 @@ class Launcher:
             runner = child.module == "procs.model_runner"
             threads = str(max(1, cores // local_ranks)) if runner else "1"
             env = {**os.environ, ARGS_ENV: args.to_env(), "OMP_NUM_THREADS": threads,
-                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": _pythonpath(),
+                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": child_pythonpath(),
                    **(gloo_env(self.nodes) if runner else {})}
             child.proc = subprocess.Popen([sys.executable, "-m", child.module], env=env)
 
@@ -326,13 +326,6 @@ def exit_code(proc: subprocess.Popen) -> int | None:
         except ChildProcessError:
             pass  # its watch thread reaped it just now
     return proc.wait()  # reaps it, or waits the moment its watch thread takes to record it
-
-
-def _pythonpath() -> str:
-    """Children import `procs`, `ipc` and `relay` exactly as this process does."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parts = [here, os.path.join(here, "src"), os.environ.get("PYTHONPATH", "")]
-    return os.pathsep.join(p for p in parts if p)
 
 
 # ---- HTTP -------------------------------------------------------------------------------

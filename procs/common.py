@@ -44,6 +44,13 @@ class ProcArgs:
         return cls(**json.loads(os.environ[ARGS_ENV]))
 
 
+def child_pythonpath() -> str:
+    """Children import `procs`, `ipc` and `relay` exactly as this process does."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = [here, os.path.join(here, "src"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
 def proc_label(name: str, replica: str | None = None) -> str:
     """`sched`, or `sched dp1` in replica dp1 of a `--dp` server: the process title is
     `relay::<label>` and log lines are tagged with it."""

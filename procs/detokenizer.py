@@ -1,4 +1,4 @@
-"""relay::detok: a loop around relay.detokenizer.Detokenizer.
+"""relay::detok: a loop around relay.text.detokenizer.Detokenizer.
 
 Records in (from the scheduler), records with text out (to http, one message for all it
 drained); stop strings it finds go to the scheduler as StopGenerating.
@@ -10,8 +10,8 @@ import zmq
 from ipc.messages import Heartbeat, OutputBatch, Ready, StopGenerating
 from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, endpoint, pull, push, recv_ready, send
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.detokenizer import Detokenizer, DetokenizeSpec
-from relay.tokenizer import Tokenizer
+from relay.text.detokenizer import Detokenizer, DetokenizeSpec
+from relay.text.tokenizer import Tokenizer
 
 
 def main(args: ProcArgs) -> None:

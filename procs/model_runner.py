@@ -16,9 +16,9 @@ import zmq
 from ipc.codec import decode
 from ipc.messages import Ready
 from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
-from launch.multinode import NodePlan
+from ipc.nodes import NodePlan
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.batch import BatchOutput
+from relay.scheduling.batch import BatchOutput
 from relay.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -27,12 +27,12 @@ logger = logging.getLogger(__name__)
 def build_runner(args: ProcArgs, mc: ModelConfig):
     cfg = args.engine_config
     if cfg.load_format == "dummy-null":
-        from relay.null_runner import NullModelRunner
+        from relay.execution.null_runner import NullModelRunner
         return NullModelRunner(cfg, mc)
     import torch
 
-    from relay.distributed import TPGroup
-    from relay.model_runner import ModelRunner, available_cores, pick_device
+    from relay.execution.distributed import TPGroup
+    from relay.execution.model_runner import ModelRunner, available_cores, pick_device
 
     nodes = NodePlan.from_dict(args.extra.get("nodes"))
     device = pick_device(cfg.device)

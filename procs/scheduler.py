@@ -3,7 +3,7 @@
 While a step runs it keeps taking new requests and aborts, so batch decisions never wait
 on the tokenizer or the network. With overlap it builds and sends step N+1 before step N's
 output comes back, so the runner goes from one step straight to the next and the scheduler's
-own work on step N's output happens while step N+1 runs; relay.overlap.OverlapPolicy decides
+own work on step N's output happens while step N+1 runs; relay.scheduling.overlap.OverlapPolicy decides
 when that pays. Per step it sends one OutputBatch to the detokenizer.
 """
 from __future__ import annotations
@@ -20,18 +20,18 @@ from ipc.messages import (AbortRequest, ControlCall, ControlReply, Heartbeat, Ou
                           TokenizedReq)
 from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push, recv_ready,
                          runner_inbox, send)
-from launch.multinode import NodePlan
+from ipc.nodes import NodePlan
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.batch import BatchInput, BatchOutput
+from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.config import ModelConfig
-from relay.grammar import make_backend
+from relay.text.grammar import make_backend
 from relay.lifecycle import Tombstones
 from relay.outputs import FinishReason, RequestOutput, error_output
-from relay.overlap import OverlapPolicy
-from relay.request import Req
+from relay.scheduling.overlap import OverlapPolicy
+from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam
-from relay.scheduler import Scheduler, step_log_line
-from relay.tokenizer import Tokenizer, eos_ids
+from relay.scheduling.scheduler import Scheduler, step_log_line
+from relay.text.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)
 

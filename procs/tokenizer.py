@@ -18,10 +18,10 @@ from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull,
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.api.tool_parsers import parser_for_template
 from relay.config import ModelConfig
-from relay.detokenizer import DetokenizeSpec
+from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import error_output
 from relay.sampling_params import InvalidParam
-from relay.tokenizer import PromptPreparer, Tokenizer
+from relay.text.tokenizer import PromptPreparer, Tokenizer
 
 logger = logging.getLogger(__name__)
 

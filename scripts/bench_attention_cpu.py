@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from relay.kernels import cpu  # noqa: E402
+from relay.execution.kernels import cpu  # noqa: E402
 
 H, HKV, D, PS, LAYERS = 9, 3, 64, 32, 30
 

@@ -19,8 +19,8 @@ import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
 
-from relay.kernels import cpu  # noqa: E402
-from relay.weight_blocks import recover  # noqa: E402
+from relay.execution.kernels import cpu  # noqa: E402
+from relay.execution.weight_blocks import recover  # noqa: E402
 
 SHAPES = [("q4_1", 960, 576), ("q4_1", 3072, 576), ("q8_0", 49152, 576)]
 

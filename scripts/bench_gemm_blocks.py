@@ -3,7 +3,7 @@
 
 Loads SmolLM2-135M's float32 weights (Relay's conversion of the shipped Q4_1 GGUF), fuses them as
 Relay does (qkv, gate_up; 30 layers plus the 49152 x 576 LM head, every one distinct so they
-stream from memory as in a real step), recovers their GGUF blocks (relay/weight_blocks.py) and
+stream from memory as in a real step), recovers their GGUF blocks (relay/execution/weight_blocks.py) and
 times all of one step's GEMMs at each row count with:
   blocks  Relay's kernel on the Q4_1/Q8_0 blocks (csrc/gemm_blocks.c; --dtype bfloat16: VDPBF16PS
           from 2 rows on, as for a bfloat16 model),
@@ -29,9 +29,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from relay.kernels import cpu as cpu_kernels  # noqa: E402
-from relay.model_files import resolve_model_dir  # noqa: E402
-from relay.weight_blocks import recover  # noqa: E402
+from relay.execution.kernels import cpu as cpu_kernels  # noqa: E402
+from relay.execution.model_files import resolve_model_dir  # noqa: E402
+from relay.execution.weight_blocks import recover  # noqa: E402
 
 
 def step_weights() -> list[torch.Tensor]:

@@ -119,7 +119,7 @@ def plot(runs: list[dict[str, Any]], path: str, target_itl_ms: float, title: str
 
 
 def machine() -> str:
-    from relay.kernels.cpu import cpu_flags
+    from relay.execution.kernels.cpu import cpu_flags
 
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  "cpu")

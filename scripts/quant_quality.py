@@ -2,7 +2,7 @@
 Teacher-forced comparison with transformers.
 
 Runs transformers on a text with the checkpoint's weights, then with every GEMM weight replaced by
-Relay's int8 and int4 quantization of it (`relay.layers.quantize_int8` / `quantize_int4`,
+Relay's int8 and int4 quantization of it (`relay.execution.layers.quantize_int8` / `quantize_int4`,
 dequantized), and for w8a8 also every decoder linear layer's input rounded as Relay's kernel rounds
 it (int8 per token, csrc/w8a8.c), and for int8 block activations the checkpoint's weights with every
 linear layer's input, the LM head's too, rounded to 8 bits per block of 32 (csrc/gemm_dot.c; this rounds
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relay.layers import quantize_int4, quantize_int8, quantize_rows_int8
+    from relay.execution.layers import quantize_int4, quantize_int8, quantize_rows_int8
 
     def round_rows_int8(x: torch.Tensor) -> torch.Tensor:  # x on its rows' int8 grids, as Relay's kernel rounds it
         q, s = quantize_rows_int8(x)
@@ -37,7 +37,7 @@ def main() -> None:
         amax = b.abs().amax(-1, keepdim=True)
         inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
         return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)

@@ -43,7 +43,7 @@ def _tiny_config(arch: str):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    from relay.model_files import resolve_model_dir
+    from relay.execution.model_files import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from relay.attention.base import StepMeta
-from relay.batch import BatchInput
-from relay.kv_cache import KVCache
+from relay.execution.attention.base import StepMeta
+from relay.scheduling.batch import BatchInput
+from relay.memory.kv_cache import KVCache
 
 # ---- attention-level comparison -----------------------------------------------------------
 
@@ -84,7 +84,7 @@ def compare_with_torch(backend_cls, case: PagedCase, dtype: torch.dtype, device)
     """Max |out - reference| of backend_cls on a random paged batch; also checks that both
     backends wrote the step's K/V to the same slots. The reference is the torch backend in
     float32 on the same (dtype-rounded) inputs."""
-    from relay.attention.torch_native import TorchNativeBackend
+    from relay.execution.attention.torch_native import TorchNativeBackend
 
     device = torch.device(device)
     rng = random.Random(case.seed)
@@ -111,7 +111,7 @@ def compare_with_torch(backend_cls, case: PagedCase, dtype: torch.dtype, device)
     if case.num_sms is not None:
         be.num_sms = case.num_sms
     if case.graph_bs:
-        from relay.cuda_graph import pad_decode_meta
+        from relay.execution.cuda_graph import pad_decode_meta
 
         assert meta.is_decode
         bs, n = case.graph_bs, t
@@ -160,7 +160,7 @@ def run_interpreter_cases() -> int:
     """Triton backend vs torch under TRITON_INTERPRET=1 on CPU; returns the failure count."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("set TRITON_INTERPRET=1 before Python starts (Triton reads it at import)")
-    from relay.attention.triton_backend import TritonBackend
+    from relay.execution.attention.triton_backend import TritonBackend
 
     failures = 0
     for case, dtype in interpreter_cases():
@@ -189,7 +189,7 @@ def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, pa
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from relay.attention import triton_backend as tb
+    from relay.execution.attention import triton_backend as tb
 
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     cfg = tb.launch_config(head_dim, dtype, on_gpu=True)
@@ -326,7 +326,7 @@ def emulated_graph_runner_cls():
     """CudaGraphRunner whose 'graphs' re-run the captured step on replay and copy the result
     into the captured output tensor. It keeps everything a replay depends on (static inputs,
     padding, the backend's plan_cuda_graph path, output slicing) but needs no CUDA."""
-    from relay.cuda_graph import CudaGraphRunner
+    from relay.execution.cuda_graph import CudaGraphRunner
 
     class _Replay:
         def __init__(self, fn):
@@ -348,9 +348,9 @@ def emulated_graph_runner_cls():
 def run_emulated_graph_check(model_dir: str) -> str:
     """A tiny model on CPU whose runner uses the Triton backend (interpreted) and the emulated
     graph runner, vs the torch backend eagerly: same greedy tokens, logits within 1e-4."""
-    from relay.attention.triton_backend import TritonBackend
+    from relay.execution.attention.triton_backend import TritonBackend
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
 
     mc = ModelConfig.from_dir(model_dir)
     cfg = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", kv_cache_gb=0.01, page_size=4)
@@ -380,7 +380,7 @@ def run_emulated_graph_check(model_dir: str) -> str:
 def _default_tokenizer_dir() -> str | None:
     """The default model's converted directory, if it already exists (never converts)."""
     try:
-        from relay import model_files
+        from relay.execution import model_files
 
         gguf = model_files.default_model_file()
         out = os.path.join(model_files.cache_dir(), "gguf", model_files._gguf_key(gguf))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.kernels import cpu, isa
+from relay.execution.kernels import cpu, isa
 
 
 def cpu_kernels_or_skip() -> ctypes.CDLL:

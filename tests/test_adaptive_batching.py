@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
-from relay.adaptive_batching import MIN_PREFILL_BUDGET, AdaptiveLimits, LatencyWindow, StepCostModel
-from relay.batch import BatchOutput
+from relay.scheduling.adaptive_batching import MIN_PREFILL_BUDGET, AdaptiveLimits, LatencyWindow, StepCostModel
+from relay.scheduling.batch import BatchOutput
 from relay.config import EngineConfig
-from relay.request import Req
+from relay.scheduling.request import Req
 from relay.sampling_params import SamplingParams
-from relay.scheduler import Scheduler
+from relay.scheduling.scheduler import Scheduler
 
 BASE, PER_DECODE, PER_PREFILL = 0.008, 0.0006, 0.00045  # seconds: roughly the default model on 2 cores
 
@@ -193,7 +193,7 @@ def test_on_a_roofline_cost_a_light_load_keeps_its_admission_and_meets_the_targe
 
 def test_a_step_far_over_the_target_is_logged_with_what_the_model_expected(caplog):
     limits = AdaptiveLimits(256, 64, 100_000, target_itl=0.040)
-    with caplog.at_level("INFO", logger="relay.adaptive_batching"):
+    with caplog.at_level("INFO", logger="relay.scheduling.adaptive_batching"):
         for i in range(40):  # a fitted model: 8 ms + 0.6 ms a decode + 0.45 ms a prompt token
             d, p = 1 + i % 8, 8 * (i % 5)
             limits.on_step(i * 0.01, linear_cost(d, p), d, p, [], [], 0, d)

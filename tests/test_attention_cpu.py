@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from relay.attention.base import StepMeta
-from relay.attention.torch_native import TorchNativeBackend
-from relay.kv_cache import KVCache
+from relay.execution.attention.base import StepMeta
+from relay.execution.attention.torch_native import TorchNativeBackend
+from relay.memory.kv_cache import KVCache
 from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 PAGE = 4

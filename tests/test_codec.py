@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import ipc.messages as m
 from ipc import codec
 from ipc.codec import WIRE_TYPES, decode, encode
-from relay.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.detokenizer import DetokenizeSpec
+from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay.kernels import cpu, isa
+from relay.execution.kernels import cpu, isa
 from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 PS = 16
@@ -101,7 +101,7 @@ def test_rms_norm_with_and_without_residual(level_lib, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_q_and_k_in_place_like_the_torch_path(level_lib, dtype):
-    from relay.layers import RotaryEmbedding, apply_rotary
+    from relay.execution.layers import RotaryEmbedding, apply_rotary
 
     rot = RotaryEmbedding(64, 512, 10000.0, None)
     nq, nk, d, t = 4, 2, 64, 5
@@ -171,7 +171,7 @@ def test_a_weight_with_an_odd_input_count_keeps_onednn(lib):
     w = torch.randn(64, 51).bfloat16()
     assert cpu.pack_panels(w) is None
     x = torch.randn(5, 51).bfloat16()
-    from relay.layers import cpu_matmul, pack_for_cpu
+    from relay.execution.layers import cpu_matmul, pack_for_cpu
     torch.testing.assert_close(cpu_matmul(x, w, pack_for_cpu(w)).float(), x.float() @ w.float().T, atol=0.1,
                                rtol=2e-2)
 

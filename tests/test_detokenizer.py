@@ -1,5 +1,5 @@
-"""Unit tests for relay.tokenizer (Tokenizer, DecodeStream, PromptPreparer) and
-relay.detokenizer.Detokenizer, on the default model's tokenizer (byte-level BPE, so CJK and
+"""Unit tests for relay.text.tokenizer (Tokenizer, DecodeStream, PromptPreparer) and
+relay.text.detokenizer.Detokenizer, on the default model's tokenizer (byte-level BPE, so CJK and
 emoji characters split over several tokens). No processes, no sockets."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from relay.detokenizer import Detokenizer, DetokenizeSpec, Stopped
+from relay.text.detokenizer import Detokenizer, DetokenizeSpec, Stopped
 from relay.outputs import RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.tokenizer import DecodeStream, PromptPreparer, Tokenizer
+from relay.text.tokenizer import DecodeStream, PromptPreparer, Tokenizer
 
 # Pieces that byte-level BPE splits awkwardly: multi-byte characters, emoji with modifiers and
 # ZWJ sequences, combining accents, CJK, Korean, RTL, whitespace runs.

@@ -85,7 +85,7 @@ def test_tiny_models_match_transformers(tiny_model_dir, arch):
 
 @pytest.mark.slow
 def test_default_model_matches_transformers(default_model_dir):
-    from relay.tokenizer import Tokenizer
+    from relay.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
@@ -102,7 +102,7 @@ def test_default_model_with_int8_block_activations_is_still_the_model(default_mo
     """--block-activations int8 rounds every block GEMM's x to 8 bits per block of 32: greedy
     output is the float32 model's for its first tokens and still answers (perplexity +0.2 %,
     top-1 agreement 96 %: scripts/quant_quality.py)."""
-    from relay.tokenizer import Tokenizer
+    from relay.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
@@ -124,7 +124,7 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
     (which rounds differently: near-ties may flip), batched and alone, and the answers are sensible."""
     from transformers import AutoModelForCausalLM
 
-    from relay.tokenizer import Tokenizer
+    from relay.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
@@ -150,7 +150,7 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
     """With overlap_min_share=0 the engine builds step N+1 before it processes step N (as the
     server does where overlap pays): greedy and seeded outputs, stops, min_new_tokens, penalties
     and logprobs come out as in lockstep, through retraction in a tight pool too."""
-    from relay.batch import PENDING_TOKEN
+    from relay.scheduling.batch import PENDING_TOKEN
 
     from tests.conftest import TINY_VOCAB
 

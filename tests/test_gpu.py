@@ -30,12 +30,12 @@ import numpy as np
 import pytest
 import torch
 
-from relay.attention import backend_class, resolve_backend_name
-from relay.attention.base import AttentionBackend
-from relay.attention.flashinfer_backend import page_csr, qo_indptr
-from relay.attention.torch_native import TorchNativeBackend, page_slots
-from relay.cuda_graph import capture_batch_sizes, pad_decode_meta, padded_batch_size
-from relay.kv_cache import num_pages_for_budget
+from relay.execution.attention import backend_class, resolve_backend_name
+from relay.execution.attention.base import AttentionBackend
+from relay.execution.attention.flashinfer_backend import page_csr, qo_indptr
+from relay.execution.attention.torch_native import TorchNativeBackend, page_slots
+from relay.execution.cuda_graph import capture_batch_sizes, pad_decode_meta, padded_batch_size
+from relay.memory.kv_cache import num_pages_for_budget
 from tests import gpu_helpers as gh
 
 HAS_CUDA = torch.cuda.is_available()
@@ -77,15 +77,15 @@ def test_graph_support_is_declared():
     assert cls is TorchNativeBackend and not cls.supports_cuda_graph
     with pytest.raises(NotImplementedError, match="does not support CUDA graphs"):
         AttentionBackend.init_cuda_graph_state(TorchNativeBackend.__new__(TorchNativeBackend), 8, 4)
-    from relay.attention.flashinfer_backend import FlashInferBackend  # imports without flashinfer
+    from relay.execution.attention.flashinfer_backend import FlashInferBackend  # imports without flashinfer
 
     assert FlashInferBackend.supports_cuda_graph and FlashInferBackend.kv_layout == "NHD"
 
 
 @pytest.mark.skipif(HAS_FLASHINFER, reason="flashinfer is installed")
 def test_flashinfer_backend_without_the_package_says_so():
-    from relay.attention.flashinfer_backend import FlashInferBackend
-    from relay.kv_cache import KVCache
+    from relay.execution.attention.flashinfer_backend import FlashInferBackend
+    from relay.memory.kv_cache import KVCache
 
     kv = KVCache(1, 4, 4, 2, 64, torch.bfloat16, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="flashinfer package"):
@@ -94,7 +94,7 @@ def test_flashinfer_backend_without_the_package_says_so():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_backend_class_and_splits():
-    from relay.attention.triton_backend import MAX_SPLITS, TritonBackend, decode_num_splits
+    from relay.execution.attention.triton_backend import MAX_SPLITS, TritonBackend, decode_num_splits
 
     assert TritonBackend.supports_cuda_graph and TritonBackend.kv_layout == "NHD"
     assert decode_num_splits(1, 8, 132) == MAX_SPLITS  # one request: fill the GPU
@@ -136,7 +136,7 @@ def test_pad_decode_meta():
 
 
 def test_cuda_graph_runner_needs_cuda_and_support():
-    from relay.cuda_graph import CudaGraphRunner
+    from relay.execution.cuda_graph import CudaGraphRunner
 
     with pytest.raises(ValueError, match="CUDA device"):
         CudaGraphRunner(None, TorchNativeBackend.__new__(TorchNativeBackend), torch.device("cpu"), 8, 4)
@@ -252,13 +252,13 @@ class _FakeDecode(_FakePagedAttention):
 def test_flashinfer_backend_wiring_with_a_stand_in(monkeypatch, graph_bs):
     import types
 
-    from relay.attention.flashinfer_backend import FlashInferBackend
+    from relay.execution.attention.flashinfer_backend import FlashInferBackend
 
     fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakePrefill,
                                  BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(FlashInferBackend, "requires_cuda", False)
-    monkeypatch.setattr("relay.attention.flashinfer_backend.WORKSPACE_BYTES", 1 << 10)
+    monkeypatch.setattr("relay.execution.attention.flashinfer_backend.WORKSPACE_BYTES", 1 << 10)
     cases = ([gh.PagedCase([12, 3, 50], [1, 1, 1], 4, graph_bs=graph_bs)] if graph_bs else
              [gh.PagedCase([5, 0, 9, 3], [1, 6, 1, 20], 4), gh.PagedCase([40, 0, 7], [1, 1, 1], 16, 8, 2, 64),
               gh.PagedCase([0, 30], [17, 9], 1, 4, 1, 32)])
@@ -328,7 +328,7 @@ def tiny_gpu_model(tmp_path_factory) -> str:
 
 def _runner(model_dir: str, **kw):
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
 
     cfg = EngineConfig(model_path=model_dir, **{"kv_cache_gb": 0.05, "page_size": 16, **kw})
     return ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
@@ -469,7 +469,7 @@ def test_engine_greedy_equal_across_backends(tiny_gpu_model):
 
 # ---- GPU: tensor parallel over NCCL (needs 2 GPUs) ------------------------------------------------------
 def _tp_worker(rank: int, size: int, init: str, q) -> None:
-    from relay.distributed import TPGroup
+    from relay.execution.distributed import TPGroup
 
     tp = TPGroup.init(rank, size, init, torch.device("cuda", rank))
     x = torch.full((4,), float(rank + 1), device="cuda")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.kernels import isa
+from relay.execution.kernels import isa
 
 ZEN3 = "fpu sse4_2 avx avx2 fma f16c bmi2"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni avx512_bf16"

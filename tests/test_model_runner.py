@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from relay.batch import PENDING_TOKEN, BatchInput, SamplingSpec
+from relay.scheduling.batch import PENDING_TOKEN, BatchInput, SamplingSpec
 from relay.config import EngineConfig, ModelConfig
-from relay.model_runner import ModelRunner
+from relay.execution.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
 
 from tests.conftest import TINY_VOCAB

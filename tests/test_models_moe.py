@@ -19,9 +19,9 @@ import torch
 
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig, ModelConfig
-from relay.distributed import TPGroup
-from relay.model_runner import ModelRunner
-from relay.models.moe import MoeForCausalLM, SparseMoeBlock
+from relay.execution.distributed import TPGroup
+from relay.execution.model_runner import ModelRunner
+from relay.execution.models.moe import MoeForCausalLM, SparseMoeBlock
 
 from tests.conftest import TINY_VOCAB, _tiny_config
 from tests.test_engine import check_three_ways, random_prompts
@@ -103,7 +103,7 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir):
     """A checkpoint holding each layer's experts as transformers 5 does in memory (3-D
     gate_up_proj [experts, 2 x inter, hidden] and down_proj [experts, hidden, inter]) loads to
     the same parameters as the per-expert tensors save_pretrained writes."""
-    from relay.model_runner import iter_safetensors
+    from relay.execution.model_runner import iter_safetensors
 
     path = tiny_model_dir("qwen3_moe")
     mc = ModelConfig.from_dir(path)
@@ -175,7 +175,7 @@ def test_tiny_moe_models_match_transformers(tiny_model_dir, arch):
 
 
 def prompt_batch(prompts: list[list[int]]):
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
 
     tables, first = [], 1
     for p in prompts:
@@ -312,7 +312,7 @@ def test_triton_expert_gemm_compiles_for_gpu(arch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from relay.kernels import triton_moe
+    from relay.execution.kernels import triton_moe
 
     fn = triton_moe._expert_gemm
     params = list(inspect.signature(fn.fn).parameters)

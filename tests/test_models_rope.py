@@ -16,8 +16,8 @@ import torch
 
 from relay import Engine, SamplingParams
 from relay.config import ModelConfig
-from relay.model_files import ModelFileError, resolve_model_dir
-from relay.rope import ROPE_TYPES, rope_settings
+from relay.execution.model_files import ModelFileError, resolve_model_dir
+from relay.execution.rope import ROPE_TYPES, rope_settings
 from tests.conftest import TINY_VOCAB
 from tests.test_engine import random_prompts, reference
 from tests.test_startup_checks import assert_one_line_error, serve
@@ -138,8 +138,8 @@ def test_the_long_factors_change_what_the_model_computes(model_dir):
 def test_phi3_fused_weights_split_into_each_tensor_parallel_rank():
     """qkv_proj is [q; k; v] by rows: rank r of 2 takes its own q heads and kv heads from each part,
     not the r-th half of the fused rows; gate_up_proj likewise from gate and from up."""
-    from relay.distributed import TPGroup
-    from relay.models.phi3 import Phi3ForCausalLM
+    from relay.execution.distributed import TPGroup
+    from relay.execution.models.phi3 import Phi3ForCausalLM
 
     mc = ModelConfig.from_hf_dict(phi3_config().to_dict())
     d, q, kv = mc.head_dim, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
@@ -198,7 +198,7 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfo
 
 
 def test_a_chat_template_file_gives_a_model_without_one_its_chat_format(tmp_path, model_dir):
-    from relay.tokenizer import Tokenizer
+    from relay.text.tokenizer import Tokenizer
 
     path = model_dir("llama-linear")  # its tokenizer files carry no template
     messages = [{"role": "user", "content": "hi"}]
@@ -259,7 +259,7 @@ def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(m
     the same model on torch's ops, over a 40-token prompt on the long factors' rows (float32: the
     kernel computes what torch does to rounding)."""
     from relay.config import EngineConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
     from tests.kernel_helpers import cpu_kernels_or_skip
     from tests.test_model_runner import PS, prefill, spec
 
@@ -286,7 +286,7 @@ def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(m
 
 def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
     from relay.config import EngineConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
     from tests.test_model_runner import PS, prefill, spec
 
     runner = ModelRunner(EngineConfig(dtype="float32", tp_size=2, page_size=PS, kv_cache_gb=0.01), model_dir,

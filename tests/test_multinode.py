@@ -19,7 +19,8 @@ import time
 import pytest
 
 from ipc.messages import NodeMsg
-from launch.multinode import NodeLink, NodePlan, PeerWatch, gloo_env, interface_for, plan_from_args
+from ipc.nodes import NodePlan
+from launch.multinode import NodeLink, PeerWatch, gloo_env, interface_for, plan_from_args
 from launch.serve import build_parser, plan_children
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig

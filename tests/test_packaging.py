@@ -24,20 +24,20 @@ def wheel(tmp_path_factory) -> str:
 def test_the_wheel_holds_every_module_and_c_source(wheel):
     assert missing_from_wheel(wheel) == []
     names = set(module_names())
-    for expected in ("relay.speculative.ngram", "relay.kernels.cpu", "procs.scheduler", "ipc.codec",
+    for expected in ("relay.scheduling.speculative.ngram", "relay.execution.kernels.cpu", "procs.scheduler", "ipc.codec",
                      "launch.serve"):
         assert expected in names
-    assert "relay/kernels/csrc/gemm_blocks.c" in checkout_files()
+    assert "relay/execution/kernels/csrc/gemm_blocks.c" in checkout_files()
 
 
 def test_a_module_left_out_of_the_wheel_is_named(wheel, tmp_path):
     thinned = tmp_path / "thinned.whl"
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(thinned, "w") as dst:
         for item in src.infolist():
-            if not item.filename.startswith("relay/speculative/"):
+            if not item.filename.startswith("relay/scheduling/speculative/"):
                 dst.writestr(item, src.read(item))
     missing = missing_from_wheel(str(thinned))
-    assert "relay/speculative/ngram.py" in missing and "relay/speculative/__init__.py" in missing
+    assert "relay/scheduling/speculative/ngram.py" in missing and "relay/scheduling/speculative/__init__.py" in missing
 
 
 def test_missing_optional_packages_are_named_with_how_to_install(monkeypatch):

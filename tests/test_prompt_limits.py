@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relay.sampling_params import InvalidParam
-from relay.tokenizer import PromptPreparer, Tokenizer
+from relay.text.tokenizer import PromptPreparer, Tokenizer
 
 
 @pytest.fixture(scope="module")

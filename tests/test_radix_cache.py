@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from relay.kv_allocator import PageAllocator
-from relay.radix_cache import RadixCache
+from relay.memory.kv_allocator import PageAllocator
+from relay.memory.radix_cache import RadixCache
 
 
 def make(num_pages: int = 64, page_size: int = 1, disabled: bool = False) -> tuple[PageAllocator, RadixCache]:

@@ -1,4 +1,4 @@
-"""Unit tests for relay.sampler (Sampler, seeded_uniform) and relay.batch.SamplingSpec.
+"""Unit tests for relay.execution.sampler (Sampler, seeded_uniform) and relay.scheduling.batch.SamplingSpec.
 
 Everything runs on CPU on tiny vocabularies. Statistical checks draw from fixed seeds, so
 they are deterministic: the bounds are loose enough to hold for any reasonable sampler and
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from relay.batch import SamplingSpec
-from relay.sampler import Sampler, SampleResult, seeded_uniform
+from relay.scheduling.batch import SamplingSpec
+from relay.execution.sampler import Sampler, SampleResult, seeded_uniform
 from relay.sampling_params import SamplingParams
 
 V = 8

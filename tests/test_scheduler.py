@@ -22,12 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.batch import PENDING_TOKEN, BatchInput, BatchOutput
+from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
 from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
-from relay.request import Req, Status
+from relay.scheduling.request import Req, Status
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduler import Scheduler, step_log_line
+from relay.scheduling.scheduler import Scheduler, step_log_line
 
 VOCAB = 64
 EOS = 63
@@ -1161,7 +1161,7 @@ def test_overlap_runner_error_fails_its_requests_and_drops_their_next_rows():
 
 
 def test_overlap_policy_overlaps_only_where_the_scheduler_is_a_real_share_of_a_step():
-    from relay.overlap import OverlapPolicy
+    from relay.scheduling.overlap import OverlapPolicy
 
     cpu, gpu, off, always = OverlapPolicy(), OverlapPolicy(), OverlapPolicy(enabled=False), OverlapPolicy(min_share=0)
     assert cpu.depth == 1 and always.depth == 2  # nothing measured yet: lockstep, unless forced

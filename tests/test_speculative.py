@@ -12,12 +12,12 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from relay import Engine, SamplingParams
-from relay.batch import BatchOutput, SamplingSpec
+from relay.scheduling.batch import BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.request import Req
-from relay.sampler import Sampler
-from relay.scheduler import Scheduler
-from relay.speculative import NgramIndex
+from relay.scheduling.request import Req
+from relay.execution.sampler import Sampler
+from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.speculative import NgramIndex
 
 
 # ---- n-gram proposals -------------------------------------------------------------------

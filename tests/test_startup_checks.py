@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from relay import model_files
-from relay.model_files import ModelFileError, resolve_model_dir
+from relay.execution import model_files
+from relay.execution.model_files import ModelFileError, resolve_model_dir
 from tests.server_utils import ROOT, wait_until
 
 

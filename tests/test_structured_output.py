@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (relay.grammar) on the default model, offline Engine: outputs
+"""Grammar-constrained decoding (relay.text.grammar) on the default model, offline Engine: outputs
 that validate against their JSON schema / fully match their regex, greedy and sampled, and
 unconstrained neighbours left exactly as they were."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from relay.api.fields import ProtocolError
 from relay.api.openai import parse_chat, parse_completion
 from relay.api.sglang import parse_generate
 from relay.config import EngineConfig, ModelConfig
-from relay.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
-from relay.request import Req
+from relay.text.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
+from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam, json_depth, widest_object
 
 xgrammar = pytest.importorskip("xgrammar")
@@ -449,7 +449,7 @@ def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_apply_token_masks_matches_xgrammar(path, monkeypatch):
-    from relay.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu as cpu_kernels
     if path == "torch":
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     elif cpu_kernels.load() is None:

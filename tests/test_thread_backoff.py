@@ -1,4 +1,4 @@
-"""Compute threads that back off on a loaded machine (relay/thread_backoff.py): the policy's
+"""Compute threads that back off on a loaded machine (relay/execution/thread_backoff.py): the policy's
 decisions from fed readings, and the readings the runner takes from /proc."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from relay.config import EngineConfig
-from relay.thread_backoff import ThreadBackoff, ThreadPolicy, backoff_supported, read_idle_jiffies
+from relay.execution.thread_backoff import ThreadBackoff, ThreadPolicy, backoff_supported, read_idle_jiffies
 
 QUIET, STARVED = 0.02, 0.55  # the step thread's run-queue wait, as a share of its step time
 
@@ -112,7 +112,7 @@ def test_the_runner_backs_off_only_from_its_default_count(tiny_model_dir):
     import torch
 
     from relay.config import ModelConfig
-    from relay.model_runner import ModelRunner, available_cores
+    from relay.execution.model_runner import ModelRunner, available_cores
 
     path = tiny_model_dir("llama")
     mc = ModelConfig.from_dir(path)

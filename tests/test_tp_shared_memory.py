@@ -1,5 +1,5 @@
 """Tensor parallelism on one machine's CPUs: the ranks' collectives over a shared memory segment
-(relay.distributed.ShmGroup), and the one-call decoder steps that all-reduce inside C. Two real
+(relay.execution.distributed.ShmGroup), and the one-call decoder steps that all-reduce inside C. Two real
 rank processes each time (gloo for the rendezvous, as the server starts them)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 
-from relay.distributed import ShmGroup, TPGroup
+from relay.execution.distributed import ShmGroup, TPGroup
 
 
 def run_ranks(fn, tmp_path, *args, timeout: float = 240, segment_at: str | None = None) -> list:
@@ -37,8 +37,8 @@ def _rank_main(fn, rank: int, tmp: str, args: tuple, results, segment_at: str | 
         torch.set_num_threads(1)
         ShmGroup.SLOT_BYTES = 256  # small slots: larger collectives go in pieces
         if segment_at is not None:
-            import relay.distributed
-            relay.distributed._shm_path = lambda init_method: segment_at
+            import relay.execution.distributed
+            relay.execution.distributed._shm_path = lambda init_method: segment_at
         tp = TPGroup.init(rank, 2, f"file://{os.path.join(tmp, 'tp_rendezvous')}", torch.device("cpu"))
         buf = io.BytesIO()  # bytes, not tensors: a tensor in a queue is a handle into its sender, gone at exit
         torch.save(fn(rank, tp, *args), buf)
@@ -101,9 +101,9 @@ def test_ranks_without_shared_memory_fall_back_to_gloo_together(tmp_path):
 
 
 def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
-    from relay.model_runner import ModelRunner
+    from relay.execution.model_runner import ModelRunner
     from tests.test_weight_blocks import step_each_way
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", tp_size=2, kv_cache_gb=0.05), model_dir,
@@ -130,7 +130,7 @@ def test_one_call_steps_of_two_ranks_equal_their_layer_by_layer_path(tmp_path, d
     all-reducing its row-parallel GEMMs' outputs where the layers do: a prompt step's logits and
     keys and values are the layers' bit for bit on both ranks, a decode step's (float32
     activations against bfloat16 ones) close."""
-    from relay.kernels import cpu
+    from relay.execution.kernels import cpu
 
     if not (cpu.gemm_blocks_available() and cpu.panels_preferred()):
         pytest.skip("the one-call prompt step runs on Relay's bfloat16 panels (AVX512-BF16, no AMX)")

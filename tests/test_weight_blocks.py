@@ -8,11 +8,11 @@ import pytest
 
 import torch
 
-from relay import layers, weight_blocks
-from relay.kernels import cpu, isa
-from relay.layers import Linear, pack_for_cpu
-from relay.model_runner import ModelRunner
-from relay.weight_blocks import recover
+from relay.execution import layers, weight_blocks
+from relay.execution.kernels import cpu, isa
+from relay.execution.layers import Linear, pack_for_cpu
+from relay.execution.model_runner import ModelRunner
+from relay.execution.weight_blocks import recover
 from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 
@@ -159,7 +159,7 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     a shared prefix (cascade attention) and requests of different lengths, with a float32 or a
     bfloat16 KV cache."""
     blocks_or_skip()
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
 
     runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05), default_model_dir,
@@ -191,7 +191,7 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     blocks_or_skip()
     if not cpu.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
@@ -223,7 +223,7 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
     blocks_or_skip()
     if not cpu.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
@@ -313,9 +313,9 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
     are the slow ones, the C call takes every batch size tried that the KV pool holds."""
     blocks_or_skip()
-    from relay import model_runner
+    from relay.execution import model_runner
     from relay.config import EngineConfig, ModelConfig
-    from relay.models import llama
+    from relay.execution.models import llama
 
     def runner() -> ModelRunner:
         return ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
@@ -344,7 +344,7 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
     weights: a decode step's logits are closer to the float32 model's than those of the same
     bfloat16 model without its blocks, which multiplies by rounded weights."""
     blocks_or_skip()
-    from relay.batch import BatchInput
+    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
 
     runners = [ModelRunner(EngineConfig(kv_cache_gb=0.05, **cfg), default_model_dir, ModelConfig.from_dir(default_model_dir))

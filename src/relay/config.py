@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.rope import rope_settings
+from relay.execution.rope import rope_settings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "dummy-null")
@@ -64,7 +64,7 @@ class EngineConfig:
     # every running request.
     max_decode_stall_ms: float = 1000.0
     max_queued_requests: int = 4096  # beyond this the server answers 503
-    # Constrained decoding (relay/grammar.py): the most bytes a constraint's text may have (a
+    # Constrained decoding (relay/text/grammar.py): the most bytes a constraint's text may have (a
     # JSON schema, a forced tool call's, a regex or an EBNF grammar; larger is a 400 naming the
     # field), and the seconds a request waits for its grammar to compile before it ends with a
     # 400 naming the field. A compile under way cannot be interrupted (xgrammar has no way to):
@@ -94,14 +94,14 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch threads per rank; default: cores // tp_size
     # CPU: with the default thread count, a rank whose threads wait for their cores (other
-    # processes busy on them) runs on fewer until the cores are free again (relay/thread_backoff.py).
+    # processes busy on them) runs on fewer until the cores are free again (relay/execution/thread_backoff.py).
     # A --num-threads given keeps its count.
     disable_thread_backoff: bool = False
     seed: int = 0
     load_format: str = "auto"  # dummy: random weights; dummy-null: no model at all
     disable_cuda_graph: bool = False
     # Overlap scheduling: the scheduler builds step N+1 while the runner computes step N, where
-    # its own work is at least overlap_min_share of a step (0: always; relay/overlap.py).
+    # its own work is at least overlap_min_share of a step (0: always; relay/scheduling/overlap.py).
     disable_overlap_schedule: bool = False
     overlap_min_share: float = 0.1
     disable_weight_blocks: bool = False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
@@ -227,7 +227,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
-    rope_scaling: dict[str, Any] | None = None  # relay.rope.rope_settings's: None is the default rope
+    rope_scaling: dict[str, Any] | None = None  # relay.execution.rope.rope_settings's: None is the default rope
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -295,7 +295,7 @@ class ModelConfig:
     @property
     def long_rope_after(self) -> int | None:
         """LongRoPE's original_max_position_embeddings: sequences longer than this rotate with the
-        long factors (relay.rope); None for every other rope."""
+        long factors (relay.execution.rope); None for every other rope."""
         s = self.rope_scaling or {}
         return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
 

@@ -15,18 +15,18 @@ import time
 from collections import deque
 from typing import Sequence, Union
 
-from relay.batch import BatchInput, BatchOutput
+from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
-from relay.detokenizer import Detokenizer, DetokenizeSpec
-from relay.grammar import make_backend
-from relay.model_files import resolve_model_dir
-from relay.model_runner import ModelRunner
+from relay.text.detokenizer import Detokenizer, DetokenizeSpec
+from relay.text.grammar import make_backend
+from relay.execution.model_files import resolve_model_dir
+from relay.execution.model_runner import ModelRunner
 from relay.outputs import RequestOutput
-from relay.overlap import OverlapPolicy
-from relay.request import Req
+from relay.scheduling.overlap import OverlapPolicy
+from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduler import Scheduler
-from relay.tokenizer import PromptPreparer, Tokenizer, eos_ids
+from relay.scheduling.scheduler import Scheduler
+from relay.text.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
 Prompt = Union[str, Sequence[int]]
 
@@ -72,7 +72,7 @@ class Engine:
             self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
-        # The server's overlap loop (relay.overlap): step N+1 may be built before step N's output
+        # The server's overlap loop (relay.scheduling.overlap): step N+1 may be built before step N's output
         # is processed. Here the runner runs in this thread, so the policy keeps lockstep unless
         # overlap_min_share is 0 (which tests use to run the overlap path).
         policy = OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)

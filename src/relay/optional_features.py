@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from relay.kernels.cpu import compiler
+from relay.execution.kernels.cpu import compiler
 
 
 def _installed(module: str) -> bool:

@@ -158,7 +158,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the n most likely tokens at each step
-    # Constrained decoding (relay.grammar), at most one: the output matches a JSON schema
+    # Constrained decoding (relay.text.grammar), at most one: the output matches a JSON schema
     # (JSON text; '{"type": "object"}' for any JSON object), a regex, or an EBNF grammar.
     json_schema: str | None = None
     regex: str | None = None

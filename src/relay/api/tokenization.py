@@ -1,7 +1,7 @@
 """vLLM's /tokenize and /detokenize.
 
 The http process only parses and checks the body; the work is the tokenizer process's
-(relay.tokenizer.PromptPreparer), asked through EngineClient.tokenizer_call, so a long text or
+(relay.text.tokenizer.PromptPreparer), asked through EngineClient.tokenizer_call, so a long text or
 a chat template never runs on the event loop that serves every other request.
 
 POST /tokenize {model?, prompt | messages, add_special_tokens?, add_generation_prompt?,

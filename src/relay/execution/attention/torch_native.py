@@ -1,0 +1,175 @@
+"""Attention in plain torch ops over the paged KV cache: the CPU backend and the reference.
+
+The KV cache is laid out [kv_heads, slots, head_dim] ("HND"). Decoding requests are
+attended together: one index_select gathers their keys into [kv_heads, batch * max_len,
+head_dim], which batched matmuls read as [kv_heads * batch] matrices with no further copy;
+the query heads that share a kv head are the rows of one matrix, so keys are never
+repeated for GQA. (Advanced indexing and a [batch, len, heads] layout cost 2.5x more here,
+and bf16 SDPA is 3-5x slower for single-token queries.) Prompt chunks go through SDPA one
+request at a time, reading the cache as a view when the request's pages are consecutive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
+
+
+@dataclass
+class _Prefill:
+    row: int  # first query row in the step's flattened tokens
+    num_new: int
+    keys: slice | torch.Tensor  # the request's KV slots, as a slice when consecutive
+    mask: torch.Tensor | None  # [num_new, seq_len] bool, None = plain causal from 0
+
+
+def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int) -> np.ndarray:
+    """[num_reqs, max_len] KV slot of each token; slot 0 (scratch) past each length."""
+    width = max(len(p) for p in page_tables)
+    table = np.zeros((len(page_tables), width), dtype=np.int64)
+    for i, pages in enumerate(page_tables):
+        table[i, :len(pages)] = pages
+    slots = (table[:, :, None] * page_size + np.arange(page_size)).reshape(len(page_tables), -1)
+    max_len = max(lengths)
+    slots = slots[:, :max_len]
+    slots[np.arange(max_len)[None, :] >= np.asarray(lengths)[:, None]] = 0
+    return slots
+
+
+@register_backend("torch")
+class TorchNativeBackend(AttentionBackend):
+    kv_layout = "HND"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
+        # cached key/value once instead of gathering a padded copy first (3x less traffic).
+        self.kernel = None
+        self.has_decode, self.dec_rows, self.ext_plan = False, None, None  # set by plan()
+        if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
+                and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
+            self.kernel = cpu_kernels.load()
+        # Cascade attention over shared prefixes, where the kernel has it for this cache.
+        kv_dtype = self.kv.k[0].dtype
+        self.share_prefixes = self.kernel is not None and cpu_kernels.tiled_attention_available(kv_dtype, kv_dtype,
+                                                                                         self.head_dim)
+
+    def plan(self, meta: StepMeta) -> None:
+        device = self.kv.k[0].device
+        self.out_slots = meta.out_slots
+        seq_lens = meta.seq_lens
+        dec = [i for i, e in enumerate(meta.extend_lens) if e == 1]
+        starts = np.concatenate([[0], np.cumsum(meta.extend_lens)[:-1]]).tolist()
+        self.dec_rows = None
+        self.has_decode = bool(dec)
+        if dec:
+            all_decode = len(dec) == len(meta.extend_lens)
+            self.dec_rows = None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
+            lens = [seq_lens[i] for i in dec]
+            if self.kernel is not None:
+                self.dec_plan = cpu_kernels.DecodePlan([meta.page_tables[i] for i in dec], lens, self.kv.page_size,
+                                                       share=self.share_prefixes)
+                return self._plan_prefills(meta, starts, seq_lens, device)
+            slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
+            self.dec_shape = slots.shape
+            self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
+            self.dec_mask = None
+            if min(lens) != max(lens):  # -inf on each request's padding, [1, batch, 1, max_len]
+                pad = np.arange(slots.shape[1])[None, :] >= np.asarray(lens)[:, None]
+                mask = torch.zeros(slots.shape, dtype=torch.float32)
+                mask[torch.from_numpy(pad)] = float("-inf")
+                self.dec_mask = mask.to(device)[None, :, None, :]
+        self._plan_prefills(meta, starts, seq_lens, device)
+
+    def _plan_prefills(self, meta: StepMeta, starts: list[int], seq_lens: list[int], device) -> None:
+        chunks = [i for i, e in enumerate(meta.extend_lens) if e > 1]
+        # Prompt chunks go to Relay's C kernel where it takes them (reading the cache in place);
+        # the SDPA plan below is the fallback.
+        self.ext_plan = None
+        if chunks and self.kernel is not None:
+            self.ext_plan = cpu_kernels.ExtendPlan([meta.page_tables[i] for i in chunks],
+                                                   [meta.prefix_lens[i] for i in chunks],
+                                                   [meta.extend_lens[i] for i in chunks], [starts[i] for i in chunks])
+        self.prefills = [self._plan_prefill(meta, i, starts[i], seq_lens[i], device) for i in chunks]
+
+    def _plan_prefill(self, meta: StepMeta, i: int, row: int, seq_len: int, device) -> _Prefill:
+        pages = meta.page_tables[i]
+        ps = self.kv.page_size
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            keys: slice | torch.Tensor = slice(pages[0] * ps, pages[0] * ps + seq_len)
+        else:
+            keys = torch.from_numpy(page_slots([pages], [seq_len], ps)[0]).to(device)
+        n, prefix = meta.extend_lens[i], meta.prefix_lens[i]
+        mask = None
+        if prefix:
+            q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+        return _Prefill(row, n, keys, mask)
+
+    @property
+    def decode_kernel_plan(self) -> cpu_kernels.DecodePlan | None:
+        if self.has_decode and self.dec_rows is None and self.kernel is not None:
+            return self.dec_plan
+        return None
+
+    @property
+    def prompt_kernel_plan(self) -> cpu_kernels.PromptPlan | None:
+        if self.ext_plan is None:  # (only planned with the kernel)
+            return None
+        if not self.has_decode:
+            return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan)
+        return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.decode_kernel_plan is not None:
+            # A pure decode step: the C kernel writes the new keys and values itself.
+            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer], self.kv.v[layer],
+                                                self.kv.page_size, self.scale, k, v).view(q.shape[0], -1)
+        self.kv.write(layer, self.out_slots, k, v)
+        if self.has_decode and self.dec_rows is None:  # a pure decode step
+            return self._decode(q, layer).view(q.shape[0], -1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.has_decode:
+            out[self.dec_rows] = self._decode(q[self.dec_rows], layer)
+        if self.ext_plan is None or not cpu_kernels.extend_attention(self.kernel, self.ext_plan, q, self.kv.k[layer],
+                                                                     self.kv.v[layer], out, self.kv.page_size,
+                                                                     self.scale):
+            for p in self.prefills:
+                out[p.row:p.row + p.num_new] = self._prefill(q[p.row:p.row + p.num_new], p, layer)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kernel is not None:
+            if q.dtype not in (torch.float32, torch.bfloat16):
+                return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q.float(), self.kv.k[layer],
+                                                    self.kv.v[layer], self.kv.page_size, self.scale).to(q.dtype)
+            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer],
+                                                self.kv.v[layer], self.kv.page_size, self.scale)
+        b, max_len = self.dec_shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        keys = self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        values = self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        qg = q.view(b, hkv, group, d).transpose(0, 1).reshape(hkv * b, group, d)
+        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale  # [hkv * b, group, len]
+        if self.dec_mask is not None:
+            scores = (scores.view(hkv, b, group, max_len) + self.dec_mask).view(hkv * b, group, max_len)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.bmm(probs, values).view(hkv, b, group, d)
+        return out.transpose(0, 1).reshape(b, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, p: _Prefill, layer: int) -> torch.Tensor:
+        if isinstance(p.keys, slice):
+            keys, values = self.kv.k[layer][:, p.keys], self.kv.v[layer][:, p.keys]
+        else:
+            keys, values = self.kv.k[layer].index_select(1, p.keys), self.kv.v[layer].index_select(1, p.keys)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless the KV dtype differs
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask,
+            is_causal=p.mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,582 @@
+// GEMM on weights kept in GGUF-style blocks of 32, for CPUs with AVX-512: y[M, N] = x[M, K] . W^T
+// with float32 activations and float32 math (a bfloat16 model's, where the CPU has AVX512-BF16:
+// bfloat16 products, float32 sums; see gemm_blocks_bf16).
+//
+// A checkpoint shipped as Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q, q in -127..127)
+// is dequantized into float32 when it loads; relay/execution/weight_blocks.py recovers the blocks from those
+// floats and keeps them only where they give back every weight bit for bit. Reading 4.5 or 8.5
+// bits per weight instead of 32 is what a decode step's GEMMs are bound by at a few rows.
+//
+// Work is split into strips of NS = 32 output features, laid out feature-minor so that one
+// 16-byte load unpacks into two vectors of 16 features' weights at consecutive k (4 bits) or one
+// (8 bits). A thread unpacks a strip KC inputs at a time into wbuf [KC][32] float32 (16 KiB, in
+// L1), computing each weight as the dequantizer did (d * q, then + m, rounded separately), then
+// runs all M rows of x over it, MB rows at a time: per input, two weight vectors and MB
+// broadcasts of x feed 2 * MB FMAs into accumulators that stay in registers (no horizontal sums).
+// Partial sums wait in y between chunks of KC. Up to GEMV_ROWS rows (decode steps of a few
+// requests) skip wbuf: unpacking is then most of the work, and gemv_strip does less of it.
+//
+// Layouts, per strip s (features 32s .. 32s + 31, rows past N zero): q4 [s][K / 2][32] bytes, byte
+// n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
+// d, m [s][K / 32][32] float32. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define NS 32  // output features per strip
+#define KC 128  // inputs unpacked at a time (the last chunk of a row may be shorter)
+#define GEMV_ROWS 6  // at most this many rows go straight from the blocks (gemv_strip) at a time
+#ifndef GEMV_GROUPS_MAX_ROWS
+#define GEMV_GROUPS_MAX_ROWS 6  // up to this many rows run as groups of GEMV_ROWS (more: unpacked tiles)
+#endif
+#ifndef GEMV_AHEAD
+#define GEMV_AHEAD 8  // blocks ahead the GEMVs prefetch (prefetch_block)
+#endif
+#define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
+#define DOT_FLAG 0x100  // in bits: q is in gemm_dot.c's layout, for its integer dot products (weight_blocks.DOT_FLAG)
+
+int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                   float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
+
+int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 below, vec.h's otherwise
+
+// Block b of strip s (of Q4_1 or Q8_0 quants, d and m) on its way into the caches, for nobody
+// to wait on it later: the GEMVs read three streams (quants, d, m), each running on from one strip
+// to the next (a thread's strips are consecutive), and ask for each GEMV_AHEAD blocks ahead (past
+// the end: a prefetch does not fault). Streaming the default model's 120 layer GEMMs at 1-6 rows
+// on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to ~42 GB/s).
+static inline void prefetch_block(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
+                                  int64_t b) {
+    const int64_t nb = K / 32, qbytes = bits == 4 ? 16 * NS : 32 * NS;
+    const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
+    for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
+    for (int64_t o = 0; o < NS; o += 16) {
+        __builtin_prefetch(d + (s * nb + b) * NS + o, 0, 0);
+        if (bits == 4) __builtin_prefetch(m + (s * nb + b) * NS + o, 0, 0);
+    }
+}
+
+#if defined(__AVX512F__)
+// acc[i] += d * part[i] (+ m * the block's sum of row i's x, xs[i * nb], for Q4_1): one block of
+// 32 inputs summed over the raw quants, scaled as the dequantizer would (gemv_strip, tile_bf16).
+static inline __attribute__((always_inline)) void scale_block(const int64_t R, int bits, const float* db,
+                                                              const float* mb, const float* xs, int64_t nb,
+                                                              __m512 (*part)[2], __m512 (*acc)[2]) {
+    for (int64_t h = 0; h < 2; h++) {
+        const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+        for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
+        if (bits == 4) {
+            const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * nb]), acc[i][h]);
+        }
+    }
+}
+
+// Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS].
+static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
+                          int64_t k0, int64_t kn, float* wbuf) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
+        const float* db = d + (s * (K / 32) + b) * NS;
+        const float* mb = m + (s * (K / 32) + b) * NS;
+        for (int64_t h = 0; h < 2; h++) {  // features 16h .. 16h + 15
+            const __m512 dv = _mm512_loadu_ps(db + 16 * h), mv = _mm512_loadu_ps(mb + 16 * h);
+            for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+                float* w = wbuf + (k - k0) * NS + 16 * h;
+                if (bits == 4) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(q + (s * (K / 2) + k / 2) * NS + 16 * h));
+                    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+                    const __m512 odd = _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                    _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(dv, even), mv));
+                    _mm512_storeu_ps(w + NS, _mm512_add_ps(_mm512_mul_ps(dv, odd), mv));
+                } else {
+                    const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
+                    _mm512_storeu_ps(w, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(
+                                                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk)))));
+                    _mm512_storeu_ps(w + NS, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                   _mm_loadu_si128((const __m128i*)(qk + NS))))));
+                }
+            }
+        }
+    }
+}
+
+// y[m0 .. m0 + R, strip s] (+)= x[.., k0 .. k0 + kn] . wbuf for R <= MB rows (a compile-time
+// constant after inlining, so the accumulators stay in registers and a short last tile does
+// no work for rows that do not exist); features past N masked off.
+static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
+                                                       int64_t m0, const float* wbuf, int64_t k0, int64_t kn,
+                                                       float* y, int64_t y_stride, int64_t n0, int64_t N, int first) {
+    const float* xr[MB];
+    for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
+    const int64_t left = N - n0;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
+    __m512 acc[MB][2];
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live0, yr);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live1, yr + 16);
+    }
+    for (int64_t k = 0; k < kn; k++) {
+        const __m512 w0 = _mm512_load_ps(wbuf + k * NS), w1 = _mm512_load_ps(wbuf + k * NS + 16);
+        for (int64_t i = 0; i < R; i++) {
+            const __m512 xv = _mm512_set1_ps(xr[i][k]);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        _mm512_mask_storeu_ps(yr, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(yr + 16, live1, acc[i][1]);
+    }
+}
+
+#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, k0, kn, y, y_stride, n0, N, first); break;
+
+static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf, int64_t k0, int64_t kn, float* y,
+                  int64_t y_stride, int64_t n0, int64_t N, int first) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        switch (M - m0 < MB ? M - m0 : MB) {
+            TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
+        }
+    }
+}
+
+// y[0 .. R, strip s] = x . W^T for R <= GEMV_ROWS rows, straight from the blocks: per block of 32
+// inputs the sums x . q over the raw quants, then d * that (+ m * the block's sum of x for Q4_1):
+// the same dot product with one multiply per block instead of one per weight and no trip through
+// wbuf (121 GEMMs of the default model at 1 row 1.36-1.44x, 4 rows 1.23x, 6 rows 1.17x on a
+// 2-core Xeon; and closer to float64 than the weight-by-weight sum).
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m512 acc[GEMV_ROWS][2];
+    for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 part[GEMV_ROWS][2];
+        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+        prefetch_block(bits, q, d, m, s, K, b + GEMV_AHEAD);
+        if (bits == 4) {
+            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+            for (int64_t p = 0; p < 16; p++) {
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + p * NS + 16 * h));
+                    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+                    const __m512 odd =
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                    for (int64_t i = 0; i < R; i++) {
+                        const float* xr = x + i * x_stride + b * 32 + 2 * p;
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
+                    }
+                }
+            }
+        } else {
+            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
+            for (int64_t k = 0; k < 32; k++)
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + k * NS + 16 * h));
+                    const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                    for (int64_t i = 0; i < R; i++)
+                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
+                }
+        }
+        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+    }
+    for (int64_t i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * y_stride + n0 + 16, live1, acc[i][1]);
+    }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 models (round_bf16) on CPUs with AVX512-BF16 (Q4_1 at any row count, Q8_0 from
+// BF16_MIN_ROWS rows on): VDPBF16PS does twice the multiply-adds of a float32 FMA per instruction,
+// and the quants are small integers, exact in bfloat16. So x is rounded to bfloat16 once (as a
+// bfloat16 model's GEMMs round their inputs) and a row tile sums x . q per block of 32 inputs, then
+// scales it by d (+ m times the block's sum of x) in float32 - gemv_strip's order. The weights are
+// the checkpoint's exact ones (not bfloat16-rounded). Q4_1 nibbles become bfloat16 pairs in
+// registers as they are read (gemv_strip_bf16, up to GEMV_ROWS rows at a time); Q8_0 quants, whose
+// conversion costs more, are unpacked into qbuf a KC chunk of a strip at a time (tile_bf16).
+#define MB_BF16 6  // rows per register tile: 2 * MB_BF16 accumulators + 2 * MB_BF16 block sums
+// From this many rows on a bfloat16 model's Q8_0 GEMMs take the tiles instead of gemv_strip's
+// float32 FMAs (4 GEMMs of the default model's layer on a Zen 4: level at 2 rows, 1.2-1.5x at 3-6).
+#define BF16_MIN_ROWS 2
+
+// Quants of strip s for inputs [k0, k0 + kn) into qbuf [kn / 2][NS]: 32-bit lane n of pair p holds
+// feature n's quants 2p (low half) and 2p + 1 (high half) as bfloat16.
+static inline void unpack_quants_bf16(int bits, const uint8_t* q, int64_t s, int64_t K, int64_t k0, int64_t kn,
+                                      const __m512i table, uint32_t* qbuf) {
+    for (int64_t p = 0; p < kn / 2; p++) {
+        const int64_t k = k0 + 2 * p;
+        for (int64_t h = 0; h < 2; h++) {
+            __m512i w;
+            if (bits == 4) {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(q + (s * (K / 2) + k / 2) * NS + 16 * h));
+                const __m512i v = _mm512_cvtepu8_epi32(raw);  // lane n: feature n's byte (k low nibble, k + 1 high)
+                const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+                                                    _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xf0)), 12));
+                w = _mm512_permutexvar_epi16(idx, table);
+            } else {
+                const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
+                const __m512i even = _mm512_cvtepu16_epi32(vcvt_bf16(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk)))));
+                const __m512i odd = _mm512_cvtepu16_epi32(vcvt_bf16(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qk + NS))))));
+                w = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+            }
+            _mm512_store_si512((__m512i*)(qbuf + p * NS + 16 * h), w);
+        }
+    }
+}
+
+// y[0 .. R, strip s] = x . W^T for R <= GEMV_ROWS rows of a bfloat16 model's Q4_1 blocks, straight
+// from the blocks: tile_bf16's sums in tile_bf16's order, with each nibble pair turned into a
+// bfloat16 pair in registers (VPMOVZXBD, a shift, an OR, one VPERMW) instead of a trip through qbuf.
+// More rows run in groups of at most GEMV_ROWS, converting the strip's quants again per group (from
+// L1): still faster than the tiles' qbuf at every row count measured (the default model's 120 layer
+// GEMMs on a Zen 5, interleaved: 1.06-1.08x at 1 row, 1.2-1.45x at 2-12, 1.03-1.14x at 14-128),
+// and one row's output no longer depends on which rows came with it.
+static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t R, const uint8_t* q, const float* d,
+                                                                  const float* m, int64_t s, int64_t K,
+                                                                  const uint16_t* xb, const float* xsum,
+                                                                  const __m512i table, float* y, int64_t y_stride,
+                                                                  int64_t N) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
+    __m512 acc[GEMV_ROWS][2];
+    for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 part[GEMV_ROWS][2];
+        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+        const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+        prefetch_block(4, q, d, m, s, K, b + GEMV_AHEAD);
+        for (int64_t p = 0; p < 16; p++) {
+            __m512bh xv[GEMV_ROWS];
+            for (int64_t i = 0; i < R; i++) {
+                int32_t pair;  // x[k], x[k + 1] as one bfloat16 pair
+                memcpy(&pair, xb + i * K + b * 32 + 2 * p, sizeof pair);
+                xv[i] = (__m512bh)_mm512_set1_epi32(pair);
+            }
+            for (int64_t h = 0; h < 2; h++) {
+                // lane n: feature n's byte; its low word indexes the table with the byte's low 5
+                // bits (the table repeats after 16), its high word with the high nibble
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qb + p * NS + 16 * h)));
+                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), table);
+                for (int64_t i = 0; i < R; i++) part[i][h] = _mm512_dpbf16_ps(part[i][h], xv[i], w);
+            }
+        }
+        scale_block(R, 4, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+    }
+    for (int64_t i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * y_stride + n0 + 16, live1, acc[i][1]);
+    }
+}
+
+#define GEMV_BF16(RV) case RV: gemv_strip_bf16(RV, q, d, m, s, K, xg, sg, table, yg, y_stride, N); break;
+
+// y[m0 .. m0 + R, strip s] (+)= x[.., k0 .. k0 + kn] . W^T from qbuf, R <= MB_BF16 rows. xb [M, K]
+// bfloat16 (the rounded x), xsum [M, K / 32] its sums per block.
+static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int bits, const uint16_t* xb, int64_t K,
+                                                            const float* xsum, int64_t m0, const uint32_t* qbuf,
+                                                            const float* d, const float* m, int64_t s, int64_t k0,
+                                                            int64_t kn, float* y, int64_t y_stride, int64_t N,
+                                                            int first) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
+    __m512 acc[MB_BF16][2];
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live0, yr);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live1, yr + 16);
+    }
+    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
+        __m512 part[MB_BF16][2];
+        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+        const uint32_t* qb = qbuf + (b * 32 - k0) / 2 * NS;
+        for (int64_t p = 0; p < 16; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512(qb + p * NS);
+            const __m512bh w1 = (__m512bh)_mm512_load_si512(qb + p * NS + 16);
+            for (int64_t i = 0; i < R; i++) {
+                int32_t pair;  // x[k], x[k + 1] as one bfloat16 pair
+                memcpy(&pair, xb + (m0 + i) * K + b * 32 + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                part[i][0] = _mm512_dpbf16_ps(part[i][0], xv, w0);
+                part[i][1] = _mm512_dpbf16_ps(part[i][1], xv, w1);
+            }
+        }
+        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + m0 * nb + b, nb, part, acc);
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0;
+        _mm512_mask_storeu_ps(yr, live0, acc[i][0]);
+        _mm512_mask_storeu_ps(yr + 16, live1, acc[i][1]);
+    }
+}
+
+#define TILE_BF16(RV) \
+    case RV: tile_bf16(RV, bits, xb, K, xsum, m0, qbuf, d, m, s, k0, kn, y, y_stride, N, k0 == 0); break;
+
+static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const float* m, const float* x,
+                             int64_t x_stride, float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, strips = (N + NS - 1) / NS;
+    uint16_t* xb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(M * K));
+    float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    round_rows_bf16(x, x_stride, M, K, xb);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t* xr = xb + i * K + b * 32;
+            xsum[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(vload(xr, 0, 1), vload(xr, 16, 1)));
+        }
+    uint16_t values[32];  // bfloat16 0 .. 15, twice (see gemv_strip_bf16): what a Q4_1 nibble stands for
+    for (int v = 0; v < 32; v++) values[v] = f32_to_bf16((float)(v & 15));
+    const __m512i table = _mm512_loadu_si512(values);
+    if (bits == 4) {
+        const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS;  // row groups as even as they come
+        _Pragma("omp parallel for schedule(static)")
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t g = 0, r0 = 0; g < groups; g++) {
+                const int64_t rows = M / groups + (g < M % groups);
+                const uint16_t* xg = xb + r0 * K;
+                const float* sg = xsum + r0 * nb;
+                float* yg = y + r0 * y_stride;
+                switch (rows) { GEMV_BF16(1) GEMV_BF16(2) GEMV_BF16(3) GEMV_BF16(4) GEMV_BF16(5) GEMV_BF16(6) }
+                r0 += rows;
+            }
+        free(xsum);
+        free(xb);
+        return;
+    }
+    // row tiles as even as they come (8 rows: 4 + 4, not 6 + 2: a short tile reloads qbuf for few rows)
+    const int64_t n_tiles = (M + MB_BF16 - 1) / MB_BF16;
+    _Pragma("omp parallel")
+    {
+        uint32_t qbuf[KC / 2 * NS] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kn = K - k0 < KC ? K - k0 : KC;
+                unpack_quants_bf16(bits, q, s, K, k0, kn, table, qbuf);
+                for (int64_t t = 0, m0 = 0; t < n_tiles; t++) {
+                    const int64_t rows = M / n_tiles + (t < M % n_tiles);
+                    switch (rows) {
+                        TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6)
+                    }
+                    m0 += rows;
+                }
+            }
+    }
+    free(xsum);
+    free(xb);
+}
+#endif
+#endif
+
+#if !defined(__AVX512F__)
+// The same two paths for every other level, over vec.h's VL lanes (AVX2 + FMA: 8; generic C: 8):
+// NV vectors per strip, the same sums in the same order per lane as the AVX-512 code, so every
+// level computes each output from the same products (summed in lanes of another width).
+#define NV (NS / VL)
+#define MB_P 6  // rows per register tile: 2 vectors of 6 rows are 12 of AVX2's 16 registers
+
+// acc[i] += d * part[i] (+ m * the block's sum of row i's x, for Q4_1), as scale_block.
+static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int bits, const float* db,
+                                                                const float* mb, const float* xs, int64_t nb,
+                                                                vf (*part)[NV], vf (*acc)[NV]) {
+    for (int64_t h = 0; h < NV; h++) {
+        const vf dv = vf_load(db + VL * h);
+        for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(dv, part[i][h], acc[i][h]);
+        if (bits == 4) {
+            const vf mv = vf_load(mb + VL * h);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(mv, vf_set1(xs[i * nb]), acc[i][h]);
+        }
+    }
+}
+
+// Features of vector h of a strip that exist, `left` from the strip's start on: all VL, or fewer.
+static inline int64_t lanes_live(int64_t left, int64_t h) {
+    left -= VL * h;
+    return left >= VL ? VL : left > 0 ? left : 0;
+}
+
+static inline void store_live(float* y, vf v, int64_t live) {
+    if (live == VL) vf_store(y, v);
+    else if (live > 0) vf_store_n(y, v, live);
+}
+
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, nb = K / 32;
+    vf acc[GEMV_ROWS][NV];
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t h = 0; h < NV; h++) acc[i][h] = vf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        vf part[GEMV_ROWS][NV];
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t h = 0; h < NV; h++) part[i][h] = vf_zero();
+        prefetch_block(bits, q, d, m, s, K, b + GEMV_AHEAD);
+        if (bits == 4) {
+            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+            for (int64_t p = 0; p < 16; p++) {
+                vf x0[GEMV_ROWS], x1[GEMV_ROWS];
+                for (int64_t i = 0; i < R; i++) {
+                    x0[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p]);
+                    x1[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p + 1]);
+                }
+                for (int64_t h = 0; h < NV; h++) {
+                    vf even, odd;
+                    vf_from_nibbles(qb + p * NS + VL * h, &even, &odd);
+                    for (int64_t i = 0; i < R; i++) {
+                        part[i][h] = vf_fma(x0[i], even, part[i][h]);
+                        part[i][h] = vf_fma(x1[i], odd, part[i][h]);
+                    }
+                }
+            }
+        } else {
+            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
+            for (int64_t k = 0; k < 32; k++)
+                for (int64_t h = 0; h < NV; h++) {
+                    const vf qv = vf_from_i8(qb + k * NS + VL * h);
+                    for (int64_t i = 0; i < R; i++)
+                        part[i][h] = vf_fma(vf_set1(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
+                }
+        }
+        scale_block_p(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+    }
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t h = 0; h < NV; h++) store_live(y + i * y_stride + n0 + VL * h, acc[i][h], lanes_live(N - n0, h));
+}
+
+// Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS], each d * q (+ m) as unpack.
+static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
+                          int64_t k0, int64_t kn, float* wbuf) {
+    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
+        const float* db = d + (s * (K / 32) + b) * NS;
+        const float* mb = m + (s * (K / 32) + b) * NS;
+        for (int64_t h = 0; h < NV; h++) {
+            const vf dv = vf_load(db + VL * h), mv = bits == 4 ? vf_load(mb + VL * h) : vf_zero();
+            for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+                float* w = wbuf + (k - k0) * NS + VL * h;
+                if (bits == 4) {
+                    vf even, odd;
+                    vf_from_nibbles(q + (s * (K / 2) + k / 2) * NS + VL * h, &even, &odd);
+                    vf_store(w, vf_add(vf_mul(dv, even), mv));
+                    vf_store(w + NS, vf_add(vf_mul(dv, odd), mv));
+                } else {
+                    const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + VL * h;
+                    vf_store(w, vf_mul(dv, vf_from_i8(qk)));
+                    vf_store(w + NS, vf_mul(dv, vf_from_i8(qk + NS)));
+                }
+            }
+        }
+    }
+}
+
+// y[m0 .. m0 + R, features h0 * VL .. (h0 + 2) * VL of the strip] (+)= x . wbuf, R <= MB_P rows.
+static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
+                                                       int64_t m0, const float* wbuf, int64_t h0, int64_t k0,
+                                                       int64_t kn, float* y, int64_t y_stride, int64_t n0, int64_t N,
+                                                       int first) {
+    const float* xr[MB_P];
+    for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
+    const int64_t live0 = lanes_live(N - n0, h0), live1 = lanes_live(N - n0, h0 + 1);
+    vf acc[MB_P][2];
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
+        acc[i][0] = first || !live0 ? vf_zero() : live0 == VL ? vf_load(yr) : vf_load_n(yr, live0);
+        acc[i][1] = first || !live1 ? vf_zero() : live1 == VL ? vf_load(yr + VL) : vf_load_n(yr + VL, live1);
+    }
+    for (int64_t k = 0; k < kn; k++) {
+        const vf w0 = vf_load(wbuf + k * NS + VL * h0), w1 = vf_load(wbuf + k * NS + VL * (h0 + 1));
+        for (int64_t i = 0; i < R; i++) {
+            const vf xv = vf_set1(xr[i][k]);
+            acc[i][0] = vf_fma(xv, w0, acc[i][0]);
+            acc[i][1] = vf_fma(xv, w1, acc[i][1]);
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
+        store_live(yr, acc[i][0], live0);
+        store_live(yr + VL, acc[i][1], live1);
+    }
+}
+
+#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, first); break;
+
+static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf, int64_t k0, int64_t kn, float* y,
+                  int64_t y_stride, int64_t n0, int64_t N, int first) {
+    for (int64_t h0 = 0; h0 < NV; h0 += 2)
+        for (int64_t m0 = 0; m0 < M; m0 += MB_P) {
+            switch (M - m0 < MB_P ? M - m0 : MB_P) {
+                TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
+            }
+        }
+}
+#endif
+
+#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
+
+// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), | DOT_FLAG for q in gemm_dot.c's layout (its integer
+// dot products). K a multiple of 32. Returns 0 where this build
+// has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
+// round_bf16: the blocks stand for a bfloat16 model's weights, so their GEMMs (Q8_0: of
+// BF16_MIN_ROWS or more rows) may round x to bfloat16 and use VDPBF16PS (gemm_blocks_bf16) where
+// this CPU has it.
+int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                      float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
+    if (bits & DOT_FLAG) return relay_gemm_dot(bits & ~DOT_FLAG, q, d, m, x, x_stride, y, y_stride, M, N, K);
+    if (K % 32 || M < 1) return 0;
+    const int64_t strips = (N + NS - 1) / NS;
+#if defined(__AVX512BF16__)
+    if (round_bf16 && (M >= BF16_MIN_ROWS || bits == 4)) {
+        gemm_blocks_bf16(bits, q, d, m, x, x_stride, y, y_stride, M, N, K);
+        return 1;
+    }
+#endif
+    if (M <= GEMV_GROUPS_MAX_ROWS) {
+        float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * (K / 32)));  // each row's sum per block (Q4_1's m)
+        for (int64_t i = 0; i < (bits == 4 ? M : 0); i++)
+            for (int64_t b = 0; b < K / 32; b++) {
+                float t = 0.f;
+                for (int64_t k = 0; k < 32; k++) t += x[i * x_stride + b * 32 + k];
+                xsum[i * (K / 32) + b] = t;
+            }
+        const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS;  // row groups as even as they come
+        _Pragma("omp parallel for schedule(static)")
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t g = 0, r0 = 0; g < groups; g++) {
+                const int64_t rows = M / groups + (g < M % groups);
+                const float* xg = x + r0 * x_stride;
+                const float* sg = xsum + r0 * (K / 32);
+                float* yg = y + r0 * y_stride;
+                switch (rows) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
+                r0 += rows;
+            }
+        free(xsum);
+        return 1;
+    }
+    _Pragma("omp parallel")
+    {
+        float wbuf[KC * NS] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t s = 0; s < strips; s++)
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kn = K - k0 < KC ? K - k0 : KC;
+                unpack(bits, q, d, m, s, K, k0, kn, wbuf);
+                tiles(x, x_stride, M, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
+            }
+    }
+    (void)round_bf16;  // used where the CPU has AVX512-BF16
+    return 1;
+}

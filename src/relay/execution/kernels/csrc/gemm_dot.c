@@ -1,0 +1,180 @@
+// GEMMs on GGUF blocks in 8-bit integer dot products, as llama.cpp runs them: y[M, N] = x[M, K] . W^T
+// with x rounded to 8 bits per block of 32 (one float scale a block), then integer sums of quant
+// products and one float multiply-add per block. gemm_blocks.c's float path turns every weight into a
+// float before its FMA; here a 32-byte load feeds 64 multiply-adds in two VPMADDUBSW (AVX2) or two
+// VPDPBUSD (AVX512-VNNI), so a decode step's GEMVs do a third of the instructions and come near the
+// speed of reading the weights (docs/benchmarks.md). The cost is x's rounding: ~0.4 % of a block's
+// largest value (BlockWeight.dot, chosen per server with --block-activations).
+//
+// Layout ("dot", relay/execution/weight_blocks.py dot_layout), per strip s of 32 output features: 4 groups g of 8
+// features, then the K / 32 blocks, then per block 32-byte units of 8 features x 4 bytes (feature
+// f's bytes 4f .. 4f + 3):
+//   Q4_1: 4 units per block; unit o byte 4f + j = q[f][8o + j] | q[f][8o + 4 + j] << 4
+//   Q8_0: 8 units per block; unit o byte 4f + j = q[f][4o + j] (int8)
+// so one unit's low nibbles (or its bytes) are the quants of 4 consecutive inputs for each of 8
+// features: VPMADDUBSW + VPMADDWD (or VPDPBUSD) against those 4 inputs of x broadcast gives 8 int32
+// sums. d and m stay as gemm_blocks.c has them: float32 [s][K / 32][32].
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define NS 32  // output features per strip
+#define FG 8  // features per group (one 8 x int32 accumulator)
+#define DOT_ROWS 6  // rows per pass over a group's weights: 6 int32 + 6 float accumulators + temporaries
+
+// x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the block's float sum
+// (Q4_1's m term uses it exactly, as gemm_blocks.c does).
+static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* qx, float* dx, float* xs) {
+    const int64_t nb = K / 32;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float* xb = x + i * x_stride + b * 32;
+            float amax = 0.f, sum = 0.f;
+            for (int64_t k = 0; k < 32; k++) {
+                amax = fmaxf(amax, fabsf(xb[k]));
+                sum += xb[k];
+            }
+            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int64_t k = 0; k < 32; k++) qx[i * K + b * 32 + k] = (int8_t)lrintf(xb[k] * inv);
+            dx[i * nb + b] = d;
+            xs[i * nb + b] = sum;
+        }
+}
+
+static inline int32_t load4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(__AVX2__)
+// 8 features' sums over 4 inputs: acc += w . x per 32-bit lane, w unsigned (Q4_1 nibbles), x signed.
+static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else
+    // pairs of products: 2 * 15 * 127 < 2^15, so VPMADDUBSW never saturates here
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// y[0 .. R, features n0 .. n0 + 8] = x . W^T for one group, R <= DOT_ROWS rows, from its units wq.
+static inline __attribute__((always_inline)) void dot_group(const int64_t R, int bits, const uint8_t* wq,
+                                                            const float* d, const float* m, const int8_t* qx,
+                                                            const float* dx, const float* xs, int64_t K, float* y,
+                                                            int64_t y_stride, int64_t live) {
+    const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[DOT_ROWS];
+    for (int64_t i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i isum[DOT_ROWS];
+        for (int64_t i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
+        const uint8_t* ub = wq + b * units * 32;
+        _mm_prefetch((const char*)(ub + 8 * units * 32), _MM_HINT_T0);
+        for (int64_t o = 0; o < units; o++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(ub + o * 32));
+            if (bits == 4) {
+                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int64_t i = 0; i < R; i++) {
+                    const int8_t* xr = qx + i * K + b * 32 + 8 * o;
+                    isum[i] = dot_u8s8(isum[i], lo, _mm256_set1_epi32(load4(xr)));
+                    isum[i] = dot_u8s8(isum[i], hi, _mm256_set1_epi32(load4(xr + 4)));
+                }
+            } else {  // signed weights: |w| times x with w's sign (q8 is never -128)
+                const __m256i aw = _mm256_abs_epi8(raw);
+                for (int64_t i = 0; i < R; i++) {
+                    const __m256i xv = _mm256_set1_epi32(load4(qx + i * K + b * 32 + 4 * o));
+                    isum[i] = dot_u8s8(isum[i], aw, _mm256_sign_epi8(xv, raw));
+                }
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(d + b * NS);
+        for (int64_t i = 0; i < R; i++) {
+            const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b]));
+            acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[i]), acc[i]);
+            if (bits == 4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * NS), _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < R; i++) {
+        if (live == FG) {
+            _mm256_storeu_ps(y + i * y_stride, acc[i]);
+        } else {
+            float t[FG];
+            _mm256_storeu_ps(t, acc[i]);
+            memcpy(y + i * y_stride, t, sizeof(float) * (size_t)live);
+        }
+    }
+}
+#else
+// The same sums in plain C (any CPU): integer products summed exactly, then the same float steps.
+static inline void dot_group(const int64_t R, int bits, const uint8_t* wq, const float* d, const float* m,
+                             const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y, int64_t y_stride,
+                             int64_t live) {
+    const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
+    float acc[DOT_ROWS][FG] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t isum[DOT_ROWS][FG] = {{0}};
+        const uint8_t* ub = wq + b * units * 32;
+        for (int64_t o = 0; o < units; o++)
+            for (int64_t f = 0; f < FG; f++)
+                for (int64_t j = 0; j < 4; j++) {
+                    const uint8_t byte = ub[o * 32 + 4 * f + j];
+                    for (int64_t i = 0; i < R; i++) {
+                        const int8_t* xr = qx + i * K + b * 32;
+                        if (bits == 4)
+                            isum[i][f] += (byte & 15) * xr[8 * o + j] + (byte >> 4) * xr[8 * o + 4 + j];
+                        else
+                            isum[i][f] += (int8_t)byte * xr[4 * o + j];
+                    }
+                }
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t f = 0; f < FG; f++) {
+                const float scale = d[b * NS + f] * dx[i * nb + b];
+                acc[i][f] = fmaf(scale, (float)isum[i][f], acc[i][f]);
+                if (bits == 4) acc[i][f] = fmaf(m[b * NS + f], xs[i * nb + b], acc[i][f]);
+            }
+    }
+    for (int64_t i = 0; i < R; i++) memcpy(y + i * y_stride, acc[i], sizeof(float) * (size_t)live);
+}
+#endif
+
+#define DOT_CASE(RV) \
+    case RV: dot_group(RV, bits, wq, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * nb, K, y + r0 * y_stride + n0, y_stride, live); break;
+
+// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), q in the dot layout above, K a multiple of 32.
+// Every row count: rows go in groups of at most DOT_ROWS over each group of 8 features (its weights
+// read again from L1/L2 per row group).
+int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                   float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+    if (K % 32 || M < 1 || (bits != 4 && bits != 8)) return 0;
+    const int64_t nb = K / 32, strips = (N + NS - 1) / NS, group_bytes = nb * 32 * (bits == 4 ? 4 : 8);
+    int8_t* qx = (int8_t*)malloc((size_t)(M * K));
+    float* dx = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    float* xs = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    quantize_rows(x, x_stride, M, K, qx, dx, xs);
+    const int64_t row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;  // as even as they come
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t sg = 0; sg < strips * 4; sg++) {
+        const int64_t s = sg / 4, g = sg % 4, n0 = s * NS + g * FG;
+        const int64_t live = N - n0 >= FG ? FG : N - n0 > 0 ? N - n0 : 0;
+        if (!live) continue;
+        const uint8_t* wq = q + sg * group_bytes;
+        const float* dg = d + s * nb * NS + g * FG;
+        const float* mg = m + s * nb * NS + g * FG;
+        for (int64_t t = 0, r0 = 0; t < row_groups; t++) {
+            const int64_t rows = M / row_groups + (t < M % row_groups);
+            switch (rows) { DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6) }
+            r0 += rows;
+        }
+    }
+    free(xs);
+    free(dx);
+    free(qx);
+    return 1;
+}

@@ -1,0 +1,26 @@
+"""Model registry: config.json's `architectures[0]` -> the class that implements it."""
+from __future__ import annotations
+
+from torch import nn
+
+from relay.execution.models.llama import LlamaForCausalLM
+from relay.execution.models.phi3 import Phi3ForCausalLM
+from relay.execution.models.moe import MoeForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r} (config.json architectures); "
+                         f"Relay runs {', '.join(sorted(MODELS))}") from None

@@ -1,0 +1,381 @@
+"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama, Mistral), Qwen2, Qwen3.
+
+The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
+before the rotary embedding. q/k/v and gate/up are fused into one GEMM each. The
+mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relay.execution.attention.base import AttentionBackend
+from relay.config import ModelConfig
+from relay.execution.distributed import TPGroup, head_partition, split_evenly
+from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
+                          apply_rotary, pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
+from relay.execution.weight_blocks import recover
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        self.shard = head_partition(mc.num_heads, mc.num_kv_heads, tp.size, tp.rank)
+        self.layer_id = layer_id
+        self.head_dim = d = mc.head_dim
+        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = Linear(mc.hidden_size, sum(self.sizes), mc.attention_bias, dtype)
+        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, False, dtype, tp)
+        self.qk_norm = mc.qk_norm
+        if mc.qk_norm:
+            self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+        self.rotary: RotaryEmbedding | None = None  # the model's tables, for the fused CPU rotary
+
+    def forward(self, x: torch.Tensor, rope: StepRope, attn: AttentionBackend,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj(attention) of every row, or of the rows in keep only (every row's keys and
+        values still go into the cache)."""
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        nq, nk = self.num_heads, self.num_kv_heads
+        v = qkv[:, (nq + nk) * d:].view(t, nk, d)
+        if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
+            cpu_kernels.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
+            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+        elif self.qk_norm:
+            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+            q, k = apply_rotary(self.q_norm(q), rope.cos, rope.sin), apply_rotary(self.k_norm(k), rope.cos, rope.sin)
+        else:  # q and k sit side by side in qkv: rotate them in one pass
+            q, k = apply_rotary(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin).split([nq, nk], dim=1)
+        out = attn.forward(q, k, v, self.layer_id)
+        if keep is not None:
+            out = out[keep]
+            if not out.shape[0]:  # no row's output is read: its keys and values were all it had to give
+                return out.new_empty(0, self.o_proj.weight.shape[0])
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """silu(x W_gate) * (x W_up) W_down, gate/up fused into one GEMM; the intermediate features
+    split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
+    caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, intermediate_size: int | None = None,
+                 reduce: bool = True):
+        super().__init__()
+        self.start, self.inter = split_evenly(intermediate_size or mc.intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
+        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp if reduce else None)
+        self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def load(self, which: str, w: torch.Tensor) -> str:
+        """Copy this rank's slice of a checkpoint's full gate_proj, up_proj or down_proj weight in;
+        the name of the parameter it went to."""
+        start, n = self.start, self.inter
+        if which == "down_proj":
+            self.down_proj.weight.copy_(w[:, start:start + n])
+            return "down_proj.weight"
+        offset = {"gate_proj": 0, "up_proj": n}[which]
+        self.gate_up_proj.weight[offset:offset + n].copy_(w[start:start + n])
+        return "gate_up_proj.weight"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.self_attn = Attention(mc, tp, dtype, layer_id)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
+                attn: AttentionBackend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer adds them,
+        fused with its norm. With keep (row indices), both only for those rows: what the last
+        layer needs where only some rows' logits are read."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, attn, keep)
+        if keep is not None:
+            residual = residual[keep]
+            if not h.shape[0]:
+                return h, residual
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    supports_cuda_graph = True  # a step's work depends on its shapes alone (a MoE step's does not)
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = mc
+        self.tp = tp
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(mc, tp, dtype, i, self._make_mlp(i)) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
+                        else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
+        self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling,
+                                      mc.partial_rotary_factor, mc.max_position_embeddings)
+        self.fused_cpu_ops = False  # see pack_for_cpu
+        self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
+        self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
+        self._layer_gemms: list[Linear] = []  # the decoder layers' GEMM modules, once prompt_layers is set
+
+    def _make_mlp(self, layer_id: int) -> nn.Module:
+        """Layer layer_id's feed-forward block (a MoE model's sparse layers give theirs)."""
+        return MLP(self.config, self.tp, self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """Hidden states after the final norm: [num_tokens, hidden], or [len(rows), hidden] of the
+        given token rows (increasing): then the last layer runs everything after its attention
+        for those rows only (a prompt chunk's other tokens only leave their keys and values: its
+        o_proj and MLP are 2.8 % of the default model's GEMM work per token). A kept row's output
+        is bit for bit what it is with all rows in the one-call prompt step; layer by layer the
+        GEMMs pick their kernel by row count, so it is close."""
+        t = input_ids.shape[0]
+        keep = None if rows is None or len(rows) == t else rows
+        fast = self.decode_layers
+        if fast is not None and fast[0] is attn and t <= fast[1].max_rows:
+            plan = attn.decode_kernel_plan
+            if plan is not None:
+                hidden = fast[1].run(self.embed_tokens(input_ids).float(), positions, plan).to(self.dtype)
+                return hidden if keep is None else hidden[keep]
+        chunks = self.prompt_layers
+        if chunks is not None and chunks[0] is attn and t > self._rows_off_panels():
+            plan = attn.prompt_kernel_plan
+            if plan is not None:
+                return chunks[1].run(self.embed_tokens(input_ids), positions, plan, keep)
+        rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head)
+        x, residual = self.embed_tokens(input_ids), None
+        last = len(self.layers) - 1
+        index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rope, attn, index if i == last else None)
+        return self.norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def gemm_modules(self) -> list[Linear | VocabParallelEmbedding]:
+        """Every module whose weight a GEMM reads: the linear layers and the LM head."""
+        return [m for m in self.modules() if isinstance(m, Linear)
+                or (isinstance(m, VocabParallelEmbedding) and m is self.lm_head)]
+
+    def pack_for_cpu(self) -> None:
+        """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
+        weights in memory, buys ~1.3x on batched GEMMs)."""
+        for module in self.gemm_modules():
+            module.packed = pack_for_cpu(module.weight)
+
+    def use_cpu_kernels(self) -> None:
+        """Relay's own CPU kernels where this CPU and dtype have them: the small-batch bfloat16
+        GEMM, and fused norm/rotary/silu ops (float32 too: they halve a step's small-op time on a
+        2-core Xeon, docs/benchmarks.md, and greedy output still matches transformers token for
+        token)."""
+        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
+        for module in self.gemm_modules():
+            module.gemv = gemv and module.int8 is None and module.int4 is None
+        self.fused_cpu_ops = self.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available() and not self.config.qk_norm
+        if self.fused_cpu_ops:
+            self.norm.fused = True
+            for layer in self.layers:
+                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
+                if self.rotary.covers_head:  # the kernel rotates whole heads; a partial rotary stays in torch
+                    layer.self_attn.rotary = self.rotary
+
+    def use_decode_layers(self, attn: AttentionBackend) -> bool:
+        """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
+        where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
+        biases or q/k norms, one rank or CPU ranks on shared memory (TPGroup.shm: the call then
+        all-reduces as the layers do), and steps whose attention the backend gives to the C decode
+        kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
+        rows the blocks are used for; the runner measures it). It keeps float32 activations (a
+        bfloat16 model's too: its blocks are the checkpoint's exact weights; their GEMMs round to
+        bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
+        bfloat16 panels where it has them). Returns whether it does."""
+        layers = self.layers
+        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
+                    and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
+                    and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
+                            if m is not self.lm_head))
+        # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
+        if not self.tp.all_true(eligible):
+            return False
+        def gemm(m: Linear) -> cpu_kernels.LayerGemm:
+            panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
+            return cpu_kernels.LayerGemm(m.blocks, panels)
+
+        weights = [cpu_kernels.DecoderLayerWeights(
+            layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float(),
+            gemm(layer.self_attn.qkv_proj), gemm(layer.self_attn.o_proj), gemm(layer.mlp.gate_up_proj),
+            gemm(layer.mlp.down_proj)) for layer in layers]
+        a = layers[0].self_attn
+        self.decode_layers = (attn, cpu_kernels.DecodeLayers(
+            weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
+        return True
+
+    def use_prompt_layers(self, attn: AttentionBackend) -> bool:
+        """Run steps with prompt chunks over attn's KV cache as one C call (cpu_kernels.PromptLayers)
+        where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
+        model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
+        q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose
+        prompt chunks the backend gives to the C kernels (prompt_kernel_plan), and steps of more
+        rows than go to other GEMM kernels (_rows_off_panels): the same output as the layers, bit
+        for bit. Returns whether."""
+        modules = [m for m in self.gemm_modules() if m is not self.lm_head]
+        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
+                    and self.dtype == torch.bfloat16
+                    and attn.kv.layout == "HND" and attn.kv.k[0].dtype == torch.bfloat16
+                    and attn.kv.k[0].device.type == "cpu" and getattr(attn, "kernel", None) is not None
+                    and cpu_kernels.tiled_attention_available(torch.bfloat16, torch.bfloat16, self.config.head_dim)
+                    and all(isinstance(m.packed, cpu_kernels.Bf16Panels) and m.bias is None and m.int8 is None
+                            and m.int4 is None and m.w8a8 is None for m in modules))
+        if not self.tp.all_true(eligible):  # every rank or none, as use_decode_layers
+            return False
+        weights = [cpu_kernels.DecoderLayerWeights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.packed,
+            layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
+            for layer in self.layers]
+        a = self.layers[0].self_attn
+        self._layer_gemms = modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
+        self.prompt_layers = (attn, cpu_kernels.PromptLayers(
+            weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
+            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
+        return True
+
+    def _rows_off_panels(self) -> int:
+        """The most rows for which some decoder-layer GEMM takes another kernel than the panels
+        (cpu_matmul: the blocks up to their max_rows, the bfloat16 GEMV up to GEMM_BF16_MAX_ROWS)."""
+        return max([cpu_kernels.GEMM_BF16_MAX_ROWS] + [m.blocks.max_rows for m in self._layer_gemms
+                                                        if m.blocks is not None])
+
+    def use_weight_blocks(self) -> int:
+        """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
+        dequantized floats) also as those blocks, for small-batch GEMMs; returns how many are."""
+        kept = 0
+        for module in self.gemm_modules():
+            module.blocks = recover(module.weight)
+            kept += module.blocks is not None
+        return kept
+
+    def use_dot_blocks(self) -> None:
+        """Every GEMM's blocks in the integer dot products' layout: their GEMMs round x to 8 bits
+        per block (EngineConfig.block_activations)."""
+        for module in self.gemm_modules():
+            if module.blocks is not None:
+                module.blocks = module.blocks.to_dot()
+
+    def limit_weight_blocks(self, max_rows: int) -> None:
+        """GEMMs of at most max_rows rows read the blocks; with 0, none do (a decode step in one
+        C call may still: see drop_unused_weight_blocks)."""
+        for module in self.gemm_modules():
+            if module.blocks is not None:
+                module.blocks.max_rows = max_rows
+
+    def drop_unused_weight_blocks(self) -> None:
+        """Forget the one-call decode step if it takes no batch size, and then the blocks that no
+        GEMM reads."""
+        if self.decode_layers is not None and not self.decode_layers[1].max_rows:
+            self.decode_layers = None
+        if self.decode_layers is None:
+            for module in self.gemm_modules():
+                if module.blocks is not None and not module.blocks.max_rows:
+                    module.blocks = None
+
+    def quantize_int4(self) -> None:
+        """Weight-only 4-bit (groups of 32, scale and zero point) for every GEMM; like int8, the
+        float weights become the quantized values."""
+        for module in self.gemm_modules():
+            module.int4, module.weight.data = quantize_int4(module.weight)
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every GEMM; the float weights become the quantized values so that
+        every batch size computes with the same weights (a tied embedding included)."""
+        for module in self.gemm_modules():
+            module.int8, module.weight.data = quantize_int8(module.weight)
+
+    def quantize_w8a8(self) -> None:
+        """int8 weights (one scale per output row) for the decoder layers' GEMMs, computed in int8 x
+        int8 from W8A8_MIN_ROWS rows on (activations quantized per token). Smaller GEMMs take the
+        float paths over the same quantized values: at 1-3 rows Relay's kernel streams bf16
+        weights faster than torch's weight-only int8 kernel computes. The LM head stays as it is:
+        its logits are what sampling reads."""
+        for module in self.gemm_modules():
+            if isinstance(module, Linear):
+                int8, module.weight.data = quantize_int8(module.weight)
+                module.w8a8 = w8a8_weight(int8)
+
+    # ---- checkpoint loading -------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each rank's slice of HF-named checkpoint tensors into the fused parameters."""
+        loaded: set[str] = set()
+        for name, w in weights:
+            target = self._load_one(name, w)
+            if isinstance(target, str):
+                loaded.add(target)
+            elif target:  # a checkpoint tensor holding several parameters (all experts' weights in one)
+                loaded.update(target)
+        expected = {n for n, _ in self.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+    def _load_one(self, name: str, w: torch.Tensor) -> str | list[str] | None:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return None
+            module = self.embed_tokens if name.startswith("embed") else self.lm_head
+            n = module.weight.shape[0]
+            module.weight.copy_(w[module.start:module.start + n])
+            return name
+        if name == "norm.weight":
+            self.norm.weight.copy_(w)
+            return name
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if m is None:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        layer, part, kind = self.layers[int(m.group(1))], m.group(2), m.group(3)
+        prefix = f"layers.{m.group(1)}."
+        attn, mlp, d = layer.self_attn, layer.mlp, self.config.head_dim
+        sh = attn.shard
+        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            which = part[-6]
+            start, count, offset = {
+                "q": (sh.q_start, sh.q_count, 0),
+                "k": (sh.kv_start, sh.kv_count, attn.sizes[0]),
+                "v": (sh.kv_start, sh.kv_count, attn.sizes[0] + attn.sizes[1]),
+            }[which]
+            dest = getattr(attn.qkv_proj, kind)
+            dest[offset:offset + count * d].copy_(w[start * d:(start + count) * d])
+            return prefix + f"self_attn.qkv_proj.{kind}"
+        if part == "self_attn.o_proj":
+            attn.o_proj.weight.copy_(w[:, sh.q_start * d:(sh.q_start + sh.q_count) * d])
+            return prefix + "self_attn.o_proj.weight"
+        if part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            return prefix + "mlp." + mlp.load(part[4:], w)
+        module = layer.get_submodule(part)  # input/post-attention norms, q/k norms
+        module.weight.copy_(w)
+        return prefix + part + ".weight"

@@ -1,0 +1,1 @@
+"""Text: tokenizer, incremental detokenizer and grammar-constrained decoding."""
