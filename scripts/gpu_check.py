@@ -104,7 +104,7 @@ def cmd_build(args) -> None:
     import torch
     from transformers import Qwen3Config
 
-    from tests.gpu_helpers import save_random_model
+    from scripts.random_model import save_random_model
 
     t0 = time.perf_counter()
     if os.path.exists(os.path.join(args.out, "model.safetensors")):
@@ -131,7 +131,7 @@ def make_runner(model_dir: str, **kw):
 def cmd_correctness(args) -> None:
     import torch
 
-    from tests.gpu_helpers import run_greedy
+    from scripts.runner_steps import run_greedy
 
     rng = random.Random(0)
     lengths = [5, 17, 64, 100, 129, 250, 333, 400][:args.prompts]
@@ -203,7 +203,7 @@ def cmd_decode_speed(args) -> None:
     from relay.scheduling.batch import SamplingSpec
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
-    from tests.gpu_helpers import Sequences
+    from scripts.runner_steps import Sequences
 
     mc = ModelConfig.from_dir(args.model)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
