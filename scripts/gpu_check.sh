@@ -82,7 +82,7 @@ BACKENDS="${GPU_CHECK_BACKENDS:-triton,flashinfer}"  # those not installed are l
 step "3/6 correctness" 210 "${PY[@]}" correctness --model "$MODEL" --backends "$BACKENDS"
 step "4/6 decode-speed" 120 "${PY[@]}" decode-speed --model "$MODEL" --backends "$BACKENDS" \
     --batch-sizes "${GPU_CHECK_DECODE_BS:-1,16,64}" --context 256
-step "5/6 throughput" 150 python scripts/bench_offline.py --no-hf --model-path "$MODEL" --load-format dummy \
+step "5/6 throughput" 150 python scripts/bench/offline.py --no-hf --model-path "$MODEL" --load-format dummy \
     --device "${GPU_CHECK_DEVICE:-cuda}" --dtype bfloat16 --num-seqs "${GPU_CHECK_NUM_SEQS:-256}" \
     --chunked-prefill-size 8192 --output-json "$BENCH_JSON"
 

@@ -53,7 +53,7 @@ def self_time(raw_path: str, top: int) -> tuple[int, list[tuple[str, int]]]:
 
 
 def start_load(args) -> subprocess.Popen:
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", args.base_url,
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench", "serving.py"), "--base-url", args.base_url,
            "--backend", args.backend, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
            "--random-input-len", "128", "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
            "--ignore-eos", "--max-concurrency", str(args.concurrency), "--disable-tqdm"]

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import bench_serving as bs  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench"))
+import serving as bs  # noqa: E402
 import compare  # noqa: E402
 
 

@@ -29,10 +29,10 @@ import uuid
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import bench_serving as bs  # noqa: E402
-from bench_goodput import machine  # noqa: E402
+import serving as bs  # noqa: E402
+from goodput import machine  # noqa: E402
 from compare import Server  # noqa: E402
 
 ITEM = {"type": "object", "properties": {

@@ -67,9 +67,9 @@ from datetime import datetime
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import bench_serving as bs
+import serving as bs
 from procs.common import terminate
 
 BENCH_DIR = os.path.join(ROOT, ".bench")
@@ -423,7 +423,7 @@ def run_hf(args, results: Results) -> None:
         out = os.path.join(BENCH_DIR, "hf-tmp.jsonl")
         if os.path.exists(out):
             os.remove(out)
-        cmd = [sys.executable, os.path.join(HERE, "hf_static_baseline.py"),
+        cmd = [sys.executable, os.path.join(HERE, "hf.py"),
                "--num-prompts", str(spec["num_prompts"]), "--random-input-len", str(spec["input_len"]),
                "--random-output-len", str(spec["output_len"]),
                "--random-input-range-ratio", str(spec["input_ratio"]),

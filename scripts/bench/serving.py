@@ -67,7 +67,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:30000"
 
 def default_tokenizer_path() -> str:
     """The converted default model's directory (it holds tokenizer.json)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     src = os.path.join(root, "src")
     if src not in sys.path:
         sys.path.insert(0, src)

@@ -36,9 +36,9 @@ from datetime import datetime
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "scripts")]
-import bench_serving as bs  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(ROOT, "scripts", "bench")]
+import serving as bs  # noqa: E402
 from procs.common import terminate  # noqa: E402
 
 

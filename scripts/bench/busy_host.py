@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 LONG = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 128, "temperature": 0,
         "ignore_eos": True, "stream": True}

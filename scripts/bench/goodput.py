@@ -27,9 +27,9 @@ from datetime import datetime
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import bench_serving as bs  # noqa: E402
+import serving as bs  # noqa: E402
 import compare  # noqa: E402
 
 

@@ -33,7 +33,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact").split()
 

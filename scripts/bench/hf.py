@@ -22,7 +22,7 @@ import time
 from datetime import datetime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_serving as bs
+import serving as bs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
 
 
