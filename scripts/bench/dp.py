@@ -1,86 +1,47 @@
-#!/usr/bin/env python3
-"""Data-parallel replicas behind sglang-router: cache-aware against round-robin routing.
+"""dp: data-parallel replicas behind sglang-router: cache-aware against round-robin routing.
 
 Starts `python -m launch.serve --dp N` (its router routes cache_aware) and, by hand, a second
 sglang-router with --policy round_robin in front of the same replicas (as on a multi-host
-setup). Then runs bench_serving.py's generated-shared-prefix workload through each router in
+setup). Then runs the serving subcommand's generated-shared-prefix workload through each router in
 turn, --runs times, alternating which goes first, each run on flushed replica caches; and
 reports per policy (medians over the runs):
 
   cache hit rate   cached prompt tokens / prompt tokens over the run, summed over the replicas'
                    own counters (GET /get_server_info of each replica, before and after)
-  TTFT p50 / p99, output tok/s, E2E p50   as bench_serving.py measures them at the client
+  TTFT p50 / p99, output tok/s, E2E p50   as the serving subcommand measures them
   per replica      requests, prompt and cached tokens, output tok/s (the replica's /metrics)
 
 With --baseline it first runs the same workload on one server with all the cores (--dp 1).
 
-  python scripts/bench_dp.py                                   # dp 2, 3 runs per policy, baseline
-  python scripts/bench_dp.py --runs 1 --gsp-num-groups 4 --no-baseline     # a quick look
-  python scripts/bench_dp.py --server-args '--dtype float32' --output-json .bench/dp.json
+  python -m scripts.bench dp                                   # dp 2, 3 runs per policy, baseline
+  python -m scripts.bench dp --runs 1 --gsp-num-groups 4 --no-baseline     # a quick look
+  python -m scripts.bench dp --server-args '--dtype float32' --output-json .bench/dp.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import re
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from datetime import datetime
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(ROOT, "scripts", "bench")]
-import serving as bs  # noqa: E402
-from procs.common import terminate  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server or router in a session of its own; its output goes to a log file."""
-
-    def __init__(self, cmd: list[str], log_path: str):
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def text(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.text())
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with code {self.proc.returncode}; see {self.log_path}")
-            time.sleep(0.5)
-        raise TimeoutError(f"no {pattern!r} within {timeout:.0f} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        terminate([self.proc], 40, whole_group=True)  # its session: it and all it started
-        self.log.close()
+from scripts.bench import serving
+from scripts.bench.client import benchmark, complete, model_name, server_info
+from scripts.bench.results import BENCH_DIR, ResultFile
+from scripts.bench.servers import Server, free_port, relay_server
+from scripts.bench.table import markdown
+from scripts.bench.workloads import build_dataset, load_tokenizer
 
 
 def replica_counters(url: str) -> dict[str, float]:
     """The replica's own counters: its scheduler's prompt/cached totals, its http process's requests and
     output tokens."""
-    sched = httpx.get(url + "/get_server_info", timeout=30).json()["scheduler"]
+    sched = server_info(url)["scheduler"]
     out = {"prompt": sched["prompt_tokens_total"], "cached": sched["cached_prompt_tokens_total"],
            "requests": 0.0, "output": 0.0}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
@@ -97,7 +58,7 @@ def one_run(router_url: str, replicas: dict[str, str], bench_args, rows, tokeniz
         httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
     before = {name: replica_counters(url) for name, url in replicas.items()}
     args = argparse.Namespace(**{**vars(bench_args), "base_url": router_url})
-    m = asyncio.run(bs.benchmark(args, rows, tokenizer, model, args.max_concurrency))
+    m = asyncio.run(benchmark(args, rows, tokenizer, model, args.max_concurrency))
     after = {name: replica_counters(url) for name, url in replicas.items()}
     per = {}
     for name in replicas:
@@ -122,13 +83,44 @@ def median_row(runs: list[dict]) -> dict:
     return out
 
 
-def serve(flags: list[str], port: int, log: str, timeout: float) -> tuple[Proc, dict[str, str]]:
-    p = Proc([sys.executable, "-m", "launch.serve", "--port", str(port), *flags], log)
-    m = p.wait_for(r"Relay is ready: .*", timeout)
-    return p, dict(re.findall(r"(dp\d+) (http://127\.0\.0\.1:\d+)", m.group(0))) or {"all": f"http://127.0.0.1:{port}"}
+def serve(tag: str, flags: list[str], timeout: float) -> tuple[Server, dict[str, str]]:
+    """A Relay server (--dp N: its router in front of N replicas) and its replicas' URLs by name."""
+    server = relay_server(tag, free_port(), flags, ready_timeout=timeout).__enter__()
+    try:
+        m = server.wait_for(r"Relay is ready: .*", timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server, dict(re.findall(r"(dp\d+) (http://127\.0\.0\.1:\d+)", m.group(0))) or {"all": server.base_url}
 
 
-def main() -> int:
+def round_robin_router(replicas: dict[str, str], timeout: float) -> Server:
+    """sglang-router with --policy round_robin in front of the replicas, once it has registered them all."""
+    port = free_port()
+    router = Server("round-robin router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *replicas.values(), "--policy", "round_robin", "--prometheus-port", str(free_port()),
+        "--log-level", "warn"], port, f"{BENCH_DIR}/logs/dp-router-rr.log", timeout).__enter__()
+    deadline = time.monotonic() + 120
+    while _healthy(router.base_url) != len(replicas):
+        if time.monotonic() > deadline:
+            router.stop()
+            raise TimeoutError("the round-robin router did not register the replicas")
+        time.sleep(0.5)
+    return router
+
+
+def print_table(medians: dict[str, dict]) -> None:
+    rows = [{"routing": name, **m, "per_replica": "; ".join(
+        f"{n} {v['requests']:.0f}, {v['hit_rate']:.3f}, {v['output_tok_s']:.1f}" for n, v in m["replicas"].items())}
+        for name, m in medians.items()]
+    print("\n" + markdown(rows, [
+        ("routing", "routing"), ("cache hit rate", "hit_rate", 3), ("TTFT p50 (ms)", "ttft_p50_ms", 0),
+        ("TTFT p99 (ms)", "ttft_p99_ms", 0), ("E2E p50 (ms)", "e2e_p50_ms", 0), ("output tok/s", "output_tok_s"),
+        ("per replica: requests, hit rate, output tok/s", "per_replica")]))
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dp", type=int, default=2)
@@ -143,57 +135,49 @@ def main() -> int:
     p.add_argument("--gsp-output-len", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--output-json", default=None, help="append one JSON line with every run and the medians")
-    args = p.parse_args()
+    p.add_argument("--output-json", default=None,
+                   help="append one JSON line (results.py's format) with every run and the medians")
+    args = p.parse_args(argv)
 
     # No warm-up inside a run: the replicas' counters are read around it (warm() runs before).
-    bench_args = bs.parse_args(["--dataset-name", "generated-shared-prefix", "--ignore-eos", "--disable-tqdm",
-                                "--warmup-requests", "0",
-                                "--max-concurrency", str(args.max_concurrency),
-                                "--gsp-num-groups", str(args.gsp_num_groups),
-                                "--gsp-prompts-per-group", str(args.gsp_prompts_per_group),
-                                "--gsp-system-prompt-len", str(args.gsp_system_prompt_len),
-                                "--gsp-question-len", str(args.gsp_question_len),
-                                "--gsp-output-len", str(args.gsp_output_len)])
-    tokenizer = bs.load_tokenizer(None)
-    rows = bs.build_dataset(bench_args, tokenizer)
-    os.makedirs(os.path.join(ROOT, ".bench"), exist_ok=True)
+    bench_args = serving.parse_args([
+        "--dataset-name", "generated-shared-prefix", "--ignore-eos", "--disable-tqdm", "--warmup-requests", "0",
+        "--max-concurrency", str(args.max_concurrency), "--gsp-num-groups", str(args.gsp_num_groups),
+        "--gsp-prompts-per-group", str(args.gsp_prompts_per_group),
+        "--gsp-system-prompt-len", str(args.gsp_system_prompt_len),
+        "--gsp-question-len", str(args.gsp_question_len), "--gsp-output-len", str(args.gsp_output_len)])
+    tokenizer = load_tokenizer(None)
+    rows = build_dataset(bench_args, tokenizer)
     extra = shlex.split(args.server_args)
-    record: dict = {"timestamp": datetime.now().isoformat(timespec="seconds"), "args": vars(args), "runs": {}}
+    runs: dict[str, list[dict]] = {}
 
     if args.baseline:
-        port = free_port()
-        server, replicas = serve(extra, port, ".bench/dp-baseline.log", args.startup_timeout)
+        server, replicas = serve("dp-baseline", extra, args.startup_timeout)
         try:
-            model = asyncio.run(_model(f"http://127.0.0.1:{port}"))
-            warm(f"http://127.0.0.1:{port}", model)
-            record["runs"]["dp1"] = [one_run(f"http://127.0.0.1:{port}", replicas, bench_args, rows, tokenizer, model)
-                                     for _ in range(args.runs)]
+            model = model_name(server.base_url)
+            warm(server.base_url, model)
+            runs["dp1"] = [one_run(server.base_url, replicas, bench_args, rows, tokenizer, model)
+                           for _ in range(args.runs)]
         finally:
             server.stop()
 
-    port = free_port()
-    server, replicas = serve(["--dp", str(args.dp), "--router-prometheus-port", str(free_port()), *extra], port,
-                             ".bench/dp-server.log", args.startup_timeout)
-    rr_port = free_port()
-    router = Proc([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(rr_port),
-                   "--worker-urls", *replicas.values(), "--policy", "round_robin", "--prometheus-port",
-                   str(free_port()), "--log-level", "warn"], ".bench/dp-router-rr.log")
+    server, replicas = serve("dp-server", ["--dp", str(args.dp), "--router-prometheus-port", str(free_port()), *extra],
+                             args.startup_timeout)
     try:
-        deadline = time.monotonic() + 120
-        while _healthy(f"http://127.0.0.1:{rr_port}") != len(replicas):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the round-robin router did not register the replicas")
-            time.sleep(0.5)
-        model = asyncio.run(_model(f"http://127.0.0.1:{port}"))
-        urls = {"cache_aware": f"http://127.0.0.1:{port}", "round_robin": f"http://127.0.0.1:{rr_port}"}
+        router = round_robin_router(replicas, args.startup_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        model = model_name(server.base_url)
+        urls = {"cache_aware": server.base_url, "round_robin": router.base_url}
         for url in urls.values():
             warm(url, model)
         for i in range(args.runs):
             order = ["cache_aware", "round_robin"] if i % 2 == 0 else ["round_robin", "cache_aware"]
             for policy in order:
                 r = one_run(urls[policy], replicas, bench_args, rows, tokenizer, model)
-                record["runs"].setdefault(policy, []).append(r)
+                runs.setdefault(policy, []).append(r)
                 print(f"run {i + 1} {policy}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
                       f"output {r['output_tok_s']:.1f} tok/s, per replica "
                       + ", ".join(f"{n}: {v['requests']} req {v['hit_rate']:.2f} hit {v['output_tok_s']:.1f} tok/s"
@@ -202,25 +186,16 @@ def main() -> int:
         router.stop()
         server.stop()
 
-    record["medians"] = {k: median_row(v) for k, v in record["runs"].items()}
-    if args.output_json:
-        with open(args.output_json, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    print(f"\n| routing | cache hit rate | TTFT p50 (ms) | TTFT p99 (ms) | E2E p50 (ms) | output tok/s | per replica: "
-          f"requests, hit rate, output tok/s |\n|---|---|---|---|---|---|---|")
-    for name, m in record["medians"].items():
-        reps = "; ".join(f"{n} {v['requests']:.0f}, {v['hit_rate']:.3f}, {v['output_tok_s']:.1f}"
-                         for n, v in m["replicas"].items())
-        print(f"| {name} | {m['hit_rate']:.3f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
-              f"{m['e2e_p50_ms']:.0f} | {m['output_tok_s']:.1f} | {reps} |")
+    medians = {k: median_row(v) for k, v in runs.items()}
+    ResultFile(args.output_json, "dp").add({"args": vars(args), "runs": runs, "medians": medians})
+    print_table(medians)
     return 0
 
 
 def warm(url: str, model: str | None, n: int = 4) -> None:
     """A few short requests (their own prompts) before anything is measured."""
     for i in range(n):
-        httpx.post(url + "/v1/completions", json={"model": model, "prompt": f"Warm-up {i}: count to ten.",
-                                                  "max_tokens": 8}, timeout=300).raise_for_status()
+        complete(url, model, f"Warm-up {i}: count to ten.", 8)
 
 
 def _healthy(url: str) -> int:
@@ -228,12 +203,6 @@ def _healthy(url: str) -> int:
         return httpx.get(url + "/readiness", timeout=5).json().get("healthy_workers", 0)
     except (httpx.HTTPError, ValueError):
         return 0
-
-
-async def _model(url: str) -> str | None:
-    import aiohttp
-    async with aiohttp.ClientSession() as s:
-        return await bs.resolve_model(s, url)
 
 
 if __name__ == "__main__":
