@@ -308,6 +308,7 @@ def provenance(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """What the doc says about where the runs ran: the first one's date and machine, every commit, the
     highest load average at a run's start."""
     return {"date": runs[0].get("timestamp") or "?", "cpus": runs[0].get("cpus"), "cpu": runs[0].get("cpu"),
+            "cpu_flags": " ".join(runs[0].get("cpu_flags") or []) or "CPU flags not recorded",
             "git": ", ".join(dict.fromkeys(str(r.get("git")) for r in runs)),
             "load_avg": max(r.get("load_avg") or 0.0 for r in runs)}
 
@@ -328,8 +329,8 @@ def write_doc(results_paths: list[str], runs: list[dict[str, Any]], plot: str | 
     meta = provenance(runs)
     files = ", ".join(f"`{os.path.relpath(p, ROOT)}`" for p in results_paths)
     body = [DOC_BEGIN, "",
-            f"`python -m scripts.bench compare` on {meta['date'][:10]} ({meta['cpu']}, {meta['cpus']} CPUs, load "
-            f"average {meta['load_avg']:.1f} at the start, git {meta['git']}; "
+            f"`python -m scripts.bench compare` on {meta['date'][:10]} ({meta['cpu']}, {meta['cpu_flags']}, "
+            f"{meta['cpus']} CPUs, load average {meta['load_avg']:.1f} at the start, git {meta['git']}; "
             f"results: {files}, not committed):", "",
             markdown_table(runs), "",
             "ITL: a streamed chunk carrying k tokens counts as k gaps of gap/k; TTFT and ITL are measured by "
