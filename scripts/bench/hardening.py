@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         res["long"] = behind(url, {"prompt": "word " * 7990, "max_tokens": 4}, 1.0)
         res["idle"] = idle(url, args.port, server.proc.pid)
     ResultFile(args.output, "hardening").add(res)
-    print(markdown([{"case": k, "result": v} for k, v in res.items()], [("case", "case"), ("result", "result")]))
+    rows = [{"case": case, "result": ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
+             else value} for case, value in res.items()]
+    print(markdown(rows, [("case", "case"), ("result", "result")]))
     return 0
 
 
