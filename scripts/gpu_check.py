@@ -104,7 +104,7 @@ def cmd_build(args) -> None:
     import torch
     from transformers import Qwen3Config
 
-    from tests.gpu_helpers import save_random_model
+    from scripts.random_model import save_random_model
 
     t0 = time.perf_counter()
     if os.path.exists(os.path.join(args.out, "model.safetensors")):
@@ -131,7 +131,7 @@ def make_runner(model_dir: str, **kw):
 def cmd_correctness(args) -> None:
     import torch
 
-    from tests.gpu_helpers import run_greedy
+    from scripts.runner_steps import run_greedy
 
     rng = random.Random(0)
     lengths = [5, 17, 64, 100, 129, 250, 333, 400][:args.prompts]
@@ -203,7 +203,7 @@ def cmd_decode_speed(args) -> None:
     from relay.scheduling.batch import SamplingSpec
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
-    from tests.gpu_helpers import Sequences
+    from scripts.runner_steps import Sequences
 
     mc = ModelConfig.from_dir(args.model)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -301,18 +301,18 @@ def cmd_table(args) -> None:
             f"({r['bs'] / roof * 1e3:.0f} tok/s) | {100 * roof / r['graph_ms']:.0f}% of roofline |")
     if args.bench_json and os.path.exists(args.bench_json):
         with open(args.bench_json) as f:
-            bench = [json.loads(line) for line in f if line.strip()][-1]
-        b, a = bench["results"][0], bench["args"]
+            b = [r for r in map(json.loads, filter(str.strip, f)) if r.get("engine") == "relay"][-1]
+        a = b["args"]
         roof = ""
         if mc is not None:
             per_token = weight_bytes(mc)  # 2 FLOP per weight per token = bytes of bf16 weights
             roof = f"compute roofline {BF16_FLOP_S / per_token:,.0f} tok/s (2 FLOP/param/token at 790 TFLOP/s)"
         lines.append(
-            f"| throughput | bench_offline: {a['num_seqs']} seqs, in {a['min_input']}-{a['max_input']}, out "
+            f"| throughput | bench offline: {a['num_seqs']} seqs, in {a['min_input']}-{a['max_input']}, out "
             f"{a['min_output']}-{a['max_output']} | {b['output_tok_s']:,.0f} output tok/s, {b['total_tok_s']:,.0f} "
             f"total tok/s in {b['seconds']:.1f} s; batch-1 decode {b['batch1_decode_tok_s']:.0f} tok/s | {roof} | |")
     else:
-        lines.append("| throughput | bench_offline | did not run | | FAIL |")
+        lines.append("| throughput | bench offline | did not run | | FAIL |")
     for s in steps:
         if s["rc"] != 0:
             lines.append(f"| step | {s['name']} | exit {s['rc']}{' (timeout)' if s['rc'] in (124, 137) else ''} "

@@ -14,7 +14,7 @@
 #                   argmax agreement), beside the bf16 noise floor (torch bf16 vs torch fp32)
 #   4 decode        ms per decode step with CUDA graphs on and off at batch 1, 16, 64 (context 256)
 #                   beside the roofline (weights + KV bytes at 4.3 TB/s, FLOPs at 790 TFLOP/s)
-#   5 throughput    scripts/bench_offline.py on the same config (dummy weights), Relay only
+#   5 throughput    `python -m scripts.bench offline` on the same config (dummy weights), Relay only
 #   6 table         printed last; also written to $OUT/gpu_check.md when $OUT is set
 # Work files: $GPU_CHECK_DIR (default ${TMPDIR:-/tmp}/relay_gpu_check); the model is reused.
 # Plumbing dry run on a CPU machine (tiny model, torch backend twice, no GPU numbers):
@@ -82,7 +82,7 @@ BACKENDS="${GPU_CHECK_BACKENDS:-triton,flashinfer}"  # those not installed are l
 step "3/6 correctness" 210 "${PY[@]}" correctness --model "$MODEL" --backends "$BACKENDS"
 step "4/6 decode-speed" 120 "${PY[@]}" decode-speed --model "$MODEL" --backends "$BACKENDS" \
     --batch-sizes "${GPU_CHECK_DECODE_BS:-1,16,64}" --context 256
-step "5/6 throughput" 150 python scripts/bench_offline.py --no-hf --model-path "$MODEL" --load-format dummy \
+step "5/6 throughput" 150 python -m scripts.bench offline --no-hf --model-path "$MODEL" --load-format dummy \
     --device "${GPU_CHECK_DEVICE:-cuda}" --dtype bfloat16 --num-seqs "${GPU_CHECK_NUM_SEQS:-256}" \
     --chunked-prefill-size 8192 --output-json "$BENCH_JSON"
 

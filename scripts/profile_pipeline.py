@@ -5,7 +5,7 @@ Start a server first (the null model isolates the pipeline; the real one works t
     python -m launch.serve --load-format dummy-null --port 30000 &
     python scripts/profile_pipeline.py --base-url http://127.0.0.1:30000 --seconds 8
 
-It drives `scripts/bench_serving.py` (64 concurrent streams of 512 tokens, repeated until the
+It drives `python -m scripts.bench serving` (64 concurrent streams of 512 tokens, repeated until the
 profile is done), samples each process with `py-spy record --format raw`, and prints, per process,
 its CPU use (from /proc, all threads) and the functions where its samples land (self time).
 """
@@ -53,17 +53,17 @@ def self_time(raw_path: str, top: int) -> tuple[int, list[tuple[str, int]]]:
 
 
 def start_load(args) -> subprocess.Popen:
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", args.base_url,
+    cmd = [sys.executable, "-m", "scripts.bench", "serving", "--base-url", args.base_url,
            "--backend", args.backend, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
            "--random-input-len", "128", "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
            "--ignore-eos", "--max-concurrency", str(args.concurrency), "--disable-tqdm"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--backend", default="relay-openai", help="bench_serving backend (relay-openai or relay-native)")
+    p.add_argument("--backend", default="relay-openai", help="the serving subcommand's backend (relay-openai or relay-native)")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--concurrency", type=int, default=64)

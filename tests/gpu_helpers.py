@@ -3,8 +3,9 @@ with TRITON_INTERPRET=1) and scripts/gpu_check.py.
 
 - random paged attention batches and a backend-vs-torch comparison at the attention level
   (both KV layouts filled with the same contents, reference computed in float32);
-- a tiny page allocator that turns token sequences into the runner's BatchInputs;
-- writing a tokenizer next to a random-weight model (the default model's, else a tiny one).
+- the runner-level step driver (Sequences, run_greedy) and random-weight model directories, which
+  live in scripts/runner_steps.py and scripts/random_model.py (scripts/gpu_check.py needs them and
+  scripts import nothing from tests) and are re-exported here for the tests.
 
     TRITON_INTERPRET=1 python tests/gpu_helpers.py     # the interpreter cases, on CPU
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import sys
 from dataclasses import dataclass
 
@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from relay.execution.attention.base import StepMeta
-from relay.scheduling.batch import BatchInput
 from relay.memory.kv_cache import KVCache
+from scripts.random_model import save_random_model, save_tokenizer  # noqa: F401 - the tests' API
+from scripts.runner_steps import Sequences, run_greedy  # noqa: F401 - the tests' API
 
 # ---- attention-level comparison -----------------------------------------------------------
 
@@ -230,78 +231,6 @@ def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, pa
 
 # ---- runner-level batches -------------------------------------------------------------------
 
-class Sequences:
-    """Token sequences with their own pages, turned into BatchInputs step by step.
-
-    Pages are handed out round-robin, one per sequence at a time, so page tables interleave
-    (never consecutive when there are several sequences)."""
-
-    def __init__(self, prompts: list[list[int]], page_size: int):
-        self.ps = page_size
-        self.tokens = [list(p) for p in prompts]
-        self.cached = [0] * len(prompts)
-        self.pages: list[list[int]] = [[] for _ in prompts]
-        self.next_page = 1
-        self.step = 0
-
-    def pages_needed(self, extra_tokens: int) -> int:
-        return 1 + sum(-(-(len(t) + extra_tokens) // self.ps) for t in self.tokens)
-
-    def _grow(self) -> None:
-        while True:
-            short = [i for i, t in enumerate(self.tokens) if len(self.pages[i]) * self.ps < len(t)]
-            if not short:
-                return
-            for i in short:
-                self.pages[i].append(self.next_page)
-                self.next_page += 1
-
-    def batch(self, which: list[int] | None = None) -> BatchInput:
-        """A step running every uncached token of the chosen sequences (decode where that is 1)."""
-        which = list(range(len(self.tokens))) if which is None else which
-        self._grow()
-        ids, prefix, ext = [], [], []
-        for i in which:
-            new = self.tokens[i][self.cached[i]:]
-            ids += new
-            prefix.append(self.cached[i])
-            ext.append(len(new))
-        self.step += 1
-        return BatchInput(step=self.step, sids=list(which), input_ids=ids, prefix_lens=prefix, extend_lens=ext,
-                          page_starts=[0] * len(which), new_pages=[list(self.pages[i]) for i in which],
-                          sample=[True] * len(which), output_lens=[0] * len(which))
-
-    def done(self, batch: BatchInput) -> None:
-        for i, n in zip(batch.sids, batch.extend_lens):
-            self.cached[i] += n
-
-    def append(self, tokens: list[int], which: list[int] | None = None) -> None:
-        for i, t in zip(range(len(self.tokens)) if which is None else which, tokens):
-            self.tokens[i].append(int(t))
-
-
-def run_greedy(runner, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None
-               ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Prefill all prompts in one step, then `steps` decode steps of the whole batch through
-    runner.step_logits (CUDA graphs where the runner has them). Feeds each step's argmax, or
-    forced[i][step] when given (teacher forcing). Returns (argmax tokens per prompt, float32
-    logits per step on the CPU)."""
-    seqs = Sequences(prompts, runner.page_size)
-    chosen: list[list[int]] = [[] for _ in prompts]
-    logits_per_step = []
-    for step in range(steps + 1):
-        batch = seqs.batch()
-        logits = runner.step_logits(batch, batch.new_pages)
-        seqs.done(batch)
-        top = logits.argmax(-1).tolist()
-        logits_per_step.append(logits.float().cpu().clone())  # graph outputs are reused
-        for i, t in enumerate(top):
-            chosen[i].append(t)
-        if step < steps:
-            seqs.append([forced[i][step] for i in range(len(prompts))] if forced is not None else top)
-    return chosen, logits_per_step
-
-
 def position_logits(runner, tokens: list[int]) -> torch.Tensor:
     """Float32 logits at every position of one sequence, from one eager prefill."""
     seqs = Sequences([tokens], runner.page_size)
@@ -373,56 +302,6 @@ def run_emulated_graph_check(model_dir: str) -> str:
         raise AssertionError(f"emulated graph decode differs from torch: max logit err {err:.2e}, "
                              f"tokens equal: {tokens == ref_tokens}")
     return f"max logit err {err:.2e} over {len(logits)} steps, {runner.cuda_graphs.replays} replays"
-
-
-# ---- model directories ----------------------------------------------------------------------
-
-def _default_tokenizer_dir() -> str | None:
-    """The default model's converted directory, if it already exists (never converts)."""
-    try:
-        from relay.execution import model_files
-
-        gguf = model_files.default_model_file()
-        out = os.path.join(model_files.cache_dir(), "gguf", model_files._gguf_key(gguf))
-        return out if os.path.exists(os.path.join(out, model_files.CONVERTED_MARKER)) else None
-    except Exception:
-        return None
-
-
-def save_tokenizer(path: str) -> str:
-    """Copy the default model's tokenizer files into path, or write a tiny word-level one."""
-    src = _default_tokenizer_dir()
-    if src is not None:
-        for name in os.listdir(src):
-            if name.startswith("tokenizer") or name.endswith(".jinja"):
-                shutil.copy(os.path.join(src, name), path)
-        return "default model's tokenizer"
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i + 3 for i in range(509)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return "tiny word-level tokenizer"
-
-
-def save_random_model(path: str, hf_config, device: str = "cpu", dtype=torch.float32, seed: int = 0) -> str:
-    """A random-weight HF checkpoint of hf_config plus a tokenizer; returns path."""
-    from transformers import AutoModelForCausalLM
-
-    os.makedirs(path, exist_ok=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        try:
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        except TypeError:  # transformers < 4.56 calls it torch_dtype
-            model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return path
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Goodput under a latency target: Relay's adaptive batching against fixed step limits, in one run.
+"""goodput: goodput under a latency target: Relay's adaptive batching against fixed step limits, in one run.
 
 Poisson arrivals at each --rates value (random prompts of 64-2,048 tokens, 64-192 output tokens, ignore_eos)
 against one server per configuration, started one at a time:
@@ -9,28 +8,27 @@ against one server per configuration, started one at a time:
   cps-N       --chunked-prefill-size N for each N in --grid (the fixed settings an operator could pick)
 
 Goodput is completed requests per second whose own p99 inter-token gap is <= T and whose TTFT is <= F
-(bench_serving --goodput). Writes one JSON line per run to --output, prints a table and the summary the issue
+(serving --goodput). Writes one JSON line per run to --output, prints a table and the summary the issue
 asks for (the highest rate where the default still meets T; adaptive vs default and vs the best fixed setting
 there), and with --plot a PNG of goodput and p99 ITL against request rate.
 
-  python scripts/bench_goodput.py --rates 0.25,0.5,1,1.5 --target-itl-ms 30 --target-ttft-ms 5000 \\
+  python -m scripts.bench goodput --rates 0.25,0.5,1,1.5 --target-itl-ms 30 --target-ttft-ms 5000 \\
       --grid 32,64,128 --duration 60 --plot docs/img/goodput.png
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from datetime import datetime
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import bench_serving as bs  # noqa: E402
-import compare  # noqa: E402
+from scripts.bench import serving
+from scripts.bench.results import BENCH_DIR, ResultFile, machine
+from scripts.bench.servers import relay_server
+from scripts.bench.table import markdown
+from scripts.bench.workloads import load_tokenizer
 
 
 def configs(args) -> list[tuple[str, list[str]]]:
@@ -42,7 +40,7 @@ def configs(args) -> list[tuple[str, list[str]]]:
 
 def bench_args(args, url: str, rate: float, i: int, label: str) -> argparse.Namespace:
     n = max(args.min_prompts, math.ceil(rate * args.duration))
-    return bs.parse_args([
+    return serving.parse_args([
         "--base-url", url, "--dataset-name", "random", "--num-prompts", str(n),
         "--random-input-len", "1056", "--random-input-range-ratio", str(992 / 1056),  # 64..2048
         "--random-output-len", "128", "--random-output-range-ratio", "0.5", "--ignore-eos",
@@ -51,16 +49,12 @@ def bench_args(args, url: str, rate: float, i: int, label: str) -> argparse.Name
         "--label", label, "--disable-tqdm"])
 
 
-def run_config(args, name: str, flags: list[str], tokenizer, out_path: str) -> list[dict[str, Any]]:
-    ns = argparse.Namespace(relay_port=args.port, relay_args=args.relay_args, ready_timeout=600.0)
+def run_config(args, name: str, flags: list[str], tokenizer, out: ResultFile) -> list[dict[str, Any]]:
     runs = []
-    with compare.relay_server(ns, name, flags) as server:
+    with relay_server(name, args.port, [*flags, *args.relay_args.split()], ready_timeout=600.0) as server:
         for i, rate in enumerate(args.rates):
-            m = bs.run(bench_args(args, server.base_url, rate, i, name), tokenizer)[0]
-            m.update({"config": name, "flags": flags, "rate": rate})
-            runs.append(m)
-            with open(out_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
+            m = serving.run(bench_args(args, server.base_url, rate, i, name), tokenizer)[0]
+            runs.append(out.add({**m, "bench": "goodput", "config": name, "flags": flags, "rate": rate}))
     return runs
 
 
@@ -86,14 +80,12 @@ def summary(runs: list[dict[str, Any]], target_itl_ms: float) -> list[str]:
     return lines
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    rows = ["| config | rate (req/s) | goodput (req/s) | good / done | out tok/s | TTFT p50 / p99 (ms) | "
-            "ITL p50 / p99 (ms) |", "|---|---|---|---|---|---|---|"]
-    for r in runs:
-        rows.append(f"| {r['config']} | {r['rate']:g} | {r['request_goodput']:.3f} | {r['good_requests']} / "
-                    f"{r['completed']} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / "
-                    f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} |")
-    return "\n".join(rows)
+COLUMNS = [("config", "config"), ("rate (req/s)", lambda r: f"{r['rate']:g}"),
+           ("goodput (req/s)", "request_goodput", 3),
+           ("good / done", lambda r: f"{r['good_requests']} / {r['completed']}"),
+           ("out tok/s", "output_throughput"),
+           ("TTFT p50 / p99 (ms)", lambda r: f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}"),
+           ("ITL p50 / p99 (ms)", lambda r: f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f}")]
 
 
 def plot(runs: list[dict[str, Any]], path: str, target_itl_ms: float, title: str) -> None:
@@ -118,16 +110,6 @@ def plot(runs: list[dict[str, Any]], path: str, target_itl_ms: float, title: str
     fig.savefig(path, dpi=110)
 
 
-def machine() -> str:
-    from relay.execution.kernels.cpu import cpu_flags
-
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "cpu")
-    flags = cpu_flags().split()
-    wanted = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-    return f"{model}, {len(os.sched_getaffinity(0))} cores, {' '.join(wanted) or 'no avx512'}"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.25,0.5,1,1.5", help="request rates (req/s), Poisson arrivals")
@@ -139,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--relay-args", default="", help="extra flags for every Relay server")
-    p.add_argument("--output", default=os.path.join(compare.BENCH_DIR, f"goodput-{datetime.now():%Y%m%d-%H%M}.json"))
+    p.add_argument("--output", default=os.path.join(BENCH_DIR, f"goodput-{datetime.now():%Y%m%d-%H%M}.jsonl"),
+                   help="results, JSON lines (results.py's format)")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -150,12 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tokenizer = bs.load_tokenizer(None)
+    tokenizer = load_tokenizer(None)
+    out = ResultFile(args.output, "goodput")
     runs: list[dict[str, Any]] = []
     for name, flags in configs(args):
-        runs += run_config(args, name, flags, tokenizer, args.output)
-    print("\n" + table(runs) + "\n")
+        runs += run_config(args, name, flags, tokenizer, out)
+    print("\n" + markdown(runs, COLUMNS) + "\n")
     print("\n".join(summary(runs, args.target_itl_ms)))
     print(f"machine: {machine()}")
     if args.plot:

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
-"""Grammar-constrained decoding's cost: constrained vs unconstrained serving in one run, and the
+"""structured: grammar-constrained decoding's cost: constrained vs unconstrained serving in one run, and the
 first-token latency of a first-seen schema vs a cached one.
 
 Starts one Relay server (default model unless --model), then per round and per concurrency
-level (alternating which mode goes first) runs scripts/bench_serving.py's random workload
+level (alternating which mode goes first) runs the serving subcommand's random workload
 (prompts of 128-256 tokens) twice on /v1/completions: unconstrained (ignore_eos, exactly
 --output-len tokens, 192 by default, about what the schema's outputs run to) and with a moderately complex JSON schema as response_format (an array of
 4 objects with bounded integers, enums, short strings and nested arrays, ~200 tokens with this
@@ -13,27 +12,24 @@ Then, one request at a time: TTFT of a schema the server has never seen (compile
 scheduler's grammar thread before the request is admitted) and of the same schema again
 (cached), with the compile time the server reports (/get_server_info grammar counters).
 
-  python scripts/bench_structured.py --rounds 2 --output .bench/structured.json
+  python -m scripts.bench structured --rounds 2 --output .bench/structured.jsonl
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import statistics
 import sys
-import time
 import uuid
 
 import httpx
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import bench_serving as bs  # noqa: E402
-from bench_goodput import machine  # noqa: E402
-from compare import Server  # noqa: E402
+from scripts.bench import serving
+from scripts.bench.client import stream_times
+from scripts.bench.results import ResultFile, machine
+from scripts.bench.servers import relay_server
+from scripts.bench.table import markdown
+from scripts.bench.workloads import load_tokenizer
 
 ITEM = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 1, "maximum": 9999},
@@ -62,7 +58,7 @@ def serving_run(base_url: str, c: int, mode: str, args, tokenizer, seed: int) ->
     else:
         argv += ["--random-output-len", str(args.constrained_max_tokens),
                  "--extra-request-body", json.dumps(response_format(SCHEMA))]
-    (m,) = bs.run(bs.parse_args(argv), tokenizer)
+    (m,) = serving.run(serving.parse_args(argv), tokenizer)
     return {"mode": mode, "max_concurrency": c, "tokens_per_request": m["total_output_tokens"] / max(1, m["completed"]),
             **{k: m.get(k) for k in (
         "output_throughput", "completed", "total_output_tokens", "median_ttft_ms", "p99_ttft_ms",
@@ -74,15 +70,11 @@ def grammar_counters(client: httpx.Client) -> dict:
 
 
 def ttft_ms(client: httpx.Client, schema: dict) -> float:
-    body = {"prompt": "List eight items as JSON:", "max_tokens": 4, "temperature": 0, "stream": True,
-            **response_format(schema)}
-    start = time.perf_counter()
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                return (time.perf_counter() - start) * 1e3
-    raise RuntimeError("no token streamed")
+    body = {"prompt": "List eight items as JSON:", "max_tokens": 4, "temperature": 0, **response_format(schema)}
+    sent, arrivals, _ = stream_times(client, body)
+    if not arrivals:
+        raise RuntimeError("no token streamed")
+    return (arrivals[0] - sent) * 1e3
 
 
 def first_seen_vs_cached(base_url: str, trials: int) -> dict:
@@ -101,7 +93,14 @@ def first_seen_vs_cached(base_url: str, trials: int) -> dict:
             "trials": trials, "first_seen_within_target": med(first) <= 2 * med(cached) + med(compile_ms)}
 
 
-def main() -> int:
+COLUMNS = [("conc.", "max_concurrency")] + [
+    (f"{mode} {title}", f"{mode}_{key}") for mode in ("unconstrained", "json_schema")
+    for title, key in (("tok/s", "output_throughput"), ("ITL p50 (ms)", "median_itl_ms"),
+                       ("ITL p99 (ms)", "p99_itl_ms"), ("TTFT p50 (ms)", "median_ttft_ms"))] + [
+    ("constrained / free", "ratio", 2)]
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--rounds", type=int, default=1)
@@ -111,28 +110,27 @@ def main() -> int:
     p.add_argument("--ttft-trials", type=int, default=5)
     p.add_argument("--port", type=int, default=30131)
     p.add_argument("--server-args", default="", help="extra `python -m launch.serve` flags")
-    p.add_argument("--output", default=None, help="results JSON")
-    args = p.parse_args()
+    p.add_argument("--output", default=None, help="results, JSON lines (results.py's format)")
+    args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.port), *args.server_args.split()]
-    tokenizer = bs.load_tokenizer(None)
+    tokenizer = load_tokenizer(None)
+    out = ResultFile(args.output, "structured")
     runs = []
-    with Server("relay", cmd, args.port, os.path.join(ROOT, ".bench", "logs", "relay-structured.log"), 600) as server:
+    with relay_server("structured", args.port, args.server_args.split(), ready_timeout=600) as server:
         for r in range(args.rounds):
             for c in levels:
                 modes = ["unconstrained", "json_schema"][::1 if r % 2 == 0 else -1]
                 for mode in modes:
                     print(f"\n--- round {r + 1} c={c} {mode}", flush=True)
-                    runs.append({"round": r + 1, **serving_run(server.base_url, c, mode, args, tokenizer, 1 + r)})
+                    runs.append(out.add({"round": r + 1, **serving_run(server.base_url, c, mode, args, tokenizer,
+                                                                        1 + r)}))
         ttft = first_seen_vs_cached(server.base_url, args.ttft_trials)
         with httpx.Client(base_url=server.base_url) as client:
             counters = grammar_counters(client)
     summary = summarise(runs, levels)
-    result = {"machine": machine(), "runs": runs, "summary": summary, "ttft": ttft, "grammar": counters}
-    print(json.dumps({"machine": result["machine"], "summary": summary, "ttft": ttft, "mask_step_share": counters["mask_step_share"]}, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    out.add({"summary": summary, "ttft": ttft, "grammar": counters})
+    print(f"\n{machine()}\n\n{markdown(summary, COLUMNS)}\n")
+    print(json.dumps({"ttft": ttft, "mask_step_share": counters["mask_step_share"]}, indent=2))
     return 0
 
 

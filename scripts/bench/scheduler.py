@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""The scheduler process's own cost per step, and the bytes it sends, under load.
+"""scheduler: the scheduler process's own cost per step, and the bytes it sends, under load.
 
 Starts a server (flags after `--`), runs C concurrent streaming requests (random prompts of
 128-256 tokens, --output-len tokens each, ignore_eos) and reads the scheduler's counters from
@@ -7,10 +6,10 @@ Starts a server (flags after `--`), runs C concurrent streaming requests (random
 (not waiting for the runner), bytes sent to the runners and to the detokenizer, and the step
 interval (the load's wall time over its steps): the share an overlapped scheduler could hide.
 
-  python scripts/bench_scheduler.py -- --load-format dummy-null        # the pipeline alone
-  python scripts/bench_scheduler.py -- --dtype float32                 # the real model
-  python scripts/bench_scheduler.py --offline                          # no processes: exact per-part times
-  python scripts/bench_scheduler.py --overlap-ab 3 -- --load-format dummy-null
+  python -m scripts.bench scheduler -- --load-format dummy-null        # the pipeline alone
+  python -m scripts.bench scheduler -- --dtype float32                 # the real model
+  python -m scripts.bench scheduler --offline                          # no processes: exact per-part times
+  python -m scripts.bench scheduler --overlap-ab 3 -- --load-format dummy-null
       # overlap scheduling always (--overlap-min-share 0) vs never, alternating, 3 rounds each
 
 --offline drives the Scheduler alone, in this process, with C running requests (prompts of
@@ -22,50 +21,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
-import httpx
+from scripts.bench import serving
+from scripts.bench.client import benchmark, server_info
+from scripts.bench.results import ResultFile
+from scripts.bench.servers import relay_server
+from scripts.bench.table import markdown
+from scripts.bench.workloads import DatasetRow, load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact").split()
 
 
-def start(port: int, flags: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(port), *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    for line in proc.stdout:
-        if "Relay is ready" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc
-    raise RuntimeError("the server did not start")
-
-
-async def load(url: str, concurrency: int, requests: int, output_len: int, seed: int) -> None:
+def word_rows(requests: int, output_len: int, seed: int) -> list[DatasetRow]:
+    """Prompts of 128-256 common English words (what the tokenizer makes of them is the prompt length)."""
     rng = random.Random(seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(128, 256))) for _ in range(requests)]
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as c:
-        async def one(prompt: str) -> None:
-            async with gate:
-                body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True}
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    async for _ in r.aiter_lines():
-                        pass
-        await asyncio.gather(*(one(p) for p in prompts))
+    return [DatasetRow(" ".join(rng.choice(WORDS) for _ in range(rng.randint(128, 256))), 0, output_len)
+            for _ in range(requests)]
+
+
+def load(url: str, concurrency: int, rows: list[DatasetRow], tokenizer) -> dict:
+    """The rows streamed with at most `concurrency` in flight, through the one client (no warm-up: the
+    server's counters are read around the load)."""
+    args = serving.parse_args(["--base-url", url, "--ignore-eos", "--warmup-requests", "0", "--disable-tqdm"])
+    return asyncio.run(benchmark(args, rows, tokenizer, None, concurrency))
 
 
 def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
-    import time
-
     from ipc.codec import encode
     from ipc.messages import OutputBatch
     from relay.scheduling.batch import BatchOutput
@@ -105,7 +91,13 @@ def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
             **{f"{k}_bytes": v // measured for k, v in sizes.items()}}
 
 
-def main() -> None:
+COLUMNS = [("mode", "mode"), ("flags", lambda r: " ".join(r["flags"])), ("conc.", "concurrency"),
+           ("steps", "steps"), ("out tok/s", "out_tok_s"), ("busy ms/step", "busy_ms_per_step", 3),
+           ("step interval (ms)", "step_interval_ms", 3), ("runner B/step", "runner_bytes_per_step"),
+           ("detok B/step", "detok_bytes_per_step")]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
@@ -114,37 +106,38 @@ def main() -> None:
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--overlap-ab", type=int, default=0, metavar="ROUNDS",
                     help="run the server with and without --disable-overlap-schedule, alternating, ROUNDS each")
+    ap.add_argument("--output", default=None, help="results, JSON lines (results.py's format)")
     ap.add_argument("flags", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    out = ResultFile(args.output, "scheduler")
     if args.offline:
-        print(json.dumps(offline(args.concurrency)))
-        return
+        r = out.add({"mode": "offline", **offline(args.concurrency)})
+        print(markdown([r], [(k, k, 3) for k in r if k.endswith(("_ms", "_bytes", "steps", "concurrency"))]))
+        return 0
+    modes = {"overlap": [*args.flags, "--overlap-min-share", "0"],
+             "no-overlap": [*args.flags, "--disable-overlap-schedule"]}
     if not args.overlap_ab:
-        print(json.dumps(serve_and_measure(args, args.flags)))
-        return
-    modes = {"overlap": [*args.flags, "--overlap-min-share", "0"], "no-overlap": [*args.flags, "--disable-overlap-schedule"]}
+        modes = {"as given": args.flags}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for r in range(args.overlap_ab):
+    tokenizer = load_tokenizer(None)
+    for r in range(max(1, args.overlap_ab)):
         for mode in (modes if r % 2 == 0 else reversed(list(modes))):
-            runs[mode].append(serve_and_measure(args, modes[mode]))
-            print(json.dumps({"mode": mode, **runs[mode][-1]}), flush=True)
-    keys = ("out_tok_s", "step_interval_ms", "busy_ms_per_step")
-    print(json.dumps({m: {k: statistics.median(x[k] for x in rs) for k in keys} for m, rs in runs.items()}))
+            runs[mode].append(out.add({"mode": mode, **serve_and_measure(args, modes[mode], tokenizer)}))
+    print(markdown([x for rs in runs.values() for x in rs], COLUMNS))
+    if args.overlap_ab:
+        keys = ("out_tok_s", "step_interval_ms", "busy_ms_per_step")
+        medians = [{"mode": m, **{k: statistics.median(x[k] for x in rs) for k in keys}} for m, rs in runs.items()]
+        print("\nmedians:\n" + markdown(medians, [("mode", "mode")] + [(k, k, 3) for k in keys]))
+    return 0
 
 
-def serve_and_measure(args, flags: list[str]) -> dict:
-    proc = start(args.port, flags)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        work = lambda: httpx.get(url + "/get_server_info", timeout=60).json()["scheduler"]["step_work"]  # noqa: E731
+def serve_and_measure(args, flags: list[str], tokenizer) -> dict:
+    with relay_server("scheduler", args.port, flags) as server:
+        work = lambda: server_info(server.base_url)["scheduler"]["step_work"]  # noqa: E731
         before = work()
-        started = time.perf_counter()
-        asyncio.run(load(url, args.concurrency, args.requests, args.output_len, seed=0))
-        wall = time.perf_counter() - started
+        wall = load(server.base_url, args.concurrency, word_rows(args.requests, args.output_len, seed=0),
+                    tokenizer)["duration"]
         after = work()
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
     steps = after["steps"] - before["steps"]
     return {
         "flags": flags, "concurrency": args.concurrency, "steps": steps,
@@ -157,4 +150,4 @@ def serve_and_measure(args, flags: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

