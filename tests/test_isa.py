@@ -44,6 +44,16 @@ def test_a_held_level_holds_torch_and_the_compiler(monkeypatch):
     assert isa.compile_flags("avx2")[0] == "-march=x86-64-v3"
 
 
+def test_an_avx512_cpu_builds_with_its_own_extras_and_a_held_level_without_them(monkeypatch):
+    """At its own level an AVX-512 CPU without bf16 (a Cascade Lake) builds for all it has, VNNI
+    included; a newer CPU held to avx512 builds for x86-64-v4 only, as such a CPU without VNNI would."""
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(isa, "detected_level", lambda flags=None: "avx512")
+    assert isa.compile_flags("avx512") == ["-march=native"]
+    monkeypatch.setattr(isa, "detected_level", lambda flags=None: "avx512bf16")
+    assert isa.compile_flags("avx512")[0] == "-march=x86-64-v4"
+
+
 def test_the_launcher_refuses_an_unknown_level_before_anything_starts(monkeypatch, capsys):
     from launch import serve
 

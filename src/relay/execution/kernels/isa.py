@@ -97,8 +97,9 @@ def int8_dot_products(current: str | None = None) -> bool:
 
 
 def compile_flags(current: str | None = None) -> list[str]:
-    """gcc flags that build the kernels for this level: the CPU's own set at its top levels,
-    the x86-64 microarchitecture levels below (tuned for this CPU either way)."""
+    """gcc flags that build the kernels for this level: the CPU's own set at its own level (and at
+    the AMX levels), the x86-64 microarchitecture levels when held below it (tuned for this CPU
+    either way)."""
     current = current or level()
     if platform.machine() not in ("x86_64", "AMD64"):
         return ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else []
@@ -106,6 +107,8 @@ def compile_flags(current: str | None = None) -> list[str]:
         return ["-march=native"]
     if current == "avx512bf16":
         return ["-march=native", *_NO_AMX]
+    if current == "avx512" == detected_level():
+        return ["-march=native"]  # the CPU's own extras too: AVX512-VNNI's VPDPBUSD on a Cascade/Ice Lake
     return [f"-march={_MARCH[current]}", "-mtune=native"]
 
 

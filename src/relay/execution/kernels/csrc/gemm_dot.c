@@ -2,8 +2,8 @@
 // with x rounded to 8 bits per block of 32 (one float scale a block), then integer sums of quant
 // products and one float multiply-add per block. gemm_blocks.c's float path turns every weight into a
 // float before its FMA; here a 32-byte load feeds 64 multiply-adds in two VPMADDUBSW (AVX2) or two
-// VPDPBUSD (AVX512-VNNI), so a decode step's GEMVs do a third of the instructions and come near the
-// speed of reading the weights (docs/benchmarks.md). The cost is x's rounding: ~0.4 % of a block's
+// VPDPBUSD (AVX512-VNNI), and AVX-512 pairs two such loads in one register, so a decode step's GEMVs
+// do a third of the instructions (a sixth at AVX-512) and come near the speed of reading the weights (docs/benchmarks.md). The cost is x's rounding: ~0.4 % of a block's
 // largest value (BlockWeight.dot, chosen per server with --block-activations).
 //
 // Layout ("dot", relay/execution/weight_blocks.py dot_layout), per strip s of 32 output features: 4 groups g of 8
@@ -19,13 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 #define NS 32  // output features per strip
 #define FG 8  // features per group (one 8 x int32 accumulator)
-#define DOT_ROWS 6  // rows per pass over a group's weights: 6 int32 + 6 float accumulators + temporaries
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the block's float sum
 // (Q4_1's m term uses it exactly, as gemm_blocks.c does).
@@ -52,9 +49,49 @@ static inline int32_t load4(const int8_t* p) {
     return v;
 }
 
-#if defined(__AVX2__)
-// 8 features' sums over 4 inputs: acc += w . x per 32-bit lane, w unsigned (Q4_1 nibbles), x signed.
-static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
+// An integer vector over the same lanes as vec.h's vf: one int32 sum per output feature. A kernel
+// pass covers FEATS features: one group of 8 (AVX2), or two adjacent groups (AVX-512), whose units
+// lie group_bytes apart, so the same layout feeds both widths.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FEATS 16
+#define DOT_ROWS 8  // 32 registers: 8 int32 + 8 float accumulators + temporaries
+typedef __m512i vi;
+static inline vi units_load(const uint8_t* p, int64_t group_bytes) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
+                              _mm256_loadu_si256((const __m256i*)(p + group_bytes)), 1);
+}
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline vi vi_low4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+static inline vi vi_high4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+static inline vi vi_abs8(vi v) { return _mm512_abs_epi8(v); }
+// x negated where w is negative (AVX-512 has no VPSIGNB; where w is 0 the product is 0 either way)
+static inline vi vi_sign8(vi x, vi w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), vi_zero(), x); }
+static inline vf vi_to_vf(vi v) { return _mm512_cvtepi32_ps(v); }
+// acc += w . x per 32-bit lane, w unsigned, x signed
+static inline vi dot_u8s8(vi acc, vi w, vi x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+#elif defined(__AVX2__)
+#define FEATS 8
+#define DOT_ROWS 6  // 16 registers: 6 int32 + 6 float accumulators + temporaries
+typedef __m256i vi;
+static inline vi units_load(const uint8_t* p, int64_t group_bytes) {
+    (void)group_bytes;
+    return _mm256_loadu_si256((const __m256i*)p);
+}
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline vi vi_low4(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+static inline vi vi_high4(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+static inline vi vi_abs8(vi v) { return _mm256_abs_epi8(v); }
+static inline vi vi_sign8(vi x, vi w) { return _mm256_sign_epi8(x, w); }
+static inline vf vi_to_vf(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vi dot_u8s8(vi acc, vi w, vi x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, w, x);
 #else
@@ -62,60 +99,58 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
+#endif
 
-// y[0 .. R, features n0 .. n0 + 8] = x . W^T for one group, R <= DOT_ROWS rows, from its units wq.
-static inline __attribute__((always_inline)) void dot_group(const int64_t R, int bits, const uint8_t* wq,
-                                                            const float* d, const float* m, const int8_t* qx,
-                                                            const float* dx, const float* xs, int64_t K, float* y,
-                                                            int64_t y_stride, int64_t live) {
+#if defined(__AVX2__)
+// y[0 .. R, features n0 .. n0 + FEATS] = x . W^T for R <= DOT_ROWS rows, from the units wq (and, at
+// AVX-512, the next group's at wq + group_bytes).
+static inline __attribute__((always_inline)) void dot_features(const int64_t R, int bits, const uint8_t* wq,
+                                                               int64_t group_bytes, const float* d, const float* m,
+                                                               const int8_t* qx, const float* dx, const float* xs,
+                                                               int64_t K, float* y, int64_t y_stride, int64_t live) {
     const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[DOT_ROWS];
-    for (int64_t i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    vf acc[DOT_ROWS];
+    for (int64_t i = 0; i < R; i++) acc[i] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i isum[DOT_ROWS];
-        for (int64_t i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
+        vi isum[DOT_ROWS];
+        for (int64_t i = 0; i < R; i++) isum[i] = vi_zero();
         const uint8_t* ub = wq + b * units * 32;
         _mm_prefetch((const char*)(ub + 8 * units * 32), _MM_HINT_T0);
+        if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + 8 * units * 32), _MM_HINT_T0);
         for (int64_t o = 0; o < units; o++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i*)(ub + o * 32));
+            const vi raw = units_load(ub + o * 32, group_bytes);
             if (bits == 4) {
-                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                const vi lo = vi_low4(raw), hi = vi_high4(raw);
                 for (int64_t i = 0; i < R; i++) {
                     const int8_t* xr = qx + i * K + b * 32 + 8 * o;
-                    isum[i] = dot_u8s8(isum[i], lo, _mm256_set1_epi32(load4(xr)));
-                    isum[i] = dot_u8s8(isum[i], hi, _mm256_set1_epi32(load4(xr + 4)));
+                    isum[i] = dot_u8s8(isum[i], lo, vi_set1(load4(xr)));
+                    isum[i] = dot_u8s8(isum[i], hi, vi_set1(load4(xr + 4)));
                 }
             } else {  // signed weights: |w| times x with w's sign (q8 is never -128)
-                const __m256i aw = _mm256_abs_epi8(raw);
-                for (int64_t i = 0; i < R; i++) {
-                    const __m256i xv = _mm256_set1_epi32(load4(qx + i * K + b * 32 + 4 * o));
-                    isum[i] = dot_u8s8(isum[i], aw, _mm256_sign_epi8(xv, raw));
-                }
+                const vi aw = vi_abs8(raw);
+                for (int64_t i = 0; i < R; i++)
+                    isum[i] = dot_u8s8(isum[i], aw, vi_sign8(vi_set1(load4(qx + i * K + b * 32 + 4 * o)), raw));
             }
         }
-        const __m256 dv = _mm256_loadu_ps(d + b * NS);
+        const vf dv = vf_load(d + b * NS);
         for (int64_t i = 0; i < R; i++) {
-            const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b]));
-            acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[i]), acc[i]);
-            if (bits == 4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * NS), _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+            acc[i] = vf_fma(vf_mul(dv, vf_set1(dx[i * nb + b])), vi_to_vf(isum[i]), acc[i]);
+            if (bits == 4) acc[i] = vf_fma(vf_load(m + b * NS), vf_set1(xs[i * nb + b]), acc[i]);
         }
     }
     for (int64_t i = 0; i < R; i++) {
-        if (live == FG) {
-            _mm256_storeu_ps(y + i * y_stride, acc[i]);
-        } else {
-            float t[FG];
-            _mm256_storeu_ps(t, acc[i]);
-            memcpy(y + i * y_stride, t, sizeof(float) * (size_t)live);
-        }
+        if (live == FEATS) vf_store(y + i * y_stride, acc[i]);
+        else vf_store_n(y + i * y_stride, acc[i], live);
     }
 }
 #else
+#define FEATS 8
+#define DOT_ROWS 6
 // The same sums in plain C (any CPU): integer products summed exactly, then the same float steps.
-static inline void dot_group(const int64_t R, int bits, const uint8_t* wq, const float* d, const float* m,
-                             const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y, int64_t y_stride,
-                             int64_t live) {
+static inline void dot_features(const int64_t R, int bits, const uint8_t* wq, int64_t group_bytes, const float* d,
+                                const float* m, const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y,
+                                int64_t y_stride, int64_t live) {
+    (void)group_bytes;
     const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
     float acc[DOT_ROWS][FG] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
@@ -144,12 +179,15 @@ static inline void dot_group(const int64_t R, int bits, const uint8_t* wq, const
 }
 #endif
 
-#define DOT_CASE(RV) \
-    case RV: dot_group(RV, bits, wq, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * nb, K, y + r0 * y_stride + n0, y_stride, live); break;
+#define DOT_CASE(RV)                                                                                          \
+    case RV:                                                                                                  \
+        dot_features(RV, bits, wq, group_bytes, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * nb, K,            \
+                     y + r0 * y_stride + n0, y_stride, live);                                                 \
+        break;
 
 // bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), q in the dot layout above, K a multiple of 32.
-// Every row count: rows go in groups of at most DOT_ROWS over each group of 8 features (its weights
-// read again from L1/L2 per row group).
+// Every row count: rows go in groups of at most DOT_ROWS over each FEATS features (their weights read
+// again from L1/L2 per row group).
 int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
     if (K % 32 || M < 1 || (bits != 4 && bits != 8)) return 0;
@@ -159,17 +197,23 @@ int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, c
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M * nb));
     quantize_rows(x, x_stride, M, K, qx, dx, xs);
     const int64_t row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;  // as even as they come
+    const int64_t per_strip = NS / FEATS;
     _Pragma("omp parallel for schedule(static)")
-    for (int64_t sg = 0; sg < strips * 4; sg++) {
-        const int64_t s = sg / 4, g = sg % 4, n0 = s * NS + g * FG;
-        const int64_t live = N - n0 >= FG ? FG : N - n0 > 0 ? N - n0 : 0;
+    for (int64_t u = 0; u < strips * per_strip; u++) {
+        const int64_t s = u / per_strip, n0 = s * NS + (u % per_strip) * FEATS;
+        const int64_t live = N - n0 >= FEATS ? FEATS : N - n0 > 0 ? N - n0 : 0;
         if (!live) continue;
-        const uint8_t* wq = q + sg * group_bytes;
-        const float* dg = d + s * nb * NS + g * FG;
-        const float* mg = m + s * nb * NS + g * FG;
+        const uint8_t* wq = q + u * (FEATS / FG) * group_bytes;
+        const float* dg = d + s * nb * NS + (n0 - s * NS);
+        const float* mg = m + s * nb * NS + (n0 - s * NS);
         for (int64_t t = 0, r0 = 0; t < row_groups; t++) {
             const int64_t rows = M / row_groups + (t < M % row_groups);
-            switch (rows) { DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6) }
+            switch (rows) {
+                DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
+#if DOT_ROWS > 6
+                DOT_CASE(7) DOT_CASE(8)
+#endif
+            }
             r0 += rows;
         }
     }
