@@ -6,7 +6,9 @@ for token through the offline Engine (prompt chunks, again from the prefix cache
 retraction, under n-gram speculation), a prompt step's logits (soft-capped), bfloat16
 next-token agreement, tensor parallelism over 2 CPU ranks, one request through the server, and
 the configs as the released checkpoints write them. Gemma's norm weights are randomised too (a
-fresh model's are 0, where (1 + w) and w would differ only by a constant).
+fresh model's are 0, where (1 + w) and w would differ only by a constant), and its embedding
+divided by sqrt(hidden_size), which it multiplies by: else the token's own embedding dominates
+every layer's output and greedy decoding repeats the last prompt token whatever the layers do.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def gemma2_config():
 
     # caps small enough to bite on random weights; query_pre_attn_scalar unlike head_dim
     return Gemma2Config(**COMMON, num_hidden_layers=2, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-                        final_logit_softcapping=3.0)
+                        final_logit_softcapping=3.0, tie_word_embeddings=False)
 
 
 def gemma3_config():
@@ -77,6 +79,8 @@ def model_dir(tmp_path_factory, default_model_dir):
                 for n, p in model.named_parameters():
                     if "norm" in n:
                         p.normal_(0.0, 0.3)
+                if name != "mistral":  # Gemma scales the embedding by sqrt(hidden): else it drowns the layers
+                    model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
             model.save_pretrained(path)
             for f in os.listdir(default_model_dir):  # prompts are token ids: any tokenizer will do
                 if f.startswith("tokenizer"):
