@@ -138,6 +138,9 @@ def test_prompt_logits_are_transformers_logits(model_dir, name):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_bfloat16_predicts_the_next_token_transformers_does(model_dir, name):
+    """Teacher-forced: each token Relay picks in bfloat16 is transformers' bfloat16 top token or
+    tied with it (Gemma 2's final cap of 3.0 leaves many bfloat16 logits tied at the top: there
+    transformers' own bfloat16 argmax disagrees with its float32 one on 1 token in 5)."""
     from transformers import AutoModelForCausalLM
 
     path = model_dir(name)
@@ -148,8 +151,9 @@ def test_bfloat16_predicts_the_next_token_transformers_does(model_dir, name):
     agree = total = 0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):
-            predicted = model(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
-            agree += sum(a == b for a, b in zip(predicted, o.token_ids))
+            logits = model(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1:]
+            mine = logits.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+            agree += (mine == logits.max(-1).values).sum().item()  # transformers' top token, or tied with it
             total += len(o.token_ids)
     assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
 
