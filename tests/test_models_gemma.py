@@ -229,6 +229,20 @@ def test_gemma2_and_mistral_configs():
     assert windowed.attention_windows(4096) == [] and windowed.attention_windows(4097) == [4096, 4096]
 
 
+def test_qwen2_and_phi3_windows_follow_transformers():
+    """Qwen2 slides only where use_sliding_window, from max_window_layers on (its released configs
+    name a window they do not use); Phi-3 slides on every layer where sliding_window is set."""
+    from transformers import Phi3Config, Qwen2Config
+
+    on = Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3).to_dict()
+    assert ModelConfig.from_hf_dict(on).layer_windows == [None, 8, 8]
+    released = {k: v for k, v in on.items() if k != "layer_types"}
+    assert ModelConfig.from_hf_dict(released).layer_windows == [None, 8, 8]
+    assert ModelConfig.from_hf_dict({**released, "use_sliding_window": False}).layer_windows == []
+    assert ModelConfig.from_hf_dict(Phi3Config(num_hidden_layers=2, sliding_window=2047).to_dict()).layer_windows == [
+        2047, 2047]
+
+
 def test_what_relay_does_not_implement_is_refused_by_name():
     from transformers import Gemma2Config
 
