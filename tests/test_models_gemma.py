@@ -209,6 +209,16 @@ def test_released_gemma3_config_reads_its_two_ropes_and_layer_pattern():
     assert (mc.rope_theta, mc.rope_scaling["factor"], mc.local_rope_theta) == (1e6, 8.0, 1e4)
     assert mc.qk_norm and mc.tie_word_embeddings and mc.attn_logit_softcap is None
     assert mc.attention_scale == 256 ** -0.5
+    # google/gemma-3-4b-it: a multimodal config whose text_config leaves most fields to the defaults
+    multimodal = ModelConfig.from_hf_dict(dict(
+        architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", eos_token_id=[1, 106],
+        text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
+                         rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)))
+    assert (multimodal.architecture, multimodal.num_heads, multimodal.num_kv_heads, multimodal.head_dim) == (
+        "Gemma3ForCausalLM", 8, 4, 256)
+    assert multimodal.eos_token_ids == [1, 106] and multimodal.vocab_size == 262208
+    assert multimodal.layer_windows == ([1024] * 5 + [None]) * 5 + [1024] * 4
+    assert (multimodal.rope_theta, multimodal.rope_scaling["factor"], multimodal.local_rope_theta) == (1e6, 8.0, 1e4)
     written = ModelConfig.from_hf_dict(gemma3_config().to_dict())  # transformers 5's per-layer-type ropes
     assert (written.rope_theta, written.rope_scaling["factor"], written.local_rope_theta) == (1e5, 4.0, 1e3)
     assert written.layer_windows == [WINDOW, WINDOW, None]
@@ -270,3 +280,39 @@ def test_backends_that_cannot_mask_refuse_and_auto_picks_torch():
         NoMasks(kv=kv, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, windows=[8, None])
     with pytest.raises(ValueError, match="soft-capping"):
         NoMasks(kv=kv, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, softcap=50.0)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tmp_path, default_model_dir):
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP vision tower beside the text
+    model): Relay loads its text tower and skips the vision weights; prompt logits and greedy
+    output of text prompts are transformers' (the whole model's, given token ids only)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=gemma3_config().to_dict(),
+                                                        vision_config=vision.to_dict(), mm_tokens_per_image=4))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n and "vision" not in n:
+                p.normal_(0.0, 0.3)
+        model.get_input_embeddings().weight /= COMMON["hidden_size"] ** 0.5
+    path = str(tmp_path)
+    model.eval().save_pretrained(path)
+    for f in os.listdir(default_model_dir):
+        if f.startswith("tokenizer"):
+            shutil.copy(os.path.join(default_model_dir, f), path)
+    mc = ModelConfig.from_dir(path)
+    assert mc.architecture == "Gemma3ForCausalLM" and mc.layer_windows == [WINDOW, WINDOW, None]
+    with torch.inference_mode():
+        want = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in LOGIT_PROMPTS])
+    got = runner_logits(path)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+    prompts = random_prompts(TINY_VOCAB, [5, 20, 33], seed=6)
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    outs = Engine(path, dtype="float32", page_size=PS, kv_cache_gb=0.01).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected

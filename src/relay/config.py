@@ -260,6 +260,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type", ""), "")])[0]
+        if arch == "Gemma3ForConditionalGeneration":
+            cfg = gemma3_text_tower(cfg)
+            arch = "Gemma3ForCausalLM"
         if arch in GEMMA:
             cfg = gemma_config(arch, cfg)
         heads = cfg["num_attention_heads"]
@@ -374,6 +377,23 @@ _DEFAULT_LAYER_TYPES = {
     "Qwen2ForCausalLM": lambda cfg, i: i >= cfg.get("max_window_layers", 28),
     "Qwen3ForCausalLM": lambda cfg, i: i >= cfg.get("max_window_layers", 28),
 }
+
+
+# Gemma3TextConfig's defaults: the released multimodal checkpoints' text_config names few fields.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                             rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6,
+                             rope_local_base_freq=1e4, tie_word_embeddings=True)
+
+
+def gemma3_text_tower(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config as its text tower's Gemma3ForCausalLM config (Relay
+    serves text only: the model's loader skips the vision tower's weights)."""
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+    for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if cfg.get(name) is not None and (cfg.get("text_config") or {}).get(name) is None:
+            text[name] = cfg[name]
+    return text
 
 
 def gemma_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

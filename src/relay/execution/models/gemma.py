@@ -1,4 +1,5 @@
-"""Gemma 2 and Gemma 3, text only (Gemma2ForCausalLM, Gemma3ForCausalLM).
+"""Gemma 2 and Gemma 3, text only (Gemma2ForCausalLM, Gemma3ForCausalLM, and the text tower of
+Gemma3ForConditionalGeneration).
 
 What they change in the Llama decoder:
 - every RMSNorm scales by (1 + w), in float32 before casting back (GemmaRMSNorm);
@@ -19,6 +20,8 @@ run in torch: Relay's fused CPU norm/rotary/SiLU kernels compute Llama's, so the
 layers (built on them) are not used; the GEMMs take Relay's kernels as Llama's do.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +90,13 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+# A Gemma3ForConditionalGeneration checkpoint's names: its text tower's under a prefix (as
+# released, and as transformers 5 saves it; "model.language_model." as it holds it in memory),
+# the vision tower's and projector's, which Relay (text only) does not load.
+_TEXT_TOWER = re.compile(r"(?:language_model\.|model\.language_model\.)(.*)")
+_VISION = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*")
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
     Norm = GemmaRMSNorm
 
@@ -121,6 +131,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _load_one(self, name: str, w: torch.Tensor) -> str | None:
+        if _VISION.fullmatch(name):
+            return None
+        tower = _TEXT_TOWER.fullmatch(name)
+        return super()._load_one(tower.group(1) if tower else name, w)
 
     def use_cpu_kernels(self) -> None:
         """Only Relay's GEMM kernels: its fused norm, rotary and SiLU kernels compute Llama's
