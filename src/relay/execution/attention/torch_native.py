@@ -48,7 +48,7 @@ def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int)
     return slots
 
 
-def decode_mask(lens: list[int], width: int, window: int | None) -> torch.Tensor | None:
+def decode_mask(lens: list[int], width: int, window: int | None, device) -> torch.Tensor | None:
     """[1, batch, 1, width] float: -inf where a decoding request's query may not look (its
     padding past its length; keys at or before length - 1 - window), None where it sees all."""
     cols, ends = np.arange(width)[None, :], np.asarray(lens)[:, None]
@@ -59,7 +59,7 @@ def decode_mask(lens: list[int], width: int, window: int | None) -> torch.Tensor
         return None
     mask = torch.zeros(hidden.shape, dtype=torch.float32)
     mask[torch.from_numpy(hidden)] = float("-inf")
-    return mask[None, :, None, :]
+    return mask.to(device)[None, :, None, :]
 
 
 def prefill_mask(prefix: int, n: int, seq_len: int, window: int | None, device) -> torch.Tensor | None:
@@ -113,8 +113,7 @@ class TorchNativeBackend(AttentionBackend):
             slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
             self.dec_shape = slots.shape
             self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
-            self.dec_masks = {w: decode_mask(lens, slots.shape[1], w) for w in self._distinct_windows()}
-            self.dec_masks = {w: None if m is None else m.to(device) for w, m in self.dec_masks.items()}
+            self.dec_masks = {w: decode_mask(lens, slots.shape[1], w, device) for w in self._distinct_windows()}
         self._plan_prefills(meta, starts, seq_lens, device)
 
     def _distinct_windows(self) -> set[int | None]:
