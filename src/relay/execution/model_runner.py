@@ -298,11 +298,13 @@ class ModelRunner:
     def _kv_and_attention(self, mc: ModelConfig):
         """A KV pool of num_pages pages for this model's layers, and an attention backend on it."""
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
-        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype)
+        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype,
+                                 mc.masks_attention(self.context_len))
         kv = KVCache(mc.num_layers, self.num_pages, self.page_size, shard.kv_count, mc.head_dim,
                      self.kv_dtype, self.device, layout=attn_cls.kv_layout)
         attn = attn_cls(kv=kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count, head_dim=mc.head_dim,
-                        scale=mc.head_dim ** -0.5)
+                        scale=mc.attention_scale, windows=mc.attention_windows(self.context_len),
+                        softcap=mc.attn_logit_softcap)
         return kv, attn
 
     def _agree_on_pages(self) -> int:
@@ -598,12 +600,14 @@ class ModelRunner:
         mc, ps = self.mc, self.page_size
         n = max(1, min(self.cfg.chunked_prefill_size, self.context_len - 1))
         shard = head_partition(mc.num_heads, mc.num_kv_heads, self.tp.size, self.tp.rank)
-        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype)
+        attn_cls = backend_class(self.cfg.attention_backend, self.device, self.dtype,
+                                 mc.masks_attention(self.context_len))
         pages = -(-n // ps) + 1
         kv = KVCache(mc.num_layers, pages, ps, shard.kv_count, mc.head_dim, self.dtype, self.device,
                      layout=attn_cls.kv_layout)
         attn = attn_cls(kv=kv, num_heads=shard.q_count, num_kv_heads=shard.kv_count, head_dim=mc.head_dim,
-                        scale=mc.head_dim ** -0.5)
+                        scale=mc.attention_scale, windows=mc.attention_windows(self.context_len),
+                        softcap=mc.attn_logit_softcap)
         dev = self.device
         meta = StepMeta([0], [n], [list(range(1, pages))], positions=torch.arange(n, device=dev),
                         out_slots=torch.arange(ps, ps + n, device=dev))

@@ -13,24 +13,28 @@ _MODULES = {"torch": "relay.execution.attention.torch_native", "triton": "relay.
             "flashinfer": "relay.execution.attention.flashinfer_backend"}
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                         masked: bool = False) -> str:
     """`auto` picks flashinfer on CUDA when it is installed (and the dtype is float16 or
-    bfloat16, all it runs), else triton on CUDA, else torch."""
+    bfloat16, all it runs), else triton on CUDA, else torch; torch wherever the model's
+    attention is masked beyond causal (sliding windows, soft-capping: ModelConfig.masks_attention),
+    which only the torch backend applies."""
     if name != "auto":
         if name not in _MODULES:
             raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_MODULES)} or auto")
         if name != "torch" and device.type != "cuda":
             raise ValueError(f"attention backend {name!r} needs a CUDA device")
         return name
-    if device.type != "cuda":
+    if device.type != "cuda" or masked:
         return "torch"
     if dtype not in (None, torch.float16, torch.bfloat16):
         return "triton"
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def backend_class(name: str, device: torch.device, dtype: torch.dtype | None = None) -> type[AttentionBackend]:
-    name = resolve_backend_name(name, device, dtype)
+def backend_class(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                  masked: bool = False) -> type[AttentionBackend]:
+    name = resolve_backend_name(name, device, dtype, masked)
     if name not in BACKENDS:
         importlib.import_module(_MODULES[name])
     return BACKENDS[name]

@@ -38,13 +38,24 @@ class AttentionBackend(ABC):
     # How the backend wants each layer's KV buffers laid out (see KVCache): "NHD" is
     # [slots, kv_heads, head_dim] (paged GPU kernels), "HND" is [kv_heads, slots, head_dim].
     kv_layout: str = "NHD"
+    # Whether the backend applies per-layer sliding windows and soft-capped scores
+    # (ModelConfig.masks_attention); one that does not refuses a model that needs them.
+    masks_scores: bool = False
 
-    def __init__(self, kv: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, kv: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 windows: list[int | None] | None = None, softcap: float | None = None):
+        """windows: each layer's sliding window (None: the whole context; no list: no layer has
+        one); softcap: scores become softcap * tanh(scores / softcap) before the softmax."""
+        if (windows or softcap is not None) and not self.masks_scores:
+            raise ValueError(f"the {self.name} attention backend applies no sliding window or attention "
+                             f"soft-capping, which this model needs: use --attention-backend torch (or auto)")
         self.kv = kv
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.windows = list(windows or [])
+        self.softcap = softcap
 
     @abstractmethod
     def plan(self, meta: StepMeta) -> None:

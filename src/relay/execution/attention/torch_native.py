@@ -7,6 +7,13 @@ the query heads that share a kv head are the rows of one matrix, so keys are nev
 repeated for GQA. (Advanced indexing and a [batch, len, heads] layout cost 2.5x more here,
 and bf16 SDPA is 3-5x slower for single-token queries.) Prompt chunks go through SDPA one
 request at a time, reading the cache as a view when the request's pages are consecutive.
+
+Models whose attention is masked beyond causal (per-layer sliding windows: Mistral, Gemma 2/3;
+soft-capped scores: Gemma 2) attend here and only here: every path a request takes (decode rows,
+prompt chunks, chunks after a prefix-cache hit, speculative verification) masks each layer's keys
+to its window and caps the scores. Relay's C attention kernels (decode, prompt chunks, shared-prefix
+cascade) do neither, so such a model runs without them, and so without the one-call C decoder
+layers built on them.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ class _Prefill:
     row: int  # first query row in the step's flattened tokens
     num_new: int
     keys: slice | torch.Tensor  # the request's KV slots, as a slice when consecutive
-    mask: torch.Tensor | None  # [num_new, seq_len] bool, None = plain causal from 0
+    masks: dict[int | None, torch.Tensor | None]  # window -> [num_new, seq_len] bool, None = plain causal from 0
 
 
 def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int) -> np.ndarray:
@@ -41,17 +48,45 @@ def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int)
     return slots
 
 
+def decode_mask(lens: list[int], width: int, window: int | None, device) -> torch.Tensor | None:
+    """[1, batch, 1, width] float: -inf where a decoding request's query may not look (its
+    padding past its length; keys at or before length - 1 - window), None where it sees all."""
+    cols, ends = np.arange(width)[None, :], np.asarray(lens)[:, None]
+    hidden = cols >= ends
+    if window is not None:
+        hidden |= cols < ends - window
+    if not hidden.any():
+        return None
+    mask = torch.zeros(hidden.shape, dtype=torch.float32)
+    mask[torch.from_numpy(hidden)] = float("-inf")
+    return mask.to(device)[None, :, None, :]
+
+
+def prefill_mask(prefix: int, n: int, seq_len: int, window: int | None, device) -> torch.Tensor | None:
+    """[n, seq_len] bool: which keys each of a chunk's n queries (positions prefix..) attends;
+    None for plain causal attention from position 0."""
+    if not prefix and window is None:
+        return None
+    q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
+    keys = torch.arange(seq_len, device=device)[None, :]
+    mask = keys <= q_pos
+    return mask if window is None else mask & (keys > q_pos - window)
+
+
 @register_backend("torch")
 class TorchNativeBackend(AttentionBackend):
     kv_layout = "HND"
+    masks_scores = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
         # cached key/value once instead of gathering a padded copy first (3x less traffic).
+        # The kernels apply no window or soft-cap: a model that needs them attends in torch.
         self.kernel = None
         self.has_decode, self.dec_rows, self.ext_plan = False, None, None  # set by plan()
-        if (self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
+        masked = bool(self.windows) or self.softcap is not None
+        if (not masked and self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
                 and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
             self.kernel = cpu_kernels.load()
         # Cascade attention over shared prefixes, where the kernel has it for this cache.
@@ -78,13 +113,14 @@ class TorchNativeBackend(AttentionBackend):
             slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
             self.dec_shape = slots.shape
             self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
-            self.dec_mask = None
-            if min(lens) != max(lens):  # -inf on each request's padding, [1, batch, 1, max_len]
-                pad = np.arange(slots.shape[1])[None, :] >= np.asarray(lens)[:, None]
-                mask = torch.zeros(slots.shape, dtype=torch.float32)
-                mask[torch.from_numpy(pad)] = float("-inf")
-                self.dec_mask = mask.to(device)[None, :, None, :]
+            self.dec_masks = {w: decode_mask(lens, slots.shape[1], w, device) for w in self._distinct_windows()}
         self._plan_prefills(meta, starts, seq_lens, device)
+
+    def _distinct_windows(self) -> set[int | None]:
+        return set(self.windows) | {None}
+
+    def _window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     def _plan_prefills(self, meta: StepMeta, starts: list[int], seq_lens: list[int], device) -> None:
         chunks = [i for i, e in enumerate(meta.extend_lens) if e > 1]
@@ -105,11 +141,8 @@ class TorchNativeBackend(AttentionBackend):
         else:
             keys = torch.from_numpy(page_slots([pages], [seq_len], ps)[0]).to(device)
         n, prefix = meta.extend_lens[i], meta.prefix_lens[i]
-        mask = None
-        if prefix:
-            q_pos = torch.arange(prefix, prefix + n, device=device)[:, None]
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
-        return _Prefill(row, n, keys, mask)
+        masks = {w: prefill_mask(prefix, n, seq_len, w, device) for w in self._distinct_windows()}
+        return _Prefill(row, n, keys, masks)
 
     @property
     def decode_kernel_plan(self) -> cpu_kernels.DecodePlan | None:
@@ -156,9 +189,10 @@ class TorchNativeBackend(AttentionBackend):
         keys = self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
         values = self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
         qg = q.view(b, hkv, group, d).transpose(0, 1).reshape(hkv * b, group, d)
-        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale  # [hkv * b, group, len]
-        if self.dec_mask is not None:
-            scores = (scores.view(hkv, b, group, max_len) + self.dec_mask).view(hkv * b, group, max_len)
+        scores = self._capped(torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale)  # [hkv * b, group, len]
+        mask = self.dec_masks[self._window(layer)]
+        if mask is not None:
+            scores = (scores.view(hkv, b, group, max_len) + mask).view(hkv * b, group, max_len)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.bmm(probs, values).view(hkv, b, group, d)
         return out.transpose(0, 1).reshape(b, self.num_heads, d)
@@ -169,7 +203,32 @@ class TorchNativeBackend(AttentionBackend):
         else:
             keys, values = self.kv.k[layer].index_select(1, p.keys), self.kv.v[layer].index_select(1, p.keys)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless the KV dtype differs
+        mask = p.masks[self._window(layer)]
+        if self.softcap is not None:  # SDPA cannot cap scores
+            return self._capped_prefill(q, keys, values, mask)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask,
-            is_causal=p.mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.squeeze(0).transpose(0, 1)
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        """Soft-capped scores, as transformers' Gemma 2 computes them (a no-op without a cap)."""
+        if self.softcap is None:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap
+
+    def _capped_prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk's attention with soft-capped scores, the query heads that share a kv
+        head as the rows of one matrix (keys never repeated for GQA). q: [n, heads, d]; keys,
+        values: [kv_heads, seq_len, d]; mask as prefill_mask's."""
+        n, d, hkv = q.shape[0], self.head_dim, self.num_kv_heads
+        group, seq_len = self.num_heads // hkv, keys.shape[1]
+        if mask is None:  # plain causal from position 0: seq_len == n
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        scores = self._capped(torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale)
+        scores = scores.view(hkv, group, n, seq_len).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, group * n, seq_len)
+        out = torch.bmm(probs, values).view(hkv, group, n, d)
+        return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, d)

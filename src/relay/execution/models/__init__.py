@@ -3,18 +3,22 @@ from __future__ import annotations
 
 from torch import nn
 
+from relay.execution.models.gemma import GemmaForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM
 from relay.execution.models.phi3 import Phi3ForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # with sliding_window (ModelConfig.layer_windows)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

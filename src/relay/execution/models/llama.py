@@ -1,7 +1,8 @@
-"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama, Mistral), Qwen2, Qwen3.
+"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3.
 
 The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
-before the rotary embedding. q/k/v and gate/up are fused into one GEMM each. The
+before the rotary embedding, Mistral's layers attend within a sliding window (ModelConfig.
+layer_windows: the attention backend masks it). q/k/v and gate/up are fused into one GEMM each. The
 mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
 """
 from __future__ import annotations
@@ -121,6 +122,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_cuda_graph = True  # a step's work depends on its shapes alone (a MoE step's does not)
+    Norm = RMSNorm  # the final norm's kind (Gemma's scales by 1 + w)
 
     def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int):
         super().__init__()
@@ -128,8 +130,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(mc, tp, dtype, i, self._make_mlp(i)) for i in range(mc.num_layers))
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(self._make_layer(i) for i in range(mc.num_layers))
+        self.norm = self.Norm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
                         else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
         self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling,
@@ -138,6 +140,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
         self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
         self._layer_gemms: list[Linear] = []  # the decoder layers' GEMM modules, once prompt_layers is set
+
+    def _make_layer(self, layer_id: int) -> nn.Module:
+        return DecoderLayer(self.config, self.tp, self.dtype, layer_id, self._make_mlp(layer_id))
 
     def _make_mlp(self, layer_id: int) -> nn.Module:
         """Layer layer_id's feed-forward block (a MoE model's sparse layers give theirs)."""
@@ -191,9 +196,7 @@ class LlamaForCausalLM(nn.Module):
         GEMM, and fused norm/rotary/silu ops (float32 too: they halve a step's small-op time on a
         2-core Xeon, docs/benchmarks.md, and greedy output still matches transformers token for
         token)."""
-        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
-        for module in self.gemm_modules():
-            module.gemv = gemv and module.int8 is None and module.int4 is None
+        self._use_gemm_kernels()
         self.fused_cpu_ops = self.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available() and not self.config.qk_norm
         if self.fused_cpu_ops:
             self.norm.fused = True
@@ -201,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
                 if self.rotary.covers_head:  # the kernel rotates whole heads; a partial rotary stays in torch
                     layer.self_attn.rotary = self.rotary
+
+    def _use_gemm_kernels(self) -> None:
+        """Relay's small-batch bfloat16 GEMM for every GEMM it takes."""
+        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
+        for module in self.gemm_modules():
+            module.gemv = gemv and module.int8 is None and module.int4 is None
 
     def use_decode_layers(self, attn: AttentionBackend) -> bool:
         """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
@@ -215,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
                     and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
+                    and getattr(attn, "kernel", None) is not None  # none where attention is masked (windows)
                     and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
                             if m is not self.lm_head))
         # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16

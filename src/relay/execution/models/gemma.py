@@ -1,0 +1,144 @@
+"""Gemma 2 and Gemma 3, text only (Gemma2ForCausalLM, Gemma3ForCausalLM, and the text tower of
+Gemma3ForConditionalGeneration).
+
+What they change in the Llama decoder:
+- every RMSNorm scales by (1 + w), in float32 before casting back (GemmaRMSNorm);
+- the embedding is multiplied by sqrt(hidden_size), rounded to the model's dtype first;
+- the MLP is GeGLU: gelu_pytorch_tanh(x W_gate) * (x W_up) W_down;
+- four norms a layer: before and after attention, before and after the MLP, each output
+  normalised before it joins the residual stream;
+- scores scale by query_pre_attn_scalar ** -0.5 (ModelConfig.attention_scale);
+- Gemma 2: attention scores and the final logits soft-capped (cap * tanh(x / cap)); sliding-window
+  attention on every other layer (from layer 0);
+- Gemma 3: q and k normalised per head (a Gemma norm) before the rotary embedding; five sliding
+  layers to one global (layer_types / sliding_window_pattern); the sliding layers rotate with
+  rope_local_base_freq and the default rope, the global ones with rope_theta and rope_scaling.
+
+Windows and soft-capped scores are the attention backend's to apply (ModelConfig.layer_windows,
+attn_logit_softcap: only the torch backend does, without Relay's C attention kernels). The layers
+run in torch: Relay's fused CPU norm/rotary/SiLU kernels compute Llama's, so the one-call C decoder
+layers (built on them) are not used; the GEMMs take Relay's kernels as Llama's do.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relay.config import ModelConfig
+from relay.execution.attention.base import AttentionBackend
+from relay.execution.distributed import TPGroup
+from relay.execution.layers import RotaryEmbedding, StepRope
+from relay.execution.models.llama import MLP, Attention, LlamaForCausalLM
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w) computed in float32, then cast to x's dtype (transformers' Gemma
+    norms; Llama's casts before it scales by w). The checkpoint's w is kept as it is."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma norms on q and k where the model has them (Gemma 3)."""
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__(mc, tp, dtype, layer_id)
+        if mc.qk_norm:
+            self.q_norm = GemmaRMSNorm(mc.head_dim, mc.rms_norm_eps, dtype)
+            self.k_norm = GemmaRMSNorm(mc.head_dim, mc.rms_norm_eps, dtype)
+
+
+class GeGluMLP(MLP):
+    """gelu_pytorch_tanh(x W_gate) * (x W_up) W_down, split over the ranks as Llama's MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.self_attn = GemmaAttention(mc, tp, dtype, layer_id)
+        self.post_attention_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.mlp = GeGluMLP(mc, tp, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, rope: StepRope, attn: AttentionBackend,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer; with keep (row indices), of those rows only
+        (every row's keys and values still go into the cache)."""
+        h = self.self_attn(self.input_layernorm(x), rope, attn, keep)
+        if keep is not None:
+            x = x[keep]
+            if not h.shape[0]:
+                return h
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+# A Gemma3ForConditionalGeneration checkpoint's names: its text tower's under a prefix (as
+# released, and as transformers 5 saves it; "model.language_model." as it holds it in memory),
+# the vision tower's and projector's, which Relay (text only) does not load.
+_TEXT_TOWER = re.compile(r"(?:language_model\.|model\.language_model\.)(.*)")
+_VISION = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*")
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    Norm = GemmaRMSNorm
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+        super().__init__(mc, tp, dtype, max_positions)
+        self.local_rotary = self.rotary  # the sliding layers' rope: Gemma 3's has its own base
+        if mc.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.local_rope_theta, None)
+        self.sliding = [w is not None for w in mc.layer_windows] or [False] * mc.num_layers
+
+    def _make_layer(self, layer_id: int) -> nn.Module:
+        return GemmaDecoderLayer(self.config, self.tp, self.dtype, layer_id)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, of every token or of the given rows (as Llama's)."""
+        t = input_ids.shape[0]
+        keep = None
+        if rows is not None and len(rows) != t:
+            keep = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
+        ropes = {False: self.rotary.for_step(positions, self.dtype, fused=False)}
+        ropes[True] = ropes[False] if self.local_rotary is self.rotary else self.local_rotary.for_step(
+            positions, self.dtype, fused=False)
+        # transformers rounds sqrt(hidden) to the model's dtype before it scales the embedding
+        x = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ropes[self.sliding[i]], attn, keep if i == last else None)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _load_one(self, name: str, w: torch.Tensor) -> str | None:
+        if _VISION.fullmatch(name):
+            return None
+        tower = _TEXT_TOWER.fullmatch(name)
+        return super()._load_one(tower.group(1) if tower else name, w)
+
+    def use_cpu_kernels(self) -> None:
+        """Only Relay's GEMM kernels: its fused norm, rotary and SiLU kernels compute Llama's
+        layers, not Gemma's (1 + w) norms and GeGLU."""
+        self._use_gemm_kernels()
