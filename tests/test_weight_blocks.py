@@ -313,7 +313,7 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
     are the slow ones, the C call takes every batch size tried that the KV pool holds."""
     blocks_or_skip()
-    from relay.execution import model_runner
+    from relay.execution import startup_timing
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.models import llama
 
@@ -332,8 +332,8 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 0.001))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
-    per_request = -(-(model_runner.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
-    held = [s for s in model_runner.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
+    per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
+    held = [s for s in startup_timing.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
     assert slow_layers.model.decode_layers[1].max_rows == held[-1]
 
 
