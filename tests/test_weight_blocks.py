@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relay.execution import layers, weight_blocks
-from relay.execution.kernels import cpu, isa
+from relay.execution.kernels import cpu, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
@@ -323,13 +323,13 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
 
     clock = VirtualClock(monkeypatch)
     monkeypatch.setattr(layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001))  # GEMMs: blocks win
-    run, forward = cpu.DecodeLayers.run, llama.DecoderLayer.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 1.0))
+    run, forward = cpu_layers.DecodeLayers.run, llama.DecoderLayer.forward
+    monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 1.0))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
     slow_call = runner()
     assert slow_call.model.decode_layers is None
     assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
-    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 0.001))
+    monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 0.001))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
     per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
