@@ -14,8 +14,8 @@ def warm_up_steps(context_len: int, page_size: int, num_pages: int, speculative:
                   ) -> list[BatchInput]:
     """Every kind of step once: two prompts (one sampled greedily, one with temperature, top-p
     and top-k), a mixed step, two decode steps, with speculative decoding a step that verifies
-    proposals, and the release of both requests. None where the pool is too small for them (a
-    pool that small serves tests only)."""
+    proposals, and the release of both requests. No steps where the pool is too small for them
+    (a pool that small serves tests only)."""
     lens = [min(40, context_len - 7), min(17, context_len - 7)]
     counts = [-(-(n + 6) // page_size) for n in lens]  # room for the decode and verify steps' tokens
     if 1 + sum(counts) > num_pages:
