@@ -45,6 +45,8 @@ import threading
 import time
 import urllib.request
 
+from launch.children import exit_code
+from launch.flags import check_model_config, engine_config
 from launch.front import Front, FrontThread
 from procs.common import child_pythonpath, die_with_parent, set_title, setup_logging, terminate
 
@@ -313,7 +315,6 @@ class Supervisor:
         """The replicas and the router that had exited on their own, each as a line for the log:
         asked when a stop signal comes, which must not make the exit status 0 after a death (as
         a single server's launcher does). One ended by SIGTERM was stopped with the server."""
-        from launch.serve import exit_code
 
         procs = [("the router (sglang-router)", self.router), *[(f"replica {r.name}", r.proc) for r in self.replicas]]
         codes = [(who, proc, exit_code(proc)) for who, proc in procs if proc is not None]
@@ -335,7 +336,7 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
     """What a single server checks before any model loads: the ports (--port bound now, for the
     front door; the router's metrics port free: the router binds it once the replicas are up),
     the cache directory and the model, for the replicas. Returns the --port socket."""
-    from launch.serve import bind_port, check_model_config, engine_config
+    from launch.serve import bind_port
     from relay.execution.model_files import ModelFileError, check_cache_dir, resolve_model_dir
 
     check_cache_dir()
@@ -350,7 +351,7 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
 
 
 def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from launch.serve import PortUnavailable, engine_config
+    from launch.serve import PortUnavailable
     from relay.execution.model_files import ModelFileError, model_name
 
     set_title("relay::dp")

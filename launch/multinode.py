@@ -299,7 +299,7 @@ class NodeLink:
 def serve_worker_node(ns: argparse.Namespace, plan: NodePlan, launcher) -> int:
     """Run this node's ranks until node 0 stops, a rank dies, or SIGTERM/SIGINT.
 
-    launcher is a launch.serve.Launcher holding only this node's ranks. Exit codes: 0 when
+    launcher is a launch.children.Launcher holding only this node's ranks. Exit codes: 0 when
     node 0 shut down cleanly or we were told to stop, 1 on any failure."""
     link = NodeLink(plan, join_timeout=plan.dist_timeout)
     stop = threading.Event()

@@ -32,7 +32,8 @@ def build_runner(args: ProcArgs, mc: ModelConfig):
     import torch
 
     from relay.execution.distributed import TPGroup
-    from relay.execution.model_runner import ModelRunner, available_cores, pick_device
+    from relay.execution.model_runner import ModelRunner
+    from relay.execution.placement import available_cores, pick_device
 
     nodes = NodePlan.from_dict(args.extra.get("nodes"))
     device = pick_device(cfg.device)

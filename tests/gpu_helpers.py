@@ -236,7 +236,7 @@ def position_logits(runner, tokens: list[int]) -> torch.Tensor:
     seqs = Sequences([tokens], runner.page_size)
     batch = seqs.batch()
     with torch.inference_mode():
-        meta, ids = runner._prepare(batch, batch.new_pages)
+        meta, ids = runner.prepare(batch, batch.new_pages)
         runner.attn.plan(meta)
         hidden = runner.model(ids, meta.positions, runner.attn)
         return runner.model.compute_logits(hidden).float().cpu()

@@ -223,7 +223,7 @@ def test_bad_parser_names_are_refused_at_start():
         EngineConfig(reasoning_parser="qwen2")
     with pytest.raises(ValueError, match="tool_call_parser"):
         EngineConfig(tool_call_parser="json")
-    from launch.serve import build_parser
+    from launch.flags import build_parser
     for flag in ("--reasoning-parser", "--tool-call-parser"):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args([flag, "nope"])

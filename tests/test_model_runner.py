@@ -81,7 +81,7 @@ def test_a_pending_input_continues_from_the_token_sampled_last_or_fails_alone(ru
     known = runner.forward(decode(first.next_token_ids, 61))
     runner.forward(release([20, 21], 62))
     again = runner.forward(prefill([20, 21], PROMPTS[:2], [spec(20), spec(21)], step=63))
-    runner.last_tokens.pop(21)  # as if its sampling had failed
+    runner.requests.last_tokens.pop(21)  # as if its sampling had failed
     pending = runner.forward(decode([PENDING_TOKEN, PENDING_TOKEN], 61))
     assert again.next_token_ids == first.next_token_ids
     assert pending.next_token_ids[0] == known.next_token_ids[0] and pending.next_token_ids[1] == -1
@@ -142,4 +142,4 @@ def test_start_up_runs_each_kind_of_step_once_and_leaves_nothing_behind(tiny_mod
     path = tiny_model_dir("llama")
     fresh = ModelRunner(EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
     assert seen == ["prompt", "mixed", "decode", "decode", "release"]
-    assert fresh.page_tables == {} and fresh.sampler.states == {}
+    assert fresh.requests.page_tables == {} and fresh.sampler.states == {}

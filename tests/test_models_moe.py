@@ -103,7 +103,7 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir):
     """A checkpoint holding each layer's experts as transformers 5 does in memory (3-D
     gate_up_proj [experts, 2 x inter, hidden] and down_proj [experts, hidden, inter]) loads to
     the same parameters as the per-expert tensors save_pretrained writes."""
-    from relay.execution.model_runner import iter_safetensors
+    from relay.execution.model_loading import iter_safetensors
 
     path = tiny_model_dir("qwen3_moe")
     mc = ModelConfig.from_dir(path)

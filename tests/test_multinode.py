@@ -21,7 +21,8 @@ import pytest
 from ipc.messages import NodeMsg
 from ipc.nodes import NodePlan
 from launch.multinode import NodeLink, PeerWatch, gloo_env, interface_for, plan_from_args
-from launch.serve import build_parser, plan_children
+from launch.children import plan_children
+from launch.flags import build_parser
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig
 from tests.server_utils import ROOT, Server, alive, wait_until

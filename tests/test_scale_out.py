@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch import dp
 from launch.front import Front, RequestParser
-from launch.serve import build_parser
+from launch.flags import build_parser
 from relay.api import request_id as rid_mod
 from relay.metrics import ServerMetrics
 from tests.server_utils import ROOT, Server, alive, free_port, wait_until

@@ -76,7 +76,7 @@ def test_one_thread_never_changes():
 
 def test_the_flags():
     assert not EngineConfig().disable_thread_backoff
-    from launch.serve import engine_config, parse_args
+    from launch.flags import engine_config, parse_args
     assert engine_config(parse_args(["--disable-thread-backoff"])).disable_thread_backoff
     assert engine_config(parse_args(["--num-threads", "2"])).num_threads == 2
 
@@ -112,7 +112,8 @@ def test_the_runner_backs_off_only_from_its_default_count(tiny_model_dir):
     import torch
 
     from relay.config import ModelConfig
-    from relay.execution.model_runner import ModelRunner, available_cores
+    from relay.execution.model_runner import ModelRunner
+    from relay.execution.placement import available_cores
 
     path = tiny_model_dir("llama")
     mc = ModelConfig.from_dir(path)

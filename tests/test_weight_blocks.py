@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relay.execution import layers, weight_blocks
-from relay.execution.kernels import cpu, isa
+from relay.execution.kernels import cpu, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
@@ -313,7 +313,7 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
     are the slow ones, the C call takes every batch size tried that the KV pool holds."""
     blocks_or_skip()
-    from relay.execution import model_runner
+    from relay.execution import startup_timing
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.models import llama
 
@@ -323,17 +323,17 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
 
     clock = VirtualClock(monkeypatch)
     monkeypatch.setattr(layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001))  # GEMMs: blocks win
-    run, forward = cpu.DecodeLayers.run, llama.DecoderLayer.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 1.0))
+    run, forward = cpu_layers.DecodeLayers.run, llama.DecoderLayer.forward
+    monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 1.0))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
     slow_call = runner()
     assert slow_call.model.decode_layers is None
     assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
-    monkeypatch.setattr(cpu.DecodeLayers, "run", clock.costing(run, 0.001))
+    monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 0.001))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
-    per_request = -(-(model_runner.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
-    held = [s for s in model_runner.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
+    per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
+    held = [s for s in startup_timing.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
     assert slow_layers.model.decode_layers[1].max_rows == held[-1]
 
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from relay.config import EngineConfig
 from relay.execution.attention.base import AttentionBackend, StepMeta
 
 logger = logging.getLogger(__name__)
@@ -136,3 +137,22 @@ class CudaGraphRunner:
         self.graphs[bs].replay()
         self.replays += 1
         return self.outputs[bs][:n]
+
+
+def decode_graphs(cfg: EngineConfig, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
+                  context_len: int) -> CudaGraphRunner | None:
+    """The runner's decode graphs; None (decode runs eagerly) on CPU, with --disable-cuda-graph,
+    or where the attention backend or the model cannot be captured."""
+    if device.type != "cuda" or cfg.disable_cuda_graph:
+        return None
+    if not attn.supports_cuda_graph:
+        logger.info("the %s attention backend does not support CUDA graphs: decode runs eagerly", attn.name)
+        return None
+    if not model.supports_cuda_graph:
+        logger.info("%s steps run eagerly: which experts run depends on the tokens, which a CUDA graph "
+                    "cannot follow", model.config.architecture)
+        return None
+    max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+    if max_bs < 1:
+        return None
+    return CudaGraphRunner(model, attn, device, max_bs, -(-context_len // cfg.page_size))

@@ -69,7 +69,7 @@ class AttentionBackend(ABC):
 
     @property
     def prompt_kernel_plan(self):
-        """The planned step's cpu_kernels.PromptPlan where it has prompt chunks that Relay's C
+        """The planned step's cpu_layers.PromptPlan where it has prompt chunks that Relay's C
         kernels attend (with any decodes beside them) over this backend's cache; None otherwise."""
         return None
 

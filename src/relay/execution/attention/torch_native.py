@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import cpu_layers
 from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 
 
@@ -151,12 +152,12 @@ class TorchNativeBackend(AttentionBackend):
         return None
 
     @property
-    def prompt_kernel_plan(self) -> cpu_kernels.PromptPlan | None:
+    def prompt_kernel_plan(self) -> cpu_layers.PromptPlan | None:
         if self.ext_plan is None:  # (only planned with the kernel)
             return None
         if not self.has_decode:
-            return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan)
-        return cpu_kernels.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
+            return cpu_layers.PromptPlan(self.out_slots, self.ext_plan)
+        return cpu_layers.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         if self.decode_kernel_plan is not None:

@@ -18,6 +18,7 @@ from relay.execution.attention.base import AttentionBackend
 from relay.config import ModelConfig
 from relay.execution.distributed import TPGroup, head_partition, split_evenly
 from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import cpu_layers
 from relay.execution.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
                           apply_rotary, pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
 from relay.execution.weight_blocks import recover
@@ -137,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling,
                                       mc.partial_rotary_factor, mc.max_position_embeddings)
         self.fused_cpu_ops = False  # see pack_for_cpu
-        self.decode_layers: tuple[AttentionBackend, cpu_kernels.DecodeLayers] | None = None  # use_decode_layers
-        self.prompt_layers: tuple[AttentionBackend, cpu_kernels.PromptLayers] | None = None  # use_prompt_layers
+        self.decode_layers: tuple[AttentionBackend, cpu_layers.DecodeLayers] | None = None  # use_decode_layers
+        self.prompt_layers: tuple[AttentionBackend, cpu_layers.PromptLayers] | None = None  # use_prompt_layers
         self._layer_gemms: list[Linear] = []  # the decoder layers' GEMM modules, once prompt_layers is set
 
     def _make_layer(self, layer_id: int) -> nn.Module:
@@ -212,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
             module.gemv = gemv and module.int8 is None and module.int4 is None
 
     def use_decode_layers(self, attn: AttentionBackend) -> bool:
-        """Run pure decode steps over attn's KV cache as one C call (cpu_kernels.DecodeLayers)
+        """Run pure decode steps over attn's KV cache as one C call (cpu_layers.DecodeLayers)
         where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
         biases or q/k norms, one rank or CPU ranks on shared memory (TPGroup.shm: the call then
         all-reduces as the layers do), and steps whose attention the backend gives to the C decode
@@ -230,22 +231,22 @@ class LlamaForCausalLM(nn.Module):
         # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
         if not self.tp.all_true(eligible):
             return False
-        def gemm(m: Linear) -> cpu_kernels.LayerGemm:
+        def gemm(m: Linear) -> cpu_layers.LayerGemm:
             panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
-            return cpu_kernels.LayerGemm(m.blocks, panels)
+            return cpu_layers.LayerGemm(m.blocks, panels)
 
-        weights = [cpu_kernels.DecoderLayerWeights(
+        weights = [cpu_layers.DecoderLayerWeights(
             layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float(),
             gemm(layer.self_attn.qkv_proj), gemm(layer.self_attn.o_proj), gemm(layer.mlp.gate_up_proj),
             gemm(layer.mlp.down_proj)) for layer in layers]
         a = layers[0].self_attn
-        self.decode_layers = (attn, cpu_kernels.DecodeLayers(
+        self.decode_layers = (attn, cpu_layers.DecodeLayers(
             weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
             self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
         return True
 
     def use_prompt_layers(self, attn: AttentionBackend) -> bool:
-        """Run steps with prompt chunks over attn's KV cache as one C call (cpu_kernels.PromptLayers)
+        """Run steps with prompt chunks over attn's KV cache as one C call (cpu_layers.PromptLayers)
         where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
         model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
         q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose
@@ -262,13 +263,13 @@ class LlamaForCausalLM(nn.Module):
                             and m.int4 is None and m.w8a8 is None for m in modules))
         if not self.tp.all_true(eligible):  # every rank or none, as use_decode_layers
             return False
-        weights = [cpu_kernels.DecoderLayerWeights(
+        weights = [cpu_layers.DecoderLayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.packed,
             layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
             for layer in self.layers]
         a = self.layers[0].self_attn
         self._layer_gemms = modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
-        self.prompt_layers = (attn, cpu_kernels.PromptLayers(
+        self.prompt_layers = (attn, cpu_layers.PromptLayers(
             weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
             self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
         return True

@@ -1,0 +1,144 @@
+"""Building a model and loading its weights for a runner: quantized, on CPU packed for its
+GEMMs, and kept in their GGUF blocks where those are exact."""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import torch
+
+from relay.config import EngineConfig, ModelConfig
+from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import isa
+from relay.execution.models import model_class
+from relay.execution.placement import Placement
+from relay.execution.startup_timing import choose_weight_block_rows
+
+
+class ModelLoader:
+    """Builds the models of one TP rank (the target, and a draft model) as cfg asks."""
+
+    def __init__(self, cfg: EngineConfig, place: Placement, context_len: int):
+        self.cfg, self.place, self.context_len = cfg, place, context_len
+
+    def load(self, model_dir: str, mc: ModelConfig, quantization: str | None) -> torch.nn.Module:
+        """The model's weights, quantized, and on CPU packed for its GEMMs (and kept in their
+        GGUF blocks where those are exact: see _wants_weight_blocks)."""
+        dtype, place = self.place.dtype, self.place
+        blocks = self._wants_weight_blocks(model_dir, quantization)
+        # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
+        # they are rounded: loaded into a float32 twin first.
+        model = self._build_model(model_dir, mc, torch.float32 if blocks else dtype)
+        kept = model.use_weight_blocks() if blocks else 0
+        if model.dtype != dtype:
+            model = self._cast_keeping_blocks(model, mc)
+        if kept and self._int8_block_activations():
+            model.use_dot_blocks()
+        _quantize(model, quantization)  # before packing: the packed copy holds the quantized values
+        if place.on_cpu:
+            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+                model.pack_for_cpu()
+            model.use_cpu_kernels()
+        if kept or (place.tp.size > 1 and place.on_cpu):  # every CPU rank: they agree on the crossover
+            choose_weight_block_rows(model, kept, place.tp, place.device)
+        return model
+
+    def _new_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        with torch.device(self.place.device):
+            model = model_class(mc.architecture)(mc, self.place.tp, dtype, self.context_len)
+        return model.eval()
+
+    def _build_model(self, model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        model = self._new_model(mc, dtype)
+        if self.cfg.load_format == "dummy":
+            torch.manual_seed(self.cfg.seed)
+            for name, p in model.named_parameters():
+                p.data.fill_(1.0) if "norm" in name else p.data.normal_(0.0, 0.02)
+        else:
+            with torch.no_grad():
+                model.load_weights(iter_safetensors(model_dir, show_progress=self.place.tp.is_leader))
+        return model
+
+    def _wants_weight_blocks(self, model_dir: str, quantization: str | None) -> bool:
+        """Whether to look for GGUF blocks in the checkpoint's GEMM weights: on CPU, unquantized,
+        with the kernel built; in bfloat16 only from a float32 checkpoint (a bf16 one has lost
+        them) whose float32 twin fits in a quarter of the free memory."""
+        if (not self.place.on_cpu or quantization is not None or self.cfg.disable_weight_blocks
+                or self.cfg.load_format == "dummy" or not cpu_kernels.gemm_blocks_available()):
+            return False
+        if self.place.dtype == torch.float32:
+            return True
+        float32_bytes = checkpoint_float32_bytes(model_dir)
+        return 0 < float32_bytes < available_memory_bytes() // 4
+
+    def _int8_block_activations(self) -> bool:
+        """Whether the GEMMs on GGUF blocks round activations to int8 (EngineConfig.block_activations):
+        by default for a float32 model where the CPU has AVX2 (x86: its integer dot products;
+        elsewhere the level is generic, where the plain C sums are slower than float); a bfloat16
+        model's blocks already multiply bfloat16-rounded activations, in bfloat16 dot products)."""
+        if self.cfg.block_activations != "auto":
+            return self.cfg.block_activations == "int8"
+        return self.place.dtype == torch.float32 and isa.at_least("avx2")
+
+    def _cast_keeping_blocks(self, twin: torch.nn.Module, mc: ModelConfig) -> torch.nn.Module:
+        """The model in the runner's dtype with twin's weights (rounded) and twin's blocks (exact)."""
+        model = self._new_model(mc, self.place.dtype)
+        model.load_state_dict(twin.state_dict())
+        for mine, theirs in zip(model.gemm_modules(), twin.gemm_modules()):
+            mine.blocks = theirs.blocks
+            if mine.blocks is not None:
+                mine.blocks.round_bf16 = self.place.dtype == torch.bfloat16
+        return model
+
+
+def _quantize(model: torch.nn.Module, quantization: str | None) -> None:
+    if quantization == "int8":
+        model.quantize_int8()
+    elif quantization == "w8a8":
+        model.quantize_w8a8()
+    elif quantization == "int4":
+        model.quantize_int4()
+
+
+def iter_safetensors(model_dir: str, show_progress: bool = True):
+    """(name, tensor) for every tensor of the checkpoint, with a progress bar."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    handles = [safe_open(f, framework="pt") for f in files]
+    names = [(h, k) for h in handles for k in h.keys()]
+    for h, k in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False):
+        yield k, h.get_tensor(k)
+
+
+def checkpoint_float32_bytes(model_dir: str) -> int:
+    """The bytes of the checkpoint's float32 tensors (what a float32 twin of the model holds);
+    0 if its GEMM weights are stored in another dtype."""
+    from safetensors import safe_open
+
+    total, gemm_weights_elsewhere = 0, False
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                if part.get_dtype() == "F32":
+                    total += 4 * int(np.prod(part.get_shape()))
+                elif name.endswith("proj.weight"):
+                    gemm_weights_elsewhere = True
+    return 0 if gemm_weights_elsewhere else total
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (where there is none: the physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
