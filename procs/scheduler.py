@@ -30,7 +30,8 @@ from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam
-from relay.scheduling.scheduler import Scheduler, step_log_line
+from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.scheduler_stats import step_log_line
 from relay.text.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)

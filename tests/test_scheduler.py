@@ -27,7 +27,8 @@ from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.scheduling.request import Req, Status
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduling.scheduler import Scheduler, step_log_line
+from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.scheduler_stats import step_log_line
 
 VOCAB = 64
 EOS = 63
@@ -634,7 +635,7 @@ def test_sids_are_reused_and_released_sids_reported():
     assert used == {0, 1}, "finished requests' sids are handed out again"
     # Every finished request's sid was reported once it was released (the last ones wait
     # for the next batch).
-    tail = h.s._released_sids
+    tail = h.s.table.released_sids
     assert sorted(released + tail) == sorted(h.reqs[f"r{i}"].sid for i in range(5))
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
@@ -811,15 +812,15 @@ def test_a_retracted_penalised_request_sends_its_spec_again_with_its_output(dept
 
 
 def record_retractions(s: Scheduler) -> list[tuple[str, str, list[int], int]]:
-    """Patch s._retract to log (rid, status, pages, evictable pages) right after each one."""
-    log, retract = [], s._retract
+    """Patch s.table.retract to log (rid, status, pages, evictable pages) right after each one."""
+    log, retract = [], s.table.retract
 
     def spy(victim: Req) -> None:
         retract(victim)
         s.check()
         log.append((victim.rid, victim.status, list(victim.pages), s.cache.evictable_pages))
 
-    s._retract = spy
+    s.table.retract = spy
     return log
 
 
