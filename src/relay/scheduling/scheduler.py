@@ -47,6 +47,9 @@ from relay.scheduling.speculative import SpecStats
 from relay.scheduling.step_cost import StepCost
 
 if TYPE_CHECKING:
+    from relay.memory.kv_allocator import PageAllocator
+    from relay.memory.radix_cache import RadixCache
+    from relay.scheduling.speculative.planner import SpecPlanner
     from relay.text.grammar import GrammarBackend
 
 
@@ -86,11 +89,11 @@ class Scheduler:
         return self.table.reqs
 
     @property
-    def cache(self):
+    def cache(self) -> RadixCache:
         return self.kv.cache
 
     @property
-    def allocator(self):
+    def allocator(self) -> PageAllocator:
         return self.kv.allocator
 
     @property
@@ -98,7 +101,7 @@ class Scheduler:
         return self.kv.page_size
 
     @property
-    def spec(self):
+    def spec(self) -> SpecPlanner | None:
         return self.decode.spec
 
     @property
