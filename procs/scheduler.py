@@ -1,17 +1,16 @@
-"""relay::sched: owns the Scheduler policy; sends each step to every model-runner rank.
+"""relay::sched: runs the step loop (relay.scheduling.step_loop) over this process's sockets.
 
-While a step runs it keeps taking new requests and aborts, so batch decisions never wait
-on the tokenizer or the network. With overlap it builds and sends step N+1 before step N's
-output comes back, so the runner goes from one step straight to the next and the scheduler's
-own work on step N's output happens while step N+1 runs; relay.scheduling.overlap.OverlapPolicy decides
-when that pays. Per step it sends one OutputBatch to the detokenizer.
+It feeds the loop the requests and aborts it receives, sends each step to every model-runner
+rank and waits for rank 0's output, and publishes the loop's records to the detokenizer in one
+OutputBatch per step. While a step runs it keeps taking new requests and aborts, so batch
+decisions never wait on the tokenizer or the network; with overlap the loop builds and sends
+step N+1 before step N's output comes back.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from collections import deque
 
 import zmq
 
@@ -30,7 +29,8 @@ from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam
-from relay.scheduling.scheduler import Scheduler, step_log_line
+from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.step_loop import StepLoop
 from relay.text.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)
@@ -64,15 +64,11 @@ class SchedulerLoop:
                                long_rope_after=mc.long_rope_after)
         self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
-        self.pending: list[RequestOutput] = []
         self.last_check = time.monotonic()
-        self.steps: deque[BatchInput] = deque()  # sent to the runner, output not processed yet
-        self.overlap = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
-        self.busy_mark = 0.0  # work["busy_seconds"] when the last step was processed
+        policy = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
+        self.loop = StepLoop(self.sched, self, policy, self.publish)
         self.step_started: float | None = None  # when the oldest step out started running
-        # The scheduler's own cost per step (building, encoding, applying; not waiting for
-        # the runner) and what it sends, for /get_server_info and scripts/bench_scheduler.py.
-        self.work = {"steps": 0, "busy_seconds": 0.0, "runner_bytes": 0, "detok_bytes": 0}
+        self.sent = {"runner_bytes": 0, "detok_bytes": 0}  # for /get_server_info and scripts/bench_scheduler.py
         error = grammars.wait_loaded() if grammars is not None else None
         if error is not None:
             logger.error("structured output is unavailable: loading the vocabulary failed: %s", error)
@@ -90,42 +86,23 @@ class SchedulerLoop:
         poller.register(self.inbox, zmq.POLLIN)
         while True:
             self.handle(recv_ready(self.inbox))
-            self.pending.extend(self.sched.poll_constraints())
-            if len(self.steps) < self.overlap.depth and self.sched.has_work:
-                start = time.perf_counter()
-                batch = self.sched.schedule()
-                if batch is not None:
-                    self.send_step(batch, start)
-                    continue  # with a step out, build the next one while it runs
-            if self.steps:
-                out = self.wait_for_output()
-                start = time.perf_counter()
-                done = self.steps.popleft()
-                self.pending.extend(self.sched.process_output(done, out))
-                if self.sched.cfg.log_steps:
-                    logger.info(step_log_line(done, self.sched.last_step_seconds, self.sched.stats()))
-                self.flush()
-                self.work["busy_seconds"] += time.perf_counter() - start
-                self.overlap.record(self.work["busy_seconds"] - self.busy_mark, self.sched.last_step_seconds)
-                self.busy_mark = self.work["busy_seconds"]
+            if self.loop.step():
                 continue
-            self.flush()
+            self.loop.flush()
             self.idle_check()
             # A compiling grammar wakes no socket: look again soon while one is.
             poller.poll(timeout=COMPILE_POLL_SECONDS * 1000 if self.sched.compiling else IDLE_CHECK_SECONDS * 1000)
 
-    def send_step(self, batch: BatchInput, start: float) -> None:
+    def submit(self, batch: BatchInput) -> None:
+        """Send a step to every runner rank (StepLoop's runner)."""
         data = encode(batch)
         for sock in self.to_runners:
             sock.send(data, copy=False)
-        if not self.steps:
+        if not self.loop.inflight:
             self.step_started = time.monotonic()
-        self.steps.append(batch)
-        self.work["steps"] += 1
-        self.work["runner_bytes"] += len(data)
-        self.work["busy_seconds"] += time.perf_counter() - start
+        self.sent["runner_bytes"] += len(data)
 
-    def wait_for_output(self) -> BatchOutput:
+    def collect(self) -> BatchOutput:
         """The oldest step's output from rank 0; new requests and aborts are taken meanwhile."""
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
@@ -137,7 +114,7 @@ class SchedulerLoop:
             if self.results in ready:
                 # One output per step, in order; the runner went straight on to the next step.
                 out = decode(self.results.recv())
-                self.step_started = time.monotonic() if len(self.steps) > 1 else None
+                self.step_started = time.monotonic() if len(self.loop.inflight) > 1 else None
                 return out
 
     # ---- messages ---------------------------------------------------------------------
@@ -148,8 +125,8 @@ class SchedulerLoop:
             except Exception:  # one message's failure must not stop the scheduler
                 logger.exception("handling %s failed", type(msg).__name__)
                 if isinstance(msg, TokenizedReq):
-                    self.pending.append(error_output(msg.rid, "the scheduler could not accept this request",
-                                                     status=500))
+                    self.loop.outputs.append(error_output(msg.rid, "the scheduler could not accept this request",
+                                                          status=500))
 
     def handle_one(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
@@ -169,27 +146,27 @@ class SchedulerLoop:
     def add(self, msg: TokenizedReq) -> None:
         if self.early_aborts.laid_since(msg.rid, msg.arrival_time):
             # Its client left before it got here; the detokenizer still has its spec to drop.
-            self.pending.append(RequestOutput(msg.rid, finish_reason=FinishReason.ABORT))
+            self.loop.outputs.append(RequestOutput(msg.rid, finish_reason=FinishReason.ABORT))
             return
         req = Req(msg.rid, msg.input_ids, msg.params, priority=msg.priority,
                   arrival_time=time.monotonic() - max(0.0, time.time() - msg.arrival_time))
         try:
             self.sched.add_request(req)
         except InvalidParam as e:
-            self.pending.append(error_output(msg.rid, str(e), e.field))
+            self.loop.outputs.append(error_output(msg.rid, str(e), e.field))
 
     def abort(self, msg: AbortRequest) -> None:
         record = self.sched.abort(msg.rid)
         if record is not None:
-            self.pending.append(record)
+            self.loop.outputs.append(record)
         else:  # not here yet (still in the tokenizer): drop it on arrival
             self.early_aborts.add(msg.rid, msg.sent_at or time.time())
 
     def control(self, msg: ControlCall) -> ControlReply:
         if msg.kind == "get_info":
             st = self.sched.stats()
-            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info, "step_work": dict(self.work),
-                    "overlap": self.overlap.to_dict()}
+            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info,
+                    "step_work": {**self.loop.work, **self.sent}, "overlap": self.loop.policy.to_dict()}
             return ControlReply(msg.call_id, True, data)
         if msg.kind == "flush_cache":
             if self.sched.running or self.sched.num_waiting:
@@ -198,13 +175,11 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, True, {})
         return ControlReply(msg.call_id, False, {"error": f"unknown control {msg.kind!r}"})
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        data = encode(OutputBatch(self.pending))
-        self.pending = []
+    def publish(self, records: list[RequestOutput]) -> None:
+        """Send the records to the detokenizer in one OutputBatch (StepLoop's publish)."""
+        data = encode(OutputBatch(records))
         self.to_detok.send(data, copy=False)
-        self.work["detok_bytes"] += len(data)
+        self.sent["detok_bytes"] += len(data)
 
     def idle_check(self) -> None:
         now = time.monotonic()

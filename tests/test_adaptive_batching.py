@@ -74,7 +74,7 @@ class Sim:
         if batch is None:
             return
         decoding = {r.rid for r in self.s.running if not r.in_prefill}
-        rows = {self.s._inflight[batch.step].reqs[i].rid for i in range(len(batch.sids))}
+        rows = {self.s.builder.inflight[batch.step].reqs[i].rid for i in range(len(batch.sids))}
         assert decoding <= rows, "every decoding request gets its token every step"
         prefill = sum(n for n, p in zip(batch.extend_lens, batch.prefix_lens) if n > 1)
         decodes = len(batch.sids) - sum(1 for n in batch.extend_lens if n > 1)

@@ -16,7 +16,7 @@ def make(num_pages: int = 64, page_size: int = 1, disabled: bool = False) -> tup
 
 
 def put(cache: RadixCache, tokens: list[int]) -> tuple[int, list[int]]:
-    """Cache `tokens` the way a request does (Scheduler._cache_prefix): compute every whole
+    """Cache `tokens` the way a request does (KVManager.cache_prefix): compute every whole
     page into fresh pages, insert, and free the duplicates of what the tree already held.
     Returns (held, the pages the tree now holds for the tokens)."""
     ps = cache.page_size
@@ -476,7 +476,7 @@ class RadixMachine(RuleBasedStateMachine):
         held = cache.insert(tokens, pages)
         assert held == expected_held
         assert held >= len(matched) * ps
-        # Exactly what Scheduler._cache_prefix does with the caller's duplicates.
+        # Exactly what KVManager.cache_prefix does with the caller's duplicates.
         self.alloc.free(pages[len(matched):held // ps])
         cache.unlock(node)
         got, _ = cache.match_prefix(tokens)

@@ -27,7 +27,8 @@ from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.scheduling.request import Req, Status
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduling.scheduler import Scheduler, step_log_line
+from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.scheduler_stats import step_log_line
 
 VOCAB = 64
 EOS = 63
@@ -634,7 +635,7 @@ def test_sids_are_reused_and_released_sids_reported():
     assert used == {0, 1}, "finished requests' sids are handed out again"
     # Every finished request's sid was reported once it was released (the last ones wait
     # for the next batch).
-    tail = h.s._released_sids
+    tail = h.s.table.released_sids
     assert sorted(released + tail) == sorted(h.reqs[f"r{i}"].sid for i in range(5))
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
@@ -811,15 +812,15 @@ def test_a_retracted_penalised_request_sends_its_spec_again_with_its_output(dept
 
 
 def record_retractions(s: Scheduler) -> list[tuple[str, str, list[int], int]]:
-    """Patch s._retract to log (rid, status, pages, evictable pages) right after each one."""
-    log, retract = [], s._retract
+    """Patch s.table.retract to log (rid, status, pages, evictable pages) right after each one."""
+    log, retract = [], s.table.retract
 
     def spy(victim: Req) -> None:
         retract(victim)
         s.check()
         log.append((victim.rid, victim.status, list(victim.pages), s.cache.evictable_pages))
 
-    s._retract = spy
+    s.table.retract = spy
     return log
 
 
@@ -1081,12 +1082,60 @@ def test_random_workloads_run_to_completion(w, depth):
 # ---- overlap scheduling ------------------------------------------------------------------
 
 def run_overlap_mix(depth: int, **harness) -> Harness:
-    h = Harness(depth=depth, **harness)
+    h = add_overlap_mix(Harness(depth=depth, **harness))
+    h.run()
+    return h
+
+
+def add_overlap_mix(h: Harness) -> Harness:
     for i in range(10):
         h.add(f"r{i}", prompt(3 + 7 * i, 50 + i), max_new_tokens=5 + 3 * i, min_new_tokens=i % 3,
               stop_token_ids=[7, 11][:i % 3], logprobs=i % 4 == 0)
-    h.run()
     return h
+
+
+class HarnessRunner:
+    """The harness's fake model as StepLoop's runner: a step runs when it is submitted."""
+
+    def __init__(self, h: Harness):
+        self.h, self.outs = h, deque()
+
+    def submit(self, batch: BatchInput) -> None:
+        by_sid = {r.sid: r for r in self.h.s.running}
+        reqs = [by_sid[sid] for sid in batch.sids]
+        self.h._validate(batch, reqs)
+        self.h.batches.append((batch, reqs))
+        self.outs.append(self.h._run_model(batch, reqs))
+
+    def collect(self) -> BatchOutput:
+        return self.outs.popleft()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_loop_gives_lockstep_tokens_and_keeps_two_steps_out_with_overlap(overlap):
+    """The loop the scheduler process and the Engine run (StepLoop) gives every request the
+    tokens the lockstep harness gives it; with overlap forced on it builds steps on tokens it
+    has not seen yet, and publishes each request's records in order."""
+    from relay.scheduling.overlap import OverlapPolicy
+    from relay.scheduling.step_loop import StepLoop
+
+    lockstep = run_overlap_mix(1)
+    h = add_overlap_mix(Harness())
+    published: list[RequestOutput] = []
+    loop = StepLoop(h.s, HarnessRunner(h), OverlapPolicy(enabled=overlap, min_share=0.0), published.extend)
+    while loop.busy:
+        assert loop.step(), "work queued but nothing scheduled"
+        assert len(loop.inflight) <= (2 if overlap else 1)
+        h.s.check()
+    for ev in published:
+        h._record(ev)
+    for rid in lockstep.reqs:
+        assert h.outputs(rid) == lockstep.outputs(rid)
+        assert h.final[rid].finish_reason == lockstep.final[rid].finish_reason
+        h.assert_finished_correctly(rid)
+    pending = sum(b.input_ids.count(PENDING_TOKEN) for b, _ in h.batches)
+    assert (pending > 100) == overlap
+    assert loop.work["steps"] == len(h.batches) and not loop.outputs
 
 
 def test_overlap_gives_the_same_tokens_and_chains_decodes():

@@ -4,18 +4,15 @@
     engine = Engine()  # the default model
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0))
 
-It drives the same objects the server puts in separate processes: the PromptPreparer, the
-Scheduler, the ModelRunner and the Detokenizer, and merges each request's RequestOutput
-records into one.
+It runs the same step loop (relay.scheduling.step_loop) as the server's scheduler process over
+the objects the server puts in separate processes: the PromptPreparer, the Scheduler, the
+ModelRunner and the Detokenizer, and merges each request's RequestOutput records into one.
 """
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
 from typing import Sequence, Union
 
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.text.detokenizer import Detokenizer, DetokenizeSpec
 from relay.text.grammar import make_backend
@@ -26,6 +23,7 @@ from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduling.scheduler import Scheduler
+from relay.scheduling.step_loop import InProcessRunner, StepLoop
 from relay.text.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
 Prompt = Union[str, Sequence[int]]
@@ -72,33 +70,29 @@ class Engine:
             self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
-        # The server's overlap loop (relay.scheduling.overlap): step N+1 may be built before step N's output
-        # is processed. Here the runner runs in this thread, so the policy keeps lockstep unless
-        # overlap_min_share is 0 (which tests use to run the overlap path).
-        policy = OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)
-        steps: deque[tuple[BatchInput, BatchOutput]] = deque()
-        while self.scheduler.has_work or steps:
-            records = self.scheduler.poll_constraints()  # grammars that failed to compile
-            depth = policy.depth
-            busy = time.perf_counter()
-            batch = self.scheduler.schedule() if len(steps) < depth and self.scheduler.has_work else None
-            busy = time.perf_counter() - busy
-            if batch is not None:
-                steps.append((batch, self.runner.forward(batch)))
-            if steps and (batch is None or len(steps) == depth):
-                start = time.perf_counter()
-                records += self.scheduler.process_output(*steps.popleft())
-                policy.record(busy + time.perf_counter() - start, self.scheduler.last_step_seconds)
-            elif batch is None and self.scheduler.compiling:
-                self.scheduler.wait_for_constraints()
-            elif batch is None and not records:
-                raise RuntimeError("scheduler has work but scheduled nothing")
-            shown, stops = self.detokenizer.process(records)
-            for stop in stops:
-                self.scheduler.stop(stop.rid, stop.matched)
-            for record in shown:
-                results[record.rid].extend(record)
+        loop = StepLoop(self.scheduler, InProcessRunner(self.runner), self._overlap_policy(),
+                        lambda records: self._publish(records, results))
+        while loop.busy:
+            if not loop.step():
+                if self.scheduler.compiling:
+                    self.scheduler.wait_for_constraints()
+                elif not loop.outputs:
+                    raise RuntimeError("scheduler has work but scheduled nothing")
+            loop.flush()
         return list(results.values())
+
+    def _overlap_policy(self) -> OverlapPolicy:
+        """The server's (relay.scheduling.overlap). Here the runner runs in this thread, so the
+        policy keeps lockstep unless overlap_min_share is 0 (which tests use to run that path)."""
+        return OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)
+
+    def _publish(self, records: list[RequestOutput], results: dict[str, RequestOutput]) -> None:
+        """Detokenize the records into the merged results; stop the requests a stop string ended."""
+        shown, stops = self.detokenizer.process(records)
+        for stop in stops:
+            self.scheduler.stop(stop.rid, stop.matched)
+        for record in shown:
+            results[record.rid].extend(record)
 
     def _check_constraints(self, params: list[SamplingParams]) -> None:
         """Compile the output constraints now and raise InvalidParam naming the field of one that

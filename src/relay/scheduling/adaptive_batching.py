@@ -24,6 +24,10 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relay.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -341,3 +345,12 @@ class AdaptiveLimits(StepLimits):
                 "p99_itl_ms": None if p99 is None else p99 * 1e3,
                 "p99_ttft_ms": None if ttft is None else ttft * 1e3,
                 "step_model": self.model.to_dict(), "changes": self.changes, "last_reason": self.last_reason}
+
+
+def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
+    """Fixed limits, or adaptive ones when a latency target is set."""
+    if cfg.target_itl_ms is None:
+        return StepLimits(cfg.chunked_prefill_size, cfg.max_running_requests)
+    ttft = None if cfg.target_ttft_ms is None else cfg.target_ttft_ms / 1e3
+    return AdaptiveLimits(cfg.chunked_prefill_size, cfg.max_running_requests, kv_total_tokens,
+                          cfg.target_itl_ms / 1e3, ttft, cfg.adaptive_window_s)

@@ -40,7 +40,7 @@ class Req:
     pages_synced: int = 0  # leading pages the runner's copy of the page table has right
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     spec_sent: bool = False  # the runner has this request's sampling spec
-    long_rope: bool = False  # its KV rotates with LongRoPE's long factors (Scheduler.long_rope_after)
+    long_rope: bool = False  # its KV rotates with LongRoPE's long factors (LongRopeBoundary)
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
@@ -51,7 +51,7 @@ class Req:
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     last_token_time: float | None = None  # when the scheduler last appended tokens (ITL)
     num_retractions: int = 0
-    # Prefill-first (Scheduler._decodes_to_hold): when this request began yielding its decode
+    # Prefill-first (PrefillFirst.decodes_to_hold): when this request began yielding its decode
     # to a backlog of prompts, and whether it has had its one such wait.
     held_since: float | None = None
     has_yielded: bool = False

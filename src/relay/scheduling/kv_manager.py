@@ -1,0 +1,128 @@
+"""A request's KV pages: reserving them, sharing them through the radix prefix cache, and
+giving them back.
+
+Every page is free, privately held by one running request, or in the tree (locked by the
+requests that map it, or evictable), exactly once (check()). A request's first tree_len
+tokens are the tree's (locked through req.last_node); pages after them are its own.
+"""
+from __future__ import annotations
+
+from relay.memory.kv_allocator import PageAllocator
+from relay.memory.radix_cache import RadixCache
+from relay.scheduling.long_rope import LongRopeBoundary
+from relay.scheduling.request import Req
+
+# Radix keys of tokens whose KV rotates with LongRoPE's long factors are token id + this (token
+# ids stay below 2**31): one tree, one eviction order, no match across the two rotations.
+LONG_ROPE_KEY = 1 << 32
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool, long_rope: LongRopeBoundary):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.cache = RadixCache(self.allocator, disabled=disable_radix_cache)
+        self.long_rope = long_rope
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def obtainable(self) -> int:
+        """Pages a reservation could get now: the free ones and the evictable cached ones."""
+        return self.allocator.num_free + self.cache.evictable_pages
+
+    def reserve(self, req: Req, num_tokens: int, headroom: int = 0) -> bool:
+        """Pages for req's first num_tokens tokens, leaving at least headroom obtainable; False
+        (nothing taken) when that is more than there is."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.obtainable - need < headroom:
+            return False
+        pages = self.cache.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def match(self, req: Req) -> None:
+        """Lock the longest cached prefix of a waiting request and adopt its pages."""
+        req.long_rope = self.long_rope.past(req)
+        # Match at most seq_len - 1 tokens: the last one is always computed, since its
+        # logits give the next token.
+        pages, node = self.cache.match_prefix(self._key(req, req.seq_len - 1))
+        self.cache.lock(node)
+        req.set_pages(0, pages)
+        req.last_node = node
+        # A cached page's draft KV is trusted: if whoever wrote the page never ran the draft
+        # over it, proposals get worse, never the output (the target verifies them).
+        req.kv_len = req.tree_len = req.draft_len = len(pages) * self.page_size
+
+    def unmatch(self, req: Req) -> None:
+        """Undo match() (and any reservation after it): the request holds no KV."""
+        self.allocator.free(req.pages[req.tree_len // self.page_size:])
+        self.cache.unlock(req.last_node)
+        req.set_pages(0, [])
+        req.last_node, req.kv_len, req.tree_len, req.draft_len = None, 0, 0, 0
+
+    def cache_prefix(self, req: Req) -> None:
+        """Hand the request's computed whole pages to the radix tree and lock them there."""
+        ps = self.page_size
+        n = req.written_len - req.written_len % ps
+        if self.cache.disabled or n <= req.tree_len:
+            return
+        tokens = self._key(req, n)
+        held = self.cache.insert(tokens, req.pages[:n // ps])
+        if held > req.tree_len:  # someone cached the same tokens meanwhile: use theirs
+            self.allocator.free(req.pages[req.tree_len // ps:held // ps])
+        pages, node = self.cache.match_prefix(tokens)
+        first = req.tree_len // ps  # pages before it were the tree's already
+        if pages[first:] != req.pages[first:len(pages)]:
+            req.set_pages(first, pages[first:] + req.pages[len(pages):])
+        self.cache.lock(node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.tree_len = node, n
+
+    def release(self, req: Req) -> None:
+        """Cache what req computed and give back the rest: it holds no KV after."""
+        if req.last_node is None:
+            return
+        self.cache_prefix(req)
+        self.unmatch(req)
+
+    def trim(self, req: Req) -> None:
+        """Give back the pages past req's kv_len (a rejected proposal's): they are private,
+        since tree_len <= kv_len."""
+        keep = self.pages_for(req.kv_len)
+        self.allocator.free(req.pages[keep:])
+        req.set_pages(keep, [])
+
+    def _key(self, req: Req, n: int) -> list[int]:
+        """The radix tree's key for the request's first n tokens: the tokens, moved to a range of
+        their own when their KV rotates with LongRoPE's long factors (the same tokens on the short
+        factors have other keys and values)."""
+        tokens = req.token_slice(0, n)
+        return [t + LONG_ROPE_KEY for t in tokens] if req.long_rope else tokens
+
+    def locked_pages(self, running: list[Req]) -> int:
+        """Pages running requests hold, privately or through the tree."""
+        private = sum(len(r.pages) - r.tree_len // self.page_size for r in running)
+        return private + self.cache.locked_pages
+
+    def check(self, running: list[Req]) -> None:
+        """Every page is free, privately held by one running request, or in the tree (locked
+        or evictable), exactly once. Raises AssertionError otherwise."""
+        ps = self.page_size
+        tree = self.cache.check()
+        tree_set = set(tree)
+        private: list[int] = []
+        for req in running:
+            shared = req.pages[:req.tree_len // ps]
+            assert set(shared) <= tree_set, f"request {req.rid} maps pages the tree lacks"
+            private.extend(req.pages[req.tree_len // ps:])
+        every = tree + private + self.allocator.free_pages()
+        assert len(every) == len(set(every)), "a KV page is owned twice"
+        assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"
+        if not running:
+            assert self.cache.locked_pages == 0, "locked pages with no running request"
