@@ -60,6 +60,7 @@ class Scheduler:
                  grammars: GrammarBackend | None = None, long_rope_after: int | None = None):
         self.cfg = cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
         self.clock = clock  # time.monotonic; a simulated clock in tests of the latency policy
+        clock = self.now  # the parts read the scheduler's clock, so replacing it reaches them all
         self.context_len = context_len
         self.eos_token_ids = eos = frozenset(eos_token_ids)
         self.grammars = grammars
@@ -77,6 +78,9 @@ class Scheduler:
         self.outputs = OutputProcessor(self.table, self.kv, self.limits, self.spec_stats, eos, context_len,
                                        grammars, clock)
         self.grammar_waits = GrammarWaits(grammars, self.table, cfg.grammar_compile_timeout, clock)
+
+    def now(self) -> float:
+        return self.clock()
 
     # ---- what callers read ------------------------------------------------------------
     @property
