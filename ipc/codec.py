@@ -9,11 +9,11 @@ from typing import Any
 import msgpack
 
 from ipc import messages as m
-from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
+from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.text.detokenizer import DetokenizeSpec
 
 # The order fixes each type's ext code. Every process of a server runs the same code, so
 # codes only have to agree within one version.

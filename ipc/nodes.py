@@ -52,5 +52,5 @@ class NodePlan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "NodePlan":
+    def from_dict(cls, d: dict[str, Any] | None) -> NodePlan:
         return cls(**d) if d else cls()

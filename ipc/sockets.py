@@ -13,7 +13,6 @@ import zmq.asyncio
 
 from ipc.codec import decode, encode
 
-
 _PREFIX = "relay-"
 _OWNER_FILE = "owner"  # "<pid> <process start time>" of the launcher that made the directory
 

@@ -7,7 +7,14 @@ import dataclasses
 
 from launch.multinode import add_flags as add_multinode_flags
 from relay.api.guard import DEFAULT_MAX_BODY_BYTES
-from relay.config import DTYPES, LOAD_FORMATS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, ModelConfig
+from relay.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    ModelConfig,
+)
 
 # --help text for each EngineConfig field (the flags are generated from the dataclass).
 FLAG_HELP = {

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import httptools
 

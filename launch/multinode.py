@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -191,7 +191,7 @@ class NodeLink:
         which = f"ranks {ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else f"rank {ranks.start}"
         return f"node {node} (TP {which})"
 
-    def start(self) -> "NodeLink":
+    def start(self) -> NodeLink:
         self.send("hello")
         self.thread.start()
         return self

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import zmq
 
@@ -26,11 +26,22 @@ from launch.children import Child, Launcher
 from launch.flags import build_parser, check_model_config, engine_config
 from launch.multinode import NodeLink, plan_from_args
 from procs.common import proc_label, set_title, setup_logging
+from relay.api.guard import (
+    GuardConfig,
+    close_idle_forever,
+    default_allowed_hosts,
+    default_max_connections,
+    guarded_protocol,
+    raise_fd_limit,
+)
 from relay.config import EngineConfig, ModelConfig
-from relay.api.guard import (GuardConfig, close_idle_forever, default_allowed_hosts, default_max_connections,
-                              guarded_protocol, raise_fd_limit)
 from relay.execution.kernels import isa
-from relay.execution.model_files import ModelFileError, check_cache_dir, model_name, resolve_model_dir
+from relay.execution.model_files import (
+    ModelFileError,
+    check_cache_dir,
+    model_name,
+    resolve_model_dir,
+)
 from relay.optional_features import missing_features
 from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
 

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from relay.config import EngineConfig
 
@@ -40,7 +41,7 @@ class ProcArgs:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_env(cls) -> "ProcArgs":
+    def from_env(cls) -> ProcArgs:
         return cls(**json.loads(os.environ[ARGS_ENV]))
 
 
@@ -82,8 +83,9 @@ def setup_logging(level: str, name: str) -> None:
 
 def announce_ready(ctx, ipc_dir: str, msg) -> None:
     """Tell the launcher we are up; waits (briefly) until the message has left."""
-    from ipc.sockets import LAUNCHER, endpoint, push, send
     import zmq
+
+    from ipc.sockets import LAUNCHER, endpoint, push, send
 
     sock = push(ctx, endpoint(ipc_dir, LAUNCHER))
     sock.setsockopt(zmq.LINGER, 10_000)  # unlike the data sockets: don't drop it on close

@@ -19,7 +19,15 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ipc.codec import encode
-from ipc.messages import AbortRequest, ControlCall, ControlReply, GenerateReq, Heartbeat, OutputBatch, TokenizeCall
+from ipc.messages import (
+    AbortRequest,
+    ControlCall,
+    ControlReply,
+    GenerateReq,
+    Heartbeat,
+    OutputBatch,
+    TokenizeCall,
+)
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
 from relay.api import admin, openai, sglang, tokenization
 from relay.api.fields import ParsedRequest, ProtocolError

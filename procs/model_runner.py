@@ -15,11 +15,11 @@ import zmq
 
 from ipc.codec import decode
 from ipc.messages import Ready
-from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
 from ipc.nodes import NodePlan
+from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.scheduling.batch import BatchOutput
 from relay.config import ModelConfig
+from relay.scheduling.batch import BatchOutput
 
 logger = logging.getLogger(__name__)
 

@@ -15,22 +15,40 @@ import time
 import zmq
 
 from ipc.codec import decode, encode
-from ipc.messages import (AbortRequest, ControlCall, ControlReply, Heartbeat, OutputBatch, Ready, StopGenerating,
-                          TokenizedReq)
-from ipc.sockets import (DETOKENIZER, HTTP, RUNNER_RESULT, SCHEDULER, endpoint, pull, push, recv_ready,
-                         runner_inbox, send)
+from ipc.messages import (
+    AbortRequest,
+    ControlCall,
+    ControlReply,
+    Heartbeat,
+    OutputBatch,
+    Ready,
+    StopGenerating,
+    TokenizedReq,
+)
 from ipc.nodes import NodePlan
+from ipc.sockets import (
+    DETOKENIZER,
+    HTTP,
+    RUNNER_RESULT,
+    SCHEDULER,
+    endpoint,
+    pull,
+    push,
+    recv_ready,
+    runner_inbox,
+    send,
+)
 from procs.common import ProcArgs, announce_ready, child_main
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.config import ModelConfig
-from relay.text.grammar import make_backend
 from relay.lifecycle import Tombstones
 from relay.outputs import FinishReason, RequestOutput, error_output
+from relay.sampling_params import InvalidParam
+from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.request import Req
-from relay.sampling_params import InvalidParam
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import StepLoop
+from relay.text.grammar import make_backend
 from relay.text.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)

@@ -13,14 +13,32 @@ import logging
 
 import zmq
 
-from ipc.messages import ControlReply, GenerateReq, Heartbeat, OutputBatch, Ready, TokenizeCall, TokenizedReq
-from ipc.sockets import DETOKENIZER, HTTP, SCHEDULER, TOKENIZER, endpoint, pull, push, recv_ready, send
+from ipc.messages import (
+    ControlReply,
+    GenerateReq,
+    Heartbeat,
+    OutputBatch,
+    Ready,
+    TokenizeCall,
+    TokenizedReq,
+)
+from ipc.sockets import (
+    DETOKENIZER,
+    HTTP,
+    SCHEDULER,
+    TOKENIZER,
+    endpoint,
+    pull,
+    push,
+    recv_ready,
+    send,
+)
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.api.tool_parsers import parser_for_template
 from relay.config import ModelConfig
-from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import error_output
 from relay.sampling_params import InvalidParam
+from relay.text.detokenizer import DetokenizeSpec
 from relay.text.tokenizer import PromptPreparer, Tokenizer
 
 logger = logging.getLogger(__name__)

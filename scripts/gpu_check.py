@@ -200,9 +200,9 @@ def roofline_step_s(mc, bs: int, context: int) -> float:
 
 
 def cmd_decode_speed(args) -> None:
-    from relay.scheduling.batch import SamplingSpec
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
+    from relay.scheduling.batch import SamplingSpec
     from scripts.runner_steps import Sequences
 
     mc = ModelConfig.from_dir(args.model)
@@ -226,7 +226,7 @@ def cmd_decode_speed(args) -> None:
                 for mode in ("graph", "eager"):
                     runner.cuda_graphs = graphs if mode == "graph" else None
                     times = []
-                    for step in range(args.warmup + args.steps + (1 if first else 0)):
+                    for _ in range(args.warmup + args.steps + (1 if first else 0)):
                         batch = seqs.batch()
                         if first:
                             batch.new_specs = [SamplingSpec(s, greedy, []) for s in sids]

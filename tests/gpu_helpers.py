@@ -277,8 +277,8 @@ def emulated_graph_runner_cls():
 def run_emulated_graph_check(model_dir: str) -> str:
     """A tiny model on CPU whose runner uses the Triton backend (interpreted) and the emulated
     graph runner, vs the torch backend eagerly: same greedy tokens, logits within 1e-4."""
-    from relay.execution.attention.triton_backend import TritonBackend
     from relay.config import EngineConfig, ModelConfig
+    from relay.execution.attention.triton_backend import TritonBackend
     from relay.execution.model_runner import ModelRunner
 
     mc = ModelConfig.from_dir(model_dir)

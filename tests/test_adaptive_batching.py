@@ -7,11 +7,16 @@ import statistics
 
 import pytest
 
-from relay.scheduling.adaptive_batching import MIN_PREFILL_BUDGET, AdaptiveLimits, LatencyWindow, StepCostModel
-from relay.scheduling.batch import BatchOutput
 from relay.config import EngineConfig
-from relay.scheduling.request import Req
 from relay.sampling_params import SamplingParams
+from relay.scheduling.adaptive_batching import (
+    MIN_PREFILL_BUDGET,
+    AdaptiveLimits,
+    LatencyWindow,
+    StepCostModel,
+)
+from relay.scheduling.batch import BatchOutput
+from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 
 BASE, PER_DECODE, PER_PREFILL = 0.008, 0.0006, 0.00045  # seconds: roughly the default model on 2 cores

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts.bench import client, compare, metrics, results, serving, servers, table, workloads
+from scripts.bench import client, compare, metrics, results, servers, serving, table, workloads
 from scripts.bench.__main__ import main as bench_main
 
 

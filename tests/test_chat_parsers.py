@@ -12,10 +12,12 @@ from relay.api.chat_output import ChatOutput, whole_message
 from relay.api.fields import ProtocolError
 from relay.api.openai import parse_chat
 from relay.api.reasoning import REASONING_PARSERS, Reasoning
-from relay.api.tool_calls import ToolCalling, Tool, AUTO
+from relay.api.tool_calls import AUTO, Tool, ToolCalling
 from relay.api.tool_output import assemble
 from relay.api.tool_parsers import PARSERS, parser_for_template
-from relay.config import REASONING_PARSERS as REASONING_NAMES, TOOL_CALL_PARSERS as TOOL_NAMES, EngineConfig
+from relay.config import REASONING_PARSERS as REASONING_NAMES
+from relay.config import TOOL_CALL_PARSERS as TOOL_NAMES
+from relay.config import EngineConfig
 
 MODEL = "m"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 import ipc.messages as m
 from ipc import codec
 from ipc.codec import WIRE_TYPES, decode, encode
-from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.text.detokenizer import DetokenizeSpec
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
+from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.text.detokenizer import DetokenizeSpec
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 U31 = st.integers(0, 2**31 - 1)

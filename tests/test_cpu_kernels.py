@@ -177,7 +177,7 @@ def test_a_weight_with_an_odd_input_count_keeps_onednn(lib):
 
 def dense_causal(q, k, v, table, prefix, n, scale):
     """q [n, H, D] new tokens at positions prefix..prefix+n-1 over the cache's first prefix+n tokens."""
-    h, d = q.shape[1], q.shape[2]
+    h = q.shape[1]
     hkv = k.shape[0]
     slots = torch.tensor([table[t // PS] * PS + t % PS for t in range(prefix + n)])
     keys = k[:, slots].float().repeat_interleave(h // hkv, dim=0)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from relay.text.detokenizer import Detokenizer, DetokenizeSpec, Stopped
 from relay.outputs import RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
+from relay.text.detokenizer import Detokenizer, DetokenizeSpec, Stopped
 from relay.text.tokenizer import DecodeStream, PromptPreparer, Tokenizer
 
 # Pieces that byte-level BPE splits awkwardly: multi-byte characters, emoji with modifiers and

@@ -77,7 +77,9 @@ def test_graph_support_is_declared():
     assert cls is TorchNativeBackend and not cls.supports_cuda_graph
     with pytest.raises(NotImplementedError, match="does not support CUDA graphs"):
         AttentionBackend.init_cuda_graph_state(TorchNativeBackend.__new__(TorchNativeBackend), 8, 4)
-    from relay.execution.attention.flashinfer_backend import FlashInferBackend  # imports without flashinfer
+    from relay.execution.attention.flashinfer_backend import (
+        FlashInferBackend,  # imports without flashinfer
+    )
 
     assert FlashInferBackend.supports_cuda_graph and FlashInferBackend.kv_layout == "NHD"
 
@@ -94,7 +96,11 @@ def test_flashinfer_backend_without_the_package_says_so():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_backend_class_and_splits():
-    from relay.execution.attention.triton_backend import MAX_SPLITS, TritonBackend, decode_num_splits
+    from relay.execution.attention.triton_backend import (
+        MAX_SPLITS,
+        TritonBackend,
+        decode_num_splits,
+    )
 
     assert TritonBackend.supports_cuda_graph and TritonBackend.kv_layout == "NHD"
     assert decode_num_splits(1, 8, 132) == MAX_SPLITS  # one request: fill the GPU

@@ -11,18 +11,29 @@ import time
 
 import httpx
 import pytest
-
 import zmq
 
 from ipc.codec import decode
 from ipc.messages import Heartbeat
-from ipc.sockets import TOKENIZER, endpoint, make_ipc_dir, pull, remove_ipc_dir, remove_stale_ipc_dirs
+from ipc.sockets import (
+    TOKENIZER,
+    endpoint,
+    make_ipc_dir,
+    pull,
+    remove_ipc_dir,
+    remove_stale_ipc_dirs,
+)
 from procs.http_server import ZmqEngineClient
 from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.guard import (
+    GuardConfig,
+    RequestGuard,
+    _evict_longest_idle,
+    close_idle_connections,
+    default_allowed_hosts,
+)
 from relay.health import Heartbeats
 from relay.sampling_params import SamplingParams
-from relay.api.guard import (GuardConfig, RequestGuard, _evict_longest_idle, close_idle_connections,
-                              default_allowed_hosts)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

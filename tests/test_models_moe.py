@@ -22,7 +22,6 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.distributed import TPGroup
 from relay.execution.model_runner import ModelRunner
 from relay.execution.models.moe import MoeForCausalLM, SparseMoeBlock
-
 from tests.conftest import TINY_VOCAB, _tiny_config
 from tests.test_engine import check_three_ways, random_prompts
 from tests.test_tp_shared_memory import run_ranks

@@ -20,9 +20,9 @@ import pytest
 
 from ipc.messages import NodeMsg
 from ipc.nodes import NodePlan
-from launch.multinode import NodeLink, PeerWatch, gloo_env, interface_for, plan_from_args
 from launch.children import plan_children
 from launch.flags import build_parser
+from launch.multinode import NodeLink, PeerWatch, gloo_env, interface_for, plan_from_args
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig
 from tests.server_utils import ROOT, Server, alive, wait_until

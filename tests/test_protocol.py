@@ -13,10 +13,24 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from relay.api.fields import MAX_JSON_DEPTH, ParsedRequest, ProtocolError, decode_json_body, error_body
 from relay.api.chat_output import ChatOutput
-from relay.api.openai import (chat_chunk, chat_response, completion_chunk, completion_response, parse_chat,
-                              parse_completion, parsed_chat_chunks, usage_chunk)
+from relay.api.fields import (
+    MAX_JSON_DEPTH,
+    ParsedRequest,
+    ProtocolError,
+    decode_json_body,
+    error_body,
+)
+from relay.api.openai import (
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    parse_chat,
+    parse_completion,
+    parsed_chat_chunks,
+    usage_chunk,
+)
 from relay.api.serving import SSE_DONE, Usage, sse
 from relay.api.sglang import generate_response, parse_abort, parse_generate
 from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output
@@ -523,7 +537,7 @@ def test_records_merge_with_extend():
 
 def test_sse():
     frame = sse({"text": "é", "n": 1})
-    assert frame == 'data: {"text":"é","n":1}\n\n'.encode("utf-8")
+    assert frame == 'data: {"text":"é","n":1}\n\n'.encode()
     assert SSE_DONE == b"data: [DONE]\n\n"
     assert math.isclose(json.loads(frame[6:])["n"], 1)
 
@@ -587,7 +601,7 @@ def test_text_that_is_not_valid_unicode_is_refused_naming_the_field(raw, param):
     with pytest.raises(ProtocolError) as e:
         decode_json_body(raw)
     assert (e.value.status, e.value.param) == (400, param)
-    assert decode_json_body('{"prompt": "\\ud83d\\ude00 ok"}'.encode()) == {"prompt": "\U0001f600 ok"}
+    assert decode_json_body(b'{"prompt": "\\ud83d\\ude00 ok"}') == {"prompt": "\U0001f600 ok"}
 
 
 @pytest.mark.parametrize("raw,param", [

@@ -15,8 +15,17 @@ import torch
 from relay import Engine
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import isa
-from relay.execution.layers import (INT4_MAX_ROWS, INT8_MAX_ROWS, W8A8_MIN_ROWS, Linear, int4_supported, quantize_int4,
-                          quantize_int8, quantize_rows_int8, w8a8_weight)
+from relay.execution.layers import (
+    INT4_MAX_ROWS,
+    INT8_MAX_ROWS,
+    W8A8_MIN_ROWS,
+    Linear,
+    int4_supported,
+    quantize_int4,
+    quantize_int8,
+    quantize_rows_int8,
+    w8a8_weight,
+)
 from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
@@ -116,9 +125,6 @@ def test_int4_kernel_and_float_path_agree():
 @pytest.mark.slow
 def test_default_model_int4_is_still_the_model(default_model_dir):
     """A lone request takes the int4 kernel every step: its greedy answers stay sensible."""
-    from relay.text.tokenizer import Tokenizer
-
-    tok = Tokenizer(default_model_dir)
     engine = Engine(default_model_dir, quantization="int4", kv_cache_gb=0.2)
     out = engine.generate(["The capital of France is"], GREEDY)[0]
     assert out.text.startswith(" Paris"), out.text

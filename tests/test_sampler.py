@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from relay.scheduling.batch import SamplingSpec
 from relay.execution.sampler import Sampler, SampleResult, seeded_uniform
 from relay.sampling_params import SamplingParams
+from relay.scheduling.batch import SamplingSpec
 
 V = 8
 # Distinct values (no ties), both signs, so penalties on positive and negative logits show.

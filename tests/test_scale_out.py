@@ -28,8 +28,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch import dp
-from launch.front import Front, RequestParser
 from launch.flags import build_parser
+from launch.front import Front, RequestParser
 from relay.api import request_id as rid_mod
 from relay.metrics import ServerMetrics
 from tests.server_utils import ROOT, Server, alive, free_port, wait_until
@@ -152,7 +152,7 @@ def test_a_request_id_reaches_the_replicas_log_line(server):
                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-request-id"] == trace
     assert r.json()["id"] == f"comp-{trace}"
-    line = wait_until(lambda: next((l for l in server.lines if f"rid=comp-{trace} " in l), None), 10,
+    line = wait_until(lambda: next((line for line in server.lines if f"rid=comp-{trace} " in line), None), 10,
                       "the replica's request log line")
     assert re.search(r"sched dp[01]\]", line), line  # tagged with the replica that served it
 
@@ -237,7 +237,7 @@ def test_cache_aware_routing_hits_the_cache_more_than_round_robin(server, replic
 def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything(server, replicas):
     victim = titled(server)["relay::tp0 dp1"]
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: any("replica dp1" in l and "out of the router's rotation" in l for l in server.lines), 30,
+    wait_until(lambda: any("replica dp1" in line and "out of the router's rotation" in line for line in server.lines), 30,
                "the supervisor takes dp1 out")
     with server.client() as c:
         wait_until(lambda: [w["url"] for w in c.get("/workers").json()["workers"]] == [replicas["dp0"]], 10,
@@ -256,7 +256,7 @@ def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything
     assert "sglang::router" in left and "relay::http dp0" in left
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 1, "a replica had died: the stop must not hide it"
-    assert any("replica dp1" in l and "before the stop signal: exiting 1" in l for l in server.lines), server.log
+    assert any("replica dp1" in line and "before the stop signal: exiting 1" in line for line in server.lines), server.log
     wait_until(lambda: not [p for p in left.values() if alive(p)], 10, "the router and every replica process gone")
 
 

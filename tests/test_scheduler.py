@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
 from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
-from relay.scheduling.request import Req, Status
 from relay.sampling_params import InvalidParam, SamplingParams
+from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
+from relay.scheduling.request import Req, Status
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.scheduler_stats import step_log_line
 
@@ -499,7 +499,7 @@ class BurstHarness(Harness):
 
     def burst(self, n: int, tokens: int, priority: int = 0) -> list[str]:
         rids = [f"b{len(self.reqs) + i}" for i in range(n)]
-        for i, rid in enumerate(rids):
+        for rid in rids:
             self.add(rid, prompt(tokens, 100 + len(self.reqs)), priority=priority, max_new_tokens=2, ignore_eos=True)
         return rids
 
@@ -670,7 +670,7 @@ def test_priority_order_under_a_tight_pool():
     assert [r.rid for r in h.batches[-1][1]] == ["high_big"]
     admitted = []
     h.run()
-    for batch, reqs in h.batches:
+    for _batch, reqs in h.batches:
         admitted += [r.rid for r in reqs if r.rid not in admitted]
     assert admitted == ["high_big", "mid", "low_small"]
     for rid in h.reqs:
@@ -1011,7 +1011,7 @@ def workloads(draw):
     max_prompt = max(1, min(pool - 1, context_len - 1, 80))
     bases = [draw(st.lists(st.integers(0, 3), min_size=80, max_size=80)) for _ in range(2)]
     reqs = []
-    for i in range(draw(st.integers(1, 10))):
+    for _ in range(draw(st.integers(1, 10))):
         plen = draw(st.one_of(st.integers(1, max_prompt), st.just(max_prompt)))
         # Often the whole prompt comes from a shared base, so prefixes collide (and requests
         # that share >= SHARED_PREFIX_DEFER_TOKENS uncached tokens get deferred).

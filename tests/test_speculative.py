@@ -12,10 +12,10 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from relay import Engine, SamplingParams
-from relay.scheduling.batch import BatchOutput, SamplingSpec
 from relay.config import EngineConfig
-from relay.scheduling.request import Req
 from relay.execution.sampler import Sampler
+from relay.scheduling.batch import BatchOutput, SamplingSpec
+from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.speculative import NgramIndex
 

@@ -18,9 +18,9 @@ from relay.api.fields import ProtocolError
 from relay.api.openai import parse_chat, parse_completion
 from relay.api.sglang import parse_generate
 from relay.config import EngineConfig, ModelConfig
-from relay.text.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
-from relay.scheduling.request import Req
 from relay.sampling_params import InvalidParam, json_depth, widest_object
+from relay.scheduling.request import Req
+from relay.text.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
 
 xgrammar = pytest.importorskip("xgrammar")
 

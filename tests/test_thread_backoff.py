@@ -8,7 +8,12 @@ import threading
 import pytest
 
 from relay.config import EngineConfig
-from relay.execution.thread_backoff import ThreadBackoff, ThreadPolicy, backoff_supported, read_idle_jiffies
+from relay.execution.thread_backoff import (
+    ThreadBackoff,
+    ThreadPolicy,
+    backoff_supported,
+    read_idle_jiffies,
+)
 
 QUIET, STARVED = 0.02, 0.55  # the step thread's run-queue wait, as a share of its step time
 

@@ -101,9 +101,9 @@ def test_ranks_without_shared_memory_fall_back_to_gloo_together(tmp_path):
 
 
 def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:
-    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.model_runner import ModelRunner
+    from relay.scheduling.batch import BatchInput
     from tests.test_weight_blocks import step_each_way
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", tp_size=2, kv_cache_gb=0.05), model_dir,

@@ -5,7 +5,6 @@ import types
 
 import numpy as np
 import pytest
-
 import torch
 
 from relay.execution import layers, weight_blocks
@@ -143,10 +142,10 @@ def step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tupl
     (logits of rows, the KV after) per way."""
     kv = [t.clone() for t in runner.kv.k + runner.kv.v]
     results = []
-    for layers in ways:
+    for way in ways:
         for t, saved in zip(runner.kv.k + runner.kv.v, kv):
             t.copy_(saved)
-        setattr(runner.model, attr, layers)
+        setattr(runner.model, attr, way)
         logits = runner.step_logits(step, tables, rows)
         results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
     return results
@@ -159,8 +158,8 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     a shared prefix (cascade attention) and requests of different lengths, with a float32 or a
     bfloat16 KV cache."""
     blocks_or_skip()
-    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
+    from relay.scheduling.batch import BatchInput
 
     runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
@@ -191,8 +190,8 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     blocks_or_skip()
     if not cpu.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
-    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
+    from relay.scheduling.batch import BatchInput
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
@@ -223,8 +222,8 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
     blocks_or_skip()
     if not cpu.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
-    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
+    from relay.scheduling.batch import BatchInput
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
                          ModelConfig.from_dir(default_model_dir))
@@ -313,8 +312,8 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
     are the slow ones, the C call takes every batch size tried that the KV pool holds."""
     blocks_or_skip()
-    from relay.execution import startup_timing
     from relay.config import EngineConfig, ModelConfig
+    from relay.execution import startup_timing
     from relay.execution.models import llama
 
     def runner() -> ModelRunner:
@@ -344,8 +343,8 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
     weights: a decode step's logits are closer to the float32 model's than those of the same
     bfloat16 model without its blocks, which multiplies by rounded weights."""
     blocks_or_skip()
-    from relay.scheduling.batch import BatchInput
     from relay.config import EngineConfig, ModelConfig
+    from relay.scheduling.batch import BatchInput
 
     runners = [ModelRunner(EngineConfig(kv_cache_gb=0.05, **cfg), default_model_dir, ModelConfig.from_dir(default_model_dir))
                for cfg in ({"dtype": "float32", "block_activations": "float"}, {"dtype": "bfloat16"},

@@ -63,8 +63,8 @@ def phase(clients: list[httpx.Client], rounds: int, reps: int) -> list[dict]:
         for i, c in enumerate(clients):
             lat[i] += short_latencies(c, reps)
             speed[i].append(decode_speed(c))
-    return [{"short_p50_s": round(statistics.median(l), 3), "short_max_s": round(max(l), 3),
-             "decode_tok_s": round(statistics.median(s), 1)} for l, s in zip(lat, speed)]
+    return [{"short_p50_s": round(statistics.median(lat_s), 3), "short_max_s": round(max(lat_s), 3),
+             "decode_tok_s": round(statistics.median(s), 1)} for lat_s, s in zip(lat, speed)]
 
 
 def measure(servers: list[Server], args) -> dict[str, list[dict]]:

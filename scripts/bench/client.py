@@ -18,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from scripts.bench.metrics import calculate_metrics, copied_share, parse_goodput, per_request, spec_delta
+from scripts.bench.metrics import (
+    calculate_metrics,
+    copied_share,
+    parse_goodput,
+    per_request,
+    spec_delta,
+)
 from scripts.bench.workloads import DatasetRow, candidate_ids, encode, random_text
 
 BACKENDS = ("relay-openai", "relay-native", "openai")

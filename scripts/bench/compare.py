@@ -63,7 +63,14 @@ from datetime import datetime
 from typing import Any
 
 from scripts.bench import results, serving
-from scripts.bench.engines import LLAMA_BUILD, VLLM_HOLD_ENV, default_gguf, llama_server, llama_server_cmd, vllm_server
+from scripts.bench.engines import (
+    LLAMA_BUILD,
+    VLLM_HOLD_ENV,
+    default_gguf,
+    llama_server,
+    llama_server_cmd,
+    vllm_server,
+)
 from scripts.bench.plots import plot_sweep
 from scripts.bench.results import BENCH_DIR, ROOT, ResultFile
 from scripts.bench.servers import Server, relay_server, tail
@@ -102,7 +109,7 @@ def copy_args(quick: bool) -> list[str]:
     return ["--dataset-name", "copy", "--copy-passage-len", str(passage), "--copy-output-len", str(out)]
 
 
-def prompts_for(workload: "Workload", c: int, quick: bool) -> list[str]:
+def prompts_for(workload: Workload, c: int, quick: bool) -> list[str]:
     """Random and copy workloads: 4 requests per concurrency slot (16..128), so c=1 does not take an hour."""
     if workload.kind not in ("random", "copy"):
         return []

@@ -54,10 +54,10 @@ def load(url: str, concurrency: int, rows: list[DatasetRow], tokenizer) -> dict:
 def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
     from ipc.codec import encode
     from ipc.messages import OutputBatch
-    from relay.scheduling.batch import BatchOutput
     from relay.config import EngineConfig
-    from relay.scheduling.request import Req
     from relay.sampling_params import SamplingParams
+    from relay.scheduling.batch import BatchOutput
+    from relay.scheduling.request import Req
     from relay.scheduling.scheduler import Scheduler
 
     s = Scheduler(EngineConfig(page_size=16, chunked_prefill_size=256, max_running_requests=256), 20000, 8192, [2],

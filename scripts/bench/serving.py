@@ -26,9 +26,9 @@ import math
 import sys
 from typing import Any
 
-from scripts.bench.results import ResultFile, args_record
 from scripts.bench.client import BACKENDS, DEFAULT_BASE_URL, benchmark, resolve_model
 from scripts.bench.plots import plot_sweep
+from scripts.bench.results import ResultFile, args_record
 from scripts.bench.workloads import DATASETS, build_dataset, load_tokenizer
 
 

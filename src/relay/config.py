@@ -195,7 +195,7 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def for_device(self, device_type: str) -> "EngineConfig":
+    def for_device(self, device_type: str) -> EngineConfig:
         """This config with what depends on the device resolved (step budget, page size)."""
         gpu = device_type == "cuda"
         return dataclasses.replace(
@@ -203,7 +203,7 @@ class EngineConfig:
             page_size=self.page_size or (16 if gpu else 32))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -258,7 +258,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rope base (default rope, no scaling)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type", ""), "")])[0]
         if arch == "Gemma3ForConditionalGeneration":
             cfg = gemma3_text_tower(cfg)
@@ -296,7 +296,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             cfg = cls.from_hf_dict(json.load(f))
         gen_path = os.path.join(path, "generation_config.json")

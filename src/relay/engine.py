@@ -11,22 +11,23 @@ ModelRunner and the Detokenizer, and merges each request's RequestOutput records
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 from relay.config import EngineConfig, ModelConfig
-from relay.text.detokenizer import Detokenizer, DetokenizeSpec
-from relay.text.grammar import make_backend
 from relay.execution.model_files import resolve_model_dir
 from relay.execution.model_runner import ModelRunner
 from relay.outputs import RequestOutput
+from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.request import Req
-from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import InProcessRunner, StepLoop
+from relay.text.detokenizer import Detokenizer, DetokenizeSpec
+from relay.text.grammar import make_backend
 from relay.text.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int]]  # noqa: UP007 (a runtime alias: `|` on typing.Sequence needs 3.10 generics)
 
 
 class Engine:

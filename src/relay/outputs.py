@@ -46,7 +46,7 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def extend(self, later: "RequestOutput") -> None:
+    def extend(self, later: RequestOutput) -> None:
         """Append a later record of the same request: its tokens, text and logprobs follow
         these, and its finish and counts replace them."""
         self.token_ids = self.token_ids + later.token_ids

@@ -192,7 +192,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None, max_constraint_bytes: int | None = None,
                  max_constraint_depth: int | None = None, max_constraint_properties: int | None = None
-                 ) -> "SamplingParams":
+                 ) -> SamplingParams:
         """Raise InvalidParam naming the first bad field; return self for chaining. A server's
         --max-constraint-bytes caps the constraint's text, --max-constraint-depth a JSON schema's
         nesting (json_depth), --max-constraint-properties the optional properties of each of its
@@ -275,7 +275,7 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         names = {f.name for f in dataclasses.fields(cls)}
         for key in d:
             if key not in names:

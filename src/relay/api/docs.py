@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from relay.api.fields import MAX_N
-from relay.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, Range
+from relay.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+    Range,
+)
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:

@@ -13,11 +13,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from relay.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES,
-                                   InvalidParam, Range, SamplingParams)
+from relay.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+    InvalidParam,
+    Range,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from relay.api.tool_calls import ToolCalling

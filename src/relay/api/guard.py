@@ -19,8 +19,9 @@ import hmac
 import json
 import resource
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from relay.api.fields import ProtocolError, error_body

@@ -9,7 +9,8 @@ import functools
 import json
 import math
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 
@@ -19,7 +20,16 @@ from relay.api.chat_output import ChatOutput, piece_delta, whole_message
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
 from relay.api.reasoning import REASONING_PARSERS
-from relay.api.serving import (SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole)
+from relay.api.serving import (
+    SSE_DONE,
+    Choice,
+    EngineClient,
+    Usage,
+    error_response,
+    sse,
+    streamed,
+    whole,
+)
 from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_TOP_LOGPROBS, Range, SamplingParams
@@ -396,7 +406,7 @@ def _token_entry(token: str, lp: Any) -> dict[str, Any]:
 def _chat_logprobs_body(r: RequestOutput) -> dict[str, Any] | None:
     if r.logprobs is None:
         return None
-    return {"content": [{**_token_entry(text, lp), "top_logprobs": [_token_entry(t, l) for _, t, l in _tops(r, k)]}
+    return {"content": [{**_token_entry(text, lp), "top_logprobs": [_token_entry(t, lp_t) for _, t, lp_t in _tops(r, k)]}
                         for k, (text, lp) in enumerate(zip(r.token_texts or [], r.logprobs))]}
 
 

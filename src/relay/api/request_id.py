@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextvars
 import re
 import uuid
+from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import Any, Callable, Container
+from typing import Any
 
 HEADER = "x-request-id"
 MAX_LEN = 128
-_TOKEN = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_LEN)  # visible ASCII, no spaces
+_TOKEN = re.compile(rf"[\x21-\x7e]{{1,{MAX_LEN}}}")  # visible ASCII, no spaces
 
 
 @dataclass

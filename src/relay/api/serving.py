@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -117,7 +118,7 @@ class Usage:
     cached_tokens: int = 0
 
     @classmethod
-    def of(cls, outputs: list[RequestOutput | None]) -> "Usage":
+    def of(cls, outputs: list[RequestOutput | None]) -> Usage:
         """One request's usage from its choices' latest records: the shared prompt counts
         once (as OpenAI bills it) and completions add up."""
         done = [o for o in outputs if o is not None]

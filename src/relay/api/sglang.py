@@ -1,7 +1,8 @@
 """SGLang's native API: /generate and /abort_request."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 
@@ -9,7 +10,16 @@ from relay.api import fields as F
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
 from relay.api.openai import logprob
-from relay.api.serving import SSE_DONE, Choice, EngineClient, Usage, error_response, sse, streamed, whole
+from relay.api.serving import (
+    SSE_DONE,
+    Choice,
+    EngineClient,
+    Usage,
+    error_response,
+    sse,
+    streamed,
+    whole,
+)
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 

@@ -20,7 +20,7 @@ from relay.api import fields as F
 from relay.api import tool_calls as T
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ProtocolError, bad
-from relay.api.openai import check_model, chat_template_kwargs, parse_messages
+from relay.api.openai import chat_template_kwargs, check_model, parse_messages
 from relay.api.serving import EngineClient, error_response
 
 

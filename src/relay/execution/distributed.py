@@ -86,7 +86,7 @@ class ShmGroup:
         self.ptr = ctypes.addressof(self.state)  # what the one-call decoder steps take
 
     @classmethod
-    def open(cls, path: str, rank: int, size: int, timeout_s: float) -> "ShmGroup | None":
+    def open(cls, path: str, rank: int, size: int, timeout_s: float) -> ShmGroup | None:
         """Rank 0 creates the segment at path (a name no one else uses; removed again once every
         rank has mapped it, so nothing is left behind), the others map it. Collective over the
         gloo group: None on every rank unless every rank has the kernels and the segment's
@@ -167,7 +167,7 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, device: torch.device,
-             timeout: float | None = None) -> "TPGroup":
+             timeout: float | None = None) -> TPGroup:
         """Join the process group: NCCL on CUDA, gloo on CPU (over loopback for a file://
         rendezvous, i.e. one machine; across machines the launcher names the interface).
         timeout (seconds) bounds the rendezvous and every collective (torch's default: 30 min).

@@ -363,7 +363,7 @@ class RotaryEmbedding(nn.Module):
         return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
                 self.sin.index_select(0, positions).to(dtype).unsqueeze(1))
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> "StepRope":
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> StepRope:
         if fused:  # Relay's CPU kernel reads the tables at each token's position itself
             return StepRope(positions)
         return StepRope(positions, *self.cos_sin(positions, dtype))

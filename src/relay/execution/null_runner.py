@@ -6,9 +6,9 @@ ModelRunner (page count from the same KV budget, one token per sampled request).
 """
 from __future__ import annotations
 
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.config import EngineConfig, ModelConfig
 from relay.memory.kv_cache import num_pages_for_budget
+from relay.scheduling.batch import BatchInput, BatchOutput
 
 # Made-up tokens cycle through ordinary vocabulary ids, clear of the special tokens at
 # the bottom of most vocabularies, so the detokenizer does real work.

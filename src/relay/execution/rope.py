@@ -91,21 +91,21 @@ def rope_settings(cfg: dict[str, Any], architecture: str, head_dim: int) -> Rope
 
 
 # ---- the tables --------------------------------------------------------------------------------
-def _exponents(dim: int) -> "torch.Tensor":
+def _exponents(dim: int) -> torch.Tensor:
     import torch
 
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
 
 
-def default_inv_freq(theta: float, dim: int) -> "torch.Tensor":
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** _exponents(dim))
 
 
-def linear_inv_freq(theta: float, dim: int, s: dict) -> "torch.Tensor":
+def linear_inv_freq(theta: float, dim: int, s: dict) -> torch.Tensor:
     return default_inv_freq(theta, dim) / s["factor"]
 
 
-def llama3_inv_freq(theta: float, dim: int, s: dict) -> "torch.Tensor":
+def llama3_inv_freq(theta: float, dim: int, s: dict) -> torch.Tensor:
     import torch
 
     inv_freq = default_inv_freq(theta, dim)
@@ -124,7 +124,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int) -> tuple["torch.Tensor", float]:
+def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     import torch
 
     old_len = s["original_max_position_embeddings"]
@@ -153,7 +153,7 @@ def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int)
 
 
 def longrope_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: int
-                       ) -> tuple["torch.Tensor", "torch.Tensor", float]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(short, long) inverse frequencies and the attention factor."""
     import torch
 
@@ -169,7 +169,7 @@ def longrope_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings:
 
 
 def dynamic_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: int, positions: int
-                      ) -> "torch.Tensor":
+                      ) -> torch.Tensor:
     """[positions - max_position_embeddings, dim / 2]: the frequencies transformers uses for a token
     at each position from max_position_embeddings on (sequence length p + 1), by its float32 tensor
     arithmetic (the sequence length is a tensor there)."""
@@ -182,7 +182,7 @@ def dynamic_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: 
 
 
 def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
-                max_position_embeddings: int) -> tuple["torch.Tensor", float]:
+                max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """([positions, dim / 2] angles position x inverse frequency, the attention factor)."""
     import torch
 
@@ -221,7 +221,7 @@ def long_rope_rows(scaling: dict | None, positions: int) -> int:
 
 
 def rotary_tables(theta: float, dim: int, scaling: dict | None, positions: int, max_position_embeddings: int
-                  ) -> tuple["torch.Tensor", "torch.Tensor"]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [positions (twice that for LongRoPE: long_rope_rows), dim] cos and signed-sin tables:
     cat(cos, cos) and cat(-sin, sin), times the attention factor (rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in
     the table)."""

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from relay.execution.sampler import SampleResult, Sampler
+from relay.execution.sampler import Sampler, SampleResult
 from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.text.grammar import apply_token_masks
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from relay.memory.kv_allocator import PageAllocator
 
@@ -19,7 +19,7 @@ class RadixNode:
     __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access")
 
     def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
-                 parent: "RadixNode | None" = None):
+                 parent: RadixNode | None = None):
         self.key = key
         self.pages = pages or []
         self.parent = parent
@@ -31,7 +31,7 @@ class RadixNode:
     def is_evictable_leaf(self) -> bool:
         return not self.children and self.lock_ref == 0 and self.parent is not None
 
-    def __lt__(self, other: "RadixNode") -> bool:  # heap ties
+    def __lt__(self, other: RadixNode) -> bool:  # heap ties
         return id(self) < id(other)
 
 

@@ -71,7 +71,7 @@ class BatchInput:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
 
-    def without(self, rows: set[int]) -> "BatchInput":
+    def without(self, rows: set[int]) -> BatchInput:
         """The same step minus some requests (and the sampling specs of their handles)."""
         keep = [i for i in range(len(self.sids)) if i not in rows]
         starts = [0]

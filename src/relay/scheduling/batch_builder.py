@@ -3,8 +3,9 @@ output comes back (StepInFlight)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from relay.scheduling.batch import BatchInput, SamplingSpec
 from relay.scheduling.kv_manager import KVManager

@@ -2,7 +2,8 @@
 until poll() finds the grammar ready, or end with a 400 when it fails or times out."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from relay.outputs import FinishReason, RequestOutput
 from relay.sampling_params import InvalidParam

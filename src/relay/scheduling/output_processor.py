@@ -3,7 +3,8 @@ token, the length, the grammar), accepted proposals counted, new prefixes shared
 step's timing handed to the batch-size limits."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from relay.outputs import FinishReason, RequestOutput
 from relay.scheduling.adaptive_batching import StepLimits

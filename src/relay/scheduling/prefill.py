@@ -2,7 +2,7 @@
 running ones give way to a higher-priority arrival; longer chunks from budget left over."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from relay.scheduling.adaptive_batching import StepLimits
 from relay.scheduling.kv_manager import KVManager

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from relay.config import EngineConfig
 from relay.scheduling.adaptive_batching import StepLimits

@@ -6,13 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from relay.scheduling.batch import PENDING_TOKEN
 from relay.memory.radix_cache import RadixNode
 from relay.sampling_params import SamplingParams
+from relay.scheduling.batch import PENDING_TOKEN
 
 if TYPE_CHECKING:
-    from relay.text.grammar import Constraint
     from relay.scheduling.speculative.ngram import NgramIndex
+    from relay.text.grammar import Constraint
 
 
 class Status(enum.Enum):

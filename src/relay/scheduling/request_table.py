@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from relay.outputs import FinishReason, RequestOutput
 from relay.scheduling.kv_manager import KVManager

@@ -25,7 +25,8 @@ when it comes back and its KV freed. A step's KV counts as the request's at buil
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from relay.outputs import RequestOutput
 from relay.scheduling.batch import BatchInput, BatchOutput

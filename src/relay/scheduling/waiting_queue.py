@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Iterator
+from collections.abc import Iterator
 
 from relay.scheduling.request import Req, Status
 

@@ -35,7 +35,7 @@ class DetokenizeSpec:
     include_stop_str_in_output: bool
 
     @classmethod
-    def of(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> "DetokenizeSpec":
+    def of(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> DetokenizeSpec:
         return cls(rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens, list(params.stop),
                    params.include_stop_str_in_output)
 

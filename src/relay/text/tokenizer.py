@@ -49,7 +49,7 @@ class Tokenizer:
     def warm_up(self) -> None:
         """Build what is otherwise built on first use (the byte table, max_token_chars: ~0.1 s for
         a 49k vocabulary), so that the first request after start-up does not pay for it."""
-        self.max_token_chars
+        _ = self.max_token_chars  # a cached property: reading it builds it
         self.decode(self.encode("warm up"))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -83,7 +83,7 @@ class Tokenizer:
             return max(1, max(len(b) for b in table.token_bytes))
         return max(1, max(len(self.decode([i], False)) for i in range(self.vocab_size)))
 
-    def byte_table(self) -> "ByteTable | None":
+    def byte_table(self) -> ByteTable | None:
         """Each token's bytes, for byte-level BPE tokenizers (GPT-2 style: SmolLM2, Llama 3,
         Qwen); None for others. Built once, on first use."""
         if not hasattr(self, "_byte_table"):
@@ -117,7 +117,7 @@ class ByteTable:
     special: frozenset[int]
 
     @classmethod
-    def build(cls, raw) -> "ByteTable | None":
+    def build(cls, raw) -> ByteTable | None:
         spec = json.loads(raw.to_str())
         if (spec.get("decoder") or {}).get("type") != "ByteLevel":
             return None

@@ -2,7 +2,7 @@
 default chosen from the chat template when the flag is not given."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from relay.api.tool_parsers.events import CallArgs, CallName, Event, ToolParser
 from relay.api.tool_parsers.hermes import HermesParser

@@ -7,8 +7,8 @@ attends each request's new tokens over its prefix plus themselves (causally).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

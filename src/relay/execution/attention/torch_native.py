@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_layers
-from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 
 
 @dataclass

@@ -5,8 +5,8 @@ from torch import nn
 
 from relay.execution.models.gemma import GemmaForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM
-from relay.execution.models.phi3 import Phi3ForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
+from relay.execution.models.phi3 import Phi3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -8,19 +8,29 @@ mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forw
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relay.execution.attention.base import AttentionBackend
 from relay.config import ModelConfig
+from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup, head_partition, split_evenly
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_layers
-from relay.execution.layers import (Linear, RMSNorm, RotaryEmbedding, StepRope, VocabParallelEmbedding,
-                          apply_rotary, pack_for_cpu, quantize_int4, quantize_int8, w8a8_weight)
+from relay.execution.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    StepRope,
+    VocabParallelEmbedding,
+    apply_rotary,
+    pack_for_cpu,
+    quantize_int4,
+    quantize_int8,
+    w8a8_weight,
+)
 from relay.execution.weight_blocks import recover
 
 

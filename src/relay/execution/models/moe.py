@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relay.execution.attention.base import AttentionBackend
 from relay.config import ModelConfig
+from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup
 from relay.execution.models.llama import MLP, LlamaForCausalLM
 

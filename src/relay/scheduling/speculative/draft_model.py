@@ -7,12 +7,12 @@ and sends the tokens the draft has not read yet.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from relay.scheduling.batch import BatchInput
 from relay.execution.sampler import Sampler
+from relay.scheduling.batch import BatchInput
 
 # (model, attention backend, batch, page tables) -> float32 logits of the rows that sample.
 RunModel = Callable[[torch.nn.Module, object, BatchInput, list[list[int]]], torch.Tensor]
