@@ -1,5 +1,6 @@
 """One msgpack codec for every message type. Never pickle: decoding only builds the
 dataclasses listed here, so a peer cannot make us run code."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,24 @@ from relay.text.detokenizer import DetokenizeSpec
 # The order fixes each type's ext code. Every process of a server runs the same code, so
 # codes only have to agree within one version.
 WIRE_TYPES: list[type] = [
-    SamplingParams, SamplingSpec, BatchInput, BatchOutput, EngineConfig, RequestOutput, DetokenizeSpec,
-    m.GenerateReq, m.TokenizedReq, m.OutputBatch, m.AbortRequest, m.StopGenerating, m.ControlCall,
-    m.ControlReply, m.Ready, m.Heartbeat, m.NodeMsg, m.TokenizeCall,
+    SamplingParams,
+    SamplingSpec,
+    BatchInput,
+    BatchOutput,
+    EngineConfig,
+    RequestOutput,
+    DetokenizeSpec,
+    m.GenerateReq,
+    m.TokenizedReq,
+    m.OutputBatch,
+    m.AbortRequest,
+    m.StopGenerating,
+    m.ControlCall,
+    m.ControlReply,
+    m.Ready,
+    m.Heartbeat,
+    m.NodeMsg,
+    m.TokenizeCall,
 ]
 
 
@@ -31,7 +47,9 @@ def _values_getter(cls: type):
     return get if len(names) > 1 else lambda obj: (get(obj),)
 
 
-_WIRE = {cls: (i + 1, _values_getter(cls)) for i, cls in enumerate(WIRE_TYPES)}  # type -> (ext code, values)
+_WIRE = {
+    cls: (i + 1, _values_getter(cls)) for i, cls in enumerate(WIRE_TYPES)
+}  # type -> (ext code, values)
 # An OutputBatch (a record per request per step) travels as columns of its records' fields:
 # one pack for the batch instead of one per record, ~4x cheaper at 64 requests.
 _BATCH_CODE, _RECORD = _WIRE[m.OutputBatch][0], _WIRE[RequestOutput][1]

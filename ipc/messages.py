@@ -11,6 +11,7 @@ Also:        tokenizer -OutputBatch-> http (a request refused before it ran), Co
              by a ControlReply (/tokenize, /detokenize), a Heartbeat around the pipeline, Ready;
              NodeMsg between the launchers of a multi-node server (launch/multinode.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from relay.sampling_params import SamplingParams
 @dataclass
 class GenerateReq:
     """http -> tokenizer: one API request; `rids` holds one id per choice (OpenAI `n`)."""
+
     rids: list[str]
     params: SamplingParams
     text: str | None = None
@@ -36,6 +38,7 @@ class GenerateReq:
 @dataclass
 class TokenizedReq:
     """tokenizer -> scheduler."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams
@@ -47,12 +50,14 @@ class TokenizedReq:
 class OutputBatch:
     """What requests produced: scheduler -> detokenizer (tokens), detokenizer -> http (text
     too), tokenizer -> http (refusals)."""
+
     outputs: list[RequestOutput]
 
 
 @dataclass
 class AbortRequest:
     """http -> scheduler: end a request early (its client left, or /abort_request)."""
+
     rid: str
     sent_at: float = 0.0  # time.time() at http: an abort never drops a later request of the same id
 
@@ -61,6 +66,7 @@ class AbortRequest:
 class StopGenerating:
     """detokenizer -> scheduler: a stop string ended this request's output (its client was
     told); free it without a word back."""
+
     rid: str
     matched: str | None  # None: detokenizing it failed
 
@@ -68,6 +74,7 @@ class StopGenerating:
 @dataclass
 class ControlCall:
     """http -> scheduler: `get_info` | `flush_cache`, answered by the ControlReply with the same id."""
+
     call_id: int
     kind: str
 
@@ -77,6 +84,7 @@ class TokenizeCall:
     """http -> tokenizer: /tokenize (text or messages) or /detokenize (tokens), as
     relay.api.tokenization.TokenizeQuery; answered by the ControlReply with the same id (data:
     {"tokens", "token_strs"?} or {"prompt"}; when not ok, {"message", "param", "status"})."""
+
     call_id: int
     kind: str
     text: str | None = None
@@ -97,6 +105,7 @@ class ControlReply:
 @dataclass
 class Ready:
     """child -> launcher: started and ready (with what the launcher needs to know), or failed."""
+
     name: str
     ok: bool = True
     info: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +116,7 @@ class Ready:
 class Heartbeat:
     """http -> tokenizer -> scheduler -> detokenizer -> http: every loop on the path is turning.
     The scheduler stamps step_age, how long its current model step has been running (0: none)."""
+
     seq: int
     step_age: float = 0.0
 
@@ -116,6 +126,7 @@ class NodeMsg:
     """Between node 0's launcher and another node's (`--nnodes`, over TCP): `hello` (started),
     `beat` (alive, both ways, every second), `ready` (its ranks are up; info per rank),
     `down` (it is stopping because of `detail`), `bye` (a clean shutdown)."""
+
     node: int  # the sender's --node-rank
     kind: str
     detail: str = ""

@@ -1,5 +1,6 @@
 """Where each node of a multi-node server sits and every address that follows from it (the
 layout is launch.multinode's; the processes on each node read it to find their sockets)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -11,6 +12,7 @@ DEFAULT_DIST_TIMEOUT = 600.0  # TP init (every node loading its model) and any o
 @dataclass(frozen=True)
 class NodePlan:
     """Where this node sits in a multi-node server and every address that follows from it."""
+
     nnodes: int = 1
     node_rank: int = 0
     host: str = "127.0.0.1"  # node 0's address (resolved: ZeroMQ binds to addresses, not names)

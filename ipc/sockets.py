@@ -1,6 +1,7 @@
 """ZeroMQ plumbing: a private directory for ipc:// socket files, PUSH/PULL pairs, and
 receivers that drain everything queued after one wake-up (~5x the message rate of one
 await per message)."""
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,11 @@ def remove_stale_ipc_dirs() -> list[str]:
     for name in os.listdir(root):
         path = os.path.join(root, name)
         try:
-            if not name.startswith(_PREFIX) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            if (
+                not name.startswith(_PREFIX)
+                or not os.path.isdir(path)
+                or os.stat(path).st_uid != os.getuid()
+            ):
                 continue
         except OSError:
             continue  # removed meanwhile (by another launcher starting now: a --dp replica)
@@ -117,7 +122,13 @@ class AsyncPull:
 
 # Socket file names inside the private ipc directory (who binds: see launch.serve).
 HTTP, TOKENIZER, SCHEDULER, RUNNER_RESULT, DETOKENIZER, LAUNCHER = (
-    "http", "tokenizer", "sched", "sched_result", "detok", "launcher")
+    "http",
+    "tokenizer",
+    "sched",
+    "sched_result",
+    "detok",
+    "launcher",
+)
 
 
 def runner_inbox(rank: int) -> str:

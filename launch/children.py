@@ -1,6 +1,7 @@
 """The processes of one Relay server (this node's share of them): which there are, starting
 them with their arguments and thread shares, waiting until each is ready, watching for one
 that dies, and stopping them all."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,20 +33,36 @@ class Child:
     proc: subprocess.Popen | None = None
 
 
-def plan_children(cfg: EngineConfig, tokenizer_workers: int, nodes: NodePlan = NodePlan()) -> list[Child]:
+def plan_children(
+    cfg: EngineConfig, tokenizer_workers: int, nodes: NodePlan = NodePlan()
+) -> list[Child]:
     """This node's processes: its TP ranks, and on node 0 everything else."""
     local = nodes.local_ranks() if nodes.multi else range(cfg.tp_size)
     ranks = [Child(f"tp{r}", "procs.model_runner", r) for r in local]
     if nodes.node_rank > 0:
         return ranks
-    tokenizers = [Child("tokenizer" if tokenizer_workers == 1 else f"tokenizer{i}", "procs.tokenizer", i)
-                  for i in range(tokenizer_workers)]
-    return ranks + [Child("sched", "procs.scheduler"), Child("detok", "procs.detokenizer")] + tokenizers
+    tokenizers = [
+        Child("tokenizer" if tokenizer_workers == 1 else f"tokenizer{i}", "procs.tokenizer", i)
+        for i in range(tokenizer_workers)
+    ]
+    return (
+        ranks
+        + [Child("sched", "procs.scheduler"), Child("detok", "procs.detokenizer")]
+        + tokenizers
+    )
 
 
 class Launcher:
-    def __init__(self, cfg: EngineConfig, model_dir: str, ipc_dir: str, tokenizer_workers: int, log_level: str,
-                 replica: str | None = None, nodes: NodePlan = NodePlan()):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: str,
+        ipc_dir: str,
+        tokenizer_workers: int,
+        log_level: str,
+        replica: str | None = None,
+        nodes: NodePlan = NodePlan(),
+    ):
         self.cfg = cfg
         self.nodes = nodes
         self.replica = replica
@@ -57,16 +74,32 @@ class Launcher:
 
     def start(self) -> None:
         cores = len(os.sched_getaffinity(0))
-        local_ranks = sum(c.module == "procs.model_runner" for c in self.children)  # this node's share of --tp
+        local_ranks = sum(
+            c.module == "procs.model_runner" for c in self.children
+        )  # this node's share of --tp
         extra = {"nodes": self.nodes.to_dict()} if self.nodes.multi else {}
         for child in self.children:
-            args = ProcArgs(child.name, self.ipc_dir, self.model_dir, self.cfg.to_dict(), child.index,
-                            os.getpid(), self.log_level.upper(), extra=extra, replica=self.replica)
+            args = ProcArgs(
+                child.name,
+                self.ipc_dir,
+                self.model_dir,
+                self.cfg.to_dict(),
+                child.index,
+                os.getpid(),
+                self.log_level.upper(),
+                extra=extra,
+                replica=self.replica,
+            )
             runner = child.module == "procs.model_runner"
             threads = str(max(1, cores // local_ranks)) if runner else "1"
-            env = {**os.environ, ARGS_ENV: args.to_env(), "OMP_NUM_THREADS": threads,
-                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": child_pythonpath(),
-                   **(gloo_env(self.nodes) if runner else {})}
+            env = {
+                **os.environ,
+                ARGS_ENV: args.to_env(),
+                "OMP_NUM_THREADS": threads,
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": child_pythonpath(),
+                **(gloo_env(self.nodes) if runner else {}),
+            }
             child.proc = subprocess.Popen([sys.executable, "-m", child.module], env=env)
 
     def wait_ready(self, timeout: float, also: Callable[[], None] | None = None) -> dict[str, dict]:
@@ -80,8 +113,10 @@ class Launcher:
         try:
             while waiting:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}"
-                                       + (f" of replica {self.replica}" if self.replica else ""))
+                    raise RuntimeError(
+                        f"timed out waiting for relay::{', relay::'.join(sorted(waiting))}"
+                        + (f" of replica {self.replica}" if self.replica else "")
+                    )
                 self._raise_if_dead()
                 if also is not None:
                     also()
@@ -98,12 +133,16 @@ class Launcher:
         for c in self.children:
             code = c.proc.poll()
             if code is not None:
-                raise RuntimeError(f"relay::{c.name} (pid {c.proc.pid}) exited with code {code} during startup")
+                raise RuntimeError(
+                    f"relay::{c.name} (pid {c.proc.pid}) exited with code {code} during startup"
+                )
 
     def watch(self, on_exit) -> None:
         """Call on_exit(child, code) from a thread when a child exits unexpectedly."""
         for c in self.children:
-            threading.Thread(target=self._wait_one, args=(c, on_exit), daemon=True, name=f"watch-{c.name}").start()
+            threading.Thread(
+                target=self._wait_one, args=(c, on_exit), daemon=True, name=f"watch-{c.name}"
+            ).start()
 
     def _wait_one(self, child: Child, on_exit) -> None:
         code = child.proc.wait()
@@ -121,8 +160,11 @@ class Launcher:
         status 0). One ended by SIGTERM was stopped with the server: a signal to its whole
         process group (systemd, kill -- -PGID) reaches the children as well."""
         codes = [(c, exit_code(c.proc)) for c in self.children if c.proc is not None]
-        return [f"relay::{c.name} (pid {c.proc.pid}) died with exit code {code}" for c, code in codes
-                if code is not None and code != -signal.SIGTERM]
+        return [
+            f"relay::{c.name} (pid {c.proc.pid}) died with exit code {code}"
+            for c, code in codes
+            if code is not None and code != -signal.SIGTERM
+        ]
 
 
 def exit_code(proc: subprocess.Popen) -> int | None:

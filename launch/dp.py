@@ -28,6 +28,7 @@ until the operator restarts the server. SIGINT/SIGTERM stop the router (it lets 
 flight finish for up to 5 s, the replicas still serving them), then the replicas, and exit 0, or
 1 where a replica or the router had died before the signal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,11 +58,26 @@ DP_CORES_ENV = "RELAY_DP_CORES"  # the cores a replica keeps to, "0,1"
 FRONT = "front"  # in Supervisor.events: the front door stopped
 STOP_GRACE_SECONDS = 15.0  # a replica's own stop takes up to ~8 s (uvicorn 3, children 5)
 ROUTER_GRACE_SECONDS = 5  # the router's shutdown grace: requests in flight may finish
-ROUTER_HEALTH_ARGS = ["--health-check-interval-secs", "2", "--health-failure-threshold", "2",
-                      "--health-success-threshold", "1"]
+ROUTER_HEALTH_ARGS = [
+    "--health-check-interval-secs",
+    "2",
+    "--health-failure-threshold",
+    "2",
+    "--health-success-threshold",
+    "1",
+]
 # Flags of launch.serve that belong to the whole server, not to a replica.
-TOP_LEVEL_FLAGS = {"help", "host", "port", "allowed_hosts", "dp", "router_policy", "router_prometheus_port",
-                   "router_args", "replica_name"}
+TOP_LEVEL_FLAGS = {
+    "help",
+    "host",
+    "port",
+    "allowed_hosts",
+    "dp",
+    "router_policy",
+    "router_prometheus_port",
+    "router_args",
+    "replica_name",
+}
 
 
 def replica_setup() -> None:
@@ -73,7 +89,8 @@ def replica_setup() -> None:
         # The router probes a worker for gRPC as well as HTTP when it registers it: its gRPC
         # connection attempts would each be a WARNING "Invalid HTTP request received." here.
         logging.getLogger("uvicorn.error").addFilter(
-            lambda record: "Invalid HTTP request received" not in record.getMessage())
+            lambda record: "Invalid HTTP request received" not in record.getMessage()
+        )
     cores = os.environ.pop(DP_CORES_ENV, None)
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
@@ -99,7 +116,7 @@ def share_cores(cores: list[int], n: int) -> list[list[int]]:
     if len(cores) < n:
         return [[cores[i % len(cores)]] for i in range(n)]
     k = len(cores) // n
-    return [cores[i * k:(i + 1) * k] for i in range(n)]
+    return [cores[i * k : (i + 1) * k] for i in range(n)]
 
 
 def visible_gpus() -> list[str]:
@@ -120,7 +137,7 @@ def plan_replicas(n: int, tp: int, device: str, ports: list[int]) -> list[Replic
         if len(gpus) < n * tp:
             raise ValueError(f"--dp {n} --tp {tp} needs {n * tp} GPUs, {len(gpus)} are visible")
         for i, r in enumerate(replicas):
-            r.gpus = gpus[i * tp:(i + 1) * tp]
+            r.gpus = gpus[i * tp : (i + 1) * tp]
         return replicas
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < n:
@@ -143,7 +160,9 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace, replica: Replica) -> list[str]:
+def replica_argv(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, replica: Replica
+) -> list[str]:
     """launch.serve's flags for one replica: every flag the user set, but the whole server's."""
     argv = ["--host", "127.0.0.1", "--port", str(replica.port), "--replica-name", replica.name]
     for action in parser._actions:
@@ -161,18 +180,37 @@ def router_argv(ns: argparse.Namespace, replicas: list[Replica], port: int) -> l
     """The router's flags: on 127.0.0.1:port, behind the front door on --host/--port."""
     from relay.api.guard import default_allowed_hosts
 
-    argv = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[r.url for r in replicas],
-            "--policy", ns.router_policy, "--prometheus-host", ns.host,
-            "--prometheus-port", str(ns.router_prometheus_port), *ROUTER_HEALTH_ARGS,
-            "--shutdown-grace-period-secs", str(ROUTER_GRACE_SECONDS), "--log-level", "debug" if ns.log_level == "debug" else "warn"]
+    argv = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *[r.url for r in replicas],
+        "--policy",
+        ns.router_policy,
+        "--prometheus-host",
+        ns.host,
+        "--prometheus-port",
+        str(ns.router_prometheus_port),
+        *ROUTER_HEALTH_ARGS,
+        "--shutdown-grace-period-secs",
+        str(ROUTER_GRACE_SECONDS),
+        "--log-level",
+        "debug" if ns.log_level == "debug" else "warn",
+    ]
     if ns.api_key:
         argv += ["--api-key", ns.api_key]  # it checks clients' keys, and sends it on its own probes
     # The router drops Origin and rewrites Host, so the replicas' checks cannot see a web page's
     # cross-site request: the router's CORS list keeps browsers to the origins the server answers to.
-    hosts = default_allowed_hosts(ns.host, ns.allowed_hosts.split(",") if ns.allowed_hosts else None)
+    hosts = default_allowed_hosts(
+        ns.host, ns.allowed_hosts.split(",") if ns.allowed_hosts else None
+    )
     if hosts is not None:
-        argv += ["--cors-allowed-origins",
-                 *[f"http://{f'[{h}]' if ':' in h else h}:{ns.port}" for h in sorted(hosts)]]
+        argv += [
+            "--cors-allowed-origins",
+            *[f"http://{f'[{h}]' if ':' in h else h}:{ns.port}" for h in sorted(hosts)],
+        ]
     return argv + shlex.split(ns.router_args)
 
 
@@ -187,8 +225,13 @@ def _get_json(url: str, api_key: str | None = None, method: str = "GET", timeout
 
 # ---- supervision ------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, replicas: list[Replica],
-                 router_port: int):
+    def __init__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        replicas: list[Replica],
+        router_port: int,
+    ):
         self.parser = parser
         self.ns = ns
         self.replicas = replicas
@@ -201,7 +244,12 @@ class Supervisor:
 
     def _env(self, **extra: str) -> dict[str, str]:
 
-        return {**os.environ, DP_PARENT_ENV: str(os.getpid()), "PYTHONPATH": child_pythonpath(), **extra}
+        return {
+            **os.environ,
+            DP_PARENT_ENV: str(os.getpid()),
+            "PYTHONPATH": child_pythonpath(),
+            **extra,
+        }
 
     def start_replicas(self) -> None:
         for r in self.replicas:
@@ -209,9 +257,16 @@ class Supervisor:
             if r.gpus:
                 extra["CUDA_VISIBLE_DEVICES"] = ",".join(r.gpus)
             # A process group each: Ctrl-C reaches only this process, which stops them in order.
-            r.proc = subprocess.Popen([sys.executable, "-m", "launch.serve", *replica_argv(self.parser, self.ns, r)],
-                                      env=self._env(**extra), start_new_session=True)
-            where = f"cores {','.join(map(str, r.cores))}" if r.cores else f"GPUs {','.join(r.gpus or [])}"
+            r.proc = subprocess.Popen(
+                [sys.executable, "-m", "launch.serve", *replica_argv(self.parser, self.ns, r)],
+                env=self._env(**extra),
+                start_new_session=True,
+            )
+            where = (
+                f"cores {','.join(map(str, r.cores))}"
+                if r.cores
+                else f"GPUs {','.join(r.gpus or [])}"
+            )
             logger.info("replica %s: pid %d, %s, %s", r.name, r.proc.pid, r.url, where)
 
     def wait_replicas(self, timeout: float) -> None:
@@ -221,14 +276,18 @@ class Supervisor:
             for r in list(waiting):
                 code = r.proc.poll()
                 if code is not None:
-                    raise RuntimeError(f"replica {r.name} (pid {r.proc.pid}) exited with code {code} during startup")
+                    raise RuntimeError(
+                        f"replica {r.name} (pid {r.proc.pid}) exited with code {code} during startup"
+                    )
                 try:
                     _get_json(r.url + "/health", timeout=2.0)
                     waiting.remove(r)
                 except (OSError, ValueError):
                     pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for replica(s) {', '.join(r.name for r in waiting)}")
+                raise RuntimeError(
+                    f"timed out waiting for replica(s) {', '.join(r.name for r in waiting)}"
+                )
             if waiting:
                 time.sleep(0.25)
 
@@ -238,10 +297,21 @@ class Supervisor:
         # itself (its gRPC mode); over HTTP it routes on text and needs none, so its "no
         # tokenizer for model ..." warning would only alarm (RUST_LOG, when unset, keeps it out).
         level = argv[argv.index("--log-level") + 1]
-        rust_log = os.environ.get("RUST_LOG") or f"{level},smg::core::steps::worker::local::register_tokenizer=error"
-        self.router = subprocess.Popen([sys.executable, "-m", "launch.router", *argv],
-                                       env=self._env(RUST_LOG=rust_log), start_new_session=True)
-        logger.info("router: pid %d, policy %s, on %s", self.router.pid, self.ns.router_policy, self.router_url)
+        rust_log = (
+            os.environ.get("RUST_LOG")
+            or f"{level},smg::core::steps::worker::local::register_tokenizer=error"
+        )
+        self.router = subprocess.Popen(
+            [sys.executable, "-m", "launch.router", *argv],
+            env=self._env(RUST_LOG=rust_log),
+            start_new_session=True,
+        )
+        logger.info(
+            "router: pid %d, policy %s, on %s",
+            self.router.pid,
+            self.ns.router_policy,
+            self.router_url,
+        )
 
     def wait_router(self, timeout: float) -> None:
         """Until the router serves and counts every replica healthy."""
@@ -249,14 +319,20 @@ class Supervisor:
         while True:
             code = self.router.poll()
             if code is not None:
-                raise RuntimeError(f"the router (sglang-router, pid {self.router.pid}) exited with code {code} "
-                                   "during startup")
+                raise RuntimeError(
+                    f"the router (sglang-router, pid {self.router.pid}) exited with code {code} "
+                    "during startup"
+                )
             for r in self.replicas:
                 if r.proc.poll() is not None:
-                    raise RuntimeError(f"replica {r.name} (pid {r.proc.pid}) exited with code {r.proc.returncode} "
-                                       "during startup")
+                    raise RuntimeError(
+                        f"replica {r.name} (pid {r.proc.pid}) exited with code {r.proc.returncode} "
+                        "during startup"
+                    )
             try:
-                if _get_json(self.router_url + "/readiness", timeout=2.0).get("healthy_workers") == len(self.replicas):
+                if _get_json(self.router_url + "/readiness", timeout=2.0).get(
+                    "healthy_workers"
+                ) == len(self.replicas):
                     return
             except (OSError, ValueError, AttributeError):
                 pass
@@ -276,8 +352,11 @@ class Supervisor:
     def supervise(self) -> int:
         """Until the router, the front door or the last replica stops; returns the exit code."""
         for proc, who in [(self.router, None), *[(r.proc, r) for r in self.replicas]]:
-            threading.Thread(target=lambda p=proc, w=who: self.events.put((w, p.wait())), daemon=True,
-                             name=f"watch-{who.name if who else 'router'}").start()
+            threading.Thread(
+                target=lambda p=proc, w=who: self.events.put((w, p.wait())),
+                daemon=True,
+                name=f"watch-{who.name if who else 'router'}",
+            ).start()
         live = {r.name for r in self.replicas}
         while True:
             try:
@@ -285,20 +364,38 @@ class Supervisor:
             except queue.Empty:
                 continue
             if who is None:
-                logger.error("the router (sglang-router, pid %d) exited with code %s: stopping the server",
-                             self.router.pid, code)
+                logger.error(
+                    "the router (sglang-router, pid %d) exited with code %s: stopping the server",
+                    self.router.pid,
+                    code,
+                )
                 return 1
             if who == FRONT:
-                logger.error("the front door on port %d stopped (%s): stopping the server", self.ns.port, code)
+                logger.error(
+                    "the front door on port %d stopped (%s): stopping the server",
+                    self.ns.port,
+                    code,
+                )
                 return 1
             live.discard(who.name)
             if not live:
-                logger.error("replica %s (pid %d) exited with code %s and no replica is left: stopping the server",
-                             who.name, who.proc.pid, code)
+                logger.error(
+                    "replica %s (pid %d) exited with code %s and no replica is left: stopping the server",
+                    who.name,
+                    who.proc.pid,
+                    code,
+                )
                 return 1
-            logger.error("replica %s (pid %d) exited with code %s: out of the router's rotation; %d of %d "
-                         "replicas serve on (%s)", who.name, who.proc.pid, code, len(live), len(self.replicas),
-                         ", ".join(sorted(live)))
+            logger.error(
+                "replica %s (pid %d) exited with code %s: out of the router's rotation; %d of %d "
+                "replicas serve on (%s)",
+                who.name,
+                who.proc.pid,
+                code,
+                len(live),
+                len(self.replicas),
+                ", ".join(sorted(live)),
+            )
             self.remove_from_router(who)
 
     def remove_from_router(self, replica: Replica) -> None:
@@ -307,19 +404,31 @@ class Supervisor:
             workers = _get_json(self.router_url + "/workers", self.ns.api_key)["workers"]
             for w in workers:
                 if w["url"] == replica.url:
-                    _get_json(f"{self.router_url}/workers/{w['id']}", self.ns.api_key, method="DELETE")
+                    _get_json(
+                        f"{self.router_url}/workers/{w['id']}", self.ns.api_key, method="DELETE"
+                    )
         except (OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("could not remove replica %s from the router (%s); its health checks will", replica.name, e)
+            logger.warning(
+                "could not remove replica %s from the router (%s); its health checks will",
+                replica.name,
+                e,
+            )
 
     def died(self) -> list[str]:
         """The replicas and the router that had exited on their own, each as a line for the log:
         asked when a stop signal comes, which must not make the exit status 0 after a death (as
         a single server's launcher does). One ended by SIGTERM was stopped with the server."""
 
-        procs = [("the router (sglang-router)", self.router), *[(f"replica {r.name}", r.proc) for r in self.replicas]]
+        procs = [
+            ("the router (sglang-router)", self.router),
+            *[(f"replica {r.name}", r.proc) for r in self.replicas],
+        ]
         codes = [(who, proc, exit_code(proc)) for who, proc in procs if proc is not None]
-        return [f"{who} (pid {proc.pid}) exited with code {code}" for who, proc, code in codes
-                if code is not None and code != -signal.SIGTERM]
+        return [
+            f"{who} (pid {proc.pid}) exited with code {code}"
+            for who, proc, code in codes
+            if code is not None and code != -signal.SIGTERM
+        ]
 
     def stop(self) -> None:
         """The front door and the router first (no new requests; those in flight may finish),
@@ -329,7 +438,11 @@ class Supervisor:
             self.front.stop()
         terminate([self.router], ROUTER_GRACE_SECONDS + 1.0, whole_group=True)
         # A replica drains for up to --shutdown-timeout before it stops: not SIGKILLed meanwhile.
-        terminate([r.proc for r in self.replicas], STOP_GRACE_SECONDS + self.ns.shutdown_timeout, whole_group=True)
+        terminate(
+            [r.proc for r in self.replicas],
+            STOP_GRACE_SECONDS + self.ns.shutdown_timeout,
+            whole_group=True,
+        )
 
 
 def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.socket:
@@ -341,8 +454,12 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
 
     check_cache_dir()
     sock = bind_port(ns.host, ns.port)
-    bind_port(ns.host, ns.router_prometheus_port, "the router's metrics (--router-prometheus-port)").close()
-    model_dir = resolve_model_dir(model_path)  # converts a GGUF once here, not in N replicas at once
+    bind_port(
+        ns.host, ns.router_prometheus_port, "the router's metrics (--router-prometheus-port)"
+    ).close()
+    model_dir = resolve_model_dir(
+        model_path
+    )  # converts a GGUF once here, not in N replicas at once
     try:
         check_model_config(engine_config(ns), model_dir)
     except ValueError as e:
@@ -359,7 +476,9 @@ def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        logger.error("--dp needs sglang-router: pip install sglang-router (./scripts/install.sh installs it)")
+        logger.error(
+            "--dp needs sglang-router: pip install sglang-router (./scripts/install.sh installs it)"
+        )
         return 2
     cfg = engine_config(ns)
     try:
@@ -382,9 +501,12 @@ def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         sup.wait_router(ns.startup_timeout)
         served = cfg.served_model_name or model_name(cfg.model_path)
         sup.start_front(sock, served)
-        print(f"Relay is ready: http://{ns.host}:{ns.port}  (model {served}, tp {cfg.tp_size}, dp {ns.dp}: "
-              f"{', '.join(f'{r.name} {r.url}' for r in replicas)}; router {ns.router_policy}, "
-              f"its metrics on port {ns.router_prometheus_port})", flush=True)
+        print(
+            f"Relay is ready: http://{ns.host}:{ns.port}  (model {served}, tp {cfg.tp_size}, dp {ns.dp}: "
+            f"{', '.join(f'{r.name} {r.url}' for r in replicas)}; router {ns.router_policy}, "
+            f"its metrics on port {ns.router_prometheus_port})",
+            flush=True,
+        )
         return sup.supervise()
     except KeyboardInterrupt:
         deaths = sup.died()

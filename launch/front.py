@@ -19,6 +19,7 @@ open as long as the router keeps it (it closes none).
 It runs on an event loop thread of relay::dp (sglang-router's own process holds the GIL while it
 serves).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,10 @@ OPENAI_ROUTES = (b"/v1/completions", b"/v1/chat/completions")
 # Request headers not sent on as they came: the body is re-framed, and 100 Continue answered here.
 _REFRAMED = {b"content-length", b"transfer-encoding", b"expect"}
 _READ_BYTES = 1 << 16
-_TOO_LARGE = (b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
-              b"content-length: %d\r\n\r\n%s")
+_TOO_LARGE = (
+    b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
 def with_model(body: bytes, model: str) -> bytes:
@@ -65,7 +68,9 @@ class Request:
         if self.method == b"POST" and self.url.split(b"?", 1)[0] in OPENAI_ROUTES:
             body = with_model(body, model)
         lines = [b"%s %s HTTP/%s" % (self.method, self.url, self.version)]
-        lines += [name + b": " + value for name, value in self.headers if name.lower() not in _REFRAMED]
+        lines += [
+            name + b": " + value for name, value in self.headers if name.lower() not in _REFRAMED
+        ]
         lines.append(b"content-length: %d" % len(body))
         return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
@@ -130,12 +135,16 @@ class Front:
     async def serve(self, sock: socket.socket, stop: asyncio.Event) -> None:
         """Until stop is set; then no new connections, and those open are served until the
         router closes them (it lets requests in flight finish first)."""
-        server = await asyncio.start_server(self.connection, sock=sock, limit=_READ_BYTES, backlog=1024)
+        server = await asyncio.start_server(
+            self.connection, sock=sock, limit=_READ_BYTES, backlog=1024
+        )
         await stop.wait()
         server.close()
         await asyncio.gather(*self.connections, return_exceptions=True)
 
-    async def connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+    async def connection(
+        self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         self.connections.add(task)
         try:
@@ -147,11 +156,15 @@ class Front:
     async def relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         """Until the client or the router closes its side."""
         try:
-            router_r, router_w = await asyncio.open_connection("127.0.0.1", self.router_port, limit=_READ_BYTES)
+            router_r, router_w = await asyncio.open_connection(
+                "127.0.0.1", self.router_port, limit=_READ_BYTES
+            )
         except OSError:
             return  # the router is stopping: as it would refuse the connection
-        ends = [asyncio.ensure_future(self.requests(client_r, client_w, router_w)),
-                asyncio.ensure_future(copy(router_r, client_w))]
+        ends = [
+            asyncio.ensure_future(self.requests(client_r, client_w, router_w)),
+            asyncio.ensure_future(copy(router_r, client_w)),
+        ]
         try:
             await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -159,11 +172,17 @@ class Front:
                 end.cancel()
             router_w.close()
 
-    async def requests(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter,
-                       router_w: asyncio.StreamWriter) -> None:
+    async def requests(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        router_w: asyncio.StreamWriter,
+    ) -> None:
         """The client's requests, each sent on once whole, until it goes away (as a disconnect:
         closing its router connection makes the router abort what it serves for it)."""
-        parser = RequestParser(self.max_body, lambda: client_w.write(b"HTTP/1.1 100 Continue\r\n\r\n"))
+        parser = RequestParser(
+            self.max_body, lambda: client_w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        )
         while data := await self.read(client_r, parser.partial):
             try:
                 complete = parser.feed(data)
@@ -189,9 +208,17 @@ class Front:
             return b""
 
     async def refuse_too_large(self, client_w: asyncio.StreamWriter) -> None:
-        body = json.dumps({"object": "error", "error": {
-            "message": f"the request body is larger than {self.max_body} bytes (--max-request-body-bytes)",
-            "type": "invalid_request_error", "param": None, "code": 413}}).encode()
+        body = json.dumps(
+            {
+                "object": "error",
+                "error": {
+                    "message": f"the request body is larger than {self.max_body} bytes (--max-request-body-bytes)",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": 413,
+                },
+            }
+        ).encode()
         client_w.write(_TOO_LARGE % (len(body), body))
         try:
             await client_w.drain()
@@ -212,6 +239,7 @@ async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
 def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
+
         return uvloop.new_event_loop()
     except ImportError:
         return asyncio.new_event_loop()
@@ -221,7 +249,9 @@ class FrontThread:
     """The front on an event loop thread of its own; on_exit(error) runs there if it stops
     before stop() (a failure: the server cannot be reached)."""
 
-    def __init__(self, front: Front, sock: socket.socket, on_exit: Callable[[BaseException | None], None]):
+    def __init__(
+        self, front: Front, sock: socket.socket, on_exit: Callable[[BaseException | None], None]
+    ):
         self.front = front
         self.sock = sock
         self.on_exit = on_exit

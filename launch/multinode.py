@@ -15,6 +15,7 @@ node) when a node says it is going down or falls silent for HEARTBEAT_TIMEOUT; t
 when node 0 does. The TP group's own timeout (--dist-timeout) bounds the init and every
 collective, so a rank never waits forever on a peer that is gone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,17 +44,32 @@ HEARTBEAT_TIMEOUT = 5.0  # silence after which a peer node counts as gone
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism across machines (docs/scaling.md)")
-    g.add_argument("--nnodes", type=int, default=1,
-                   help="machines the --tp ranks are spread over (--tp is the total, split evenly); run "
-                        "launch.serve once per machine with the same flags and its own --node-rank")
-    g.add_argument("--node-rank", type=int, default=0,
-                   help="this machine's place: 0 serves HTTP and schedules, the others run only their ranks")
-    g.add_argument("--dist-init-addr", default=None,
-                   help="HOST:PORT of node 0, reachable from every node: the TP rendezvous on PORT, node "
-                        "0's launcher on PORT+1, remote ranks' step inboxes on PORT+2+rank (all bound to HOST)")
-    g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT,
-                   help="--nnodes > 1: seconds the TP group waits for every rank to join, and at most for any "
-                        "one collective")
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the --tp ranks are spread over (--tp is the total, split evenly); run "
+        "launch.serve once per machine with the same flags and its own --node-rank",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place: 0 serves HTTP and schedules, the others run only their ranks",
+    )
+    g.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="HOST:PORT of node 0, reachable from every node: the TP rendezvous on PORT, node "
+        "0's launcher on PORT+1, remote ranks' step inboxes on PORT+2+rank (all bound to HOST)",
+    )
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_DIST_TIMEOUT,
+        help="--nnodes > 1: seconds the TP group waits for every rank to join, and at most for any "
+        "one collective",
+    )
 
 
 def plan_from_args(ns: argparse.Namespace) -> NodePlan:
@@ -80,7 +96,9 @@ def plan_from_args(ns: argparse.Namespace) -> NodePlan:
     except (ValueError, socket.gaierror) as e:
         raise ValueError(f"--dist-init-addr {ns.dist_init_addr!r}: {e}") from None
     if not 0 < port_n <= 65535 - 1 - ns.tp_size:  # the last one is PORT+2+(tp-1)
-        raise ValueError(f"--dist-init-addr port {port_n} leaves no room for PORT+1 .. PORT+{1 + ns.tp_size}")
+        raise ValueError(
+            f"--dist-init-addr port {port_n} leaves no room for PORT+1 .. PORT+{1 + ns.tp_size}"
+        )
     return NodePlan(ns.nnodes, ns.node_rank, addr, port_n, ns.tp_size, ns.dist_timeout)
 
 
@@ -115,8 +133,14 @@ class PeerWatch:
     """Tracks peer nodes' heartbeats. check() returns why the server must stop (naming the
     node), or None. A peer has join_timeout to say hello, then heartbeat_timeout between beats."""
 
-    def __init__(self, peers: list[int], now: float, join_timeout: float,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, describe: Callable[[int], str] = str):
+    def __init__(
+        self,
+        peers: list[int],
+        now: float,
+        join_timeout: float,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        describe: Callable[[int], str] = str,
+    ):
         self.started = now
         self.last: dict[int, float | None] = {p: None for p in peers}
         self.ready: dict[int, dict] = {}
@@ -143,7 +167,9 @@ class PeerWatch:
             return self.failure
         for node, last in self.last.items():
             if last is None and now - self.started > self.join_timeout:
-                self.failure = f"{self.describe(node)} did not connect within {self.join_timeout:g} s"
+                self.failure = (
+                    f"{self.describe(node)} did not connect within {self.join_timeout:g} s"
+                )
             elif last is not None and now - last > self.heartbeat_timeout:
                 self.failure = f"{self.describe(node)} stopped answering ({now - last:.1f} s without a heartbeat)"
             if self.failure:
@@ -164,7 +190,9 @@ class NodeLink:
     DEALER and watches node 0. Only the thread touches the socket (ZeroMQ sockets are not
     thread-safe): send() queues."""
 
-    def __init__(self, plan: NodePlan, join_timeout: float, heartbeat_timeout: float = HEARTBEAT_TIMEOUT):
+    def __init__(
+        self, plan: NodePlan, join_timeout: float, heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+    ):
         self.plan = plan
         self.leader = plan.node_rank == 0
         self.ctx = zmq.Context()
@@ -175,7 +203,9 @@ class NodeLink:
         else:
             self.sock.connect(plan.control_endpoint)
         peers = [n for n in range(1, plan.nnodes)] if self.leader else [0]
-        self.watch = PeerWatch(peers, time.monotonic(), join_timeout, heartbeat_timeout, self.describe)
+        self.watch = PeerWatch(
+            peers, time.monotonic(), join_timeout, heartbeat_timeout, self.describe
+        )
         self.routes: dict[int, bytes] = {}  # node -> its DEALER's identity (node 0 only)
         self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.stopped = threading.Event()
@@ -242,7 +272,9 @@ class NodeLink:
             except queue.Empty:
                 return
             try:  # never block the link: a peer that is not there yet misses a beat, no more
-                if self.leader:  # to every node that has said something (a ROUTER needs its identity)
+                if (
+                    self.leader
+                ):  # to every node that has said something (a ROUTER needs its identity)
                     for route in self.routes.values():
                         self.sock.send_multipart([route, data], zmq.NOBLOCK)
                 else:
@@ -316,10 +348,15 @@ def serve_worker_node(ns: argparse.Namespace, plan: NodePlan, launcher) -> int:
         launcher.start()
         infos = launcher.wait_ready(ns.startup_timeout, also=link.raise_if_failed)
         link.send("ready", info=infos)
-        print(f"Relay {link.describe(plan.node_rank)} is ready, of tp {plan.tp_size}; node 0 at {plan.host}",
-              flush=True)
-        launcher.watch(lambda child, code: fail(f"relay::{child.name} (pid {child.proc.pid}) died with exit "
-                                                f"code {code}"))
+        print(
+            f"Relay {link.describe(plan.node_rank)} is ready, of tp {plan.tp_size}; node 0 at {plan.host}",
+            flush=True,
+        )
+        launcher.watch(
+            lambda child, code: fail(
+                f"relay::{child.name} (pid {child.proc.pid}) died with exit code {code}"
+            )
+        )
         while not stop.wait(0.5):
             pass
         if link.watch.clean_exit:

@@ -1,5 +1,6 @@
 """sglang-router's CLI as a child of `launch.serve --dp`: the same flags as
 `python -m sglang_router.launch_router`, but it dies with the supervisor that started it."""
+
 from __future__ import annotations
 
 import sys

@@ -8,6 +8,7 @@ with an error and the server exits non-zero with every child gone.
 With `--dp N` this process supervises N such servers (replicas) behind sglang-router instead
 (launch/dp.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,16 @@ def bind_port(host: str, port: int, what: str = "HTTP") -> socket.socket:
     return sock
 
 
-def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, served_model: str,
-               infos: dict[str, dict], mc: ModelConfig, http_socket: socket.socket,
-               link: NodeLink | None = None) -> int:
+def serve_http(
+    ns: argparse.Namespace,
+    cfg: EngineConfig,
+    launcher: Launcher,
+    served_model: str,
+    infos: dict[str, dict],
+    mc: ModelConfig,
+    http_socket: socket.socket,
+    link: NodeLink | None = None,
+) -> int:
     import uvicorn
 
     from procs.http_server import ZmqEngineClient, build_app
@@ -79,14 +87,26 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
     tokenizer = next((info for name, info in infos.items() if name.startswith("tokenizer")), {})
     # The tokenizer read the chat template: it resolves the default tool-call format.
     tool_call_parser = cfg.tool_call_parser or tokenizer.get("tool_call_parser") or "hermes"
-    server_info = {**cfg.to_dict(), "tool_call_parser": tool_call_parser, "served_model_name": served_model,
-                   "model_dir": launcher.model_dir,
-                   "max_total_tokens": tp0.get("max_total_tokens"), "context_len": tp0.get("context_len"),
-                   "tokenizer_workers": ns.tokenizer_workers, "replica": ns.replica_name, "version": __version__,
-                   "cpu_isa": isa.level()}
-    guard = GuardConfig(api_key=ns.api_key, max_body_bytes=ns.max_request_body_bytes, body_timeout=ns.http_timeout,
-                        allowed_hosts=default_allowed_hosts(ns.host, (ns.allowed_hosts or "").split(",")
-                                                            if ns.allowed_hosts else None))
+    server_info = {
+        **cfg.to_dict(),
+        "tool_call_parser": tool_call_parser,
+        "served_model_name": served_model,
+        "model_dir": launcher.model_dir,
+        "max_total_tokens": tp0.get("max_total_tokens"),
+        "context_len": tp0.get("context_len"),
+        "tokenizer_workers": ns.tokenizer_workers,
+        "replica": ns.replica_name,
+        "version": __version__,
+        "cpu_isa": isa.level(),
+    }
+    guard = GuardConfig(
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_request_body_bytes,
+        body_timeout=ns.http_timeout,
+        allowed_hosts=default_allowed_hosts(
+            ns.host, (ns.allowed_hosts or "").split(",") if ns.allowed_hosts else None
+        ),
+    )
     max_connections = ns.max_connections or default_max_connections(raise_fd_limit())
     exit_code = 0
 
@@ -106,13 +126,17 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                 return super().handle_exit(sig, frame)
             if not self.draining:
                 self.draining = True
-                self._captured_signals.append(sig)  # re-raised once serve() returns: the exit-0 path
+                self._captured_signals.append(
+                    sig
+                )  # re-raised once serve() returns: the exit-0 path
                 self.loop.call_soon_threadsafe(self._start_drain)
             else:
                 self.loop.call_soon_threadsafe(self.cut_drain.set)
 
         def _start_drain(self) -> None:
-            self.drain_task = self.loop.create_task(self._drain())  # held: a task nobody holds may be collected
+            self.drain_task = self.loop.create_task(
+                self._drain()
+            )  # held: a task nobody holds may be collected
 
         async def _drain(self) -> None:
             try:
@@ -126,23 +150,42 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
                 # A replica's line must not read "Relay is ready": that is the whole server's.
                 what = f"Relay replica {ns.replica_name} is" if ns.replica_name else "Relay is"
                 nodes = f", {launcher.nodes.nnodes} nodes" if launcher.nodes.multi else ""
-                print(f"{what} ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size}{nodes})",
-                      flush=True)
+                print(
+                    f"{what} ready: http://{ns.host}:{ns.port}  (model {served_model}, tp {cfg.tp_size}{nodes})",
+                    flush=True,
+                )
 
     async def main() -> None:
         nonlocal exit_code
-        client = ZmqEngineClient(launcher.ipc_dir, served_model, tp0.get("context_len", 0), cfg.max_queued_requests,
-                                 server_info, vocab_size=mc.vocab_size, health_timeout=ns.health_timeout,
-                                 max_constraint_bytes=cfg.max_constraint_bytes,
-                                 max_constraint_depth=cfg.max_constraint_depth,
-                                  max_constraint_properties=cfg.max_constraint_properties,
-                                  reasoning_parser=cfg.reasoning_parser, tool_call_parser=tool_call_parser)
+        client = ZmqEngineClient(
+            launcher.ipc_dir,
+            served_model,
+            tp0.get("context_len", 0),
+            cfg.max_queued_requests,
+            server_info,
+            vocab_size=mc.vocab_size,
+            health_timeout=ns.health_timeout,
+            max_constraint_bytes=cfg.max_constraint_bytes,
+            max_constraint_depth=cfg.max_constraint_depth,
+            max_constraint_properties=cfg.max_constraint_properties,
+            reasoning_parser=cfg.reasoning_parser,
+            tool_call_parser=tool_call_parser,
+        )
         app = build_app(client, guard)
         loop = asyncio.get_running_loop()
-        server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                                       access_log=False, timeout_graceful_shutdown=3, lifespan="off",
-                                       http=guarded_protocol(max_connections),
-                                       timeout_keep_alive=max(1, int(ns.http_timeout))))
+        server = Server(
+            uvicorn.Config(
+                app,
+                host=ns.host,
+                port=ns.port,
+                log_level=ns.log_level,
+                access_log=False,
+                timeout_graceful_shutdown=3,
+                lifespan="off",
+                http=guarded_protocol(max_connections),
+                timeout_keep_alive=max(1, int(ns.http_timeout)),
+            )
+        )
         server.cut_drain, server.loop = asyncio.Event(), loop
         server.drain = lambda cut: drain(client, ns.shutdown_timeout, cut)
 
@@ -163,8 +206,13 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
             logger.error("no tokenizer process connected within %g s", ns.startup_timeout)
             exit_code = exit_code or 1
             return
-        tasks = [asyncio.create_task(client.dispatch_forever()), asyncio.create_task(client.heartbeat_forever()),
-                 asyncio.create_task(close_idle_forever(server.server_state.connections, ns.http_timeout))]
+        tasks = [
+            asyncio.create_task(client.dispatch_forever()),
+            asyncio.create_task(client.heartbeat_forever()),
+            asyncio.create_task(
+                close_idle_forever(server.server_state.connections, ns.http_timeout)
+            ),
+        ]
         try:
             await server.serve(sockets=[http_socket])
         finally:
@@ -175,6 +223,7 @@ def serve_http(ns: argparse.Namespace, cfg: EngineConfig, launcher: Launcher, se
 
     try:
         import uvloop
+
         uvloop.run(main())
     except ImportError:
         asyncio.run(main())
@@ -196,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--dp and --nnodes cannot be combined")
     if ns.dp > 1:
         from launch.dp import serve_dp
+
         return serve_dp(parser, ns)
     from launch.dp import replica_setup
+
     replica_setup()  # as a --dp replica: die with the supervisor, keep to its share of the cores
     set_title(f"relay::{proc_label('http', ns.replica_name)}")
     setup_logging(ns.log_level.upper(), proc_label("http", ns.replica_name))
@@ -235,13 +286,19 @@ def main(argv: list[str] | None = None) -> int:
         try:  # first: a taken port must stop us before anything starts
             link = NodeLink(nodes, join_timeout=nodes.dist_timeout).start()
         except zmq.ZMQError as e:
-            logger.error("cannot bind node 0's launcher to %s (--dist-init-addr port + 1): %s",
-                         nodes.control_endpoint, e)
+            logger.error(
+                "cannot bind node 0's launcher to %s (--dist-init-addr port + 1): %s",
+                nodes.control_endpoint,
+                e,
+            )
             return 1
     ipc_dir = make_ipc_dir()
-    launcher = Launcher(cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level, ns.replica_name, nodes)
+    launcher = Launcher(
+        cfg, model_dir, ipc_dir, ns.tokenizer_workers, ns.log_level, ns.replica_name, nodes
+    )
     if nodes.node_rank > 0:
         from launch.multinode import serve_worker_node
+
         set_title(f"relay::node{nodes.node_rank}")  # not relay::http: this node serves no HTTP
         try:
             return serve_worker_node(ns, nodes, launcher)
@@ -272,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a signal now must not cut the stop short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if link is not None:  # first, so the other nodes hear why before their ranks see ours go
-            link.close("bye" if code == 0 else "down", "" if code == 0 else "node 0 stopped on an error")
+            link.close(
+                "bye" if code == 0 else "down", "" if code == 0 else "node 0 stopped on an error"
+            )
         launcher.stop()
         remove_ipc_dir(ipc_dir)
 

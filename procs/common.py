@@ -1,4 +1,5 @@
 """What every child process does first: name itself, die with its parent, read its args."""
+
 from __future__ import annotations
 
 import ctypes
@@ -23,6 +24,7 @@ _PR_SET_PDEATHSIG = 1
 @dataclass
 class ProcArgs:
     """Everything a child needs, passed as JSON in its environment (no pickle)."""
+
     name: str  # the process title is relay::<name>
     ipc_dir: str
     model_dir: str
@@ -62,6 +64,7 @@ def set_title(title: str) -> None:
     """`relay::sched` etc.: what `ps`, `pgrep -f` and py-spy users look for."""
     try:
         import setproctitle
+
         setproctitle.setproctitle(title)
     except ImportError:
         pass
@@ -77,8 +80,11 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def setup_logging(level: str, name: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"[%(asctime)s {name}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"[%(asctime)s {name}] %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def announce_ready(ctx, ipc_dir: str, msg) -> None:
@@ -113,7 +119,9 @@ def child_main(body: Callable[[ProcArgs], None]) -> None:
         os._exit(1)
 
 
-def terminate(procs: list[subprocess.Popen | None], grace: float, whole_group: bool = False) -> None:
+def terminate(
+    procs: list[subprocess.Popen | None], grace: float, whole_group: bool = False
+) -> None:
     """SIGTERM the live ones, SIGKILL what is left after grace seconds, reap all. With whole_group
     (each a child started in its own session), SIGKILL also whatever of its process group
     outlives it: a peer engine's worker still winding down would otherwise take CPU from what

@@ -3,6 +3,7 @@
 Records in (from the scheduler), records with text out (to http, one message for all it
 drained); stop strings it finds go to the scheduler as StopGenerating.
 """
+
 from __future__ import annotations
 
 import zmq
@@ -31,7 +32,9 @@ def main(args: ProcArgs) -> None:
             if isinstance(msg, Heartbeat):
                 beats.append(msg)
                 continue
-            outs, stops = detok.start(msg) if isinstance(msg, DetokenizeSpec) else detok.process(msg.outputs)
+            outs, stops = (
+                detok.start(msg) if isinstance(msg, DetokenizeSpec) else detok.process(msg.outputs)
+            )
             shown += outs
             for stop in stops:
                 send(to_sched, StopGenerating(stop.rid, stop.matched))

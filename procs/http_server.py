@@ -4,6 +4,7 @@ Requests go to the tokenizer workers; records come back from the detokenizer (an
 from the tokenizer) on one PULL socket that a single dispatcher task drains and routes to
 the waiting routes. The routes themselves live in relay.api, one module per API.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,11 +45,21 @@ logger = logging.getLogger(__name__)
 class ZmqEngineClient:
     """The http process's link to the pipeline (relay.api.serving.EngineClient)."""
 
-    def __init__(self, ipc_dir: str, served_model: str, context_len: int, max_queued: int,
-                 server_info: dict[str, Any], vocab_size: int | None = None, health_timeout: float = 20.0,
-                 max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
-                 max_constraint_properties: int | None = None,
-                 reasoning_parser: str | None = None, tool_call_parser: str = "hermes"):
+    def __init__(
+        self,
+        ipc_dir: str,
+        served_model: str,
+        context_len: int,
+        max_queued: int,
+        server_info: dict[str, Any],
+        vocab_size: int | None = None,
+        health_timeout: float = 20.0,
+        max_constraint_bytes: int | None = None,
+        max_constraint_depth: int | None = None,
+        max_constraint_properties: int | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str = "hermes",
+    ):
         self.ctx = zmq.asyncio.Context()
         self.to_tokenizer = push(self.ctx, endpoint(ipc_dir, TOKENIZER), bind=True)
         self.to_sched = push(self.ctx, endpoint(ipc_dir, SCHEDULER))
@@ -67,19 +78,31 @@ class ZmqEngineClient:
         self.max_constraint_depth = max_constraint_depth
         self.max_constraint_properties = max_constraint_properties
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
-        self.tool_call_parser = tool_call_parser  # --tool-call-parser, or the chat template's format
+        self.tool_call_parser = (
+            tool_call_parser  # --tool-call-parser, or the chat template's format
+        )
         self.max_queued = max_queued
         self.server_info = server_info
-        self.routes: dict[str, tuple[ApiRequest, int]] = {}  # choice rid -> (its request, choice index)
+        self.routes: dict[
+            str, tuple[ApiRequest, int]
+        ] = {}  # choice rid -> (its request, choice index)
         self.num_requests = 0
-        self.tokenizer_calls = 0  # /tokenize and /detokenize in flight: they count against max_queued too
+        self.tokenizer_calls = (
+            0  # /tokenize and /detokenize in flight: they count against max_queued too
+        )
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self.metrics = ServerMetrics(server_info.get("replica"))  # --replica-name labels every series
+        self.metrics = ServerMetrics(
+            server_info.get("replica")
+        )  # --replica-name labels every series
         self.heartbeats = Heartbeats(health_timeout)
         self.dead: str | None = None  # set when a child process died: refuse new work
-        self.draining: str | None = None  # set by a graceful stop (relay.api.drain): refuse new work
-        self._idle = asyncio.Event()  # set whenever a request ends, for a drain to look at what is left
+        self.draining: str | None = (
+            None  # set by a graceful stop (relay.api.drain): refuse new work
+        )
+        self._idle = (
+            asyncio.Event()
+        )  # set whenever a request ends, for a drain to look at what is left
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, parsed: ParsedRequest, kind: str) -> ApiRequest:
@@ -90,15 +113,26 @@ class ZmqEngineClient:
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
         # Encoded before anything is registered: a request that cannot cross the wire leaves
         # nothing behind.
-        data = encode(GenerateReq(rids=api.rids, params=parsed.params, text=parsed.text, input_ids=parsed.input_ids,
-                                  messages=parsed.messages, chat_kwargs=parsed.chat_kwargs,
-                                  priority=parsed.priority, arrival_time=time.time()))
+        data = encode(
+            GenerateReq(
+                rids=api.rids,
+                params=parsed.params,
+                text=parsed.text,
+                input_ids=parsed.input_ids,
+                messages=parsed.messages,
+                chat_kwargs=parsed.chat_kwargs,
+                priority=parsed.priority,
+                arrival_time=time.time(),
+            )
+        )
         for i, r in enumerate(api.rids):
             self.routes[r] = (api, i)
         self.num_requests += 1
         if not self._to_tokenizer(data):
             self.release(api, abort=False)
-            raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
+            raise ProtocolError(
+                503, "no tokenizer process is connected; retry later", None, "server_error"
+            )
         submitted(api.rid)
         return api
 
@@ -106,13 +140,19 @@ class ZmqEngineClient:
         if self.dead:
             raise ProtocolError(503, f"server is shutting down: {self.dead}", None, "server_error")
         if self.draining:
-            raise ProtocolError(503, f"{self.draining}; retry on another server", None, "server_error")
+            raise ProtocolError(
+                503, f"{self.draining}; retry on another server", None, "server_error"
+            )
 
     def _refuse_if_full(self) -> None:
         in_flight = self.num_requests + self.tokenizer_calls
         if in_flight >= self.max_queued:
-            raise ProtocolError(503, f"server overloaded: {in_flight} requests in flight; retry later",
-                                None, "server_error")
+            raise ProtocolError(
+                503,
+                f"server overloaded: {in_flight} requests in flight; retry later",
+                None,
+                "server_error",
+            )
 
     async def tokenizer_call(self, query: Any) -> dict[str, Any]:
         """/tokenize or /detokenize, done by a tokenizer process (relay.api.tokenization.TokenizeQuery);
@@ -127,18 +167,27 @@ class ZmqEngineClient:
         self.tokenizer_calls += 1
         try:
             if not self._to_tokenizer(data):
-                raise ProtocolError(503, "no tokenizer process is connected; retry later", None, "server_error")
+                raise ProtocolError(
+                    503, "no tokenizer process is connected; retry later", None, "server_error"
+                )
             reply = await asyncio.wait_for(fut, self.heartbeats.timeout)
         except asyncio.TimeoutError:
-            raise ProtocolError(504, f"no tokenizer answered within {self.heartbeats.timeout:g} s", None,
-                                "server_error") from None
+            raise ProtocolError(
+                504,
+                f"no tokenizer answered within {self.heartbeats.timeout:g} s",
+                None,
+                "server_error",
+            ) from None
         finally:
             self.calls.pop(call_id, None)
             self.tokenizer_calls -= 1
             self._idle.set()
         if not reply.ok:
-            raise ProtocolError(reply.data.get("status", 500), reply.data.get("message", "tokenizer error"),
-                                reply.data.get("param"))
+            raise ProtocolError(
+                reply.data.get("status", 500),
+                reply.data.get("message", "tokenizer error"),
+                reply.data.get("param"),
+            )
         return reply.data
 
     async def wait_for_tokenizer(self, timeout: float) -> bool:
@@ -193,8 +242,9 @@ class ZmqEngineClient:
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise ProtocolError(504, f"the scheduler did not answer within {timeout:g} s", None,
-                                "server_error") from None
+            raise ProtocolError(
+                504, f"the scheduler did not answer within {timeout:g} s", None, "server_error"
+            ) from None
         finally:
             self.calls.pop(call_id, None)
 
@@ -237,8 +287,14 @@ class ZmqEngineClient:
         self.metrics.on_tokens(api.timer, now, len(record.token_ids))
         if record.finished:
             if record.error is None or record.status >= 500:  # refusals are not finished requests
-                self.metrics.observe_finish(api.timer.e2e(now), record.queue_time, record.prompt_tokens,
-                                            record.completion_tokens, record.cached_tokens, record.finish_reason)
+                self.metrics.observe_finish(
+                    api.timer.e2e(now),
+                    record.queue_time,
+                    record.prompt_tokens,
+                    record.completion_tokens,
+                    record.cached_tokens,
+                    record.finish_reason,
+                )
             del self.routes[record.rid]
             api.open_choices -= 1
             if api.open_choices == 0:
@@ -266,7 +322,9 @@ class ZmqEngineClient:
         now = time.monotonic()
         for rid in list(self.routes):
             send(self._sync_to_sched, AbortRequest(rid, sent_at=time.time()))
-            self._route(RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now)
+            self._route(
+                RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now
+            )
         return len(apis)
 
     def fail_all(self, message: str) -> None:
@@ -274,11 +332,15 @@ class ZmqEngineClient:
         self.dead = message
         now = time.monotonic()
         for rid in list(self.routes):
-            self._route(RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now)
+            self._route(
+                RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=503), now
+            )
 
 
 def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> FastAPI:
-    app = FastAPI(title="Relay", docs_url=None, redoc_url=None, version=client.server_info.get("version", ""))
+    app = FastAPI(
+        title="Relay", docs_url=None, redoc_url=None, version=client.server_info.get("version", "")
+    )
     app.add_middleware(RequestGuard, config=guard or GuardConfig())
     app.add_middleware(RequestIdMiddleware)  # outermost: refusals echo the client's id too
 

@@ -6,6 +6,7 @@ OutputBatch per step. While a step runs it keeps taking new requests and aborts,
 decisions never wait on the tokenizer or the network; with overlap the loop builds and sends
 step N+1 before step N's output comes back.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,33 +64,59 @@ class SchedulerLoop:
         ep = lambda name: endpoint(args.ipc_dir, name)  # noqa: E731
         self.inbox = pull(ctx, ep(SCHEDULER))
         self.results = pull(ctx, ep(RUNNER_RESULT))
-        nodes = NodePlan.from_dict(args.extra.get("nodes"))  # ranks on other nodes get their steps over TCP
-        self.to_runners = [push(ctx, nodes.inbox_endpoint(r) if nodes.is_remote(r) else ep(runner_inbox(r)),
-                                bind=True) for r in range(args.engine_config.tp_size)]
+        nodes = NodePlan.from_dict(
+            args.extra.get("nodes")
+        )  # ranks on other nodes get their steps over TCP
+        self.to_runners = [
+            push(
+                ctx,
+                nodes.inbox_endpoint(r) if nodes.is_remote(r) else ep(runner_inbox(r)),
+                bind=True,
+            )
+            for r in range(args.engine_config.tp_size)
+        ]
         self.to_detok = push(ctx, ep(DETOKENIZER))
         self.to_http = push(ctx, ep(HTTP))
         mc = ModelConfig.from_dir(args.model_dir)
         tokenizer_path = args.engine_config.tokenizer_path or args.model_dir
         eos = eos_ids(mc, Tokenizer(tokenizer_path))
-        grammars = make_backend(tokenizer_path, mc.vocab_size, eos, preload=True)  # loads while the model does
+        grammars = make_backend(
+            tokenizer_path, mc.vocab_size, eos, preload=True
+        )  # loads while the model does
         info = self._wait_for_runner()
         # The step budget and page size as the runner resolved them for its device.
-        cfg = dataclasses.replace(args.engine_config, chunked_prefill_size=info["chunked_prefill_size"],
-                                  page_size=info["page_size"])
-        self.sched = Scheduler(cfg, info["num_pages"], info["context_len"], eos,
-                               on_finish=log_request if cfg.log_requests else None,
-                               attention_break_even=mc.attention_break_even(), grammars=grammars,
-                               long_rope_after=mc.long_rope_after)
+        cfg = dataclasses.replace(
+            args.engine_config,
+            chunked_prefill_size=info["chunked_prefill_size"],
+            page_size=info["page_size"],
+        )
+        self.sched = Scheduler(
+            cfg,
+            info["num_pages"],
+            info["context_len"],
+            eos,
+            on_finish=log_request if cfg.log_requests else None,
+            attention_break_even=mc.attention_break_even(),
+            grammars=grammars,
+            long_rope_after=mc.long_rope_after,
+        )
         self.info = {**info, "eos_token_ids": eos}
-        self.early_aborts = Tombstones(ABORT_TOMBSTONE_SECONDS, clock=time.time)  # sent_at is http's wall clock
+        self.early_aborts = Tombstones(
+            ABORT_TOMBSTONE_SECONDS, clock=time.time
+        )  # sent_at is http's wall clock
         self.last_check = time.monotonic()
         policy = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
         self.loop = StepLoop(self.sched, self, policy, self.publish)
         self.step_started: float | None = None  # when the oldest step out started running
-        self.sent = {"runner_bytes": 0, "detok_bytes": 0}  # for /get_server_info and scripts/bench_scheduler.py
+        self.sent = {
+            "runner_bytes": 0,
+            "detok_bytes": 0,
+        }  # for /get_server_info and scripts/bench_scheduler.py
         error = grammars.wait_loaded() if grammars is not None else None
         if error is not None:
-            logger.error("structured output is unavailable: loading the vocabulary failed: %s", error)
+            logger.error(
+                "structured output is unavailable: loading the vocabulary failed: %s", error
+            )
         announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
 
     def _wait_for_runner(self) -> dict:
@@ -109,7 +136,11 @@ class SchedulerLoop:
             self.loop.flush()
             self.idle_check()
             # A compiling grammar wakes no socket: look again soon while one is.
-            poller.poll(timeout=COMPILE_POLL_SECONDS * 1000 if self.sched.compiling else IDLE_CHECK_SECONDS * 1000)
+            poller.poll(
+                timeout=COMPILE_POLL_SECONDS * 1000
+                if self.sched.compiling
+                else IDLE_CHECK_SECONDS * 1000
+            )
 
     def submit(self, batch: BatchInput) -> None:
         """Send a step to every runner rank (StepLoop's runner)."""
@@ -143,8 +174,11 @@ class SchedulerLoop:
             except Exception:  # one message's failure must not stop the scheduler
                 logger.exception("handling %s failed", type(msg).__name__)
                 if isinstance(msg, TokenizedReq):
-                    self.loop.outputs.append(error_output(msg.rid, "the scheduler could not accept this request",
-                                                          status=500))
+                    self.loop.outputs.append(
+                        error_output(
+                            msg.rid, "the scheduler could not accept this request", status=500
+                        )
+                    )
 
     def handle_one(self, msg) -> None:
         if isinstance(msg, TokenizedReq):
@@ -156,7 +190,9 @@ class SchedulerLoop:
         elif isinstance(msg, ControlCall):
             send(self.to_http, self.control(msg))
         elif isinstance(msg, Heartbeat):
-            msg.step_age = 0.0 if self.step_started is None else time.monotonic() - self.step_started
+            msg.step_age = (
+                0.0 if self.step_started is None else time.monotonic() - self.step_started
+            )
             send(self.to_detok, msg)
         else:
             logger.error("unexpected message %s", type(msg).__name__)
@@ -166,8 +202,13 @@ class SchedulerLoop:
             # Its client left before it got here; the detokenizer still has its spec to drop.
             self.loop.outputs.append(RequestOutput(msg.rid, finish_reason=FinishReason.ABORT))
             return
-        req = Req(msg.rid, msg.input_ids, msg.params, priority=msg.priority,
-                  arrival_time=time.monotonic() - max(0.0, time.time() - msg.arrival_time))
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            msg.params,
+            priority=msg.priority,
+            arrival_time=time.monotonic() - max(0.0, time.time() - msg.arrival_time),
+        )
         try:
             self.sched.add_request(req)
         except InvalidParam as e:
@@ -183,12 +224,19 @@ class SchedulerLoop:
     def control(self, msg: ControlCall) -> ControlReply:
         if msg.kind == "get_info":
             st = self.sched.stats()
-            data = {**vars(st), "cache_hit_rate": st.cache_hit_rate, **self.info,
-                    "step_work": {**self.loop.work, **self.sent}, "overlap": self.loop.policy.to_dict()}
+            data = {
+                **vars(st),
+                "cache_hit_rate": st.cache_hit_rate,
+                **self.info,
+                "step_work": {**self.loop.work, **self.sent},
+                "overlap": self.loop.policy.to_dict(),
+            }
             return ControlReply(msg.call_id, True, data)
         if msg.kind == "flush_cache":
             if self.sched.running or self.sched.num_waiting:
-                return ControlReply(msg.call_id, False, {"error": "requests are running; flush when idle"})
+                return ControlReply(
+                    msg.call_id, False, {"error": "requests are running; flush when idle"}
+                )
             self.sched.cache.reset()
             return ControlReply(msg.call_id, True, {})
         return ControlReply(msg.call_id, False, {"error": f"unknown control {msg.kind!r}"})
@@ -216,10 +264,23 @@ def log_request(req: Req) -> None:
     queue = -1.0 if req.queue_time is None else req.queue_time
     ttft = -1.0 if req.first_token_time is None else req.first_token_time - req.arrival_time
     reason = getattr(req.finish_reason, "value", req.finish_reason)
-    logger.info("request rid=%s finish=%s e2e=%.3fs ttft=%.3fs queue=%.3fs prompt_tokens=%d cached_tokens=%d "
-                "completion_tokens=%d retractions=%d spec_proposed=%d spec_accepted=%d prompt_ids=%s output_ids=%s",
-                req.rid, reason, e2e, ttft, queue, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
-                req.num_retractions, req.spec_proposed, req.spec_accepted, req.prompt_ids, req.output_ids)
+    logger.info(
+        "request rid=%s finish=%s e2e=%.3fs ttft=%.3fs queue=%.3fs prompt_tokens=%d cached_tokens=%d "
+        "completion_tokens=%d retractions=%d spec_proposed=%d spec_accepted=%d prompt_ids=%s output_ids=%s",
+        req.rid,
+        reason,
+        e2e,
+        ttft,
+        queue,
+        len(req.prompt_ids),
+        req.cached_tokens,
+        len(req.output_ids),
+        req.num_retractions,
+        req.spec_proposed,
+        req.spec_accepted,
+        req.prompt_ids,
+        req.output_ids,
+    )
 
 
 def main(args: ProcArgs) -> None:

@@ -6,6 +6,7 @@ requests over them, so tokenization never serialises on one process under load. 
 constraint passes through unread: the scheduler parses and compiles it off its loop (a deeply
 nested schema takes seconds to parse, which here would hold up every request behind it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,9 +49,18 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
     """One TokenizedReq per choice; choice i > 0 of a seeded request gets seed + i."""
     ids = prep.prompt_ids(req.text, req.input_ids, req.messages, req.chat_kwargs)
     params = prep.fit_context(req.params, len(ids))
-    return [TokenizedReq(rid, ids, params if i == 0 or params.seed is None
-                         else dataclasses.replace(params, seed=params.seed + i), req.priority, req.arrival_time)
-            for i, rid in enumerate(req.rids)]
+    return [
+        TokenizedReq(
+            rid,
+            ids,
+            params
+            if i == 0 or params.seed is None
+            else dataclasses.replace(params, seed=params.seed + i),
+            req.priority,
+            req.arrival_time,
+        )
+        for i, rid in enumerate(req.rids)
+    ]
 
 
 def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:
@@ -62,18 +72,30 @@ def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:
         strs = {"token_strs": prep.tok.token_strs(ids)} if call.return_token_strs else {}
         return ControlReply(call.call_id, True, {"tokens": ids, **strs})
     except InvalidParam as e:
-        return ControlReply(call.call_id, False, {"message": str(e), "param": e.field, "status": 400})
+        return ControlReply(
+            call.call_id, False, {"message": str(e), "param": e.field, "status": 400}
+        )
     except Exception as e:  # this call's failure, never the worker's
         logger.exception("%s failed", call.kind)
-        return ControlReply(call.call_id, False, {"message": f"{call.kind} failed: {type(e).__name__}: {e}",
-                                                  "param": None, "status": 500})
+        return ControlReply(
+            call.call_id,
+            False,
+            {
+                "message": f"{call.kind} failed: {type(e).__name__}: {e}",
+                "param": None,
+                "status": 500,
+            },
+        )
 
 
 def main(args: ProcArgs) -> None:
     cfg = args.engine_config
     mc = ModelConfig.from_dir(args.model_dir)
-    prep = PromptPreparer(Tokenizer(cfg.tokenizer_path or args.model_dir, cfg.chat_template),
-                          cfg.context_length or mc.max_position_embeddings, mc.vocab_size)
+    prep = PromptPreparer(
+        Tokenizer(cfg.tokenizer_path or args.model_dir, cfg.chat_template),
+        cfg.context_length or mc.max_position_embeddings,
+        mc.vocab_size,
+    )
     prep.tok.warm_up()
     ctx = zmq.Context()
     inbox = pull(ctx, endpoint(args.ipc_dir, TOKENIZER), bind=False)
@@ -81,8 +103,20 @@ def main(args: ProcArgs) -> None:
     to_detok = push(ctx, endpoint(args.ipc_dir, DETOKENIZER))
     to_http = push(ctx, endpoint(args.ipc_dir, HTTP))
     # The chat template says which tool-call format the model was taught (--tool-call-parser's default).
-    announce_ready(ctx, args.ipc_dir, Ready(args.name, info={"tool_call_parser": parser_for_template(
-        prep.tok.hf.chat_template if isinstance(prep.tok.hf.chat_template, str) else None)}))
+    announce_ready(
+        ctx,
+        args.ipc_dir,
+        Ready(
+            args.name,
+            info={
+                "tool_call_parser": parser_for_template(
+                    prep.tok.hf.chat_template
+                    if isinstance(prep.tok.hf.chat_template, str)
+                    else None
+                )
+            },
+        ),
+    )
     while True:
         inbox.poll()
         for msg in recv_ready(inbox):
@@ -99,8 +133,17 @@ def main(args: ProcArgs) -> None:
                 continue
             except Exception as e:  # this request's failure, never the worker's
                 logger.exception("tokenizing request %s failed", msg.rids[0])
-                send(to_http, OutputBatch([error_output(rid, f"tokenization failed: {type(e).__name__}: {e}",
-                                                        status=500) for rid in msg.rids]))
+                send(
+                    to_http,
+                    OutputBatch(
+                        [
+                            error_output(
+                                rid, f"tokenization failed: {type(e).__name__}: {e}", status=500
+                            )
+                            for rid in msg.rids
+                        ]
+                    ),
+                )
                 continue
             for req in reqs:  # the detokenizer hears of a request before its first token can
                 send(to_detok, DetokenizeSpec.of(req.rid, req.input_ids, req.params))

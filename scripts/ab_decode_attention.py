@@ -12,6 +12,7 @@ Environment: B, L, H, HKV, D, REPS (15), THREADS (1), KV (float32,bfloat16). A l
 (e.g. held to AVX2): python -c "from relay.execution.kernels import cpu; print(cpu._build('avx2'))" run
 from each checkout (with its src first on PYTHONPATH).
 """
+
 import os
 import random
 import statistics
@@ -31,30 +32,37 @@ def main() -> None:
     paths = [os.path.abspath(p) for p in sys.argv[1:3]]
     libs = [cpu.bind(p) for p in paths]
     B, L = int(os.environ.get("B", 32)), int(os.environ.get("L", 600))
-    H, HKV, D = int(os.environ.get("H", 9)), int(os.environ.get("HKV", 3)), int(os.environ.get("D", 64))
+    H, HKV, D = (
+        int(os.environ.get("H", 9)),
+        int(os.environ.get("HKV", 3)),
+        int(os.environ.get("D", 64)),
+    )
     reps = int(os.environ.get("REPS", 15))
     for kv_name in os.environ.get("KV", "float32,bfloat16").split(","):
         pages_each = -(-L // PS)
         pages = list(range(1, 1 + B * pages_each))
         random.Random(0).shuffle(pages)
         owner = (lambda b: 0) if os.environ.get("SAME") else (lambda b: b)
-        tables = [pages[owner(b) * pages_each:(owner(b) + 1) * pages_each] for b in range(B)]
+        tables = [pages[owner(b) * pages_each : (owner(b) + 1) * pages_each] for b in range(B)]
         k = torch.randn(HKV, (1 + B * pages_each) * PS, D).to(getattr(torch, kv_name))
         v = torch.randn_like(k)
         plan = cpu.DecodePlan(tables, [L] * B, PS)
         q = torch.randn(B, H, D)
-        outs = [cpu.decode_attention(lib, plan, q, k, v, PS, D ** -0.5) for lib in libs]
+        outs = [cpu.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for lib in libs]
         diff = (outs[0].float() - outs[1].float()).abs().max().item()
         times = [[], []]
         for r in range(reps):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
                 t0 = time.thread_time()
-                cpu.decode_attention(libs[i], plan, q, k, v, PS, D ** -0.5)
+                cpu.decode_attention(libs[i], plan, q, k, v, PS, D**-0.5)
                 times[i].append(time.thread_time() - t0)
         a, b = (statistics.median(t) * 1e3 for t in times)
-        print(f"B={B} L={L} H={H}/{HKV} D={D} kv={kv_name}{' (same pages)' if os.environ.get('SAME') else ''}: "
-              f"{os.path.basename(paths[0])} {a:.3f} ms, {os.path.basename(paths[1])} {b:.3f} ms, "
-              f"first/second {a / b:.2f}x (max |diff| {diff:.1e})", flush=True)
+        print(
+            f"B={B} L={L} H={H}/{HKV} D={D} kv={kv_name}{' (same pages)' if os.environ.get('SAME') else ''}: "
+            f"{os.path.basename(paths[0])} {a:.3f} ms, {os.path.basename(paths[1])} {b:.3f} ms, "
+            f"first/second {a / b:.2f}x (max |diff| {diff:.1e})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

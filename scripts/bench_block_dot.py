@@ -6,6 +6,7 @@ gate_up 3072 x 576, its Q8_0 LM head 49152 x 576) filled with random GGUF-quanti
     python scripts/bench_block_dot.py --level avx2
     python scripts/bench_block_dot.py --level amx --rows 1,8,32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,18 @@ def weight(n: int, k: int, kind: str) -> torch.Tensor:
     b = (np.random.default_rng(0).standard_normal((n * k // 32, 32)) * 0.05).astype(np.float32)
     if kind == "q4_1":
         lo, d = b.min(1), (b.max(1) - b.min(1)) / 15
-        q = np.minimum(15, ((b - lo[:, None]) / d[:, None] + 0.5).astype(np.int8)).astype(np.float32)
-        w = d.astype(np.float16).astype(np.float32)[:, None] * q + lo.astype(np.float16).astype(np.float32)[:, None]
+        q = np.minimum(15, ((b - lo[:, None]) / d[:, None] + 0.5).astype(np.int8)).astype(
+            np.float32
+        )
+        w = (
+            d.astype(np.float16).astype(np.float32)[:, None] * q
+            + lo.astype(np.float16).astype(np.float32)[:, None]
+        )
     else:
         d = np.abs(b).max(1) / 127
-        w = d.astype(np.float16).astype(np.float32)[:, None] * np.round(b / d[:, None]).astype(np.float32)
+        w = d.astype(np.float16).astype(np.float32)[:, None] * np.round(b / d[:, None]).astype(
+            np.float32
+        )
     return torch.from_numpy(w.reshape(n, k))
 
 
@@ -49,7 +57,9 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--level", default=None, help="instruction-set level (default: this CPU's)")
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--reps", type=int, default=9)

@@ -15,6 +15,7 @@ times all of one step's GEMMs at each row count with:
     python scripts/bench_gemm_blocks.py --dtype bfloat16 --rows 4,8,16,32,64,256
     python scripts/bench_gemm_blocks.py --dtype bfloat16 --ab /path/to/relay_cpu-OLD.so   # two builds' blocks
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,16 @@ def step_weights() -> list[torch.Tensor]:
     out = []
     layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
     for i in range(layers):
+
         def g(part: str) -> torch.Tensor:
             return sd[f"model.layers.{i}.{part}.weight"]
-        out += [torch.cat([g("self_attn.q_proj"), g("self_attn.k_proj"), g("self_attn.v_proj")]),
-                g("self_attn.o_proj"), torch.cat([g("mlp.gate_proj"), g("mlp.up_proj")]), g("mlp.down_proj")]
+
+        out += [
+            torch.cat([g("self_attn.q_proj"), g("self_attn.k_proj"), g("self_attn.v_proj")]),
+            g("self_attn.o_proj"),
+            torch.cat([g("mlp.gate_proj"), g("mlp.up_proj")]),
+            g("mlp.down_proj"),
+        ]
     out.append(sd["model.embed_tokens.weight"])  # the tied LM head
     return out
 
@@ -64,18 +71,36 @@ def medians_ms(fns, repeats: int) -> list[float]:
 def blocks_with(lib, x: torch.Tensor, w) -> torch.Tensor:
     """cpu_kernels.gemm_blocks through another build of the library."""
     y = torch.empty(x.shape[0], w.out_features)
-    lib.relay_gemm_blocks(w.bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
-                          y.data_ptr(), y.stride(0), x.shape[0], w.out_features, w.in_features, int(w.round_bf16))
+    lib.relay_gemm_blocks(
+        w.bits,
+        w.q.data_ptr(),
+        w.d.data_ptr(),
+        w.m.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        x.shape[0],
+        w.out_features,
+        w.in_features,
+        int(w.round_bf16),
+    )
     return y
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--ab", metavar="LIB", help="also time the blocks with this other build of Relay's kernel "
-                    "library (another checkout's), alternating with this one's")
+    ap.add_argument(
+        "--ab",
+        metavar="LIB",
+        help="also time the blocks with this other build of Relay's kernel "
+        "library (another checkout's), alternating with this one's",
+    )
     args = ap.parse_args()
     if not cpu_kernels.gemm_blocks_available():
         sys.exit("the block GEMM needs AVX-512 and a C compiler")
@@ -90,21 +115,34 @@ def main() -> None:
     del exact
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     paths = {
-        "blocks": lambda xs: [cpu_kernels.gemm_blocks(xs[b.in_features].float(), b) for b in blocks],
+        "blocks": lambda xs: [
+            cpu_kernels.gemm_blocks(xs[b.in_features].float(), b) for b in blocks
+        ],
         "linear": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
-        "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                              for w, p in zip(weights, packed)]}
+        "packed": lambda xs: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+            for w, p in zip(weights, packed)
+        ],
+    }
     if args.ab:
         other = cpu_kernels.bind(args.ab)
-        paths["blocks (--ab)"] = lambda xs: [blocks_with(other, xs[b.in_features].float(), b) for b in blocks]
+        paths["blocks (--ab)"] = lambda xs: [
+            blocks_with(other, xs[b.in_features].float(), b) for b in blocks
+        ]
     if dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available():
         panels = [cpu_kernels.pack_panels(w) for w in weights]
         paths["panels"] = lambda xs: [cpu_kernels.gemm_panels(xs[p.in_features], p) for p in panels]
     flags = cpu_kernels.cpu_flags().split()
-    print(f"{args.dtype}, threads {torch.get_num_threads()}, "
-          + " ".join(f for f in flags if f.startswith(("avx512", "amx"))))
-    print("| rows | " + " | ".join(f"{name} ms" for name in paths) + " | fastest |\n|---|"
-          + "---|" * (len(paths) + 1))
+    print(
+        f"{args.dtype}, threads {torch.get_num_threads()}, "
+        + " ".join(f for f in flags if f.startswith(("avx512", "amx")))
+    )
+    print(
+        "| rows | "
+        + " | ".join(f"{name} ms" for name in paths)
+        + " | fastest |\n|---|"
+        + "---|" * (len(paths) + 1)
+    )
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(m, w.shape[1]).to(dtype) for w in weights}
         times = medians_ms([lambda f=f: f(xs) for f in paths.values()], args.repeats)

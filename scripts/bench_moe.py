@@ -12,6 +12,7 @@ drift in the machine's load touches all alike.
     python scripts/bench_moe.py                      # bfloat16, 1 thread
     python scripts/bench_moe.py --dtype float32 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,27 @@ PROMPT = 64
 
 
 def write_config(path: str, args, moe: bool) -> str:
-    cfg = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-               num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab, max_position_embeddings=1024,
-               rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg = dict(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        vocab_size=args.vocab,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     if moe:
-        cfg.update(architectures=["MixtralForCausalLM"], intermediate_size=args.moe_inter,
-                   num_local_experts=args.experts, num_experts_per_tok=args.top_k)
+        cfg.update(
+            architectures=["MixtralForCausalLM"],
+            intermediate_size=args.moe_inter,
+            num_local_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+        )
     else:
-        cfg.update(architectures=["LlamaForCausalLM"], intermediate_size=args.top_k * args.moe_inter)
+        cfg.update(
+            architectures=["LlamaForCausalLM"], intermediate_size=args.top_k * args.moe_inter
+        )
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -51,12 +65,16 @@ def write_config(path: str, args, moe: bool) -> str:
 
 def per_token_experts_output(block: SparseMoeBlock):
     """The naive loop: every (token, slot) runs its expert on that one row."""
-    def experts_output(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+
+    def experts_output(
+        x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(x)
         for t, (ws, es) in enumerate(zip(weights, experts.tolist())):
             for w, e in zip(ws, es):
-                out[t] += (block.experts[e](x[t:t + 1])[0] * w).to(out.dtype)
+                out[t] += (block.experts[e](x[t : t + 1])[0] * w).to(out.dtype)
         return out
+
     return experts_output
 
 
@@ -64,16 +82,38 @@ def decode_batches(batch: int) -> tuple[BatchInput, BatchInput, list[list[int]]]
     """A prompt step of `batch` requests of PROMPT tokens, a decode step after it, and their page tables."""
     pages = -(-(PROMPT + 1) // 32)
     tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
-    ids = torch.randint(10, 1000, (batch * PROMPT,), generator=torch.Generator().manual_seed(batch)).tolist()
-    prompt = BatchInput(0, list(range(batch)), ids, [0] * batch, [PROMPT] * batch, [0] * batch, tables,
-                        [True] * batch, [0] * batch)
-    decode = BatchInput(1, list(range(batch)), [7] * batch, [PROMPT] * batch, [1] * batch, [pages] * batch,
-                        [[]] * batch, [True] * batch, [1] * batch)
+    ids = torch.randint(
+        10, 1000, (batch * PROMPT,), generator=torch.Generator().manual_seed(batch)
+    ).tolist()
+    prompt = BatchInput(
+        0,
+        list(range(batch)),
+        ids,
+        [0] * batch,
+        [PROMPT] * batch,
+        [0] * batch,
+        tables,
+        [True] * batch,
+        [0] * batch,
+    )
+    decode = BatchInput(
+        1,
+        list(range(batch)),
+        [7] * batch,
+        [PROMPT] * batch,
+        [1] * batch,
+        [pages] * batch,
+        [[]] * batch,
+        [True] * batch,
+        [1] * batch,
+    )
     return prompt, decode, tables
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=32)
@@ -88,8 +128,13 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="bench-moe-")
-    cfg = EngineConfig(dtype=args.dtype, load_format="dummy", num_threads=args.threads, kv_cache_gb=0.25,
-                       page_size=32)
+    cfg = EngineConfig(
+        dtype=args.dtype,
+        load_format="dummy",
+        num_threads=args.threads,
+        kv_cache_gb=0.25,
+        page_size=32,
+    )
     runners = {}
     for name, moe in (("moe", True), ("dense", False)):
         path = write_config(os.path.join(tmp, name), args, moe)
@@ -102,16 +147,21 @@ def main() -> None:
         for b, f in zip(blocks, outputs):
             b.experts_output = f
 
-    variants = {"moe": (runners["moe"], grouped), "moe-loop": (runners["moe"], looped),
-                "dense": (runners["dense"], None)}
+    variants = {
+        "moe": (runners["moe"], grouped),
+        "moe-loop": (runners["moe"], looped),
+        "dense": (runners["dense"], None),
+    }
     mc = runners["moe"].model.config
     active = mc.num_layers * 3 * mc.hidden_size * mc.active_intermediate_size()
-    print(f"{args.dtype}, {args.threads} thread(s); {mc.num_layers} layers, hidden {mc.hidden_size}, "
-          f"{mc.num_experts} experts x {mc.moe_intermediate_size} top-{mc.num_experts_per_tok} "
-          f"(dense MLP {args.top_k * args.moe_inter}); FFN weights per token {active / 1e6:.0f} M both, "
-          f"{mc.num_layers * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.num_experts / 1e6:.0f} M "
-          "in all experts; "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.dtype}, {args.threads} thread(s); {mc.num_layers} layers, hidden {mc.hidden_size}, "
+        f"{mc.num_experts} experts x {mc.moe_intermediate_size} top-{mc.num_experts_per_tok} "
+        f"(dense MLP {args.top_k * args.moe_inter}); FFN weights per token {active / 1e6:.0f} M both, "
+        f"{mc.num_layers * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.num_experts / 1e6:.0f} M "
+        "in all experts; "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
     with torch.inference_mode():
         for batch in args.batches:
             prompt, decode, tables = decode_batches(batch)
@@ -129,9 +179,13 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) / args.steps * 1e3)
             use(grouped)
             med = {k: statistics.median(v) for k, v in times.items()}
-            print(f"batch {batch:3d}: " + ", ".join(f"{k} {v:.2f} ms/step ({batch / v * 1e3:.0f} tok/s)"
-                                                    for k, v in med.items())
-                  + f"; moe/dense {med['moe'] / med['dense']:.2f}x, loop/grouped {med['moe-loop'] / med['moe']:.2f}x")
+            print(
+                f"batch {batch:3d}: "
+                + ", ".join(
+                    f"{k} {v:.2f} ms/step ({batch / v * 1e3:.0f} tok/s)" for k, v in med.items()
+                )
+                + f"; moe/dense {med['moe'] / med['dense']:.2f}x, loop/grouped {med['moe-loop'] / med['moe']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ activations). Relay does not use int8 yet; this measures whether it should.
 
     python scripts/bench_weight_formats.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,9 @@ def act_dtype(fmt: str) -> torch.dtype:
 
 
 def step_ms(fmt: str, layers: int, repeats: int) -> float:
-    weights = [[make_weight(s, fmt) for s in LAYER_SHAPES] for _ in range(layers)] + [[make_weight(HEAD_SHAPE, fmt)]]
+    weights = [[make_weight(s, fmt) for s in LAYER_SHAPES] for _ in range(layers)] + [
+        [make_weight(HEAD_SHAPE, fmt)]
+    ]
     shapes = [LAYER_SHAPES] * layers + [[HEAD_SHAPE]]
     inputs = {k: torch.randn(1, k, dtype=act_dtype(fmt)) for k in (576, 1536)}
 
@@ -63,7 +66,9 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
@@ -71,7 +76,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     formats = ("float32", "bfloat16", "int8")
 
-    print(f"all GEMMs of one batch-1 decode step ({args.layers} layers + LM head), median of {args.repeats}:\n")
+    print(
+        f"all GEMMs of one batch-1 decode step ({args.layers} layers + LM head), median of {args.repeats}:\n"
+    )
     print("| weights | MB read | ms/step | GB/s |")
     print("|---|---|---|---|")
     params = args.layers * sum(n * k for n, k in LAYER_SHAPES) + HEAD_SHAPE[0] * HEAD_SHAPE[1]

@@ -60,14 +60,16 @@ def module_names(root: str = ROOT) -> list[str]:
 
 
 def import_all(python: str, modules: list[str], cwd: str) -> None:
-    code = ("import importlib, sys\n"
-            "for m in sys.argv[1:]:\n"
-            "    try:\n"
-            "        importlib.import_module(m)\n"
-            "    except ModuleNotFoundError as e:\n"
-            f"        if e.name not in {GPU_ONLY_PACKAGES!r}:\n"
-            "            raise\n"
-            "        print(f'skipped {m}: needs {e.name} (GPU only)')\n")
+    code = (
+        "import importlib, sys\n"
+        "for m in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ModuleNotFoundError as e:\n"
+        f"        if e.name not in {GPU_ONLY_PACKAGES!r}:\n"
+        "            raise\n"
+        "        print(f'skipped {m}: needs {e.name} (GPU only)')\n"
+    )
     out = subprocess.run([python, "-c", code, *modules], cwd=cwd, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"importing the wheel's modules failed:\n{out.stderr[-3000:]}")
@@ -91,8 +93,15 @@ def stop_group(proc: subprocess.Popen, sig: int) -> None:
 
 def serve_until_ready(python: str, cwd: str, timeout: float = 300.0) -> None:
     cmd = [python, "-m", "launch.serve", "--load-format", "dummy-null", "--port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
 
@@ -114,19 +123,25 @@ def serve_until_ready(python: str, cwd: str, timeout: float = 300.0) -> None:
     if not came_up:
         raise SystemExit(f"`{' '.join(cmd)}` in {cwd} did not get ready:\n{''.join(lines[-60:])}")
     print(f"the installed wheel served (dummy-null) from {cwd} and stopped with exit {code}")
-    print("".join(line for line in lines if "off: " in line), end="")  # what a pip-only install lacks
+    print(
+        "".join(line for line in lines if "off: " in line), end=""
+    )  # what a pip-only install lacks
     if code != 0:
         raise SystemExit(f"the server exited {code} on SIGTERM:\n{''.join(lines[-60:])}")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("wheel")
     p.add_argument("--python", help="an interpreter whose environment has the wheel installed")
     args = p.parse_args()
     missing = missing_from_wheel(args.wheel)
     if missing:
-        raise SystemExit(f"{args.wheel} lacks {len(missing)} files of the checkout: {', '.join(missing)}")
+        raise SystemExit(
+            f"{args.wheel} lacks {len(missing)} files of the checkout: {', '.join(missing)}"
+        )
     print(f"{os.path.basename(args.wheel)} holds every module and C source of the checkout")
     if args.python:
         with tempfile.TemporaryDirectory(prefix="relay-wheel-check-") as outside:

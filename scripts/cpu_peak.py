@@ -13,6 +13,7 @@ AVX512-VNNI for the VNNI rows, AVX512-BF16 for the bf16 row, each skipped withou
     python scripts/cpu_peak.py
     python scripts/cpu_peak.py --threads 1,2 --seconds 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,16 +96,28 @@ def build(workdir: str, flags: set[str]) -> str:
     src, exe = os.path.join(workdir, "peak.c"), os.path.join(workdir, "peak")
     with open(src, "w") as f:
         f.write(SOURCE)
-    isa = ["-mavx512f", "-mavx512bw"] + (["-mavx512vnni"] if "avx512_vnni" in flags else []) \
+    isa = (
+        ["-mavx512f", "-mavx512bw"]
+        + (["-mavx512vnni"] if "avx512_vnni" in flags else [])
         + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
-    subprocess.run([os.environ.get("CC", "cc"), "-O2", "-fopenmp", *isa, src, "-o", exe], check=True)
+    )
+    subprocess.run(
+        [os.environ.get("CC", "cc"), "-O2", "-fopenmp", *isa, src, "-o", exe], check=True
+    )
     return exe
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
-    ap.add_argument("--iters", type=int, default=100_000_000, help="loop trips per thread (12 instructions each)")
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=100_000_000,
+        help="loop trips per thread (12 instructions each)",
+    )
     args = ap.parse_args()
     flags = cpu_flags()
     if "avx512f" not in flags:
@@ -113,13 +126,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(tmp, flags)
         for threads in [int(t) for t in args.threads.split(",")]:
-            out = subprocess.run([exe, str(args.iters)], check=True, capture_output=True, text=True,
-                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+            out = subprocess.run(
+                [exe, str(args.iters)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+            ).stdout
             for line in out.split("\n"):
                 if line:
                     name, per_ns, macs = line.split()
-                    print(f"{threads} thread(s)  {name:<11} {float(per_ns):6.2f} instr/ns  "
-                          f"{float(per_ns) * int(macs) * 2:7.1f} GFLOP/s (GOP/s)")
+                    print(
+                        f"{threads} thread(s)  {name:<11} {float(per_ns):6.2f} instr/ns  "
+                        f"{float(per_ns) * int(macs) * 2:7.1f} GFLOP/s (GOP/s)"
+                    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 The model is Qwen3-0.6B-shaped with random weights. Roofline numbers are for an H200-class
 card: ~4.3 TB/s of HBM bandwidth actually reachable, ~790 TFLOP/s dense bf16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,21 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 HBM_BYTES_S = 4.3e12
 BF16_FLOP_S = 790e12
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                  eos_token_id=151645, bos_token_id=151643)
+QWEN3_0_6B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    eos_token_id=151645,
+    bos_token_id=151643,
+)
 
 
 def record(results_file: str, /, **row) -> None:
@@ -37,8 +49,17 @@ def record(results_file: str, /, **row) -> None:
 
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu" only to dry-run this script's plumbing
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            intermediate_size=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
 
 
 def backends_available() -> list[str]:
@@ -90,11 +111,24 @@ def cmd_env(args) -> None:
         print("MISSING python modules: " + ", ".join(missing), file=sys.stderr)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
-    record(args.results, section="env", python=sys.version.split()[0], torch=torch.__version__,
-           cuda=torch.version.cuda, gpu=gpu, gpus=torch.cuda.device_count(), free_gib=round(free / 2**30, 1),
-           total_gib=round(total / 2**30, 1), triton=version("triton"),
-           flashinfer=version("flashinfer-python") if version("flashinfer-python") != "-" else version("flashinfer"),
-           transformers=version("transformers"), backends=backends_available(), missing=missing)
+    record(
+        args.results,
+        section="env",
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        gpu=gpu,
+        gpus=torch.cuda.device_count(),
+        free_gib=round(free / 2**30, 1),
+        total_gib=round(total / 2**30, 1),
+        triton=version("triton"),
+        flashinfer=version("flashinfer-python")
+        if version("flashinfer-python") != "-"
+        else version("flashinfer"),
+        transformers=version("transformers"),
+        backends=backends_available(),
+        missing=missing,
+    )
     if not torch.cuda.is_available() and DEVICE == "cuda":
         sys.exit("no CUDA device")
 
@@ -114,9 +148,15 @@ def cmd_build(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     save_random_model(args.out, cfg, device=device, dtype=torch.bfloat16)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
-    record(args.results, section="build", path=args.out, reused=False, gib=round(size / 2**30, 2),
-           seconds=round(time.perf_counter() - t0, 1), tokenizer=sorted(f for f in os.listdir(args.out)
-                                                                        if f.startswith("tokenizer")))
+    record(
+        args.results,
+        section="build",
+        path=args.out,
+        reused=False,
+        gib=round(size / 2**30, 2),
+        seconds=round(time.perf_counter() - t0, 1),
+        tokenizer=sorted(f for f in os.listdir(args.out) if f.startswith("tokenizer")),
+    )
 
 
 # ---- correctness --------------------------------------------------------------------------------
@@ -134,7 +174,7 @@ def cmd_correctness(args) -> None:
     from scripts.runner_steps import run_greedy
 
     rng = random.Random(0)
-    lengths = [5, 17, 64, 100, 129, 250, 333, 400][:args.prompts]
+    lengths = [5, 17, 64, 100, 129, 250, 333, 400][: args.prompts]
     prompts = [[rng.randrange(100, 150000) for _ in range(n)] for n in lengths]
     steps = args.steps
 
@@ -150,8 +190,15 @@ def cmd_correctness(args) -> None:
     free_cuda()
     noise = max((a - b).abs().max().item() for a, b in zip(ref_logits, f32_logits))
     scale = max(x.abs().max().item() for x in ref_logits)
-    record(args.results, section="correctness", backend="torch", reference=True, noise=noise, logit_scale=scale,
-           seconds=round(time.perf_counter() - t0, 1))
+    record(
+        args.results,
+        section="correctness",
+        backend="torch",
+        reference=True,
+        noise=noise,
+        logit_scale=scale,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
 
     ref_all = torch.stack(ref_logits)  # [steps+1, prompts, vocab]
     top2 = ref_all.topk(2, dim=-1).values
@@ -159,28 +206,47 @@ def cmd_correctness(args) -> None:
     for name in wanted(args.backends):
         t0 = time.perf_counter()
         try:
-            runner = make_runner(args.model, dtype="bfloat16", attention_backend=name,
-                                 cuda_graph_max_bs=args.prompts)
+            runner = make_runner(
+                args.model, dtype="bfloat16", attention_backend=name, cuda_graph_max_bs=args.prompts
+            )
             tokens, _ = run_greedy(runner, prompts, steps)
             _, logits = run_greedy(runner, prompts, steps, forced=[t[:-1] for t in ref_tokens])
             replays = runner.cuda_graphs.replays if runner.cuda_graphs is not None else 0
             del runner
             free_cuda()
         except Exception as e:  # record and go on to the next backend
-            record(args.results, section="correctness", backend=name, error=f"{type(e).__name__}: {e}"[:300])
+            record(
+                args.results,
+                section="correctness",
+                backend=name,
+                error=f"{type(e).__name__}: {e}"[:300],
+            )
             continue
         got = torch.stack(logits)
         diff = (got - ref_all).abs().max().item()
         agree = got.argmax(-1) == ref_all.argmax(-1)
         decisive = gap > 2 * max(diff, noise)
-        prefix_match = [next((j for j, (a, b) in enumerate(zip(t, r)) if a != b), len(r))
-                        for t, r in zip(tokens, ref_tokens)]
-        record(args.results, section="correctness", backend=name, max_diff=diff, noise=noise,
-               identical=sum(t == r for t, r in zip(tokens, ref_tokens)), prompts=len(prompts),
-               matching_prefix_tokens=sum(prefix_match), total_tokens=sum(len(r) for r in ref_tokens),
-               argmax_agree=int(agree.sum()), positions=agree.numel(),
-               decisive_agree=int((agree & decisive).sum()), decisive=int(decisive.sum()),
-               graph_replays=replays, seconds=round(time.perf_counter() - t0, 1))
+        prefix_match = [
+            next((j for j, (a, b) in enumerate(zip(t, r)) if a != b), len(r))
+            for t, r in zip(tokens, ref_tokens)
+        ]
+        record(
+            args.results,
+            section="correctness",
+            backend=name,
+            max_diff=diff,
+            noise=noise,
+            identical=sum(t == r for t, r in zip(tokens, ref_tokens)),
+            prompts=len(prompts),
+            matching_prefix_tokens=sum(prefix_match),
+            total_tokens=sum(len(r) for r in ref_tokens),
+            argmax_agree=int(agree.sum()),
+            positions=agree.numel(),
+            decisive_agree=int((agree & decisive).sum()),
+            decisive=int(decisive.sum()),
+            graph_replays=replays,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
 
 
 # ---- decode speed ---------------------------------------------------------------------------------
@@ -188,7 +254,11 @@ def weight_bytes(mc) -> int:
     """Bytes of weights one decode step reads (bf16): every layer, the LM head; the input
     embedding only reads the batch's rows (ignored)."""
     h, d = mc.hidden_size, mc.head_dim
-    layer = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
+    layer = (
+        h * (mc.num_heads + 2 * mc.num_kv_heads) * d
+        + mc.num_heads * d * h
+        + 3 * h * mc.intermediate_size
+    )
     return 2 * (mc.num_layers * layer + mc.vocab_size * h)
 
 
@@ -211,18 +281,33 @@ def cmd_decode_speed(args) -> None:
     for name in wanted(args.backends):
         try:
             t0 = time.perf_counter()
-            runner = make_runner(args.model, dtype="bfloat16", attention_backend=name, load_format="dummy",
-                                 kv_cache_gb=16.0, cuda_graph_max_bs=max(sizes))
+            runner = make_runner(
+                args.model,
+                dtype="bfloat16",
+                attention_backend=name,
+                load_format="dummy",
+                kv_cache_gb=16.0,
+                cuda_graph_max_bs=max(sizes),
+            )
             setup = time.perf_counter() - t0
             graphs = runner.cuda_graphs
             rng = random.Random(1)
             for bs in sizes:
-                prompts = [[rng.randrange(100, 150000) for _ in range(args.context)] for _ in range(bs)]
+                prompts = [
+                    [rng.randrange(100, 150000) for _ in range(args.context)] for _ in range(bs)
+                ]
                 seqs = Sequences(prompts, runner.page_size)
                 sids = list(range(bs))  # Sequences' handles; released again below
                 first = True
-                row = dict(section="decode", backend=name, bs=bs, context=args.context, graphs=graphs is not None,
-                           roofline_ms=roofline_step_s(mc, bs, args.context) * 1e3, setup_s=round(setup, 1))
+                row = dict(
+                    section="decode",
+                    backend=name,
+                    bs=bs,
+                    context=args.context,
+                    graphs=graphs is not None,
+                    roofline_ms=roofline_step_s(mc, bs, args.context) * 1e3,
+                    setup_s=round(setup, 1),
+                )
                 for mode in ("graph", "eager"):
                     runner.cuda_graphs = graphs if mode == "graph" else None
                     times = []
@@ -232,12 +317,14 @@ def cmd_decode_speed(args) -> None:
                             batch.new_specs = [SamplingSpec(s, greedy, []) for s in sids]
                         sync()
                         t = time.perf_counter()
-                        out = runner.forward(batch)  # samples on the GPU, tokens come back to the host
+                        out = runner.forward(
+                            batch
+                        )  # samples on the GPU, tokens come back to the host
                         times.append(time.perf_counter() - t)
                         seqs.done(batch)
                         seqs.append(out.next_token_ids)
                         first = False
-                    ms = 1e3 * sum(times[-args.steps:]) / args.steps
+                    ms = 1e3 * sum(times[-args.steps :]) / args.steps
                     row[f"{mode}_ms"] = ms
                     row[f"{mode}_tok_s"] = bs / ms * 1e3
                 runner.cuda_graphs = graphs
@@ -246,7 +333,9 @@ def cmd_decode_speed(args) -> None:
             del runner, graphs
             free_cuda()
         except Exception as e:
-            record(args.results, section="decode", backend=name, error=f"{type(e).__name__}: {e}"[:300])
+            record(
+                args.results, section="decode", backend=name, error=f"{type(e).__name__}: {e}"[:300]
+            )
 
 
 # ---- the table --------------------------------------------------------------------------------------
@@ -262,12 +351,16 @@ def cmd_table(args) -> None:
     mc = None
     if args.model and os.path.exists(os.path.join(args.model, "config.json")):
         mc = ModelConfig.from_dir(args.model)
-    lines = [f"## Relay GPU check: {env.get('gpu', '?')}",
-             f"python {env.get('python', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda', '?')}), "
-             f"triton {env.get('triton', '?')}, flashinfer {env.get('flashinfer', '?')}; "
-             f"model: Qwen3-0.6B-shaped, random weights, bf16",
-             *([f"MISSING modules: {', '.join(env['missing'])}"] if env.get("missing") else []),
-             "", "| check | what | result | reference / roofline | status |", "|---|---|---|---|---|"]
+    lines = [
+        f"## Relay GPU check: {env.get('gpu', '?')}",
+        f"python {env.get('python', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda', '?')}), "
+        f"triton {env.get('triton', '?')}, flashinfer {env.get('flashinfer', '?')}; "
+        f"model: Qwen3-0.6B-shaped, random weights, bf16",
+        *([f"MISSING modules: {', '.join(env['missing'])}"] if env.get("missing") else []),
+        "",
+        "| check | what | result | reference / roofline | status |",
+        "|---|---|---|---|---|",
+    ]
 
     ref = next((r for r in rows if r.get("section") == "correctness" and r.get("reference")), None)
     for r in rows:
@@ -283,7 +376,8 @@ def cmd_table(args) -> None:
             f"divergence); teacher-forced argmax {r['argmax_agree']}/{r['positions']}, decisive "
             f"{r['decisive_agree']}/{r['decisive']}; max abs logit diff {r['max_diff']:.3f} | bf16 noise "
             f"(torch bf16 vs fp32) {r['noise']:.3f}; {r['graph_replays']} graph replays | "
-            f"{'PASS' if ok else 'CHECK'} |")
+            f"{'PASS' if ok else 'CHECK'} |"
+        )
     if ref is None:
         lines.append("| correctness | torch reference | did not run | | FAIL |")
     for r in rows:
@@ -298,7 +392,8 @@ def cmd_table(args) -> None:
             f"{'graph' if r.get('graphs') else 'NO GRAPHS'} {r['graph_ms']:.2f} ms/step "
             f"({r['graph_tok_s']:.0f} tok/s); eager {r['eager_ms']:.2f} ms ({r['eager_tok_s']:.0f} tok/s); "
             f"graph speed-up {r['eager_ms'] / r['graph_ms']:.1f}x | roofline {roof:.3f} ms/step "
-            f"({r['bs'] / roof * 1e3:.0f} tok/s) | {100 * roof / r['graph_ms']:.0f}% of roofline |")
+            f"({r['bs'] / roof * 1e3:.0f} tok/s) | {100 * roof / r['graph_ms']:.0f}% of roofline |"
+        )
     if args.bench_json and os.path.exists(args.bench_json):
         with open(args.bench_json) as f:
             b = [r for r in map(json.loads, filter(str.strip, f)) if r.get("engine") == "relay"][-1]
@@ -310,16 +405,23 @@ def cmd_table(args) -> None:
         lines.append(
             f"| throughput | bench offline: {a['num_seqs']} seqs, in {a['min_input']}-{a['max_input']}, out "
             f"{a['min_output']}-{a['max_output']} | {b['output_tok_s']:,.0f} output tok/s, {b['total_tok_s']:,.0f} "
-            f"total tok/s in {b['seconds']:.1f} s; batch-1 decode {b['batch1_decode_tok_s']:.0f} tok/s | {roof} | |")
+            f"total tok/s in {b['seconds']:.1f} s; batch-1 decode {b['batch1_decode_tok_s']:.0f} tok/s | {roof} | |"
+        )
     else:
         lines.append("| throughput | bench offline | did not run | | FAIL |")
     for s in steps:
         if s["rc"] != 0:
-            lines.append(f"| step | {s['name']} | exit {s['rc']}{' (timeout)' if s['rc'] in (124, 137) else ''} "
-                         f"after {s['seconds']} s | | FAIL |")
+            lines.append(
+                f"| step | {s['name']} | exit {s['rc']}{' (timeout)' if s['rc'] in (124, 137) else ''} "
+                f"after {s['seconds']} s | | FAIL |"
+            )
     total = sum(s["seconds"] for s in steps)
-    lines += ["", "steps: " + ", ".join(f"{s['name'].split(' ')[0]} {s['seconds']}s" for s in steps)
-              + f"; total {total} s"]
+    lines += [
+        "",
+        "steps: "
+        + ", ".join(f"{s['name'].split(' ')[0]} {s['seconds']}s" for s in steps)
+        + f"; total {total} s",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md:
@@ -328,7 +430,9 @@ def cmd_table(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=["env", "build", "correctness", "decode-speed", "table"])
     p.add_argument("--results", required=True)
     p.add_argument("--out")
@@ -344,8 +448,13 @@ def main() -> None:
     args = p.parse_args()
     if args.command == "decode-speed":
         args.steps = 30 if args.steps == 32 else args.steps
-    {"env": cmd_env, "build": cmd_build, "correctness": cmd_correctness, "decode-speed": cmd_decode_speed,
-     "table": cmd_table}[args.command](args)
+    {
+        "env": cmd_env,
+        "build": cmd_build,
+        "correctness": cmd_correctness,
+        "decode-speed": cmd_decode_speed,
+        "table": cmd_table,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ It drives `python -m scripts.bench serving` (64 concurrent streams of 512 tokens
 profile is done), samples each process with `py-spy record --format raw`, and prints, per process,
 its CPU use (from /proc, all threads) and the functions where its samples land (self time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,17 +54,43 @@ def self_time(raw_path: str, top: int) -> tuple[int, list[tuple[str, int]]]:
 
 
 def start_load(args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "scripts.bench", "serving", "--base-url", args.base_url,
-           "--backend", args.backend, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
-           "--random-input-len", "128", "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
-           "--ignore-eos", "--max-concurrency", str(args.concurrency), "--disable-tqdm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench",
+        "serving",
+        "--base-url",
+        args.base_url,
+        "--backend",
+        args.backend,
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        "1",
+        "--ignore-eos",
+        "--max-concurrency",
+        str(args.concurrency),
+        "--disable-tqdm",
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--backend", default="relay-openai", help="the serving subcommand's backend (relay-openai or relay-native)")
+    p.add_argument(
+        "--backend",
+        default="relay-openai",
+        help="the serving subcommand's backend (relay-openai or relay-native)",
+    )
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--concurrency", type=int, default=64)
@@ -78,15 +105,34 @@ def main() -> int:
         return 1
     load = start_load(args)
     try:
-        time.sleep(3.0)  # let the load ramp up before sampling; this is a measurement window, not a sync
+        time.sleep(
+            3.0
+        )  # let the load ramp up before sampling; this is a measurement window, not a sync
         tmp = tempfile.mkdtemp(prefix="relay-profile-")
         cpu0 = {t: cpu_seconds(pid) for t, pid in procs.items()}
         t0 = time.monotonic()
-        spies = {t: subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
-                                      "--rate", str(args.rate), "--format", "raw", "--nonblocking",
-                                      "--output", os.path.join(tmp, f"{t.replace('::', '-')}.txt")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for t, pid in procs.items()}
+        spies = {
+            t: subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--duration",
+                    str(int(args.seconds)),
+                    "--rate",
+                    str(args.rate),
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--output",
+                    os.path.join(tmp, f"{t.replace('::', '-')}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for t, pid in procs.items()
+        }
         for spy in spies.values():
             spy.wait()
         elapsed = time.monotonic() - t0
@@ -95,8 +141,10 @@ def main() -> int:
         load.terminate()
         load.wait()
 
-    print(f"\n{len(procs)} processes, {elapsed:.1f} s under load ({args.concurrency} streams of "
-          f"{args.output_len} tokens, {args.backend}); CPU = cores used, all threads\n")
+    print(
+        f"\n{len(procs)} processes, {elapsed:.1f} s under load ({args.concurrency} streams of "
+        f"{args.output_len} tokens, {args.backend}); CPU = cores used, all threads\n"
+    )
     print("| process | CPU | where its Python samples land (self time, share of its samples) |")
     print("|---|---|---|")
     for title in sorted(procs, key=lambda t: -cpu[t]):

@@ -22,6 +22,7 @@ only such a comparison shows a few per cent. Both builds must take the same argu
 other checkout measured another blocks crossover at start-up (its server log says "GEMMs of up to
 N rows read those"), --ab-blocks-rows N gives its steps that one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,22 +60,45 @@ def category(name: str) -> str:
 class Steps:
     """B requests with `context` tokens of KV each, decoding one token per step."""
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int, shared: int = 0, group: int = 16,
-                 steps: int = 64):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch: int,
+        context: int,
+        shared: int = 0,
+        group: int = 16,
+        steps: int = 64,
+    ):
         """shared: the first `shared` tokens' pages are common to each group of `group` requests
         (a cached system prompt); steps: how many decode steps the pages must hold."""
         self.runner, self.b, self.ps = runner, batch, runner.page_size
         shared_pages = shared // self.ps
         pages_each = -(-(context + steps) // self.ps) - shared_pages
         first = 1 + batch * pages_each
-        self.tables = [list(range(first + (i // group) * shared_pages, first + (i // group + 1) * shared_pages))
-                       + list(range(1 + i * pages_each, 1 + (i + 1) * pages_each)) for i in range(batch)]
+        self.tables = [
+            list(
+                range(first + (i // group) * shared_pages, first + (i // group + 1) * shared_pages)
+            )
+            + list(range(1 + i * pages_each, 1 + (i + 1) * pages_each))
+            for i in range(batch)
+        ]
         self.lens = [context] * batch
         self.step = 0
         specs = [SamplingSpec(sid, SamplingParams(temperature=0), [2]) for sid in range(batch)]
-        self.run(BatchInput(self._next(), list(range(batch)), [17] * (context * batch), [0] * batch,
-                            [context] * batch, [0] * batch, [t[:-(-context // self.ps)] for t in self.tables],
-                            [True] * batch, [0] * batch, specs))
+        self.run(
+            BatchInput(
+                self._next(),
+                list(range(batch)),
+                [17] * (context * batch),
+                [0] * batch,
+                [context] * batch,
+                [0] * batch,
+                [t[: -(-context // self.ps)] for t in self.tables],
+                [True] * batch,
+                [0] * batch,
+                specs,
+            )
+        )
 
     def _next(self) -> int:
         self.step += 1
@@ -86,10 +110,23 @@ class Steps:
     def decode(self):
         prefix = list(self.lens)
         starts = [p // self.ps for p in prefix]
-        new = [t[s:s + 1] if p % self.ps == 0 else [] for t, s, p in zip(self.tables, starts, prefix)]
-        batch = BatchInput(self._next(), list(range(self.b)), [17] * self.b, prefix, [1] * self.b,
-                           [s if n else len(t[:-(-p // self.ps)]) for s, n, t, p in zip(starts, new, self.tables, prefix)],
-                           new, [True] * self.b, [1] * self.b)
+        new = [
+            t[s : s + 1] if p % self.ps == 0 else [] for t, s, p in zip(self.tables, starts, prefix)
+        ]
+        batch = BatchInput(
+            self._next(),
+            list(range(self.b)),
+            [17] * self.b,
+            prefix,
+            [1] * self.b,
+            [
+                s if n else len(t[: -(-p // self.ps)])
+                for s, n, t, p in zip(starts, new, self.tables, prefix)
+            ],
+            new,
+            [True] * self.b,
+            [1] * self.b,
+        )
         self.lens = [n + 1 for n in self.lens]
         return self.run(batch)
 
@@ -104,14 +141,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
-def ab_medians(runner: ModelRunner, other, fn, reps: int, their_blocks_rows: int | None = None) -> tuple[float, float]:
+def ab_medians(
+    runner: ModelRunner, other, fn, reps: int, their_blocks_rows: int | None = None
+) -> tuple[float, float]:
     """Medians (ms) of fn with this checkout's kernel library and with `other`, alternating;
     their_blocks_rows: the other build's GEMMs read the weight blocks up to this many rows (the
     crossover its checkout measured), ours up to what this runner measured."""
     from relay.execution.kernels import cpu as cpu_kernels
 
     ours = cpu_kernels.load()
-    our_rows = next((m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None), None)
+    our_rows = next(
+        (m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None), None
+    )
 
     def use(lib, rows) -> None:
         cpu_kernels.use(lib)
@@ -136,15 +177,24 @@ def ab(runner: ModelRunner, args) -> None:
     from relay.execution.kernels import cpu as cpu_kernels
 
     other = cpu_kernels.bind(args.ab)
-    print(f"\n| step | this checkout ms | {os.path.basename(args.ab)} ms | theirs / ours |\n|---|---|---|---|")
+    print(
+        f"\n| step | this checkout ms | {os.path.basename(args.ab)} ms | theirs / ours |\n|---|---|---|---|"
+    )
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=4 * args.reps + 8)
         ours, theirs = ab_medians(runner, other, steps.decode, args.reps, args.ab_blocks_rows)
         print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
-    ours, theirs = ab_medians(runner, other, prefill_chunk(runner, args.prefill, args.prefill_over),
-                              max(3, args.reps // 4), args.ab_blocks_rows)
-    print(f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
+    ours, theirs = ab_medians(
+        runner,
+        other,
+        prefill_chunk(runner, args.prefill, args.prefill_over),
+        max(3, args.reps // 4),
+        args.ab_blocks_rows,
+    )
+    print(
+        f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |"
+    )
 
 
 def over(args) -> str:
@@ -158,11 +208,27 @@ def prefill_chunk(runner: ModelRunner, n: int, prefix: int = 0):
     pages = list(range(1, -(-(prefix + n) // ps) + 1))
     spec = [SamplingSpec(900, SamplingParams(temperature=0), [2])]
     if prefix:
-        runner.forward(BatchInput(0, [901], [17] * prefix, [0], [prefix], [0], [pages[:-(-prefix // ps)]], [False],
-                                  [0], [], [901]))
+        runner.forward(
+            BatchInput(
+                0,
+                [901],
+                [17] * prefix,
+                [0],
+                [prefix],
+                [0],
+                [pages[: -(-prefix // ps)]],
+                [False],
+                [0],
+                [],
+                [901],
+            )
+        )
 
     def chunk():
-        return runner.forward(BatchInput(0, [900], [17] * n, [prefix], [n], [0], [pages], [True], [0], spec, [900]))
+        return runner.forward(
+            BatchInput(0, [900], [17] * n, [prefix], [n], [0], [pages], [True], [0], spec, [900])
+        )
+
     return chunk
 
 
@@ -170,10 +236,16 @@ def label_c_kernels() -> None:
     """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
     from relay.execution.kernels import cpu as cpu_kernels
 
-    labels = {"decode_attention": "relay::attn_decode", "extend_attention": "relay::attn_extend",
-              "gemm_bf16": "relay::gemm_bf16", "gemm_panels": "relay::gemm_panels", "gemm_blocks": "relay::gemm_blocks",
-              "rms_norm": "relay::rms_norm", "rope": "relay::rope",
-              "silu_mul": "relay::silu_mul"}
+    labels = {
+        "decode_attention": "relay::attn_decode",
+        "extend_attention": "relay::attn_extend",
+        "gemm_bf16": "relay::gemm_bf16",
+        "gemm_panels": "relay::gemm_panels",
+        "gemm_blocks": "relay::gemm_blocks",
+        "rms_norm": "relay::rms_norm",
+        "rope": "relay::rope",
+        "silu_mul": "relay::silu_mul",
+    }
     for name, label in labels.items():
         plain = getattr(cpu_kernels, name, None)
         if plain is None:  # an older checkout, for A/B runs
@@ -224,33 +296,59 @@ def breakdown(fn, top: int = 0) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--block-activations", default="auto", help="int8, float or auto (EngineConfig)")
+    ap.add_argument(
+        "--block-activations", default="auto", help="int8, float or auto (EngineConfig)"
+    )
     ap.add_argument("--batch", default="1,8,32")
-    ap.add_argument("--context", type=int, default=256, help="KV tokens per request before decoding")
+    ap.add_argument(
+        "--context", type=int, default=256, help="KV tokens per request before decoding"
+    )
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prompt chunk timed")
-    ap.add_argument("--prefill-over", type=int, default=0, help="cached tokens the prompt chunk attends over")
-    ap.add_argument("--shared-prefix", type=int, default=0,
-                    help="tokens of --context that each group of 16 requests shares (page-aligned)")
+    ap.add_argument(
+        "--prefill-over", type=int, default=0, help="cached tokens the prompt chunk attends over"
+    )
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens of --context that each group of 16 requests shares (page-aligned)",
+    )
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--top", type=int, default=0, help="also print the N ops with the most self time, per step")
-    ap.add_argument("--ab", metavar="LIB", help="compare this checkout's kernel library with this build of it")
-    ap.add_argument("--ab-blocks-rows", type=int, metavar="N",
-                    help="with --ab: the other build's GEMMs read the weight blocks up to N rows (the crossover "
-                         "its checkout measured at start-up; this one's runner measures its own)")
+    ap.add_argument(
+        "--top", type=int, default=0, help="also print the N ops with the most self time, per step"
+    )
+    ap.add_argument(
+        "--ab", metavar="LIB", help="compare this checkout's kernel library with this build of it"
+    )
+    ap.add_argument(
+        "--ab-blocks-rows",
+        type=int,
+        metavar="N",
+        help="with --ab: the other build's GEMMs read the weight blocks up to N rows (the crossover "
+        "its checkout measured at start-up; this one's runner measures its own)",
+    )
     args = ap.parse_args()
     if not args.ab:
         label_c_kernels()
     model_dir = resolve_model_dir(None)
-    cfg = EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                       block_activations=args.block_activations,
-                       kv_cache_gb=1.0)
+    cfg = EngineConfig(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_activations=args.block_activations,
+        kv_cache_gb=1.0,
+    )
     runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir))
-    print(f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "
-          f"threads {torch.get_num_threads()}")
+    print(
+        f"dtype {runner.dtype}, kv {runner.kv_dtype}, quantization {args.quantization}, "
+        f"threads {torch.get_num_threads()}"
+    )
     if args.ab:
         return ab(runner, args)
     rows = []
@@ -260,22 +358,42 @@ def main() -> None:
         label = f"decode b={b}" + (f" ({args.shared_prefix} shared)" if args.shared_prefix else "")
         with layer_by_layer(runner):
             layered = timed(steps.decode, args.reps)
-            rows.append((label, ms, b / ms * 1000, {"layer by layer": layered, **breakdown(steps.decode, args.top)}))
+            rows.append(
+                (
+                    label,
+                    ms,
+                    b / ms * 1000,
+                    {"layer by layer": layered, **breakdown(steps.decode, args.top)},
+                )
+            )
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
     n = args.prefill
     chunk = prefill_chunk(runner, n, args.prefill_over)
     ms = timed(chunk, max(3, args.reps // 4))
     with layer_by_layer(runner):
         layered = timed(chunk, max(3, args.reps // 4))
-        rows.append((f"prefill {n}{over(args)}", ms, n / ms * 1000, {"layer by layer": layered, **breakdown(chunk, args.top)}))
+        rows.append(
+            (
+                f"prefill {n}{over(args)}",
+                ms,
+                n / ms * 1000,
+                {"layer by layer": layered, **breakdown(chunk, args.top)},
+            )
+        )
     cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))
     for name, ms, tps, cat in rows:
-        print(f"| {name} | {ms:.1f} | {tps:.0f} | " + " | ".join(f"{cat[c]:.1f}" if c in cat else "–" for c in cats) + " |")
-    print("\nms (median): the server's path (a step's layers in one C call where the model has it);"
-          "\nlayer by layer: the median with each kernel called from Python; the breakdown columns are ms of"
-          "\none profiled layer-by-layer step (profiling adds overhead; the medians are unprofiled)")
+        print(
+            f"| {name} | {ms:.1f} | {tps:.0f} | "
+            + " | ".join(f"{cat[c]:.1f}" if c in cat else "–" for c in cats)
+            + " |"
+        )
+    print(
+        "\nms (median): the server's path (a step's layers in one C call where the model has it);"
+        "\nlayer by layer: the median with each kernel called from Python; the breakdown columns are ms of"
+        "\none profiled layer-by-layer step (profiling adds overhead; the medians are unprofiled)"
+    )
 
 
 if __name__ == "__main__":

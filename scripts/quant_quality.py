@@ -12,6 +12,7 @@ mean KL divergence, and perplexity on the text.
     python scripts/quant_quality.py                    # default model, README.md + docs/*.md
     python scripts/quant_quality.py --model-path DIR --text some.txt --max-tokens 4096
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,48 +29,71 @@ def main() -> None:
 
     from relay.execution.layers import quantize_int4, quantize_int8, quantize_rows_int8
 
-    def round_rows_int8(x: torch.Tensor) -> torch.Tensor:  # x on its rows' int8 grids, as Relay's kernel rounds it
+    def round_rows_int8(
+        x: torch.Tensor,
+    ) -> torch.Tensor:  # x on its rows' int8 grids, as Relay's kernel rounds it
         q, s = quantize_rows_int8(x)
         return q * s
 
-    def round_blocks_int8(x: torch.Tensor) -> torch.Tensor:  # x on int8 grids per block of 32 (csrc/gemm_dot.c)
+    def round_blocks_int8(
+        x: torch.Tensor,
+    ) -> torch.Tensor:  # x on int8 grids per block of 32 (csrc/gemm_dot.c)
         b = x.reshape(*x.shape[:-1], -1, 32)
         amax = b.abs().amax(-1, keepdim=True)
         inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
         return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
+
     from relay.execution.model_files import resolve_model_dir
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path", default=None)
-    p.add_argument("--text", nargs="*", default=None, help="text files (default: README.md and docs/*.md)")
+    p.add_argument(
+        "--text", nargs="*", default=None, help="text files (default: README.md and docs/*.md)"
+    )
     p.add_argument("--max-tokens", type=int, default=2048)
     args = p.parse_args()
 
     model_dir = resolve_model_dir(args.model_path)
-    paths = args.text or [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    paths = args.text or [
+        os.path.join(ROOT, "README.md"),
+        *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+    ]
     text = "\n\n".join(open(path).read() for path in paths)
-    ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids[:, :args.max_tokens]
+    ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids[
+        :, : args.max_tokens
+    ]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
     int8 = lambda w: quantize_int8(w)[1]  # noqa: E731
     same = lambda w: w  # noqa: E731
-    schemes = [("int8, one scale per row", int8, None),
-               ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], None),
-               ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, "rows"),
-               ("checkpoint weights, int8 block activations (--block-activations int8)", same, "blocks")]
+    schemes = [
+        ("int8, one scale per row", int8, None),
+        ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], None),
+        ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, "rows"),
+        ("checkpoint weights, int8 block activations (--block-activations int8)", same, "blocks"),
+    ]
     with torch.inference_mode():
         ref = model(ids).logits[0].float()
         results = []
         for label, quantize, activations in schemes:
             for name, param in model.named_parameters():
-                if name in original:  # every GEMM weight (a tied embedding with the LM head; w8a8 leaves it)
+                if (
+                    name in original
+                ):  # every GEMM weight (a tied embedding with the LM head; w8a8 leaves it)
                     head = "embed_tokens" in name or "lm_head" in name
-                    param.data = original[name] if activations and head else quantize(original[name])
+                    param.data = (
+                        original[name] if activations and head else quantize(original[name])
+                    )
             rounding = round_rows_int8 if activations == "rows" else round_blocks_int8
-            hooks = [m.register_forward_pre_hook(lambda _, args, r=rounding: (r(args[0]),))
-                     for name, m in model.named_modules()
-                     if activations and isinstance(m, torch.nn.Linear)
-                     and (activations == "blocks" or "lm_head" not in name)]
+            hooks = [
+                m.register_forward_pre_hook(lambda _, args, r=rounding: (r(args[0]),))
+                for name, m in model.named_modules()
+                if activations
+                and isinstance(m, torch.nn.Linear)
+                and (activations == "blocks" or "lm_head" not in name)
+            ]
             results.append((label, model(ids).logits[0].float()))
             for hook in hooks:
                 hook.remove()
@@ -77,7 +101,9 @@ def main() -> None:
     log_ref = torch.log_softmax(ref, -1)
     target = ids[0, 1:]
     ppl = lambda lp: torch.nn.functional.nll_loss(lp[:-1], target).exp().item()  # noqa: E731
-    print(f"{ids.shape[1]} tokens of {len(paths)} file(s); model {os.path.basename(model_dir.rstrip('/'))}")
+    print(
+        f"{ids.shape[1]} tokens of {len(paths)} file(s); model {os.path.basename(model_dir.rstrip('/'))}"
+    )
     print("| weights | top-1 agreement with the checkpoint | mean KL (nats) | perplexity |")
     print("|---|---|---|---|")
     print(f"| checkpoint (float32) | – | – | {ppl(log_ref):.3f} |")

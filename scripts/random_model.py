@@ -1,5 +1,6 @@
 """A random-weight HF checkpoint with a tokenizer next to it (the default model's tokenizer when it is
 already converted, else a tiny word-level one): what scripts/gpu_check.py builds and the GPU tests load."""
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,15 @@ def save_tokenizer(path: str) -> str:
     vocab.update({f"t{i}": i + 3 for i in range(509)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
     return "tiny word-level tokenizer"
 
 
-def save_random_model(path: str, hf_config, device: str = "cpu", dtype=torch.float32, seed: int = 0) -> str:
+def save_random_model(
+    path: str, hf_config, device: str = "cpu", dtype=torch.float32, seed: int = 0
+) -> str:
     """A random-weight HF checkpoint of hf_config plus a tokenizer; returns path."""
     from transformers import AutoModelForCausalLM
 

@@ -1,6 +1,7 @@
 """Driving a ModelRunner step by step without a scheduler: token sequences with their own pages turned
 into BatchInputs, and greedy decoding through runner.step_logits. scripts/gpu_check.py and the GPU tests
 (tests/gpu_helpers.py) both use it, so it lives here, where scripts need not import tests."""
+
 from __future__ import annotations
 
 import torch
@@ -40,14 +41,22 @@ class Sequences:
         self._grow()
         ids, prefix, ext = [], [], []
         for i in which:
-            new = self.tokens[i][self.cached[i]:]
+            new = self.tokens[i][self.cached[i] :]
             ids += new
             prefix.append(self.cached[i])
             ext.append(len(new))
         self.step += 1
-        return BatchInput(step=self.step, sids=list(which), input_ids=ids, prefix_lens=prefix, extend_lens=ext,
-                          page_starts=[0] * len(which), new_pages=[list(self.pages[i]) for i in which],
-                          sample=[True] * len(which), output_lens=[0] * len(which))
+        return BatchInput(
+            step=self.step,
+            sids=list(which),
+            input_ids=ids,
+            prefix_lens=prefix,
+            extend_lens=ext,
+            page_starts=[0] * len(which),
+            new_pages=[list(self.pages[i]) for i in which],
+            sample=[True] * len(which),
+            output_lens=[0] * len(which),
+        )
 
     def done(self, batch: BatchInput) -> None:
         for i, n in zip(batch.sids, batch.extend_lens):
@@ -58,8 +67,9 @@ class Sequences:
             self.tokens[i].append(int(t))
 
 
-def run_greedy(runner, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None
-               ) -> tuple[list[list[int]], list[torch.Tensor]]:
+def run_greedy(
+    runner, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill all prompts in one step, then `steps` decode steps of the whole batch through
     runner.step_logits (CUDA graphs where the runner has them). Feeds each step's argmax, or
     forced[i][step] when given (teacher forcing). Returns (argmax tokens per prompt, float32
@@ -76,5 +86,7 @@ def run_greedy(runner, prompts: list[list[int]], steps: int, forced: list[list[i
         for i, t in enumerate(top):
             chosen[i].append(t)
         if step < steps:
-            seqs.append([forced[i][step] for i in range(len(prompts))] if forced is not None else top)
+            seqs.append(
+                [forced[i][step] for i in range(len(prompts))] if forced is not None else top
+            )
     return chosen, logits_per_step

@@ -9,6 +9,7 @@ with TRITON_INTERPRET=1) and scripts/gpu_check.py.
 
     TRITON_INTERPRET=1 python tests/gpu_helpers.py     # the interpreter cases, on CPU
 """
+
 from __future__ import annotations
 
 import os
@@ -45,12 +46,20 @@ class PagedCase:
     def label(self) -> str:
         g = f" graph_bs={self.graph_bs}" if self.graph_bs else ""
         g += f" sms={self.num_sms}" if self.num_sms else ""
-        return (f"ps={self.page_size} H={self.num_heads}/{self.num_kv_heads} D={self.head_dim} "
-                f"prefix={self.prefix_lens} extend={self.extend_lens}{g}")
+        return (
+            f"ps={self.page_size} H={self.num_heads}/{self.num_kv_heads} D={self.head_dim} "
+            f"prefix={self.prefix_lens} extend={self.extend_lens}{g}"
+        )
 
 
-def paged_meta(prefix_lens: list[int], extend_lens: list[int], page_size: int, num_pages: int,
-               rng: random.Random, device) -> StepMeta:
+def paged_meta(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_size: int,
+    num_pages: int,
+    rng: random.Random,
+    device,
+) -> StepMeta:
     """Page tables drawn at random (non-consecutive) from pages 1..num_pages-1."""
     free = list(range(1, num_pages))
     rng.shuffle(free)
@@ -59,17 +68,33 @@ def paged_meta(prefix_lens: list[int], extend_lens: list[int], page_size: int, n
         need = -(-(p + e) // page_size)
         tables.append([free.pop() for _ in range(need)])
     pos = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
-    slots = np.concatenate([np.asarray(t, dtype=np.int64)[np.arange(p, p + e) // page_size] * page_size
-                            + np.arange(p, p + e) % page_size
-                            for t, p, e in zip(tables, prefix_lens, extend_lens)])
-    return StepMeta(list(prefix_lens), list(extend_lens), tables, torch.from_numpy(pos).to(device),
-                    torch.from_numpy(slots).to(device))
+    slots = np.concatenate(
+        [
+            np.asarray(t, dtype=np.int64)[np.arange(p, p + e) // page_size] * page_size
+            + np.arange(p, p + e) % page_size
+            for t, p, e in zip(tables, prefix_lens, extend_lens)
+        ]
+    )
+    return StepMeta(
+        list(prefix_lens),
+        list(extend_lens),
+        tables,
+        torch.from_numpy(pos).to(device),
+        torch.from_numpy(slots).to(device),
+    )
 
 
-def _cache(layout: str, contents_nhd: list[tuple[torch.Tensor, torch.Tensor]], page_size: int, dtype, device
-           ) -> KVCache:
+def _cache(
+    layout: str,
+    contents_nhd: list[tuple[torch.Tensor, torch.Tensor]],
+    page_size: int,
+    dtype,
+    device,
+) -> KVCache:
     slots, hkv, d = contents_nhd[0][0].shape
-    kv = KVCache(len(contents_nhd), slots // page_size, page_size, hkv, d, dtype, device, layout=layout)
+    kv = KVCache(
+        len(contents_nhd), slots // page_size, page_size, hkv, d, dtype, device, layout=layout
+    )
     for layer, (k, v) in enumerate(contents_nhd):
         for buf, src in ((kv.k[layer], k), (kv.v[layer], v)):
             buf.copy_(src.to(dtype) if layout == "NHD" else src.to(dtype).transpose(0, 1))
@@ -93,12 +118,16 @@ def compare_with_torch(backend_cls, case: PagedCase, dtype: torch.dtype, device)
     ps, h, hkv, d = case.page_size, case.num_heads, case.num_kv_heads, case.head_dim
     need = sum(-(-(p + e) // ps) for p, e in zip(case.prefix_lens, case.extend_lens))
     num_pages = need + 1 + rng.randrange(1, 4)
-    contents = [(torch.randn(num_pages * ps, hkv, d, generator=gen).to(dtype).float(),
-                 torch.randn(num_pages * ps, hkv, d, generator=gen).to(dtype).float())]
+    contents = [
+        (
+            torch.randn(num_pages * ps, hkv, d, generator=gen).to(dtype).float(),
+            torch.randn(num_pages * ps, hkv, d, generator=gen).to(dtype).float(),
+        )
+    ]
     meta = paged_meta(case.prefix_lens, case.extend_lens, ps, num_pages, rng, device)
     t = sum(case.extend_lens)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(dtype) for n in (h, hkv, hkv))
-    scale = d ** -0.5
+    scale = d**-0.5
 
     ref_kv = _cache(TorchNativeBackend.kv_layout, contents, ps, torch.float32, device)
     ref = TorchNativeBackend(ref_kv, h, hkv, d, scale)
@@ -120,7 +149,13 @@ def compare_with_torch(backend_cls, case: PagedCase, dtype: torch.dtype, device)
         be.init_cuda_graph_state(bs + 2, max_pages)
         prefix, ext, tables = pad_decode_meta(meta.prefix_lens, meta.page_tables, bs)
         zeros = torch.zeros(bs - n, dtype=torch.int64, device=device)
-        gmeta = StepMeta(prefix, ext, tables, torch.cat([meta.positions, zeros]), torch.cat([meta.out_slots, zeros]))
+        gmeta = StepMeta(
+            prefix,
+            ext,
+            tables,
+            torch.cat([meta.positions, zeros]),
+            torch.cat([meta.out_slots, zeros]),
+        )
         be.plan_cuda_graph(bs, gmeta)
         pad = [torch.randn(bs - n, x.shape[1], d, generator=gen).to(dtype) for x in (q, k, v)]
         q2, k2, v2 = (torch.cat([x, p]).to(device) for x, p in zip((q, k, v), pad))
@@ -133,7 +168,9 @@ def compare_with_torch(backend_cls, case: PagedCase, dtype: torch.dtype, device)
     slots = meta.out_slots
     for a, b in zip(_nhd(kv, 0), _nhd(ref_kv, 0)):
         if not torch.equal(a[slots].float(), b[slots]):
-            raise AssertionError(f"{backend_cls.__name__} wrote different K/V to the step's slots ({case.label()})")
+            raise AssertionError(
+                f"{backend_cls.__name__} wrote different K/V to the step's slots ({case.label()})"
+            )
     return err
 
 
@@ -146,10 +183,30 @@ def interpreter_cases() -> list[tuple[PagedCase, torch.dtype]]:
         (PagedCase([5, 0, 9, 3], [1, 6, 1, 20], 4), f32),
         (PagedCase([5, 0, 9, 3], [1, 6, 1, 20], 4), f16),
         (PagedCase([0, 17, 2], [3, 1, 33], 1, num_heads=4, num_kv_heads=4), f32),
-        (PagedCase([40, 0, 7, 70], [1, 1, 1, 1], 16, num_heads=8, num_kv_heads=2, min_tokens_per_split=8,
-                   num_sms=64), f32),  # 8 splits, some empty
-        (PagedCase([40, 0, 7, 70], [1, 1, 1, 1], 16, num_heads=8, num_kv_heads=2, min_tokens_per_split=8,
-                   num_sms=64), f16),
+        (
+            PagedCase(
+                [40, 0, 7, 70],
+                [1, 1, 1, 1],
+                16,
+                num_heads=8,
+                num_kv_heads=2,
+                min_tokens_per_split=8,
+                num_sms=64,
+            ),
+            f32,
+        ),  # 8 splits, some empty
+        (
+            PagedCase(
+                [40, 0, 7, 70],
+                [1, 1, 1, 1],
+                16,
+                num_heads=8,
+                num_kv_heads=2,
+                min_tokens_per_split=8,
+                num_sms=64,
+            ),
+            f16,
+        ),
         (PagedCase([0, 0], [19, 40], 16, num_heads=4, num_kv_heads=1, head_dim=48), f32),
         (PagedCase([31, 16, 1], [18, 2, 1], 16, seed=3), f32),
         (PagedCase([12, 3, 50], [1, 1, 1], 4, graph_bs=4, seed=1, num_sms=32), f32),  # 8 splits
@@ -160,7 +217,9 @@ def interpreter_cases() -> list[tuple[PagedCase, torch.dtype]]:
 def run_interpreter_cases() -> int:
     """Triton backend vs torch under TRITON_INTERPRET=1 on CPU; returns the failure count."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("set TRITON_INTERPRET=1 before Python starts (Triton reads it at import)")
+        raise RuntimeError(
+            "set TRITON_INTERPRET=1 before Python starts (Triton reads it at import)"
+        )
     from relay.execution.attention.triton_backend import TritonBackend
 
     failures = 0
@@ -172,13 +231,19 @@ def run_interpreter_cases() -> int:
         except Exception as e:  # report every case, then fail
             ok, msg = False, f"{type(e).__name__}: {e}"
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {str(dtype).replace('torch.', ''):8s} {case.label()}: {msg}", flush=True)
+        print(
+            f"{'ok  ' if ok else 'FAIL'} {str(dtype).replace('torch.', ''):8s} {case.label()}: {msg}",
+            flush=True,
+        )
     return failures
 
 
 # ---- ahead-of-time compile of the Triton kernels for a GPU this machine may not have ---------
 
-def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, page_size: int, arch: int) -> dict:
+
+def aot_compile_triton_kernels(
+    dtype: torch.dtype, head_dim: int, group: int, page_size: int, arch: int
+) -> dict:
     """Compile the three kernels as TritonBackend launches them (same constexprs, tile sizes,
     warps and stages) for CUDA compute capability `arch` (90 = H100/H200) down to a cubin,
     with Triton's bundled ptxas; no GPU needed. Returns {kernel: shared memory bytes}. This
@@ -195,13 +260,27 @@ def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, pa
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     cfg = tb.launch_config(head_dim, dtype, on_gpu=True)
     block_d = tb._next_pow2(head_dim)
-    common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, IEEE=dtype == torch.float32)
+    common = dict(
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, IEEE=dtype == torch.float32
+    )
     kernels = {
-        "decode_stage1": (tb._decode_stage1, dict(common, GROUP=group, BLOCK_G=max(16, tb._next_pow2(group)),
-                                                  BLOCK_N=cfg["decode_block_n"])),
-        "decode_stage2": (tb._decode_stage2, dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=tb.MAX_SPLITS)),
-        "extend": (tb._extend_kernel, dict(common, GROUP=group, BLOCK_M=cfg["ext_block_m"],
-                                           BLOCK_N=cfg["ext_block_n"])),
+        "decode_stage1": (
+            tb._decode_stage1,
+            dict(
+                common,
+                GROUP=group,
+                BLOCK_G=max(16, tb._next_pow2(group)),
+                BLOCK_N=cfg["decode_block_n"],
+            ),
+        ),
+        "decode_stage2": (
+            tb._decode_stage2,
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=tb.MAX_SPLITS),
+        ),
+        "extend": (
+            tb._extend_kernel,
+            dict(common, GROUP=group, BLOCK_M=cfg["ext_block_m"], BLOCK_N=cfg["ext_block_n"]),
+        ),
     }
     fp32_ptrs = {"MidO", "MidLse"}
     i32_ptrs = {"PageTable", "SeqLens", "QRows", "PrefixLens", "ExtendLens", "QStarts"}
@@ -222,7 +301,9 @@ def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, pa
                 sig[p] = "i32"
             else:
                 sig[p] = f"*{ty}"
-        src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        src = ASTSource(
+            fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()}
+        )
         opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
         out[name] = compiled.metadata.shared
@@ -230,6 +311,7 @@ def aot_compile_triton_kernels(dtype: torch.dtype, head_dim: int, group: int, pa
 
 
 # ---- runner-level batches -------------------------------------------------------------------
+
 
 def position_logits(runner, tokens: list[int]) -> torch.Tensor:
     """Float32 logits at every position of one sequence, from one eager prefill."""
@@ -250,6 +332,7 @@ def near_argmax_violations(ref_logits: torch.Tensor, chosen: list[int], tol: flo
 
 
 # ---- the CUDA-graph runner's bookkeeping, on CPU ---------------------------------------------
+
 
 def emulated_graph_runner_cls():
     """CudaGraphRunner whose 'graphs' re-run the captured step on replay and copy the result
@@ -282,25 +365,42 @@ def run_emulated_graph_check(model_dir: str) -> str:
     from relay.execution.model_runner import ModelRunner
 
     mc = ModelConfig.from_dir(model_dir)
-    cfg = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", kv_cache_gb=0.01, page_size=4)
+    cfg = EngineConfig(
+        model_path=model_dir, device="cpu", dtype="float32", kv_cache_gb=0.01, page_size=4
+    )
     ref = ModelRunner(cfg, model_dir, mc)
     runner = ModelRunner(cfg, model_dir, mc)
-    runner.kv = KVCache(mc.num_layers, runner.num_pages, runner.page_size, mc.num_kv_heads, mc.head_dim,
-                        runner.dtype, runner.device, layout=TritonBackend.kv_layout)
-    runner.attn = TritonBackend(runner.kv, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim ** -0.5)
-    runner.cuda_graphs = emulated_graph_runner_cls()(runner.model, runner.attn, runner.device, 4,
-                                                    -(-runner.context_len // runner.page_size))
+    runner.kv = KVCache(
+        mc.num_layers,
+        runner.num_pages,
+        runner.page_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        runner.dtype,
+        runner.device,
+        layout=TritonBackend.kv_layout,
+    )
+    runner.attn = TritonBackend(
+        runner.kv, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5
+    )
+    runner.cuda_graphs = emulated_graph_runner_cls()(
+        runner.model, runner.attn, runner.device, 4, -(-runner.context_len // runner.page_size)
+    )
     assert runner.cuda_graphs.batch_sizes == [1, 2, 4]
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, mc.vocab_size - 2) for _ in range(n)] for n in (3, 9, 17)]  # 3 -> padded to 4
+    prompts = [
+        [rng.randrange(2, mc.vocab_size - 2) for _ in range(n)] for n in (3, 9, 17)
+    ]  # 3 -> padded to 4
     tokens, logits = run_greedy(runner, prompts, steps=5)
     ref_tokens, ref_logits = run_greedy(ref, prompts, steps=5)
     if runner.cuda_graphs.replays != 5:
         raise AssertionError(f"expected 5 graph replays, got {runner.cuda_graphs.replays}")
     err = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
     if tokens != ref_tokens or err > 1e-4:
-        raise AssertionError(f"emulated graph decode differs from torch: max logit err {err:.2e}, "
-                             f"tokens equal: {tokens == ref_tokens}")
+        raise AssertionError(
+            f"emulated graph decode differs from torch: max logit err {err:.2e}, "
+            f"tokens equal: {tokens == ref_tokens}"
+        )
     return f"max logit err {err:.2e} over {len(logits)} steps, {runner.cuda_graphs.replays} replays"
 
 
@@ -308,7 +408,9 @@ if __name__ == "__main__":
     failed = run_interpreter_cases()
     if len(sys.argv) > 1:  # a tiny model directory: the runner + emulated CUDA graph check
         try:
-            print(f"ok   runner with triton + emulated CUDA graphs: {run_emulated_graph_check(sys.argv[1])}")
+            print(
+                f"ok   runner with triton + emulated CUDA graphs: {run_emulated_graph_check(sys.argv[1])}"
+            )
         except Exception as e:
             failed += 1
             print(f"FAIL runner with triton + emulated CUDA graphs: {type(e).__name__}: {e}")

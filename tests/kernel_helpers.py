@@ -1,4 +1,5 @@
 """What the CPU kernel tests share: the kernel library, built or skipped for a reason."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,9 @@ def cpu_kernels_or_skip() -> ctypes.CDLL:
     if lib is not None:
         return lib
     if os.environ.get("RELAY_CPU_KERNELS", "1") == "0" or cpu.compiler() is None:
-        pytest.skip("no C compiler (or RELAY_CPU_KERNELS=0): Relay's CPU kernels are unavailable here")
+        pytest.skip(
+            "no C compiler (or RELAY_CPU_KERNELS=0): Relay's CPU kernels are unavailable here"
+        )
     try:
         cpu._build()
     except RuntimeError as e:

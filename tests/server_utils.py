@@ -1,4 +1,5 @@
 """Start a real Relay server (all its processes) for a test, and talk to it."""
+
 from __future__ import annotations
 
 import os
@@ -26,19 +27,29 @@ def free_port() -> int:
 class Server:
     """`python -m launch.serve ...` in a subprocess; ready once it prints its ready line."""
 
-    def __init__(self, *flags: str, startup_timeout: float = 240.0, max_open_files: int | None = None):
+    def __init__(
+        self, *flags: str, startup_timeout: float = 240.0, max_open_files: int | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._ready = threading.Event()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
         def limit_files() -> None:  # in the child, before exec: the server starts under this limit
             if max_open_files is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(self.port), *flags],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, preexec_fn=limit_files)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.serve", "--port", str(self.port), *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=limit_files,
+        )
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
             self.stop()
@@ -60,12 +71,17 @@ class Server:
 
     def children(self) -> list[int]:
         """pids of the server's relay::* children (its process group)."""
-        out = subprocess.run(["pgrep", "-g", str(os.getpgid(self.proc.pid))], capture_output=True, text=True)
+        out = subprocess.run(
+            ["pgrep", "-g", str(os.getpgid(self.proc.pid))], capture_output=True, text=True
+        )
         return [int(p) for p in out.stdout.split() if int(p) != self.proc.pid]
 
     def pid_of(self, title: str) -> int:
-        out = subprocess.run(["pgrep", "-f", "-g", str(os.getpgid(self.proc.pid)), f"^{title}$"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["pgrep", "-f", "-g", str(os.getpgid(self.proc.pid)), f"^{title}$"],
+            capture_output=True,
+            text=True,
+        )
         pids = [int(p) for p in out.stdout.split()]
         assert len(pids) == 1, f"{title}: {pids}"
         return pids[0]

@@ -1,5 +1,6 @@
 """Adaptive batching without a model or processes: the real Scheduler on a simulated clock, whose
 steps take what a linear step-cost model says (base + per decode token + per prefill unit)."""
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,11 @@ from relay.scheduling.batch import BatchOutput
 from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 
-BASE, PER_DECODE, PER_PREFILL = 0.008, 0.0006, 0.00045  # seconds: roughly the default model on 2 cores
+BASE, PER_DECODE, PER_PREFILL = (
+    0.008,
+    0.0006,
+    0.00045,
+)  # seconds: roughly the default model on 2 cores
 
 
 def linear_cost(decodes: int, prefill: int) -> float:
@@ -45,20 +50,39 @@ class Clock:
 class Sim:
     """Poisson arrivals into a Scheduler; each step advances the clock by its modelled cost."""
 
-    def __init__(self, target_itl_ms: float | None = 40.0, *, budget: int = 256, max_running: int = 64,
-                 num_pages: int = 4096, window: float = 5.0, target_ttft_ms: float | None = None,
-                 noise: float = 0.05, seed: int = 0, cost=linear_cost, stalls: float = 0.0):
+    def __init__(
+        self,
+        target_itl_ms: float | None = 40.0,
+        *,
+        budget: int = 256,
+        max_running: int = 64,
+        num_pages: int = 4096,
+        window: float = 5.0,
+        target_ttft_ms: float | None = None,
+        noise: float = 0.05,
+        seed: int = 0,
+        cost=linear_cost,
+        stalls: float = 0.0,
+    ):
         self.clock = Clock()
         # Fixed limits here mean every decode in every step: the comparison is of step limits, not
         # of prefill-first holds (tests/test_scheduler.py), which a latency target turns off anyway.
-        cfg = EngineConfig(page_size=16, chunked_prefill_size=budget, max_running_requests=max_running,
-                           target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms, adaptive_window_s=window,
-                           max_decode_stall_ms=0)
+        cfg = EngineConfig(
+            page_size=16,
+            chunked_prefill_size=budget,
+            max_running_requests=max_running,
+            target_itl_ms=target_itl_ms,
+            target_ttft_ms=target_ttft_ms,
+            adaptive_window_s=window,
+            max_decode_stall_ms=0,
+        )
         self.s = Scheduler(cfg, num_pages, 8192, [0], clock=self.clock)
         self.rng = random.Random(seed)
         self.noise = noise
         self.cost = cost
-        self.stalls = stalls  # the share of steps that lose 40 ms to another process on the same cores
+        self.stalls = (
+            stalls  # the share of steps that lose 40 ms to another process on the same cores
+        )
         self.reqs: list[Req] = []
         self.gaps: list[tuple[float, float]] = []  # (time, gap) of every token after a first
         self.last: dict[str, float] = {}
@@ -67,9 +91,13 @@ class Sim:
 
     def add(self, prompt_len: int, output_len: int, priority: int = 0) -> Req:
         self.n += 1
-        req = Req(f"r{self.n}", [1 + (self.n * 7 + i) % 50 for i in range(prompt_len)],
-                  SamplingParams(max_new_tokens=output_len, ignore_eos=True), priority=priority,
-                  arrival_time=self.clock.now)
+        req = Req(
+            f"r{self.n}",
+            [1 + (self.n * 7 + i) % 50 for i in range(prompt_len)],
+            SamplingParams(max_new_tokens=output_len, ignore_eos=True),
+            priority=priority,
+            arrival_time=self.clock.now,
+        )
         self.s.add_request(req)
         self.reqs.append(req)
         return req
@@ -94,18 +122,33 @@ class Sim:
                     self.gaps.append((self.clock.now, self.clock.now - self.last[record.rid]))
                 self.last[record.rid] = self.clock.now
         limits = self.s.limits
-        self.limits_seen.append((self.clock.now, getattr(limits, "prefill_budget", limits.budget_cap),
-                                 limits.max_running, getattr(limits, "changes", 0)))
+        self.limits_seen.append(
+            (
+                self.clock.now,
+                getattr(limits, "prefill_budget", limits.budget_cap),
+                limits.max_running,
+                getattr(limits, "changes", 0),
+            )
+        )
 
-    def run(self, seconds: float, rate: float, prompt_lens=(64, 2048), output_lens=(64, 256),
-            priorities=(0,)) -> None:
+    def run(
+        self,
+        seconds: float,
+        rate: float,
+        prompt_lens=(64, 2048),
+        output_lens=(64, 256),
+        priorities=(0,),
+    ) -> None:
         """Poisson arrivals at `rate` per second for `seconds` of simulated time."""
         end = self.clock.now + seconds
         next_arrival = self.clock.now + self.rng.expovariate(rate)
         while self.clock.now < end:
             while next_arrival <= self.clock.now:
-                self.add(self.rng.randint(*prompt_lens), self.rng.randint(*output_lens),
-                         self.rng.choice(priorities))
+                self.add(
+                    self.rng.randint(*prompt_lens),
+                    self.rng.randint(*output_lens),
+                    self.rng.choice(priorities),
+                )
                 next_arrival += self.rng.expovariate(rate)
             if self.s.has_work:
                 self.step()
@@ -133,6 +176,7 @@ class Sim:
 
 # ---- the pieces -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["target_itl_ms", "target_ttft_ms", "adaptive_window_s"])
 def test_targets_and_window_must_be_positive(name):
     with pytest.raises(ValueError, match=name):
@@ -146,7 +190,9 @@ def test_the_step_cost_model_recovers_the_costs_it_is_shown():
         d, p = rng.randint(1, 48), rng.choice([0, 0, rng.randint(16, 256)])
         model.observe(d, p, BASE + PER_DECODE * d + PER_PREFILL * p)
     base, per_decode, per_prefill = model.coef
-    assert base == pytest.approx(BASE, rel=1e-3) and per_decode == pytest.approx(PER_DECODE, rel=1e-3)
+    assert base == pytest.approx(BASE, rel=1e-3) and per_decode == pytest.approx(
+        PER_DECODE, rel=1e-3
+    )
     assert per_prefill == pytest.approx(PER_PREFILL, rel=1e-3)
     assert model.prefill_for(0.036, 20) == int((0.036 - BASE - 20 * PER_DECODE) / PER_PREFILL)
 
@@ -169,6 +215,7 @@ def test_window_percentiles_are_weighted_and_expire():
 
 # ---- the policy on a simulated server --------------------------------------------------------
 
+
 def test_fixed_limits_miss_a_tight_target_that_adaptive_limits_meet_on_a_steady_load():
     fixed, adaptive = Sim(target_itl_ms=None), Sim(target_itl_ms=40.0)
     for sim in (fixed, adaptive):
@@ -177,7 +224,9 @@ def test_fixed_limits_miss_a_tight_target_that_adaptive_limits_meet_on_a_steady_
     assert adaptive.p99_gap(since=30.0) < 0.040
     assert adaptive.changes(since=60.0) <= 2, "a steady load settles instead of see-sawing"
     done = [r for r in adaptive.reqs if r.finished]
-    assert len(done) >= 0.9 * len([r for r in fixed.reqs if r.finished]), "not by serving fewer requests"
+    assert len(done) >= 0.9 * len([r for r in fixed.reqs if r.finished]), (
+        "not by serving fewer requests"
+    )
     adaptive.drain()
     assert all(r.finished for r in adaptive.reqs)
 
@@ -189,7 +238,9 @@ def test_on_a_roofline_cost_a_light_load_keeps_its_admission_and_meets_the_targe
     limits: the controller cut admission to 1 and new requests queued for seconds."""
     sim = Sim(target_itl_ms=60.0, target_ttft_ms=8000.0, cost=roofline_cost, stalls=0.005, seed=3)
     sim.run(300.0, rate=0.2, prompt_lens=(64, 2048), output_lens=(64, 192))
-    assert min(m for t, _, m, _ in sim.limits_seen if t > 30.0) >= 8, "admission is not what limits ITL here"
+    assert min(m for t, _, m, _ in sim.limits_seen if t > 30.0) >= 8, (
+        "admission is not what limits ITL here"
+    )
     assert sim.p99_gap(since=30.0) < 0.060
     started = [r for r in sim.reqs if r.queue_time is not None]
     assert max(r.queue_time for r in started) < 1.0, "nobody waits for admission at this load"
@@ -203,7 +254,9 @@ def test_a_step_far_over_the_target_is_logged_with_what_the_model_expected(caplo
             d, p = 1 + i % 8, 8 * (i % 5)
             limits.on_step(i * 0.01, linear_cost(d, p), d, p, [], [], 0, d)
         limits.on_step(0.5, 0.400, 4, 16, [], [], 0, 4)  # a 400 ms stall
-        limits.on_step(0.6, 0.400, 4, 16, [], [], 0, 4)  # another within the second: not logged again
+        limits.on_step(
+            0.6, 0.400, 4, 16, [], [], 0, 4
+        )  # another within the second: not logged again
     slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert len(slow) == 1 and "took 400 ms (step model: 18 ms; target 40 ms)" in slow[0], slow
 
@@ -236,7 +289,9 @@ def test_under_pressure_the_lower_priority_requests_wait():
     sim = Sim(target_itl_ms=40.0, max_running=64, window=3.0)
     sim.run(60.0, rate=8.0, prompt_lens=(64, 256), output_lens=(128, 256), priorities=(0, 1))
     sim.drain()
-    waited = {p: statistics.median(r.queue_time for r in sim.reqs if r.priority == p) for p in (0, 1)}
+    waited = {
+        p: statistics.median(r.queue_time for r in sim.reqs if r.priority == p) for p in (0, 1)
+    }
     assert waited[1] < waited[0] / 2, waited
 
 
@@ -262,6 +317,7 @@ def test_server_info_shows_the_limits_the_model_and_the_latency():
 
 # ---- on the real server ------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_server_steers_its_limits_under_load_and_shows_them():
     """A target no step can meet (50 us): under load the controller cuts the prefill budget and
@@ -282,8 +338,13 @@ def test_the_server_steers_its_limits_under_load_and_shows_them():
             got = []
             with s.client() as c:
                 while not done.is_set() or not got:
-                    r = c.post("/generate", json={"input_ids": [5 + i] * 300,
-                                                  "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
+                    r = c.post(
+                        "/generate",
+                        json={
+                            "input_ids": [5 + i] * 300,
+                            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                        },
+                    )
                     assert r.status_code == 200, r.text
                     got.append(r.json()["meta_info"]["completion_tokens"])
             return got
@@ -298,7 +359,11 @@ def test_the_server_steers_its_limits_under_load_and_shows_them():
         with ThreadPoolExecutor(12) as pool:
             clients = [pool.submit(client, i) for i in range(12)]
             deadline = time.monotonic() + 120
-            while not both_cut(adaptive()) and time.monotonic() < deadline and not any(f.done() for f in clients):
+            while (
+                not both_cut(adaptive())
+                and time.monotonic() < deadline
+                and not any(f.done() for f in clients)
+            ):
                 time.sleep(0.2)  # polling the condition, with a deadline
             done.set()
             counts = [n for f in clients for n in f.result()]
@@ -310,6 +375,9 @@ def test_the_server_steers_its_limits_under_load_and_shows_them():
         assert both_cut(info), info
         assert f"relay:adaptive_prefill_budget_tokens {float(MIN_PREFILL_BUDGET)}" in metrics
         assert "relay:adaptive_target_itl_seconds 5e-05" in metrics
-        assert "adaptive batching: prefill budget 256 -> " in s.log and "fewer running requests" in s.log
+        assert (
+            "adaptive batching: prefill budget 256 -> " in s.log
+            and "fewer running requests" in s.log
+        )
     finally:
         s.stop()

@@ -1,5 +1,6 @@
 """The CPU attention backend against a dense reference: decode (C kernel and torch path),
 prefill with a cached prefix, mixed batches, GQA ratios, scattered pages, bf16."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +27,16 @@ def dense_attention(q, keys, values, prefix: int, scale: float) -> torch.Tensor:
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def make_case(seed: int, prefix_lens: list[int], extend_lens: list[int], hkv: int, group: int,
-              dtype: torch.dtype, kernel: bool, d: int = 16):
+def make_case(
+    seed: int,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    hkv: int,
+    group: int,
+    dtype: torch.dtype,
+    kernel: bool,
+    d: int = 16,
+):
     rng = np.random.default_rng(seed)
     kv = KVCache(1, 64, PAGE, hkv, d, dtype, torch.device("cpu"), layout="HND")
     free = rng.permutation(np.arange(1, 64)).tolist()  # scattered pages
@@ -46,9 +55,15 @@ def make_case(seed: int, prefix_lens: list[int], extend_lens: list[int], hkv: in
         full_k.append(k)
         full_v.append(v)
     positions = [i for p, e in zip(prefix_lens, extend_lens) for i in range(p, p + e)]
-    out_slots = [slot(t, i) for t, p, e in zip(tables, prefix_lens, extend_lens) for i in range(p, p + e)]
-    meta = StepMeta(prefix_lens, extend_lens, tables, torch.tensor(positions), torch.tensor(out_slots))
-    backend = TorchNativeBackend(kv=kv, num_heads=hkv * group, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5)
+    out_slots = [
+        slot(t, i) for t, p, e in zip(tables, prefix_lens, extend_lens) for i in range(p, p + e)
+    ]
+    meta = StepMeta(
+        prefix_lens, extend_lens, tables, torch.tensor(positions), torch.tensor(out_slots)
+    )
+    backend = TorchNativeBackend(
+        kv=kv, num_heads=hkv * group, num_kv_heads=hkv, head_dim=d, scale=d**-0.5
+    )
     if not kernel:
         backend.kernel = None
     elif backend.kernel is None:
@@ -64,7 +79,10 @@ CASES = [
     ([0, 0], [7, 12]),  # prefill from scratch
     ([8, 3], [5, 6]),  # prefill after a cached prefix (page-aligned and not)
     ([12, 0, 21, 4], [1, 9, 1, 3]),  # mixed decode + prefill
-    ([0, 20, 7], [100, 76, 1]),  # long chunks: the float32 kernel's items of 32-64 tokens, a causal edge inside
+    (
+        [0, 20, 7],
+        [100, 76, 1],
+    ),  # long chunks: the float32 kernel's items of 32-64 tokens, a causal edge inside
 ]
 
 
@@ -73,30 +91,36 @@ CASES = [
 @pytest.mark.parametrize("prefix_lens,extend_lens", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_dense_reference(kernel, hkv, group, prefix_lens, extend_lens, dtype):
-    backend, meta, q, k, v, full_k, full_v = make_case(0, prefix_lens, extend_lens, hkv, group, dtype, kernel)
+    backend, meta, q, k, v, full_k, full_v = make_case(
+        0, prefix_lens, extend_lens, hkv, group, dtype, kernel
+    )
     backend.plan(meta)
     out = backend.forward(q, k, v, layer=0).view(q.shape)
     row = 0
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for p, e, fk, fv in zip(prefix_lens, extend_lens, full_k, full_v):
-        ref = dense_attention(q[row:row + e], fk, fv, p, backend.scale)
-        torch.testing.assert_close(out[row:row + e].float(), ref, atol=tol, rtol=tol)
+        ref = dense_attention(q[row : row + e], fk, fv, p, backend.scale)
+        torch.testing.assert_close(out[row : row + e].float(), ref, atol=tol, rtol=tol)
         row += e
 
 
-@pytest.mark.parametrize("d,hkv,group", [(64, 3, 3), (128, 2, 4), (64, 1, 8), (24, 2, 3), (80, 1, 5)])
+@pytest.mark.parametrize(
+    "d,hkv,group", [(64, 3, 3), (128, 2, 4), (64, 1, 8), (24, 2, 3), (80, 1, 5)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_matches_dense_at_every_kernel_level(kernel_level, d, hkv, group, dtype):
     """Decode (and decode beside a prompt chunk) through the backend with each instruction-set
     level's kernels: the default model's heads (9 over 3 kv heads, head_dim 64), head_dim 128,
     groups up to 8, and head dims the dispatcher has no specialised kernel for."""
     for prefix_lens, extend_lens in (([5, 90, 17, 60], [1, 1, 1, 1]), ([12, 0, 33], [1, 9, 1])):
-        backend, meta, q, k, v, full_k, full_v = make_case(d, prefix_lens, extend_lens, hkv, group, dtype, True, d)
+        backend, meta, q, k, v, full_k, full_v = make_case(
+            d, prefix_lens, extend_lens, hkv, group, dtype, True, d
+        )
         backend.plan(meta)
         out = backend.forward(q, k, v, layer=0).view(q.shape)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         row = 0
         for p, e, fk, fv in zip(prefix_lens, extend_lens, full_k, full_v):
-            ref = dense_attention(q[row:row + e], fk, fv, p, backend.scale)
-            torch.testing.assert_close(out[row:row + e].float(), ref, atol=tol, rtol=tol)
+            ref = dense_attention(q[row : row + e], fk, fv, p, backend.scale)
+            torch.testing.assert_close(out[row : row + e].float(), ref, atol=tol, rtol=tol)
             row += e

@@ -1,5 +1,6 @@
 """Unit tests for ipc.codec: every wire type round-trips, nesting works, and decoding only
 ever builds the listed dataclasses (no pickle, unknown codes rejected)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,25 +28,47 @@ TOKEN = st.integers(0, 200_000)
 SMALL = st.integers(0, 4096)
 TEXT = st.text(max_size=40)  # any unicode, surrogates excluded by default
 FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64)
-LOGPROB = st.one_of(st.floats(max_value=0.0, allow_nan=False), st.just(-math.inf))  # -inf is a real logprob
+LOGPROB = st.one_of(
+    st.floats(max_value=0.0, allow_nan=False), st.just(-math.inf)
+)  # -inf is a real logprob
 OPT_STR = st.none() | TEXT
 # JSON-like payloads (chat messages, kwargs, control data, ready info): int keys too, msgpack maps allow them.
 LEAF = st.none() | st.booleans() | I64 | FINITE | TEXT | st.binary(max_size=8)
-JSONISH = st.recursive(LEAF, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT | I64, kids, max_size=4),
-                       max_leaves=12)
+JSONISH = st.recursive(
+    LEAF,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT | I64, kids, max_size=4),
+    max_leaves=12,
+)
 STR_DICT = st.dictionaries(TEXT, JSONISH, max_size=4)
 
 sampling_params = st.builds(
     SamplingParams,
-    max_new_tokens=st.integers(1, 2**31 - 1), min_new_tokens=SMALL, temperature=st.floats(0, 100),
-    top_p=st.floats(0, 1, exclude_min=True), top_k=st.just(-1) | st.integers(1, 1000), min_p=st.floats(0, 1),
-    repetition_penalty=st.floats(0.01, 10), frequency_penalty=st.floats(-2, 2), presence_penalty=st.floats(-2, 2),
-    seed=st.none() | I64, stop=st.lists(st.text(min_size=1, max_size=10), max_size=4),
-    stop_token_ids=st.lists(TOKEN, max_size=4), ignore_eos=st.booleans(), skip_special_tokens=st.booleans(),
-    include_stop_str_in_output=st.booleans(), logprobs=st.booleans(), top_logprobs=st.integers(0, 20),
-    logit_bias=st.dictionaries(TOKEN, st.floats(-100, 100), max_size=4))
-sampling_specs = st.builds(SamplingSpec, sid=U31, params=sampling_params, stop_token_ids=st.lists(TOKEN, max_size=3),
-                           prompt_ids=st.lists(TOKEN, max_size=20))
+    max_new_tokens=st.integers(1, 2**31 - 1),
+    min_new_tokens=SMALL,
+    temperature=st.floats(0, 100),
+    top_p=st.floats(0, 1, exclude_min=True),
+    top_k=st.just(-1) | st.integers(1, 1000),
+    min_p=st.floats(0, 1),
+    repetition_penalty=st.floats(0.01, 10),
+    frequency_penalty=st.floats(-2, 2),
+    presence_penalty=st.floats(-2, 2),
+    seed=st.none() | I64,
+    stop=st.lists(st.text(min_size=1, max_size=10), max_size=4),
+    stop_token_ids=st.lists(TOKEN, max_size=4),
+    ignore_eos=st.booleans(),
+    skip_special_tokens=st.booleans(),
+    include_stop_str_in_output=st.booleans(),
+    logprobs=st.booleans(),
+    top_logprobs=st.integers(0, 20),
+    logit_bias=st.dictionaries(TOKEN, st.floats(-100, 100), max_size=4),
+)
+sampling_specs = st.builds(
+    SamplingSpec,
+    sid=U31,
+    params=sampling_params,
+    stop_token_ids=st.lists(TOKEN, max_size=3),
+    prompt_ids=st.lists(TOKEN, max_size=20),
+)
 
 
 @st.composite
@@ -55,13 +78,18 @@ def batch_inputs(draw) -> BatchInput:
     prefix = [draw(st.integers(0, 5000)) for _ in range(n)]
     ids = draw(st.lists(TOKEN, min_size=sum(extend), max_size=sum(extend)))
     return BatchInput(
-        step=draw(st.integers(0, 2**62)), sids=draw(st.lists(U31, min_size=n, max_size=n, unique=True)),
-        input_ids=ids, prefix_lens=prefix, extend_lens=extend,
+        step=draw(st.integers(0, 2**62)),
+        sids=draw(st.lists(U31, min_size=n, max_size=n, unique=True)),
+        input_ids=ids,
+        prefix_lens=prefix,
+        extend_lens=extend,
         page_starts=draw(st.lists(SMALL, min_size=n, max_size=n)),
         new_pages=[draw(st.lists(st.integers(0, 10**6), max_size=30)) for _ in range(n)],
         sample=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
         output_lens=draw(st.lists(SMALL, min_size=n, max_size=n)),
-        new_specs=draw(st.lists(sampling_specs, max_size=3)), released_sids=draw(st.lists(U31, max_size=5)))
+        new_specs=draw(st.lists(sampling_specs, max_size=3)),
+        released_sids=draw(st.lists(U31, max_size=5)),
+    )
 
 
 @st.composite
@@ -69,32 +97,73 @@ def batch_outputs(draw) -> BatchOutput:
     n = draw(st.integers(0, 8))
     toks = draw(st.lists(TOKEN, min_size=n, max_size=n))
     lps = draw(st.none() | st.lists(LOGPROB, min_size=n, max_size=n))
-    top = draw(st.none() | st.lists(st.none() | st.tuples(st.lists(TOKEN, min_size=2, max_size=2),
-                                                          st.lists(LOGPROB, min_size=2, max_size=2)).map(list),
-                                    min_size=n, max_size=n))
-    return BatchOutput(step=draw(U31), next_token_ids=toks, logprobs=lps, top_logprobs=top, error=draw(OPT_STR),
-                       row_errors=draw(st.dictionaries(st.integers(0, 7), TEXT, max_size=2)))
+    top = draw(
+        st.none()
+        | st.lists(
+            st.none()
+            | st.tuples(
+                st.lists(TOKEN, min_size=2, max_size=2), st.lists(LOGPROB, min_size=2, max_size=2)
+            ).map(list),
+            min_size=n,
+            max_size=n,
+        )
+    )
+    return BatchOutput(
+        step=draw(U31),
+        next_token_ids=toks,
+        logprobs=lps,
+        top_logprobs=top,
+        error=draw(OPT_STR),
+        row_errors=draw(st.dictionaries(st.integers(0, 7), TEXT, max_size=2)),
+    )
 
 
 engine_configs = st.builds(
-    EngineConfig, model_path=OPT_STR, tokenizer_path=OPT_STR, served_model_name=OPT_STR,
-    dtype=st.sampled_from(["auto", "float32", "bfloat16", "float16"]), device=st.sampled_from(["auto", "cpu", "cuda"]),
-    tp_size=st.integers(1, 8), page_size=st.sampled_from([1, 16, 64]), kv_cache_gb=st.none() | st.floats(0.1, 80),
-    mem_fraction_static=st.none() | st.floats(0.05, 0.95), max_running_requests=st.integers(1, 1024),
-    chunked_prefill_size=st.integers(1, 8192), context_length=st.none() | st.integers(16, 131072),
-    num_threads=st.none() | st.integers(1, 64), seed=I64,
-    load_format=st.sampled_from(["auto", "dummy", "dummy-null"]), disable_cuda_graph=st.booleans(),
-    log_requests=st.booleans())
+    EngineConfig,
+    model_path=OPT_STR,
+    tokenizer_path=OPT_STR,
+    served_model_name=OPT_STR,
+    dtype=st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
+    device=st.sampled_from(["auto", "cpu", "cuda"]),
+    tp_size=st.integers(1, 8),
+    page_size=st.sampled_from([1, 16, 64]),
+    kv_cache_gb=st.none() | st.floats(0.1, 80),
+    mem_fraction_static=st.none() | st.floats(0.05, 0.95),
+    max_running_requests=st.integers(1, 1024),
+    chunked_prefill_size=st.integers(1, 8192),
+    context_length=st.none() | st.integers(16, 131072),
+    num_threads=st.none() | st.integers(1, 64),
+    seed=I64,
+    load_format=st.sampled_from(["auto", "dummy", "dummy-null"]),
+    disable_cuda_graph=st.booleans(),
+    log_requests=st.booleans(),
+)
 
-messages_list = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                                "content": TEXT}), max_size=4)
-generate_reqs = st.builds(m.GenerateReq, rids=st.lists(TEXT, min_size=1, max_size=4), params=sampling_params,
-                          text=OPT_STR, input_ids=st.none() | st.lists(TOKEN, max_size=20),
-                          messages=st.none() | messages_list, chat_kwargs=STR_DICT, priority=I64,
-                          arrival_time=st.floats(0, 2e9))
-detokenize_specs = st.builds(DetokenizeSpec, rid=TEXT, prompt_tail=st.lists(TOKEN, max_size=5),
-                             skip_special_tokens=st.booleans(), stop=st.lists(TEXT, max_size=3),
-                             include_stop_str_in_output=st.booleans())
+messages_list = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT}
+    ),
+    max_size=4,
+)
+generate_reqs = st.builds(
+    m.GenerateReq,
+    rids=st.lists(TEXT, min_size=1, max_size=4),
+    params=sampling_params,
+    text=OPT_STR,
+    input_ids=st.none() | st.lists(TOKEN, max_size=20),
+    messages=st.none() | messages_list,
+    chat_kwargs=STR_DICT,
+    priority=I64,
+    arrival_time=st.floats(0, 2e9),
+)
+detokenize_specs = st.builds(
+    DetokenizeSpec,
+    rid=TEXT,
+    prompt_tail=st.lists(TOKEN, max_size=5),
+    skip_special_tokens=st.booleans(),
+    stop=st.lists(TEXT, max_size=3),
+    include_stop_str_in_output=st.booleans(),
+)
 
 
 @st.composite
@@ -102,18 +171,29 @@ def request_outputs(draw) -> RequestOutput:
     n = draw(st.integers(0, 3))
     ids = draw(st.lists(TOKEN, min_size=n, max_size=n))
     with_lp = draw(st.booleans())
-    top = st.none() | st.tuples(st.lists(TOKEN, min_size=2, max_size=2),
-                                st.lists(LOGPROB, min_size=2, max_size=2)).map(list)
+    top = st.none() | st.tuples(
+        st.lists(TOKEN, min_size=2, max_size=2), st.lists(LOGPROB, min_size=2, max_size=2)
+    ).map(list)
     return RequestOutput(
-        rid=draw(TEXT), token_ids=ids,
+        rid=draw(TEXT),
+        token_ids=ids,
         logprobs=draw(st.lists(LOGPROB, min_size=n, max_size=n)) if with_lp else None,
         top_logprobs=draw(st.lists(top, min_size=n, max_size=n)) if with_lp else None,
         finish_reason=draw(st.sampled_from([None, "stop", "length", "abort"])),
-        matched_stop=draw(st.none() | TEXT | TOKEN), prompt_tokens=draw(SMALL), completion_tokens=draw(SMALL),
-        cached_tokens=draw(SMALL), queue_time=draw(st.none() | st.floats(0, 60)), error=draw(OPT_STR),
-        status=draw(st.sampled_from([400, 500, 503])), param=draw(OPT_STR), text=draw(TEXT),
+        matched_stop=draw(st.none() | TEXT | TOKEN),
+        prompt_tokens=draw(SMALL),
+        completion_tokens=draw(SMALL),
+        cached_tokens=draw(SMALL),
+        queue_time=draw(st.none() | st.floats(0, 60)),
+        error=draw(OPT_STR),
+        status=draw(st.sampled_from([400, 500, 503])),
+        param=draw(OPT_STR),
+        text=draw(TEXT),
         token_texts=draw(st.lists(TEXT, min_size=n, max_size=n)) if with_lp else None,
-        top_texts=draw(st.lists(st.none() | st.lists(TEXT, max_size=2), min_size=n, max_size=n)) if with_lp else None)
+        top_texts=draw(st.lists(st.none() | st.lists(TEXT, max_size=2), min_size=n, max_size=n))
+        if with_lp
+        else None,
+    )
 
 
 STRATEGIES = {
@@ -125,28 +205,50 @@ STRATEGIES = {
     RequestOutput: request_outputs(),
     DetokenizeSpec: detokenize_specs,
     m.GenerateReq: generate_reqs,
-    m.TokenizedReq: st.builds(m.TokenizedReq, rid=TEXT, input_ids=st.lists(TOKEN, min_size=1, max_size=50),
-                              params=sampling_params, priority=I64, arrival_time=st.floats(0, 2e9)),
+    m.TokenizedReq: st.builds(
+        m.TokenizedReq,
+        rid=TEXT,
+        input_ids=st.lists(TOKEN, min_size=1, max_size=50),
+        params=sampling_params,
+        priority=I64,
+        arrival_time=st.floats(0, 2e9),
+    ),
     m.OutputBatch: st.builds(m.OutputBatch, outputs=st.lists(request_outputs(), max_size=4)),
     m.AbortRequest: st.builds(m.AbortRequest, rid=TEXT, sent_at=st.floats(0, 2e9)),
     m.StopGenerating: st.builds(m.StopGenerating, rid=TEXT, matched=OPT_STR),
-    m.ControlCall: st.builds(m.ControlCall, call_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])),
+    m.ControlCall: st.builds(
+        m.ControlCall, call_id=I64, kind=st.sampled_from(["get_info", "flush_cache"])
+    ),
     m.ControlReply: st.builds(m.ControlReply, call_id=I64, ok=st.booleans(), data=STR_DICT),
     m.Ready: st.builds(m.Ready, name=TEXT, ok=st.booleans(), info=STR_DICT, error=OPT_STR),
     m.Heartbeat: st.builds(m.Heartbeat, seq=U31, step_age=st.floats(0, 1e6)),
-    m.NodeMsg: st.builds(m.NodeMsg, node=U31, kind=st.sampled_from(["hello", "beat", "ready", "down", "bye"]),
-                         detail=TEXT, info=STR_DICT),
-    m.TokenizeCall: st.builds(m.TokenizeCall, call_id=I64, kind=st.sampled_from(["tokenize", "detokenize"]),
-                              text=OPT_STR, messages=st.none() | st.lists(STR_DICT, max_size=2), chat_kwargs=STR_DICT,
-                              add_special_tokens=st.booleans(), return_token_strs=st.booleans(),
-                              tokens=st.none() | st.lists(TOKEN, max_size=8)),
+    m.NodeMsg: st.builds(
+        m.NodeMsg,
+        node=U31,
+        kind=st.sampled_from(["hello", "beat", "ready", "down", "bye"]),
+        detail=TEXT,
+        info=STR_DICT,
+    ),
+    m.TokenizeCall: st.builds(
+        m.TokenizeCall,
+        call_id=I64,
+        kind=st.sampled_from(["tokenize", "detokenize"]),
+        text=OPT_STR,
+        messages=st.none() | st.lists(STR_DICT, max_size=2),
+        chat_kwargs=STR_DICT,
+        add_special_tokens=st.booleans(),
+        return_token_strs=st.booleans(),
+        tokens=st.none() | st.lists(TOKEN, max_size=8),
+    ),
 }
 
 
 def test_every_wire_type_has_a_strategy_and_every_message_is_a_wire_type():
     assert set(STRATEGIES) == set(WIRE_TYPES)
     assert len(set(WIRE_TYPES)) == len(WIRE_TYPES)
-    messages = {o for o in vars(m).values() if dataclasses.is_dataclass(o) and o.__module__ == m.__name__}
+    messages = {
+        o for o in vars(m).values() if dataclasses.is_dataclass(o) and o.__module__ == m.__name__
+    }
     assert messages <= set(WIRE_TYPES)
     for cls in WIRE_TYPES:  # decoding builds positionally: every field must be an init field
         assert all(f.init for f in dataclasses.fields(cls)), cls
@@ -162,8 +264,9 @@ def test_every_wire_type_has_its_own_code():
 def _same(a, b) -> bool:
     """Equality that treats NaN-free floats exactly and checks types recursively."""
     if dataclasses.is_dataclass(a):
-        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name))
-                                          for f in dataclasses.fields(a))
+        return type(a) is type(b) and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -195,21 +298,52 @@ def test_lists_of_batch_inputs_round_trip(batches):
 
 
 def test_nested_dataclasses_realistic_batch():
-    spec = SamplingSpec(7, SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=-3,
-                                          stop=["\n\n", "世界"], repetition_penalty=1.1, logprobs=True,
-                                          top_logprobs=5, logit_bias={49151: 100.0, 0: -100.0, 17: 0.5}), [2, 0],
-                        prompt_ids=[1, 9690, 198])
-    batch = BatchInput(step=12, sids=[7, 3], input_ids=[1, 9690, 198, 13], prefix_lens=[0, 40],
-                       extend_lens=[3, 1], page_starts=[0, 2], new_pages=[[5], [9]], sample=[True, True],
-                       output_lens=[0, 17], new_specs=[spec], released_sids=[4])
+    spec = SamplingSpec(
+        7,
+        SamplingParams(
+            max_new_tokens=64,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            seed=-3,
+            stop=["\n\n", "世界"],
+            repetition_penalty=1.1,
+            logprobs=True,
+            top_logprobs=5,
+            logit_bias={49151: 100.0, 0: -100.0, 17: 0.5},
+        ),
+        [2, 0],
+        prompt_ids=[1, 9690, 198],
+    )
+    batch = BatchInput(
+        step=12,
+        sids=[7, 3],
+        input_ids=[1, 9690, 198, 13],
+        prefix_lens=[0, 40],
+        extend_lens=[3, 1],
+        page_starts=[0, 2],
+        new_pages=[[5], [9]],
+        sample=[True, True],
+        output_lens=[0, 17],
+        new_specs=[spec],
+        released_sids=[4],
+    )
     back = decode(encode(batch))
     assert back == batch
     assert back.new_specs[0].params.stop == ["\n\n", "世界"] and back.new_specs[0].params.seed == -3
-    assert back.new_specs[0].params.logit_bias == {49151: 100.0, 0: -100.0, 17: 0.5}  # int keys stay ints
+    assert back.new_specs[0].params.logit_bias == {
+        49151: 100.0,
+        0: -100.0,
+        17: 0.5,
+    }  # int keys stay ints
     assert back.num_tokens == 4 and not back.is_decode
     # Wire types inside plain containers, and containers inside wire types.
-    mixed = {"batch": batch, "outs": [BatchOutput(12, [5, 6], [-0.1, -math.inf], [[[5], [-0.1]], None])],
-             "n": None, 3: "int key"}
+    mixed = {
+        "batch": batch,
+        "outs": [BatchOutput(12, [5, 6], [-0.1, -math.inf], [[[5], [-0.1]], None])],
+        "n": None,
+        3: "int key",
+    }
     assert decode(encode(mixed)) == mixed
 
 
@@ -226,9 +360,15 @@ def test_special_values_survive():
 def test_post_init_runs_on_decode():
     # SamplingParams normalises top_k 0 -> -1; EngineConfig validates; both run again on decode.
     assert decode(encode(SamplingParams(top_k=0))).top_k == -1
-    bad = msgpack.ExtType(WIRE_TYPES.index(EngineConfig) + 1,
-                          msgpack.packb([getattr(EngineConfig(), f.name) if f.name != "dtype" else "int3"
-                                         for f in dataclasses.fields(EngineConfig)]))
+    bad = msgpack.ExtType(
+        WIRE_TYPES.index(EngineConfig) + 1,
+        msgpack.packb(
+            [
+                getattr(EngineConfig(), f.name) if f.name != "dtype" else "int3"
+                for f in dataclasses.fields(EngineConfig)
+            ]
+        ),
+    )
     with pytest.raises(ValueError, match="dtype"):
         decode(msgpack.packb(bad))
 
@@ -247,7 +387,10 @@ def test_unknown_ext_codes_raise(code):
 
 
 def test_unknown_ext_code_nested_inside_a_wire_type_raises():
-    fields = [getattr(SamplingSpec(1, SamplingParams(), []), f.name) for f in dataclasses.fields(SamplingSpec)]
+    fields = [
+        getattr(SamplingSpec(1, SamplingParams(), []), f.name)
+        for f in dataclasses.fields(SamplingSpec)
+    ]
     fields[1] = msgpack.ExtType(99, b"\x90")
     blob = msgpack.packb(msgpack.ExtType(WIRE_TYPES.index(SamplingSpec) + 1, msgpack.packb(fields)))
     with pytest.raises(ValueError):
@@ -274,23 +417,54 @@ class Sub(m.AbortRequest):
     pass
 
 
-@pytest.mark.parametrize("obj", [NotOnTheWire(), object(), {1, 2}, Sub("r"), [m.AbortRequest("r"), NotOnTheWire()],
-                                 {"k": NotOnTheWire()}, BatchOutput(1, [NotOnTheWire()])])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        NotOnTheWire(),
+        object(),
+        {1, 2},
+        Sub("r"),
+        [m.AbortRequest("r"), NotOnTheWire()],
+        {"k": NotOnTheWire()},
+        BatchOutput(1, [NotOnTheWire()]),
+    ],
+)
 def test_non_wire_types_raise_on_encode(obj):
     with pytest.raises(TypeError):
         encode(obj)
 
 
 EXAMPLES = [
-    SamplingParams(stop=["x"]), SamplingSpec(1, SamplingParams(), [2]),
-    BatchInput(0, [1], [5, 6], [0], [2], [0], [[3]], [True], [0], [SamplingSpec(1, SamplingParams(), [2])], [3]),
-    BatchOutput(0, [7], [-0.5], [[[7], [-0.5]]]), EngineConfig(model_path="/m", tp_size=2),
-    RequestOutput("a", [3], [-0.5], text="hi"), DetokenizeSpec("a", [1], True, ["\n"], False),
+    SamplingParams(stop=["x"]),
+    SamplingSpec(1, SamplingParams(), [2]),
+    BatchInput(
+        0,
+        [1],
+        [5, 6],
+        [0],
+        [2],
+        [0],
+        [[3]],
+        [True],
+        [0],
+        [SamplingSpec(1, SamplingParams(), [2])],
+        [3],
+    ),
+    BatchOutput(0, [7], [-0.5], [[[7], [-0.5]]]),
+    EngineConfig(model_path="/m", tp_size=2),
+    RequestOutput("a", [3], [-0.5], text="hi"),
+    DetokenizeSpec("a", [1], True, ["\n"], False),
     m.GenerateReq(["a"], SamplingParams(), messages=[{"role": "user", "content": "hi"}]),
-    m.TokenizedReq("a", [1, 2], SamplingParams()), m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
-    m.AbortRequest("a"), m.StopGenerating("a", "\n"), m.ControlCall(1, "get_info"),
-    m.ControlReply(1, True, {"x": [1]}), m.Ready("sched", info={"max_total_tokens": 1000}), m.Heartbeat(3, 0.5),
-    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}), m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
+    m.TokenizedReq("a", [1, 2], SamplingParams()),
+    m.OutputBatch([RequestOutput("a", [3], finish_reason="length")]),
+    m.AbortRequest("a"),
+    m.StopGenerating("a", "\n"),
+    m.ControlCall(1, "get_info"),
+    m.ControlReply(1, True, {"x": [1]}),
+    m.Ready("sched", info={"max_total_tokens": 1000}),
+    m.Heartbeat(3, 0.5),
+    m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
+    m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
 ]
 
 

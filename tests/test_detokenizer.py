@@ -1,6 +1,7 @@
 """Unit tests for relay.text.tokenizer (Tokenizer, DecodeStream, PromptPreparer) and
 relay.text.detokenizer.Detokenizer, on the default model's tokenizer (byte-level BPE, so CJK and
 emoji characters split over several tokens). No processes, no sockets."""
+
 from __future__ import annotations
 
 import random
@@ -16,9 +17,48 @@ from relay.text.tokenizer import DecodeStream, PromptPreparer, Tokenizer
 
 # Pieces that byte-level BPE splits awkwardly: multi-byte characters, emoji with modifiers and
 # ZWJ sequences, combining accents, CJK, Korean, RTL, whitespace runs.
-PIECES = ["Hello", " world", ",", " the", " quick", "brown", " fox", "\n", "  ", "\t", "é", "ñ", "ü", "ïve", "ß",
-          "Ω", "λ", "世界", "你好", "中文", "日本語", "한국어", "שלום", "🎉", "👍🏽", "🚀", "😀", "👨‍👩‍👧",
-          "e\u0301", "ﬁ", "€", "…", "—", "«", "»", "123", "x", "ok", "!", "?"]
+PIECES = [
+    "Hello",
+    " world",
+    ",",
+    " the",
+    " quick",
+    "brown",
+    " fox",
+    "\n",
+    "  ",
+    "\t",
+    "é",
+    "ñ",
+    "ü",
+    "ïve",
+    "ß",
+    "Ω",
+    "λ",
+    "世界",
+    "你好",
+    "中文",
+    "日本語",
+    "한국어",
+    "שלום",
+    "🎉",
+    "👍🏽",
+    "🚀",
+    "😀",
+    "👨‍👩‍👧",
+    "e\u0301",
+    "ﬁ",
+    "€",
+    "…",
+    "—",
+    "«",
+    "»",
+    "123",
+    "x",
+    "ok",
+    "!",
+    "?",
+]
 
 
 def random_texts(n: int, seed: int = 0) -> list[str]:
@@ -31,13 +71,21 @@ def tok(default_model_dir) -> Tokenizer:
     return Tokenizer(default_model_dir)
 
 
-def stream_deltas(tok: Tokenizer, out_ids: list[int], prompt_ids: list[int] | None = None,
-                  chunk: int = 1, finish: bool = True, **params) -> tuple[list[str], DecodeStream]:
-    ds = DecodeStream(tok, prompt_ids if prompt_ids is not None else tok.encode("Say:"), SamplingParams(**params))
+def stream_deltas(
+    tok: Tokenizer,
+    out_ids: list[int],
+    prompt_ids: list[int] | None = None,
+    chunk: int = 1,
+    finish: bool = True,
+    **params,
+) -> tuple[list[str], DecodeStream]:
+    ds = DecodeStream(
+        tok, prompt_ids if prompt_ids is not None else tok.encode("Say:"), SamplingParams(**params)
+    )
     deltas = []
     for k in range(0, len(out_ids), chunk):
         last = k + chunk >= len(out_ids)
-        deltas.append(ds.add(out_ids[k:k + chunk], finished=finish and last))
+        deltas.append(ds.add(out_ids[k : k + chunk], finished=finish and last))
     if not out_ids and finish:
         deltas.append(ds.add([], finished=True))
     return deltas, ds
@@ -76,13 +124,22 @@ def test_stream_concatenation_equals_decode(tok, chunk):
         assert ds.stopped is None
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 # U+FFFD itself is left out of the text: the stream must never emit it for a half-decoded
 # character, which only a text without it can show.
-@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="\ufffd"),
-                    min_size=1, max_size=30),
-       prompt=st.sampled_from(["", "Hello", "世界", "🎉 x", "Question: what?\nAnswer:"]))
+@given(
+    text=st.text(
+        st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="\ufffd"),
+        min_size=1,
+        max_size=30,
+    ),
+    prompt=st.sampled_from(["", "Hello", "世界", "🎉 x", "Question: what?\nAnswer:"]),
+)
 def test_stream_any_unicode_text(tok, text, prompt):
     ids = tok.encode(text)
     # This vocabulary lacks a few byte tokens (e.g. 0xF1, the lead byte of planes 4-7), so
@@ -103,7 +160,7 @@ def test_stream_prefix_property_and_no_early_release(tok):
     for k, t in enumerate(ids):
         shown += ds.add([t], finished=False)
         assert text.startswith(shown)
-        full = tok.decode(ids[:k + 1])
+        full = tok.decode(ids[: k + 1])
         # Everything decodable so far is shown: the full text up to a trailing partial character.
         assert shown == full.rstrip("\ufffd")
     assert ds.add([], finished=True) == ""
@@ -112,10 +169,10 @@ def test_stream_prefix_property_and_no_early_release(tok):
 
 def test_stream_uses_prompt_context_for_leading_space(tok):
     prompt = tok.encode("The answer is")
-    out = tok.encode("The answer is 42 ok")[len(prompt):]
+    out = tok.encode("The answer is 42 ok")[len(prompt) :]
     assert tok.decode(prompt + out) == "The answer is 42 ok"
     deltas, _ = stream_deltas(tok, out, prompt_ids=prompt)
-    assert "".join(deltas) == tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert "".join(deltas) == tok.decode(prompt + out)[len(tok.decode(prompt)) :]
 
 
 class SentencePieceLike:
@@ -168,7 +225,9 @@ def test_stop_string_cuts_text(tok):
 
 def test_stop_string_included(tok):
     ids = tok.encode("Hello world and more text")
-    deltas, ds = stream_deltas(tok, ids, finish=False, stop=["world"], include_stop_str_in_output=True)
+    deltas, ds = stream_deltas(
+        tok, ids, finish=False, stop=["world"], include_stop_str_in_output=True
+    )
     assert "".join(deltas) == "Hello world"
     assert ds.stopped == "world"
 
@@ -186,7 +245,7 @@ def test_stop_spanning_tokens_and_multibyte(tok):
     ids = tok.encode(text)
     for stop in ["c 世", "界🎉", "🎉 t", "世界🎉 tail"]:
         deltas, ds = stream_deltas(tok, ids, stop=[stop])
-        assert "".join(deltas) == text[:text.index(stop)], stop
+        assert "".join(deltas) == text[: text.index(stop)], stop
         assert ds.stopped == stop
         assert all("\ufffd" not in d for d in deltas)
 
@@ -226,11 +285,11 @@ def test_possible_stop_prefix_is_held_then_flushed(tok):
     shown = ""
     for k, t in enumerate(ids):
         shown += ds.add([t], finished=False)
-        decoded = tok.decode(ids[:k + 1])
+        decoded = tok.decode(ids[: k + 1])
         assert decoded.startswith(shown)
         # Nothing that could still grow into the stop string is shown: any tail of the text
         # that is a start of the stop string lies entirely in the held-back part.
-        held = decoded[len(shown):]
+        held = decoded[len(shown) :]
         for j in range(1, len(stop)):
             if decoded.endswith(stop[:j]):
                 assert len(held) >= j, (decoded, shown)
@@ -246,14 +305,16 @@ def test_no_hold_without_stops(tok):
     assert shown == "Hello world"
 
 
-def stop_reference(tok: Tokenizer, ids: list[int], stops: list[str], include: bool) -> tuple[str, str | None]:
+def stop_reference(
+    tok: Tokenizer, ids: list[int], stops: list[str], include: bool
+) -> tuple[str, str | None]:
     """Token-by-token: the first prefix whose text holds any stop, cut at the earliest."""
     for k in range(1, len(ids) + 1):
         text = tok.decode(ids[:k])
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
             i, s = min(hits)
-            return (text[:i + len(s)] if include else text[:i]), s
+            return (text[: i + len(s)] if include else text[:i]), s
     return tok.decode(ids), None
 
 
@@ -266,13 +327,15 @@ def test_stop_strings_random(tok):
         for _ in range(rng.randint(1, 3)):
             if rng.random() < 0.8 and len(text) > 1:
                 a = rng.randrange(len(text))
-                stops.append(text[a:a + rng.randint(1, 6)])
+                stops.append(text[a : a + rng.randint(1, 6)])
             else:
                 stops.append(rng.choice(PIECES) + "#")  # never present
         include = rng.random() < 0.5
         want, want_stop = stop_reference(tok, ids, stops, include)
         for chunk in (1, 4):
-            deltas, ds = stream_deltas(tok, ids, chunk=chunk, stop=stops, include_stop_str_in_output=include)
+            deltas, ds = stream_deltas(
+                tok, ids, chunk=chunk, stop=stops, include_stop_str_in_output=include
+            )
             assert "".join(deltas) == want, (text, stops, chunk)
             assert ds.stopped == want_stop
             assert all("\ufffd" not in d for d in deltas)
@@ -315,13 +378,17 @@ def test_prompt_must_leave_room_for_output(tok):
     with pytest.raises(InvalidParam):
         pp.prompt_ids(text=long_text)
     with pytest.raises(InvalidParam) as e:
-        pp.prompt_ids(messages=[{"role": "user", "content": "hi"}])  # the template alone is > 10 tokens
+        pp.prompt_ids(
+            messages=[{"role": "user", "content": "hi"}]
+        )  # the template alone is > 10 tokens
     assert e.value.field == "messages"
 
 
 def test_fit_context(tok):
     pp = PromptPreparer(tok, 100)
-    assert pp.fit_context(SamplingParams(max_new_tokens=70), 30).max_new_tokens == 70  # exactly the room
+    assert (
+        pp.fit_context(SamplingParams(max_new_tokens=70), 30).max_new_tokens == 70
+    )  # exactly the room
     with pytest.raises(InvalidParam) as e:
         pp.fit_context(SamplingParams(max_new_tokens=71), 30)
     assert e.value.field == "max_tokens"
@@ -335,14 +402,17 @@ def test_fit_context(tok):
 
 def test_chat_template(tok):
     pp = PromptPreparer(tok, 4096)
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? 世界🎉"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2? 世界🎉"},
+    ]
     ids = pp.prompt_ids(messages=msgs)
     text = tok.decode(ids, skip_special_tokens=False)
     assert "What is 2+2? 世界🎉" in text and "Be brief." in text
     assert text.index("Be brief.") < text.index("What is 2+2?")
     assert text.rstrip().endswith("assistant")  # the generation prompt
     no_gen = pp.prompt_ids(messages=msgs, chat_kwargs={"add_generation_prompt": False})
-    assert len(no_gen) < len(ids) and ids[:len(no_gen)] == no_gen
+    assert len(no_gen) < len(ids) and ids[: len(no_gen)] == no_gen
     assert all(isinstance(i, int) for i in ids)
 
 
@@ -363,18 +433,42 @@ def test_tokenizer_without_chat_template(tok, monkeypatch):
 
 
 # ---- Detokenizer ------------------------------------------------------------------------------
-def rec(rid: str, token: int | None = None, finish: str | None = None, logprob: float | None = None,
-        top=None, completion: int = 1, **kw) -> RequestOutput:
+def rec(
+    rid: str,
+    token: int | None = None,
+    finish: str | None = None,
+    logprob: float | None = None,
+    top=None,
+    completion: int = 1,
+    **kw,
+) -> RequestOutput:
     """A scheduler record: one new token (or none), maybe a finish and logprobs."""
-    return RequestOutput(rid, [] if token is None else [token], None if logprob is None else [logprob],
-                         None if top is None else [top], finish, completion_tokens=completion, **kw)
+    return RequestOutput(
+        rid,
+        [] if token is None else [token],
+        None if logprob is None else [logprob],
+        None if top is None else [top],
+        finish,
+        completion_tokens=completion,
+        **kw,
+    )
 
 
-def spec(rid: str, tok: Tokenizer, prompt: str = "Q:", stop: list[str] | None = None, skip: bool = True,
-         include: bool = False) -> DetokenizeSpec:
-    return DetokenizeSpec.of(rid, tok.encode(prompt),
-                             SamplingParams(stop=list(stop or []), skip_special_tokens=skip,
-                                            include_stop_str_in_output=include))
+def spec(
+    rid: str,
+    tok: Tokenizer,
+    prompt: str = "Q:",
+    stop: list[str] | None = None,
+    skip: bool = True,
+    include: bool = False,
+) -> DetokenizeSpec:
+    return DetokenizeSpec.of(
+        rid,
+        tok.encode(prompt),
+        SamplingParams(
+            stop=list(stop or []), skip_special_tokens=skip, include_stop_str_in_output=include
+        ),
+    )
 
 
 def shown_by_rid(outs: list[RequestOutput]) -> dict[str, RequestOutput]:
@@ -393,8 +487,16 @@ def test_detokenizer_streams_two_requests_and_stops_one(tok):
     finishes: dict[str, tuple] = {}
     stops: list[Stopped] = []
     for k in range(max(len(a_ids), len(b_ids))):
-        records = [rec(rid, ids[k], "length" if rid == "b" and k == len(ids) - 1 else None, completion=k + 1)
-                   for rid, ids in (("a", a_ids), ("b", b_ids)) if k < len(ids)]
+        records = [
+            rec(
+                rid,
+                ids[k],
+                "length" if rid == "b" and k == len(ids) - 1 else None,
+                completion=k + 1,
+            )
+            for rid, ids in (("a", a_ids), ("b", b_ids))
+            if k < len(ids)
+        ]
         outs, new_stops = d.process(records)
         stops += new_stops
         for rid, r in shown_by_rid(outs).items():
@@ -451,7 +553,9 @@ def test_detokenizer_stop_included_and_pass_through_fields(tok):
     d.start(spec("r", tok, stop=[";"], include=True))
     shown, last, stops = "", None, []
     for k, t in enumerate(tok.encode("x = 1; y")):
-        outs, stops = d.process([rec("r", t, prompt_tokens=11, completion=k + 1, cached_tokens=8, queue_time=0.25)])
+        outs, stops = d.process(
+            [rec("r", t, prompt_tokens=11, completion=k + 1, cached_tokens=8, queue_time=0.25)]
+        )
         if outs:
             shown += outs[0].text
             last = outs[0]
@@ -469,8 +573,13 @@ def test_detokenizer_logprobs_carry_token_text(tok):
         d.start(spec(rid, tok))
     ids = tok.encode("Hi 🎉")
     top_ids = [ids[0], tok.eos_token_id, 1000]
-    outs, _ = d.process([rec("r", ids[0], logprob=-0.25, top=[top_ids, [-0.25, -2.0, -3.5]]),
-                         rec("s", ids[0], logprob=-0.5), rec("t", ids[0])])
+    outs, _ = d.process(
+        [
+            rec("r", ids[0], logprob=-0.25, top=[top_ids, [-0.25, -2.0, -3.5]]),
+            rec("s", ids[0], logprob=-0.5),
+            rec("t", ids[0]),
+        ]
+    )
     r, s_, t = (shown_by_rid(outs)[x] for x in "rst")
     assert r.token_texts == [tok.decode([ids[0]], False)] and r.logprobs == [-0.25]
     assert r.top_texts == [[tok.decode([i], False) for i in top_ids]]
@@ -541,8 +650,12 @@ def test_output_ending_inside_a_character_is_flushed_at_finish(tok):
 
 
 def test_byte_table_and_windowed_decoding_agree(tok):
-    texts = ["héllo wörld 🎉 你好, 세계!", "naïve café — ½ ∑ x²", "👩🏽‍🚀 launches\n\ttabs  and   spaces",
-             "<|im_end|> is special"]
+    texts = [
+        "héllo wörld 🎉 你好, 세계!",
+        "naïve café — ½ ∑ x²",
+        "👩🏽‍🚀 launches\n\ttabs  and   spaces",
+        "<|im_end|> is special",
+    ]
     for text in texts:
         ids = tok.encode(text)
         fast = DecodeStream(tok, [], SamplingParams(skip_special_tokens=False))

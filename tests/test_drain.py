@@ -1,4 +1,5 @@
 """relay.api.drain without processes: a fake client whose requests end when the test says."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,9 @@ class FakeClient:
         return n
 
 
-def run(client: FakeClient, timeout: float, during=None, cut: asyncio.Event | None = None) -> tuple[int, float]:
+def run(
+    client: FakeClient, timeout: float, during=None, cut: asyncio.Event | None = None
+) -> tuple[int, float]:
     async def go():
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -41,6 +44,7 @@ def run(client: FakeClient, timeout: float, during=None, cut: asyncio.Event | No
             loop.call_soon(during)
         aborted = await drain(client, timeout, cut or asyncio.Event())
         return aborted, loop.time() - start
+
     return asyncio.run(go())
 
 

@@ -5,6 +5,7 @@ Qwen3 models: a batch of prompts of different lengths; the same batch again, now
 from the prefix cache; and once more with a KV pool so small that requests are retracted
 and recomputed.
 """
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ def reference(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
-            outs.append(out[0, len(p):].tolist())
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -37,19 +38,28 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     prompts = []
     for i, n in enumerate(lengths):
         body = [rng.randrange(2, vocab - 2) for _ in range(n)]
-        prompts.append(shared[:n // 2] + body[n // 2:] if i % 2 else body)  # some share a prefix
+        prompts.append(shared[: n // 2] + body[n // 2 :] if i % 2 else body)  # some share a prefix
     return prompts
 
 
 DEFAULT_MODEL_TEXTS = [
-    "The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def fib(n):",
-    "Once upon a time in a land far away, there lived a", "Q: What is 2+2?\nA:", "The quick brown fox",
-    "In 1492, Columbus sailed the ocean blue. He was looking for a route to", "List three colors: red, green, and"]
+    "The capital of France is",
+    "Write a poem about the sea.",
+    "1, 2, 3, 4,",
+    "def fib(n):",
+    "Once upon a time in a land far away, there lived a",
+    "Q: What is 2+2?\nA:",
+    "The quick brown fox",
+    "In 1492, Columbus sailed the ocean blue. He was looking for a route to",
+    "List three colors: red, green, and",
+]
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def check_three_ways(model_dir: str, prompts: list[list[int]], small_kv_gb: float, **engine_kw) -> None:
+def check_three_ways(
+    model_dir: str, prompts: list[list[int]], small_kv_gb: float, **engine_kw
+) -> None:
     expected = reference(model_dir, prompts, NEW_TOKENS)
     engine = Engine(model_dir, dtype="float32", **engine_kw)
     first = engine.generate(prompts, GREEDY)
@@ -60,7 +70,9 @@ def check_three_ways(model_dir: str, prompts: list[list[int]], small_kv_gb: floa
     assert [o.token_ids for o in again] == expected
     page = engine.config.page_size
     for o, p in zip(again, prompts):
-        assert 0 < o.cached_tokens < len(p) or len(p) <= page, "second run must hit the prefix cache"
+        assert 0 < o.cached_tokens < len(p) or len(p) <= page, (
+            "second run must hit the prefix cache"
+        )
     engine.check()
     assert engine.scheduler.stats().kv_locked_tokens == 0
 
@@ -79,8 +91,9 @@ def test_tiny_models_match_transformers(tiny_model_dir, arch):
     # 2 layers x 2 kv heads x head_dim x 2 (k, v) x 4 bytes per token; ~40 pages of 4 tokens.
     head_dim = 32 if arch == "qwen3" else 16
     small = 40 * 4 * (2 * 2 * head_dim * 2 * 4) / (1 << 30)
-    check_three_ways(tiny_model_dir(arch), prompts, small, page_size=4, chunked_prefill_size=48,
-                     kv_cache_gb=0.01)
+    check_three_ways(
+        tiny_model_dir(arch), prompts, small, page_size=4, chunked_prefill_size=48, kv_cache_gb=0.01
+    )
 
 
 @pytest.mark.slow
@@ -93,12 +106,21 @@ def test_default_model_matches_transformers(default_model_dir):
     small = 24 * 8 * 46080 / (1 << 30)
     # float: the checkpoint's exact products (int8 block activations, the float32 default from AVX2
     # up, change outputs slightly: test_default_model_with_int8_block_activations_is_still_the_model)
-    check_three_ways(default_model_dir, prompts, small, page_size=8, chunked_prefill_size=64, kv_cache_gb=0.05,
-                     block_activations="float")
+    check_three_ways(
+        default_model_dir,
+        prompts,
+        small,
+        page_size=8,
+        chunked_prefill_size=64,
+        kv_cache_gb=0.05,
+        block_activations="float",
+    )
 
 
 @pytest.mark.slow
-def test_default_model_with_int8_block_activations_is_still_the_model(default_model_dir, monkeypatch):
+def test_default_model_with_int8_block_activations_is_still_the_model(
+    default_model_dir, monkeypatch
+):
     """--block-activations int8 rounds every block GEMM's x to 8 bits per block of 32: greedy
     output is the float32 model's for its first tokens and still answers (perplexity +0.2 %,
     top-1 agreement 96 %: scripts/quant_quality.py). The row count up to which GEMMs take the
@@ -138,16 +160,19 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
     alone = [engine.generate([p], GREEDY)[0] for p in prompts[:3]]
     assert outs[0].text.startswith(" Paris")
     assert [o.token_ids for o in alone] == [o.token_ids for o in outs[:3]] or sum(
-        a.token_ids[:4] == o.token_ids[:4] for a, o in zip(alone, outs)) >= 2
+        a.token_ids[:4] == o.token_ids[:4] for a, o in zip(alone, outs)
+    ) >= 2
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16)
     agree = total = 0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):
             seq = torch.tensor([p + o.token_ids[:-1]])
-            predicted = model(seq).logits[0, len(p) - 1:].argmax(-1).tolist()
+            predicted = model(seq).logits[0, len(p) - 1 :].argmax(-1).tolist()
             agree += sum(a == b for a, b in zip(predicted, o.token_ids))
             total += len(o.token_ids)
-    assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    assert agree / total >= 0.9, (
+        f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    )
     engine.check()
 
 
@@ -159,24 +184,53 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
     from tests.conftest import TINY_VOCAB
 
     prompts = random_prompts(TINY_VOCAB, [3, 9, 17, 30, 44, 57, 64, 12])
-    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=7, max_new_tokens=20),
-              SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=list(range(2, TINY_VOCAB, 9))),
-              SamplingParams(temperature=0.0, max_new_tokens=12, min_new_tokens=12,
-                             stop_token_ids=list(range(2, TINY_VOCAB, 3))),
-              SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.3,
-                             repetition_penalty=1.2, max_new_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_new_tokens=10, logprobs=True, top_logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_new_tokens=20),
+        SamplingParams(
+            temperature=0.0, max_new_tokens=30, stop_token_ids=list(range(2, TINY_VOCAB, 9))
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            stop_token_ids=list(range(2, TINY_VOCAB, 3)),
+        ),
+        SamplingParams(
+            temperature=0.8,
+            seed=3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            repetition_penalty=1.2,
+            max_new_tokens=16,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            temperature=0.0, max_new_tokens=10, logprobs=True, top_logprobs=2, ignore_eos=True
+        ),
+        SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True),
+    ]
     results = {}
-    tight = 32 * 4 * (2 * 2 * 16 * 2 * 4) / (1 << 30)  # ~32 pages of 4 tokens: retractions with steps out
+    tight = (
+        32 * 4 * (2 * 2 * 16 * 2 * 4) / (1 << 30)
+    )  # ~32 pages of 4 tokens: retractions with steps out
     for overlap in (True, False):
         for kv_gb in (0.01, tight):
-            engine = Engine(tiny_model_dir("llama"), dtype="float32", page_size=4, chunked_prefill_size=48,
-                            kv_cache_gb=kv_gb, disable_overlap_schedule=not overlap, overlap_min_share=0.0)
+            engine = Engine(
+                tiny_model_dir("llama"),
+                dtype="float32",
+                page_size=4,
+                chunked_prefill_size=48,
+                kv_cache_gb=kv_gb,
+                disable_overlap_schedule=not overlap,
+                overlap_min_share=0.0,
+            )
             forward, pending = engine.runner.forward, []
-            engine.runner.forward = lambda b: (pending.append(b.input_ids.count(PENDING_TOKEN)), forward(b))[1]
+            engine.runner.forward = lambda b: (
+                pending.append(b.input_ids.count(PENDING_TOKEN)),
+                forward(b),
+            )[1]
             outs = engine.generate(prompts, params)
             assert (sum(pending) > 50) == overlap
             engine.check()
@@ -188,6 +242,12 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
             what = f"request {i} with (overlap, kv_cache_gb) = {key}"
             assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), what
             # Logprobs differ in the last float bits between batch shapes.
-            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4) if want.logprobs else not got.logprobs
-    assert any(o.finish_reason == "stop" for o in first) and any(len(o.token_ids) == 12 for o in first)
+            assert (
+                got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+                if want.logprobs
+                else not got.logprobs
+            )
+    assert any(o.finish_reason == "stop" for o in first) and any(
+        len(o.token_ids) == 12 for o in first
+    )
     assert len(first[5].logprobs) == 10

@@ -18,6 +18,7 @@ Marked gpu (skipped without CUDA): each backend vs torch on random paged batches
 replay vs eager logits, engine greedy equality across backends on a tiny random model, and
 a 2-GPU NCCL smoke test of TPGroup (skipped with fewer GPUs).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,7 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 GPU_BACKENDS = [
     "triton",
-    pytest.param("flashinfer", marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer not installed")),
+    pytest.param(
+        "flashinfer",
+        marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer not installed"),
+    ),
 ]
 
 
@@ -63,12 +67,16 @@ def test_resolve_backend_names(monkeypatch):
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend_name("flash", cuda)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a)
+    )
     assert resolve_backend_name("auto", cuda) == "flashinfer"
     assert resolve_backend_name("auto", cuda, torch.bfloat16) == "flashinfer"
     assert resolve_backend_name("auto", cuda, torch.float32) == "triton"  # flashinfer has no fp32
     assert resolve_backend_name("auto", cpu, torch.bfloat16) == "torch"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a)
+    )
     assert resolve_backend_name("auto", cuda) == "triton"
 
 
@@ -123,8 +131,17 @@ def test_capture_batch_sizes():
 
 def test_padded_batch_size():
     sizes = capture_batch_sizes(64)
-    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 9, 13, 17, 33, 64)] == [1, 2, 4, 8, 12, 16, 24,
-                                                                                         40, 64]
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 9, 13, 17, 33, 64)] == [
+        1,
+        2,
+        4,
+        8,
+        12,
+        16,
+        24,
+        40,
+        64,
+    ]
     assert padded_batch_size(65, sizes) is None
     for n in range(1, 65):
         assert padded_batch_size(n, sizes) >= n
@@ -145,7 +162,9 @@ def test_cuda_graph_runner_needs_cuda_and_support():
     from relay.execution.cuda_graph import CudaGraphRunner
 
     with pytest.raises(ValueError, match="CUDA device"):
-        CudaGraphRunner(None, TorchNativeBackend.__new__(TorchNativeBackend), torch.device("cpu"), 8, 4)
+        CudaGraphRunner(
+            None, TorchNativeBackend.__new__(TorchNativeBackend), torch.device("cpu"), 8, 4
+        )
 
 
 # ---- flashinfer's CSR page metadata --------------------------------------------------------------
@@ -173,7 +192,7 @@ def test_page_csr_matches_slot_tables(page_size):
     indptr, indices, last = page_csr(tables, lens, page_size)
     slots = page_slots(tables, lens, page_size)  # the torch backend's view of the same tables
     for i, n in enumerate(lens):
-        pages = indices[indptr[i]:indptr[i + 1]].numpy()
+        pages = indices[indptr[i] : indptr[i + 1]].numpy()
         assert (len(pages) - 1) * page_size + int(last[i]) == n
         assert 1 <= int(last[i]) <= page_size
         mine = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:n]
@@ -186,18 +205,42 @@ class _FakePagedAttention:
     in torch, so the backend's calls can be checked on CPU. plan()/__init__ keep flashinfer
     0.2.x's parameter names: a misspelt keyword fails here as it would there."""
 
-    def _set(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             causal, sm_scale, q_data_type, kv_data_type, non_blocking):
+    def _set(
+        self,
+        qo_indptr,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        causal,
+        sm_scale,
+        q_data_type,
+        kv_data_type,
+        non_blocking,
+    ):
         assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
         assert q_data_type == kv_data_type and non_blocking
         if self.use_cuda_graph:  # like flashinfer: copy into the fixed buffers
             assert len(last_page_len) == self.fixed_bs, "batch size differs from the wrapper's"
             self.indptr_buf.copy_(indptr)
             self.last_buf.copy_(last_page_len)
-            self.indices_buf[:len(indices)].copy_(indices)
+            self.indices_buf[: len(indices)].copy_(indices)
             indptr, indices, last_page_len = self.indptr_buf, self.indices_buf, self.last_buf
-        self.meta = (qo_indptr, indptr.clone(), indices.clone(), last_page_len.clone(), num_qo_heads,
-                     num_kv_heads, head_dim, page_size, causal, sm_scale)
+        self.meta = (
+            qo_indptr,
+            indptr.clone(),
+            indices.clone(),
+            last_page_len.clone(),
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            causal,
+            sm_scale,
+        )
 
     def run(self, q, paged_kv_cache, *args, **kw):
         qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal, scale = self.meta
@@ -205,7 +248,7 @@ class _FakePagedAttention:
         assert k_cache.shape[1:] == (ps, hkv, d) and q.shape[1:] == (hq, d) and q.is_contiguous()
         out = torch.empty_like(q)
         for i in range(len(last)):
-            pages = indices[indptr[i]:indptr[i + 1]].long()
+            pages = indices[indptr[i] : indptr[i + 1]].long()
             kv_len = (len(pages) - 1) * ps + int(last[i])
             k = k_cache[pages].reshape(-1, hkv, d)[:kv_len].float().repeat_interleave(hq // hkv, 1)
             v = v_cache[pages].reshape(-1, hkv, d)[:kv_len].float().repeat_interleave(hq // hkv, 1)
@@ -213,31 +256,87 @@ class _FakePagedAttention:
             s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
             if causal:
                 n = q1 - q0
-                s.masked_fill_(torch.arange(kv_len)[None, :] > torch.arange(n)[:, None] + kv_len - n, float("-inf"))
+                s.masked_fill_(
+                    torch.arange(kv_len)[None, :] > torch.arange(n)[:, None] + kv_len - n,
+                    float("-inf"),
+                )
             out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
         return out
 
 
 class _FakePrefill(_FakePagedAttention):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        jit_args=None,
+    ):
         assert kv_layout == "NHD" and not use_cuda_graph
         self.use_cuda_graph = False
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
-             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
-             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             non_blocking=True):
-        self._set(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                  num_kv_heads, head_dim_qk, page_size, causal, sm_scale, q_data_type, kv_data_type, non_blocking)
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        head_dim_vo=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        causal=False,
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        sm_scale=None,
+        window_left=-1,
+        logits_soft_cap=None,
+        rope_scale=None,
+        rope_theta=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        non_blocking=True,
+    ):
+        self._set(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            causal,
+            sm_scale,
+            q_data_type,
+            kv_data_type,
+            non_blocking,
+        )
 
 
 class _FakeDecode(_FakePagedAttention):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto", jit_args=None):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+        backend="auto",
+        jit_args=None,
+    ):
         assert kv_layout == "NHD"
         self.use_cuda_graph = use_cuda_graph
         if use_cuda_graph:
@@ -246,12 +345,42 @@ class _FakeDecode(_FakePagedAttention):
             self.fixed_bs = len(paged_kv_last_page_len_buffer)
             assert len(self.indptr_buf) == self.fixed_bs + 1
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=False):
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        pos_encoding_mode="NONE",
+        window_left=-1,
+        logits_soft_cap=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        data_type=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        non_blocking=False,
+    ):
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
-        self._set(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, True,
-                  sm_scale, q_data_type, kv_data_type, non_blocking)
+        self._set(
+            qo,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            True,
+            sm_scale,
+            q_data_type,
+            kv_data_type,
+            non_blocking,
+        )
 
 
 @pytest.mark.parametrize("graph_bs", [None, 8])
@@ -260,14 +389,22 @@ def test_flashinfer_backend_wiring_with_a_stand_in(monkeypatch, graph_bs):
 
     from relay.execution.attention.flashinfer_backend import FlashInferBackend
 
-    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakePrefill,
-                                 BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_FakePrefill,
+        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+    )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(FlashInferBackend, "requires_cuda", False)
     monkeypatch.setattr("relay.execution.attention.flashinfer_backend.WORKSPACE_BYTES", 1 << 10)
-    cases = ([gh.PagedCase([12, 3, 50], [1, 1, 1], 4, graph_bs=graph_bs)] if graph_bs else
-             [gh.PagedCase([5, 0, 9, 3], [1, 6, 1, 20], 4), gh.PagedCase([40, 0, 7], [1, 1, 1], 16, 8, 2, 64),
-              gh.PagedCase([0, 30], [17, 9], 1, 4, 1, 32)])
+    cases = (
+        [gh.PagedCase([12, 3, 50], [1, 1, 1], 4, graph_bs=graph_bs)]
+        if graph_bs
+        else [
+            gh.PagedCase([5, 0, 9, 3], [1, 6, 1, 20], 4),
+            gh.PagedCase([40, 0, 7], [1, 1, 1], 16, 8, 2, 64),
+            gh.PagedCase([0, 30], [17, 9], 1, 4, 1, 32),
+        ]
+    )
     for case in cases:
         err = gh.compare_with_torch(FlashInferBackend, case, torch.bfloat16, "cpu")
         assert err <= gh.TOLERANCE[torch.bfloat16], f"{case.label()}: {err}"
@@ -278,13 +415,19 @@ def test_kv_budget_free_bytes():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     per_token, ps = 1024, 16
     # CUDA: a fraction of the free memory measured after the warm-up (no CUDA call needed here)
-    assert num_pages_for_budget(per_token, ps, None, 0.5, cuda, free_bytes=64 << 20) == (32 << 20) // (per_token * ps)
-    assert num_pages_for_budget(per_token, ps, None, None, cuda, free_bytes=100 << 20) == \
-        int((100 << 20) * 0.85) // (per_token * ps)
+    assert num_pages_for_budget(per_token, ps, None, 0.5, cuda, free_bytes=64 << 20) == (
+        32 << 20
+    ) // (per_token * ps)
+    assert num_pages_for_budget(per_token, ps, None, None, cuda, free_bytes=100 << 20) == int(
+        (100 << 20) * 0.85
+    ) // (per_token * ps)
     # an explicit size wins; CPU ignores free_bytes
-    assert num_pages_for_budget(per_token, ps, 1.0, 0.5, cuda, free_bytes=1) == (1 << 30) // (per_token * ps)
-    assert num_pages_for_budget(per_token, ps, None, 0.1, cpu, free_bytes=1) == \
-        num_pages_for_budget(per_token, ps, None, 0.1, cpu)
+    assert num_pages_for_budget(per_token, ps, 1.0, 0.5, cuda, free_bytes=1) == (1 << 30) // (
+        per_token * ps
+    )
+    assert num_pages_for_budget(
+        per_token, ps, None, 0.1, cpu, free_bytes=1
+    ) == num_pages_for_budget(per_token, ps, None, 0.1, cpu)
 
 
 # ---- the Triton kernels under the interpreter (CPU) -------------------------------------------------
@@ -293,16 +436,28 @@ def test_triton_kernels_in_interpreter(tiny_gpu_model):
     """The kernel cases of gpu_helpers.interpreter_cases, then a tiny model's runner with the
     Triton backend and an emulated CUDA-graph runner (re-run instead of replayed) against the
     torch backend: greedy tokens equal, logits within 1e-4 (float32)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")])}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_helpers.py"), tiny_gpu_model],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "gpu_helpers.py"), tiny_gpu_model],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == len(gh.interpreter_cases()) + 1
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.skipif(HAS_CUDA, reason="with a GPU the gpu tests compile and run the kernels for real")
+@pytest.mark.skipif(
+    HAS_CUDA, reason="with a GPU the gpu tests compile and run the kernels for real"
+)
 @pytest.mark.parametrize("arch", [90, 80])
 def test_triton_kernels_compile_for_gpu(arch):
     """The kernels as the backend launches them for Qwen3-0.6B (bf16, head_dim 128, GQA 2,
@@ -326,9 +481,20 @@ def tiny_gpu_model(tmp_path_factory) -> str:
     """Qwen3-style, head_dim 64 (a size every backend builds), random weights, any tokenizer."""
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      initializer_range=0.3, eos_token_id=TINY_VOCAB - 1, bos_token_id=1, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        eos_token_id=TINY_VOCAB - 1,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )
     return gh.save_random_model(str(tmp_path_factory.mktemp("tiny-gpu")), cfg)
 
 
@@ -342,7 +508,9 @@ def _runner(model_dir: str, **kw):
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 90) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, TINY_VOCAB - 2) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [
+        [rng.randrange(2, TINY_VOCAB - 2) for _ in range(rng.randint(lo, hi))] for _ in range(n)
+    ]
 
 
 def test_cpu_runner_has_no_cuda_graphs(tiny_gpu_model):
@@ -362,17 +530,28 @@ def _gpu_cases(seed: int, page_size: int) -> list[gh.PagedCase]:
     cases = []
     for h, hkv, d in shapes:
         n_dec, n_ext = rng.randint(1, 6), rng.randint(1, 4)
-        prefix = [rng.randint(0, 700) for _ in range(n_dec)] + [rng.choice([0, rng.randint(1, 300)]) for _ in range(n_ext)]
+        prefix = [rng.randint(0, 700) for _ in range(n_dec)] + [
+            rng.choice([0, rng.randint(1, 300)]) for _ in range(n_ext)
+        ]
         ext = [1] * n_dec + [rng.randint(2, 200) for _ in range(n_ext)]
         order = list(range(len(prefix)))
         rng.shuffle(order)  # decodes and extends interleaved
-        cases.append(gh.PagedCase([prefix[i] for i in order], [ext[i] for i in order], page_size, h, hkv, d,
-                                  seed=seed))
+        cases.append(
+            gh.PagedCase(
+                [prefix[i] for i in order], [ext[i] for i in order], page_size, h, hkv, d, seed=seed
+            )
+        )
     # pure decode: long and short sequences, odd batch; and the static graph path, padded
-    cases.append(gh.PagedCase([2047, 5, 900, 0, 130] * 7, [1] * 35, page_size, 16, 8, 128, seed=seed))
+    cases.append(
+        gh.PagedCase([2047, 5, 900, 0, 130] * 7, [1] * 35, page_size, 16, 8, 128, seed=seed)
+    )
     cases.append(gh.PagedCase([3000], [1], page_size, 16, 8, 128, seed=seed))
-    cases.append(gh.PagedCase([700, 1, 64], [1, 1, 1], page_size, 16, 8, 128, seed=seed, graph_bs=4))
-    cases.append(gh.PagedCase([700, 1, 64] * 5, [1] * 15, page_size, 32, 8, 128, seed=seed, graph_bs=16))
+    cases.append(
+        gh.PagedCase([700, 1, 64], [1, 1, 1], page_size, 16, 8, 128, seed=seed, graph_bs=4)
+    )
+    cases.append(
+        gh.PagedCase([700, 1, 64] * 5, [1] * 15, page_size, 32, 8, 128, seed=seed, graph_bs=16)
+    )
     return cases
 
 
@@ -401,8 +580,16 @@ def _logit_tol(dtype: str, ref: torch.Tensor) -> float:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_graph_replay_matches_eager(tiny_gpu_model, backend):
     dtype = "float32" if backend == "triton" else "bfloat16"
-    graphed = _runner(tiny_gpu_model, device="cuda", dtype=dtype, attention_backend=backend, cuda_graph_max_bs=16)
-    eager = _runner(tiny_gpu_model, device="cuda", dtype=dtype, attention_backend=backend, disable_cuda_graph=True)
+    graphed = _runner(
+        tiny_gpu_model, device="cuda", dtype=dtype, attention_backend=backend, cuda_graph_max_bs=16
+    )
+    eager = _runner(
+        tiny_gpu_model,
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        disable_cuda_graph=True,
+    )
     assert graphed.cuda_graphs is not None and eager.cuda_graphs is None
     assert graphed.cuda_graphs.batch_sizes == [1, 2, 4, 8, 12, 16]
     for n, seed in ((1, 0), (5, 1), (16, 2)):  # exact size, padded 5 -> 8, the largest graph
@@ -413,7 +600,9 @@ def test_cuda_graph_replay_matches_eager(tiny_gpu_model, backend):
         _, e_logits = gh.run_greedy(eager, prompts, steps=12, forced=[t[:-1] for t in tokens])
         for step, (g, e) in enumerate(zip(g_logits, e_logits)):
             diff = (g - e).abs().max().item()
-            assert diff <= _logit_tol(dtype, e), f"batch {n} step {step}: graph vs eager logits differ by {diff}"
+            assert diff <= _logit_tol(dtype, e), (
+                f"batch {n} step {step}: graph vs eager logits differ by {diff}"
+            )
     # a batch larger than the largest graph runs eagerly
     before = graphed.cuda_graphs.replays
     gh.run_greedy(graphed, _prompts(17, 3), steps=2)
@@ -433,8 +622,15 @@ def test_torch_backend_on_cuda_runs_without_graphs(tiny_gpu_model):
 def test_kv_pool_sized_from_free_memory_after_warmup(tiny_gpu_model):
     from relay.config import ModelConfig
 
-    runner = _runner(tiny_gpu_model, device="cuda", dtype="bfloat16", attention_backend="triton",
-                     kv_cache_gb=None, mem_fraction_static=0.05, cuda_graph_max_bs=4)
+    runner = _runner(
+        tiny_gpu_model,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="triton",
+        kv_cache_gb=None,
+        mem_fraction_static=0.05,
+        cuda_graph_max_bs=4,
+    )
     per_token = ModelConfig.from_dir(tiny_gpu_model).kv_bytes_per_token(2)
     total = torch.cuda.mem_get_info()[1]
     pool = runner.num_pages * runner.page_size * per_token
@@ -454,10 +650,18 @@ def test_engine_greedy_equal_across_backends(tiny_gpu_model):
 
     # float32: torch and triton (fp32 dots, no TF32), graphs on and off, token for token
     outs = {}
-    for name, extra in (("torch", {}), ("triton", {}), ("triton-eager", {"disable_cuda_graph": True})):
-        engine = Engine(tiny_gpu_model, dtype="float32", attention_backend=name.split("-")[0], **kw, **extra)
+    for name, extra in (
+        ("torch", {}),
+        ("triton", {}),
+        ("triton-eager", {"disable_cuda_graph": True}),
+    ):
+        engine = Engine(
+            tiny_gpu_model, dtype="float32", attention_backend=name.split("-")[0], **kw, **extra
+        )
         outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
-        outs[name + "-cached"] = [o.token_ids for o in engine.generate(prompts, params)]  # prefix-cache hits
+        outs[name + "-cached"] = [
+            o.token_ids for o in engine.generate(prompts, params)
+        ]  # prefix-cache hits
         engine.check()
     assert all(v == outs["torch"] for v in outs.values()), {k: v[:2] for k, v in outs.items()}
 
@@ -467,7 +671,7 @@ def test_engine_greedy_equal_across_backends(tiny_gpu_model):
     for name in ["torch", "triton"] + (["flashinfer"] if HAS_FLASHINFER else []):
         engine = Engine(tiny_gpu_model, dtype="bfloat16", attention_backend=name, **kw)
         for p, o in zip(prompts, engine.generate(prompts, params)):
-            logits = gh.position_logits(ref, p + o.token_ids)[len(p) - 1:-1]
+            logits = gh.position_logits(ref, p + o.token_ids)[len(p) - 1 : -1]
             tol = max(0.1, 0.02 * float(logits.abs().max()))
             bad = gh.near_argmax_violations(logits, o.token_ids, tol)
             assert not bad, f"{name}: tokens at {bad} are not greedy under the reference"

@@ -1,5 +1,6 @@
 """The HTTP front door without processes: the request guard (in-process ASGI), connection
 limits, pipeline heartbeats and stale ipc directories."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,17 +43,31 @@ async def echo_app(scope, receive, send):
     """Answers with the body it received, so replaying is visible."""
     message = await receive()
     body = json.dumps({"got": message.get("body", b"").decode()}).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-def call(cfg: GuardConfig, method: str = "POST", path: str = "/v1/completions", body: bytes | None = b"{}",
-         headers: dict | None = None) -> httpx.Response:
+def call(
+    cfg: GuardConfig,
+    method: str = "POST",
+    path: str = "/v1/completions",
+    body: bytes | None = b"{}",
+    headers: dict | None = None,
+) -> httpx.Response:
     async def go():
         transport = httpx.ASGITransport(app=RequestGuard(echo_app, cfg))
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:30000") as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://127.0.0.1:30000"
+        ) as client:
             h = {"content-type": "application/json", **(headers or {})}
             return await client.request(method, path, content=body, headers=h)
+
     return asyncio.run(go())
 
 
@@ -73,12 +88,16 @@ def test_a_good_request_passes_with_its_body_replayed():
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
 def test_post_bodies_must_be_json(content_type):
     assert_error(call(LOCAL, headers={"content-type": content_type}), 415, "Content-Type")
-    assert call(LOCAL, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+    assert (
+        call(LOCAL, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+    )
 
 
 def test_a_bodyless_post_needs_no_content_type():
     """`curl -X POST /flush_cache` keeps working; a cross-site page is stopped by Origin."""
-    assert call(LOCAL, path="/flush_cache", body=None, headers={"content-type": ""}).status_code == 200
+    assert (
+        call(LOCAL, path="/flush_cache", body=None, headers={"content-type": ""}).status_code == 200
+    )
 
 
 def test_body_size_limit_before_parsing():
@@ -90,9 +109,13 @@ def test_body_size_limit_before_parsing():
         async def gen():
             for _ in range(10):
                 yield b"x" * 20
+
         transport = httpx.ASGITransport(app=RequestGuard(echo_app, cfg))
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            return await client.post("/v1/completions", content=gen(), headers={"content-type": "application/json"})
+            return await client.post(
+                "/v1/completions", content=gen(), headers={"content-type": "application/json"}
+            )
+
     assert_error(asyncio.run(chunked()), 413)
 
 
@@ -100,14 +123,21 @@ def test_a_body_that_never_arrives_times_out():
     async def go():
         async def receive():
             await asyncio.sleep(3600)
+
         sent = []
 
         async def send(message):
             sent.append(message)
-        scope = {"type": "http", "method": "POST", "path": "/generate",
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"10")]}
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/generate",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"10")],
+        }
         await RequestGuard(echo_app, GuardConfig(body_timeout=0.05))(scope, receive, send)
         return sent
+
     sent = asyncio.run(go())
     assert sent[0]["status"] == 408 and json.loads(sent[1]["body"])["error"]["code"] == 408
 
@@ -118,7 +148,12 @@ def test_host_and_origin_checks_stop_rebinding_and_cross_site_posts():
     assert call(LOCAL, headers={"host": "[::1]:30000"}).status_code == 200
     assert_error(call(LOCAL, headers={"origin": "http://evil.example"}), 403, "Origin")
     assert call(LOCAL, headers={"origin": "http://localhost:3000"}).status_code == 200
-    assert call(LOCAL, method="GET", path="/health", body=None, headers={"origin": "http://x.example"}).status_code == 200
+    assert (
+        call(
+            LOCAL, method="GET", path="/health", body=None, headers={"origin": "http://x.example"}
+        ).status_code
+        == 200
+    )
 
 
 def test_allowed_hosts_policy():
@@ -139,6 +174,7 @@ def test_api_key_on_every_path_but_health():
 
 
 # ---- connections --------------------------------------------------------------------------
+
 
 class FakeTransport:
     def __init__(self):
@@ -164,10 +200,13 @@ def test_at_the_cap_the_longest_idle_connection_makes_room():
     conns = {old, new, busy}
     assert _evict_longest_idle(conns) and old.transport.closed and old not in conns
     assert _evict_longest_idle(conns) and new.transport.closed
-    assert not _evict_longest_idle(conns), "a busy connection is never evicted: the new one is refused"
+    assert not _evict_longest_idle(conns), (
+        "a busy connection is never evicted: the new one is refused"
+    )
 
 
 # ---- heartbeats ---------------------------------------------------------------------------
+
 
 def test_heartbeats_report_a_stalled_pipeline_and_a_stuck_step():
     hb = Heartbeats(timeout=5.0)
@@ -189,7 +228,9 @@ def test_with_every_tokenizer_gone_the_http_process_never_blocks_and_reports_it(
     client = ZmqEngineClient(ipc_dir, "m", 100, 8, {}, health_timeout=5.0)
     try:
         client.heartbeat()  # returns: nothing is connected to take it
-        assert client.health_problem() is None, "an outage shorter than the health timeout is tolerated"
+        assert client.health_problem() is None, (
+            "an outage shorter than the health timeout is tolerated"
+        )
         assert "no tokenizer" in client.heartbeats.problem(time.monotonic() + 6.0)
         with pytest.raises(ProtocolError) as refused:
             client.submit(ParsedRequest(SamplingParams(max_new_tokens=4), text="hi"), "completion")
@@ -228,10 +269,12 @@ def test_a_delivered_heartbeat_ends_a_tokenizer_outage():
 
 # ---- stale ipc directories ----------------------------------------------------------------
 
+
 def test_ipc_directories_of_killed_servers_are_removed_and_live_ones_kept():
     code = "import sys; sys.path[:0] = ['.', 'src']; from ipc.sockets import make_ipc_dir; print(make_ipc_dir())"
-    dead = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
     live = make_ipc_dir()
     try:
         assert os.path.isdir(dead)

@@ -1,5 +1,6 @@
 """The instruction-set level the CPU kernels run at: found from the CPU's flags, held lower with
 RELAY_CPU_ISA (never above what the CPU has), and what a held level holds torch and gcc to."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,17 @@ ZEN4 = ZEN3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni avx512_b
 SPR = ZEN4 + " amx_tile amx_bf16 amx_int8"
 
 
-@pytest.mark.parametrize("flags,level", [("fpu sse4_2", "generic"), (ZEN3, "avx2"), (ZEN3 + " avx512f", "avx2"),
-                                         (ZEN4.replace(" avx512_bf16", ""), "avx512"), (ZEN4, "avx512bf16"),
-                                         (SPR, "amx")])
+@pytest.mark.parametrize(
+    "flags,level",
+    [
+        ("fpu sse4_2", "generic"),
+        (ZEN3, "avx2"),
+        (ZEN3 + " avx512f", "avx2"),
+        (ZEN4.replace(" avx512_bf16", ""), "avx512"),
+        (ZEN4, "avx512bf16"),
+        (SPR, "amx"),
+    ],
+)
 def test_the_level_is_the_highest_whose_flags_the_cpu_lists(flags, level, monkeypatch):
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     assert isa.detected_level(flags) == level
@@ -33,10 +42,15 @@ def test_a_held_level_holds_torch_and_the_compiler(monkeypatch):
     monkeypatch.setattr(isa, "detected_level", lambda flags=None: "amx")
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     assert isa.torch_env("amx") == {}  # the CPU's own level: torch as it comes
-    assert isa.torch_env("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert isa.torch_env("avx2") == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
     assert isa.torch_env("avx512bf16")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
-    assert isa.torch_env("avx512bf16")["MKL_ENABLE_INSTRUCTIONS"] == "AVX512_E3"  # VNNI + BF16, no AMX
+    assert (
+        isa.torch_env("avx512bf16")["MKL_ENABLE_INSTRUCTIONS"] == "AVX512_E3"
+    )  # VNNI + BF16, no AMX
     assert isa.torch_env("avx512")["MKL_ENABLE_INSTRUCTIONS"] == "AVX512"
     assert isa.torch_env("generic")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert isa.compile_flags("amx") == ["-march=native"]

@@ -1,4 +1,5 @@
 """relay.metrics: private registries, metric names and what each observation records."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,11 +20,21 @@ def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
 
 def test_names_are_present():
     text = ServerMetrics().render()[0].decode()
-    for name in ("relay:time_to_first_token_seconds", "relay:inter_token_latency_seconds",
-                 "relay:e2e_request_latency_seconds", "relay:queue_time_seconds", "relay:prompt_tokens_total",
-                 "relay:generation_tokens_total", "relay:cached_tokens_total", "relay:requests_total",
-                 "relay:num_running_reqs", "relay:num_waiting_reqs", "relay:kv_usage_ratio", "relay:kv_used_tokens",
-                 "relay:prefix_cache_hit_rate"):
+    for name in (
+        "relay:time_to_first_token_seconds",
+        "relay:inter_token_latency_seconds",
+        "relay:e2e_request_latency_seconds",
+        "relay:queue_time_seconds",
+        "relay:prompt_tokens_total",
+        "relay:generation_tokens_total",
+        "relay:cached_tokens_total",
+        "relay:requests_total",
+        "relay:num_running_reqs",
+        "relay:num_waiting_reqs",
+        "relay:kv_usage_ratio",
+        "relay:kv_used_tokens",
+        "relay:prefix_cache_hit_rate",
+    ):
         assert f"# TYPE {name}" in text or f"# TYPE {name.removesuffix('_total')}" in text, name
 
 
@@ -32,9 +43,15 @@ def test_observations():
     m.observe_first_token(0.02)
     m.observe_first_token(0.5)
     m.observe_inter_token(0.03, count=3)  # one delta of 3 tokens after 30 ms: three 10 ms gaps
-    m.observe_finish(1.5, 0.1, prompt_tokens=10, completion_tokens=4, cached_tokens=6, finish_reason="stop")
-    m.observe_finish(2.0, None, prompt_tokens=5, completion_tokens=1, cached_tokens=0, finish_reason="length")
-    m.observe_finish(0.1, None, prompt_tokens=5, completion_tokens=0, cached_tokens=0, finish_reason="weird")
+    m.observe_finish(
+        1.5, 0.1, prompt_tokens=10, completion_tokens=4, cached_tokens=6, finish_reason="stop"
+    )
+    m.observe_finish(
+        2.0, None, prompt_tokens=5, completion_tokens=1, cached_tokens=0, finish_reason="length"
+    )
+    m.observe_finish(
+        0.1, None, prompt_tokens=5, completion_tokens=0, cached_tokens=0, finish_reason="weird"
+    )
     s = samples(m)
     assert s[("relay:time_to_first_token_seconds_count", ())] == 2
     assert s[("relay:time_to_first_token_seconds_sum", ())] == pytest.approx(0.52)
@@ -52,14 +69,27 @@ def test_observations():
 
 def test_buckets_span_ms_to_minute():
     s = samples(ServerMetrics())
-    les = {float(dict(labels)["le"]) for (name, labels) in s if name == "relay:e2e_request_latency_seconds_bucket"}
+    les = {
+        float(dict(labels)["le"])
+        for (name, labels) in s
+        if name == "relay:e2e_request_latency_seconds_bucket"
+    }
     assert min(les) == 0.001 and max(les - {float("inf")}) == 60.0
 
 
 def test_scheduler_stats():
     m = ServerMetrics()
-    m.set_scheduler_stats({"num_running": 3, "num_waiting": 7, "kv_total_tokens": 1000, "kv_free_tokens": 500,
-                           "kv_locked_tokens": 250, "kv_cached_tokens": 250, "cache_hit_rate": 0.4})
+    m.set_scheduler_stats(
+        {
+            "num_running": 3,
+            "num_waiting": 7,
+            "kv_total_tokens": 1000,
+            "kv_free_tokens": 500,
+            "kv_locked_tokens": 250,
+            "kv_cached_tokens": 250,
+            "cache_hit_rate": 0.4,
+        }
+    )
     s = samples(m)
     assert s[("relay:num_running_reqs", ())] == 3 and s[("relay:num_waiting_reqs", ())] == 7
     assert s[("relay:kv_used_tokens", ())] == 250 and s[("relay:kv_usage_ratio", ())] == 0.25
@@ -94,12 +124,24 @@ def test_request_timer():
 
 def test_grammar_counters():
     m = ServerMetrics()
-    m.set_scheduler_stats({"grammar": {"compiles": 3, "cache_hits": 5, "live_matchers": 2,
-                                       "compile_seconds_sum": 0.05, "compile_seconds_buckets": [0.01, 0.1],
-                                       "compile_seconds_counts": [1, 2, 0], "mask_step_share": 0.02}})
+    m.set_scheduler_stats(
+        {
+            "grammar": {
+                "compiles": 3,
+                "cache_hits": 5,
+                "live_matchers": 2,
+                "compile_seconds_sum": 0.05,
+                "compile_seconds_buckets": [0.01, 0.1],
+                "compile_seconds_counts": [1, 2, 0],
+                "mask_step_share": 0.02,
+            }
+        }
+    )
     s = samples(m)
     assert s[("relay:grammar_compile_seconds_bucket", (("le", "0.01"),))] == 1
     assert s[("relay:grammar_compile_seconds_bucket", (("le", "+Inf"),))] == 3
     assert s[("relay:grammar_compile_seconds_count", ())] == 3
     assert s[("relay:grammar_cache_hits_total", ())] == 5
-    assert s[("relay:grammar_matchers", ())] == 2 and s[("relay:grammar_mask_step_share", ())] == 0.02
+    assert (
+        s[("relay:grammar_matchers", ())] == 2 and s[("relay:grammar_mask_step_share", ())] == 0.02
+    )

@@ -1,5 +1,6 @@
 """One request's bad input or failure fails that request alone: the model runner leaves a
 malformed row out of the step, and finds the culprit when a batch's sampling raises."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,11 @@ PS = 4
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
     path = tiny_model_dir("llama")
-    return ModelRunner(EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+    return ModelRunner(
+        EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01),
+        path,
+        ModelConfig.from_dir(path),
+    )
 
 
 def spec(sid: int, **params) -> SamplingSpec:
@@ -25,15 +30,27 @@ def spec(sid: int, **params) -> SamplingSpec:
     return SamplingSpec(sid, p, sorted(set(p.stop_token_ids)))
 
 
-def prefill(sids: list[int], prompts: list[list[int]], specs: list[SamplingSpec], step: int = 1) -> BatchInput:
+def prefill(
+    sids: list[int], prompts: list[list[int]], specs: list[SamplingSpec], step: int = 1
+) -> BatchInput:
     tables, first = [], 1
     for p in prompts:
         n = -(-len(p) // PS)
         tables.append(list(range(first, first + n)))
         first += n
-    return BatchInput(step=step, sids=sids, input_ids=[t for p in prompts for t in p], prefix_lens=[0] * len(sids),
-                      extend_lens=[len(p) for p in prompts], page_starts=[0] * len(sids), new_pages=tables,
-                      sample=[True] * len(sids), output_lens=[0] * len(sids), new_specs=specs, released_sids=[])
+    return BatchInput(
+        step=step,
+        sids=sids,
+        input_ids=[t for p in prompts for t in p],
+        prefix_lens=[0] * len(sids),
+        extend_lens=[len(p) for p in prompts],
+        page_starts=[0] * len(sids),
+        new_pages=tables,
+        sample=[True] * len(sids),
+        output_lens=[0] * len(sids),
+        new_specs=specs,
+        released_sids=[],
+    )
 
 
 def release(sids: list[int], step: int) -> BatchInput:
@@ -49,12 +66,17 @@ def alone(runner, i: int) -> int:
     return out.next_token_ids[0]
 
 
-@pytest.mark.parametrize("bad", [
-    dict(prompt=[5, TINY_VOCAB + 3, 7]),  # an input id outside the vocabulary
-    dict(spec=dict(stop_token_ids=[10**9], min_new_tokens=2)),  # the bug of issue 9: a stop id the sampler indexes
-    dict(table=[10**7]),  # a KV page outside the pool
-    dict(table=[]),  # a page table that does not hold the request's tokens
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prompt=[5, TINY_VOCAB + 3, 7]),  # an input id outside the vocabulary
+        dict(
+            spec=dict(stop_token_ids=[10**9], min_new_tokens=2)
+        ),  # the bug of issue 9: a stop id the sampler indexes
+        dict(table=[10**7]),  # a KV page outside the pool
+        dict(table=[]),  # a page table that does not hold the request's tokens
+    ],
+)
 def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad):
     expected = [alone(runner, 0), alone(runner, 2)]
     prompts = [PROMPTS[0], bad.get("prompt", PROMPTS[1]), PROMPTS[2]]
@@ -65,7 +87,9 @@ def test_a_malformed_row_fails_alone_and_the_rest_of_the_batch_runs(runner, bad)
     assert runner.invalid_rows(batch).keys() == {1}
     out = runner.forward(batch)
     assert list(out.row_errors) == [1] and out.error is None
-    assert [out.next_token_ids[0], out.next_token_ids[2]] == expected and out.next_token_ids[1] == -1
+    assert [out.next_token_ids[0], out.next_token_ids[2]] == expected and out.next_token_ids[
+        1
+    ] == -1
     runner.forward(release([1, 2, 3], 98))
 
 
@@ -75,8 +99,16 @@ def test_a_pending_input_continues_from_the_token_sampled_last_or_fails_alone(ru
     failed has none: that row fails alone."""
     first = runner.forward(prefill([20, 21], PROMPTS[:2], [spec(20), spec(21)], step=60))
     decode = lambda ids, step: BatchInput(  # noqa: E731
-        step=step, sids=[20, 21], input_ids=ids, prefix_lens=[5, 3], extend_lens=[1, 1], page_starts=[2, 1],
-        new_pages=[[], [4]] if step == 61 else [[], []], sample=[True, True], output_lens=[1, 1])
+        step=step,
+        sids=[20, 21],
+        input_ids=ids,
+        prefix_lens=[5, 3],
+        extend_lens=[1, 1],
+        page_starts=[2, 1],
+        new_pages=[[], [4]] if step == 61 else [[], []],
+        sample=[True, True],
+        output_lens=[1, 1],
+    )
     known = runner.forward(decode(first.next_token_ids, 61))
     runner.forward(release([20, 21], 62))
     again = runner.forward(prefill([20, 21], PROMPTS[:2], [spec(20), spec(21)], step=63))
@@ -126,19 +158,32 @@ def test_bf16_cpu_kernels_match_the_torch_path(tiny_model_dir):
         assert (a - b).abs().max().item() < 0.05 * scale
 
 
-def test_start_up_runs_each_kind_of_step_once_and_leaves_nothing_behind(tiny_model_dir, monkeypatch):
+def test_start_up_runs_each_kind_of_step_once_and_leaves_nothing_behind(
+    tiny_model_dir, monkeypatch
+):
     """The first request after "ready" must not pay for a kernel build or a first-call path: the
     runner runs a prompt, a mixed step, decode steps and a release before it is handed out."""
     seen = []
     real = ModelRunner.forward
 
     def recording(self, batch):
-        seen.append("release" if not batch.sids else "decode" if batch.is_decode
-                    else "mixed" if 1 in batch.extend_lens else "prompt")
+        seen.append(
+            "release"
+            if not batch.sids
+            else "decode"
+            if batch.is_decode
+            else "mixed"
+            if 1 in batch.extend_lens
+            else "prompt"
+        )
         return real(self, batch)
 
     monkeypatch.setattr(ModelRunner, "forward", recording)
     path = tiny_model_dir("llama")
-    fresh = ModelRunner(EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+    fresh = ModelRunner(
+        EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01),
+        path,
+        ModelConfig.from_dir(path),
+    )
     assert seen == ["prompt", "mixed", "decode", "decode", "release"]
     assert fresh.requests.page_tables == {} and fresh.sampler.states == {}

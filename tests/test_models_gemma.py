@@ -10,6 +10,7 @@ fresh model's are 0, where (1 + w) and w would differ only by a constant), and i
 divided by sqrt(hidden_size), which it multiplies by: else the token's own embedding dominates
 every layer's output and greedy decoding repeats the last prompt token whatever the layers do.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,20 @@ from tests.test_tp_shared_memory import run_ranks
 
 WINDOW = 8
 PS = 4
-COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3,
-              eos_token_id=TINY_VOCAB - 1, bos_token_id=1, pad_token_id=0, sliding_window=WINDOW)
+COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    eos_token_id=TINY_VOCAB - 1,
+    bos_token_id=1,
+    pad_token_id=0,
+    sliding_window=WINDOW,
+)
 
 
 def mistral_config():
@@ -46,19 +58,30 @@ def gemma2_config():
     from transformers import Gemma2Config
 
     # caps small enough to bite on random weights; query_pre_attn_scalar unlike head_dim
-    return Gemma2Config(**COMMON, num_hidden_layers=2, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-                        final_logit_softcapping=3.0, tie_word_embeddings=False)
+    return Gemma2Config(
+        **COMMON,
+        num_hidden_layers=2,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=False,
+    )
 
 
 def gemma3_config():
     from transformers import Gemma3TextConfig
 
     # two sliding layers to one global (the releases: five to one); the global layers' rope scaled
-    return Gemma3TextConfig(**COMMON, num_hidden_layers=3, query_pre_attn_scalar=24,
-                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                                "rope_theta": 100000.0},
-                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    return Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    )
 
 
 CONFIGS = {"mistral": mistral_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
@@ -79,7 +102,9 @@ def model_dir(tmp_path_factory, default_model_dir):
                 for n, p in model.named_parameters():
                     if "norm" in n:
                         p.normal_(0.0, 0.3)
-                if name != "mistral":  # Gemma scales the embedding by sqrt(hidden): else it drowns the layers
+                if (
+                    name != "mistral"
+                ):  # Gemma scales the embedding by sqrt(hidden): else it drowns the layers
                     model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
             model.save_pretrained(path)
             for f in os.listdir(default_model_dir):  # prompts are token ids: any tokenizer will do
@@ -98,18 +123,30 @@ def test_greedy_output_equals_transformers(model_dir, name):
     enough to force retraction."""
     config = CONFIGS[name]()
     small = 40 * PS * (config.num_hidden_layers * 2 * 16 * 2 * 4) / (1 << 30)  # ~40 pages
-    check_three_ways(model_dir(name), random_prompts(TINY_VOCAB, [3, 9, 13, 25, 31, 40]), small,
-                     page_size=PS, chunked_prefill_size=24, kv_cache_gb=0.01)
+    check_three_ways(
+        model_dir(name),
+        random_prompts(TINY_VOCAB, [3, 9, 13, 25, 31, 40]),
+        small,
+        page_size=PS,
+        chunked_prefill_size=24,
+        kv_cache_gb=0.01,
+    )
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_ngram_speculation_verifies_within_the_window(model_dir, name):
     """Verification steps (several new tokens after a cached prefix) see each layer's window too."""
     path = model_dir(name)
-    prompts = [p[:6] * 5 for p in random_prompts(TINY_VOCAB, [20, 25, 31], seed=3)]  # repetitive: proposals match
+    prompts = [
+        p[:6] * 5 for p in random_prompts(TINY_VOCAB, [20, 25, 31], seed=3)
+    ]  # repetitive: proposals match
     expected = reference(path, prompts, 16)
-    eng = Engine(path, dtype="float32", page_size=PS, kv_cache_gb=0.01, speculative_algorithm="ngram")
-    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    eng = Engine(
+        path, dtype="float32", page_size=PS, kv_cache_gb=0.01, speculative_algorithm="ngram"
+    )
+    outs = eng.generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == expected
     eng.check()
 
@@ -146,16 +183,21 @@ def test_bfloat16_predicts_the_next_token_transformers_does(model_dir, name):
     path = model_dir(name)
     prompts = random_prompts(TINY_VOCAB, [6, 11, 23, 40], seed=2)
     outs = Engine(path, dtype="bfloat16", page_size=PS, kv_cache_gb=0.01).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     agree = total = 0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):
-            logits = model(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1:]
+            logits = model(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1 :]
             mine = logits.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
-            agree += (mine == logits.max(-1).values).sum().item()  # transformers' top token, or tied with it
+            agree += (
+                (mine == logits.max(-1).values).sum().item()
+            )  # transformers' top token, or tied with it
             total += len(o.token_ids)
-    assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    assert agree / total >= 0.9, (
+        f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    )
 
 
 def _tp_logits(rank: int, tp: TPGroup, path: str) -> torch.Tensor:
@@ -181,14 +223,17 @@ def test_server_serves_gemma2_as_transformers_does(model_dir):
     path = model_dir("gemma2")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)
     want = Engine(path, dtype="float32", kv_cache_gb=0.05).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    )
     assert [w.token_ids for w in want] == reference(path, prompts, 10)
     server = Server("--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.05")
     try:
         with server.client() as c:
             for p, w in zip(prompts, want):
-                r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "temperature": 0,
-                                                    "ignore_eos": True})
+                r = c.post(
+                    "/v1/completions",
+                    json={"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == w.text
     finally:
@@ -199,28 +244,66 @@ def test_server_serves_gemma2_as_transformers_does(model_dir):
 def test_released_gemma3_config_reads_its_two_ropes_and_layer_pattern():
     """google/gemma-3-*'s text config: rope_theta and rope_scaling for the global layers,
     rope_local_base_freq for the sliding ones, sliding_window_pattern (no layer_types)."""
-    released = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=2560,
-                    intermediate_size=10240, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=256, vocab_size=262208, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                    rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=1024,
-                    sliding_window_pattern=6, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh")
+    released = dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=262208,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh",
+    )
     mc = ModelConfig.from_hf_dict(released)
     assert mc.layer_windows == [1024] * 5 + [None] + [1024] * 5 + [None]
     assert (mc.rope_theta, mc.rope_scaling["factor"], mc.local_rope_theta) == (1e6, 8.0, 1e4)
     assert mc.qk_norm and mc.tie_word_embeddings and mc.attn_logit_softcap is None
-    assert mc.attention_scale == 256 ** -0.5
+    assert mc.attention_scale == 256**-0.5
     # google/gemma-3-4b-it: a multimodal config whose text_config leaves most fields to the defaults
-    multimodal = ModelConfig.from_hf_dict(dict(
-        architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", eos_token_id=[1, 106],
-        text_config=dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
-                         rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)))
-    assert (multimodal.architecture, multimodal.num_heads, multimodal.num_kv_heads, multimodal.head_dim) == (
-        "Gemma3ForCausalLM", 8, 4, 256)
+    multimodal = ModelConfig.from_hf_dict(
+        dict(
+            architectures=["Gemma3ForConditionalGeneration"],
+            model_type="gemma3",
+            eos_token_id=[1, 106],
+            text_config=dict(
+                hidden_size=2560,
+                intermediate_size=10240,
+                model_type="gemma3_text",
+                num_hidden_layers=34,
+                rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                sliding_window=1024,
+            ),
+        )
+    )
+    assert (
+        multimodal.architecture,
+        multimodal.num_heads,
+        multimodal.num_kv_heads,
+        multimodal.head_dim,
+    ) == ("Gemma3ForCausalLM", 8, 4, 256)
     assert multimodal.eos_token_ids == [1, 106] and multimodal.vocab_size == 262208
     assert multimodal.layer_windows == ([1024] * 5 + [None]) * 5 + [1024] * 4
-    assert (multimodal.rope_theta, multimodal.rope_scaling["factor"], multimodal.local_rope_theta) == (1e6, 8.0, 1e4)
-    written = ModelConfig.from_hf_dict(gemma3_config().to_dict())  # transformers 5's per-layer-type ropes
-    assert (written.rope_theta, written.rope_scaling["factor"], written.local_rope_theta) == (1e5, 4.0, 1e3)
+    assert (
+        multimodal.rope_theta,
+        multimodal.rope_scaling["factor"],
+        multimodal.local_rope_theta,
+    ) == (1e6, 8.0, 1e4)
+    written = ModelConfig.from_hf_dict(
+        gemma3_config().to_dict()
+    )  # transformers 5's per-layer-type ropes
+    assert (written.rope_theta, written.rope_scaling["factor"], written.local_rope_theta) == (
+        1e5,
+        4.0,
+        1e3,
+    )
     assert written.layer_windows == [WINDOW, WINDOW, None]
 
 
@@ -229,14 +312,26 @@ def test_gemma2_and_mistral_configs():
 
     g2 = ModelConfig.from_hf_dict(Gemma2Config(num_hidden_layers=4).to_dict())
     assert g2.layer_windows == [4096, None, 4096, None]
-    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (50.0, 30.0, 256)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (
+        50.0,
+        30.0,
+        256,
+    )
     assert g2.masks_attention(8192) and not g2.qk_norm
-    assert ModelConfig.from_hf_dict(MistralConfig(num_hidden_layers=2).to_dict()).layer_windows == [4096, 4096]
-    unwindowed = ModelConfig.from_hf_dict(MistralConfig(num_hidden_layers=2, sliding_window=None).to_dict())
+    assert ModelConfig.from_hf_dict(MistralConfig(num_hidden_layers=2).to_dict()).layer_windows == [
+        4096,
+        4096,
+    ]
+    unwindowed = ModelConfig.from_hf_dict(
+        MistralConfig(num_hidden_layers=2, sliding_window=None).to_dict()
+    )
     assert unwindowed.layer_windows == [] and not unwindowed.masks_attention(1 << 20)
     windowed = ModelConfig.from_hf_dict(MistralConfig(num_hidden_layers=2).to_dict())
     # a window no shorter than the context never hides a key: the fast attention paths stay
-    assert windowed.attention_windows(4096) == [] and windowed.attention_windows(4097) == [4096, 4096]
+    assert windowed.attention_windows(4096) == [] and windowed.attention_windows(4097) == [
+        4096,
+        4096,
+    ]
 
 
 def test_qwen2_and_phi3_windows_follow_transformers():
@@ -244,13 +339,16 @@ def test_qwen2_and_phi3_windows_follow_transformers():
     name a window they do not use); Phi-3 slides on every layer where sliding_window is set."""
     from transformers import Phi3Config, Qwen2Config
 
-    on = Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3).to_dict()
+    on = Qwen2Config(
+        use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3
+    ).to_dict()
     assert ModelConfig.from_hf_dict(on).layer_windows == [None, 8, 8]
     released = {k: v for k, v in on.items() if k != "layer_types"}
     assert ModelConfig.from_hf_dict(released).layer_windows == [None, 8, 8]
     assert ModelConfig.from_hf_dict({**released, "use_sliding_window": False}).layer_windows == []
-    assert ModelConfig.from_hf_dict(Phi3Config(num_hidden_layers=2, sliding_window=2047).to_dict()).layer_windows == [
-        2047, 2047]
+    assert ModelConfig.from_hf_dict(
+        Phi3Config(num_hidden_layers=2, sliding_window=2047).to_dict()
+    ).layer_windows == [2047, 2047]
 
 
 def test_what_relay_does_not_implement_is_refused_by_name():
@@ -289,10 +387,21 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tmp_path, default_mo
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     torch.manual_seed(0)
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=gemma3_config().to_dict(),
-                                                        vision_config=vision.to_dict(), mm_tokens_per_image=4))
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    model = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config=gemma3_config().to_dict(),
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+        )
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n and "vision" not in n:
@@ -306,13 +415,24 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tmp_path, default_mo
     mc = ModelConfig.from_dir(path)
     assert mc.architecture == "Gemma3ForCausalLM" and mc.layer_windows == [WINDOW, WINDOW, None]
     with torch.inference_mode():
-        want = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in LOGIT_PROMPTS])
+        want = torch.stack(
+            [model(input_ids=torch.tensor([p])).logits[0, -1] for p in LOGIT_PROMPTS]
+        )
     got = runner_logits(path)
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
     prompts = random_prompts(TINY_VOCAB, [5, 20, 33], seed=6)
     with torch.inference_mode():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        expected = [
+            model.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     outs = Engine(path, dtype="float32", page_size=PS, kv_cache_gb=0.01).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == expected

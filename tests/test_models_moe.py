@@ -7,6 +7,7 @@ tied router probabilities and experts no token picks; tensor parallelism over 2 
 one request through the server. The Triton grouped-GEMM path for CUDA is checked without a GPU
 (interpreter, ahead-of-time compile) where Triton is installed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,8 +37,11 @@ def hf_block(arch: str, config):
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    block = {"qwen2_moe": Qwen2MoeSparseMoeBlock, "qwen3_moe": Qwen3MoeSparseMoeBlock,
-             "mixtral": MixtralSparseMoeBlock}[arch](config)
+    block = {
+        "qwen2_moe": Qwen2MoeSparseMoeBlock,
+        "qwen3_moe": Qwen3MoeSparseMoeBlock,
+        "mixtral": MixtralSparseMoeBlock,
+    }[arch](config)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.3)
@@ -77,7 +81,9 @@ def test_moe_block_equals_transformers_block_with_ties_and_idle_experts(arch, dt
     for expert in mine.experts:
         expert.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
     with torch.no_grad():
-        hf.gate.weight[1] = hf.gate.weight[0]  # experts 0 and 1: the same probability for every token
+        hf.gate.weight[1] = hf.gate.weight[
+            0
+        ]  # experts 0 and 1: the same probability for every token
         mine.gate.weight[1] = mine.gate.weight[0]
     probe = torch.randn(40, config.hidden_size).to(dtype)
     for x in (probe, probe[:1], probe[5:8]):
@@ -87,7 +93,9 @@ def test_moe_block_equals_transformers_block_with_ties_and_idle_experts(arch, dt
         _, experts = mine.route(x)
         used = experts.unique().numel()
         counts = torch.bincount(experts.flatten()).tolist()
-        assert sorted(calls) == sorted(n for n in counts if n), "one GEMM per expert with tokens, over its tokens"
+        assert sorted(calls) == sorted(n for n in counts if n), (
+            "one GEMM per expert with tokens, over its tokens"
+        )
         assert len(calls) == used
         if len(x) < 4:
             assert used < len(mine.experts), "a small step leaves experts without tokens"
@@ -116,11 +124,19 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir):
             fused[name] = w
         elif name.endswith(".experts.0.gate_proj.weight"):
             layer = name.split(".experts.")[0]
-            gate_up = [torch.cat([tensors[f"{layer}.experts.{e}.gate_proj.weight"],
-                                  tensors[f"{layer}.experts.{e}.up_proj.weight"]]) for e in range(mc.num_experts)]
+            gate_up = [
+                torch.cat(
+                    [
+                        tensors[f"{layer}.experts.{e}.gate_proj.weight"],
+                        tensors[f"{layer}.experts.{e}.up_proj.weight"],
+                    ]
+                )
+                for e in range(mc.num_experts)
+            ]
             fused[f"{layer}.experts.gate_up_proj"] = torch.stack(gate_up)
             fused[f"{layer}.experts.down_proj"] = torch.stack(
-                [tensors[f"{layer}.experts.{e}.down_proj.weight"] for e in range(mc.num_experts)])
+                [tensors[f"{layer}.experts.{e}.down_proj.weight"] for e in range(mc.num_experts)]
+            )
     model = MoeForCausalLM(mc, TPGroup(), torch.float32, 16)
     with torch.no_grad():
         model.load_weights(fused.items())
@@ -132,33 +148,61 @@ def test_sparse_and_dense_layers_follow_the_config():
     """decoder_sparse_step and mlp_only_layers pick the dense layers as transformers does."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
-                            num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=8, shared_expert_intermediate_size=8, decoder_sparse_step=2,
-                            mlp_only_layers=[3])
+    config = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
     hf = AutoModelForCausalLM.from_config(config)
     mc = ModelConfig.from_hf_dict(config.to_dict())
     mine = MoeForCausalLM(mc, TPGroup(), torch.float32, 16)
     sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
-    assert sparse == [isinstance(layer.mlp, SparseMoeBlock) for layer in mine.layers] == [
-        False, True, False, False, False, True]
+    assert (
+        sparse
+        == [isinstance(layer.mlp, SparseMoeBlock) for layer in mine.layers]
+        == [False, True, False, False, False, True]
+    )
 
 
 def test_moe_configs_read_as_the_checkpoints_write_them():
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     qwen2 = ModelConfig.from_hf_dict(Qwen2MoeConfig(num_hidden_layers=4).to_dict())
-    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_renormalize, qwen2.attention_bias) == (
-        60, 4, False, True)
+    assert (
+        qwen2.num_experts,
+        qwen2.num_experts_per_tok,
+        qwen2.moe_renormalize,
+        qwen2.attention_bias,
+    ) == (60, 4, False, True)
     assert qwen2.shared_expert_intermediate_size == 5632 and not qwen2.qk_norm
     qwen3 = Qwen3MoeConfig(num_hidden_layers=4, num_experts=16, norm_topk_prob=True).to_dict()
-    assert "num_local_experts" in qwen3  # what transformers 5 writes; Qwen's own releases say num_experts
+    assert (
+        "num_local_experts" in qwen3
+    )  # what transformers 5 writes; Qwen's own releases say num_experts
     released = {**{k: v for k, v in qwen3.items() if k != "num_local_experts"}, "num_experts": 16}
     for cfg in (qwen3, released):
         mc = ModelConfig.from_hf_dict(cfg)
-        assert (mc.num_experts, mc.moe_renormalize, mc.qk_norm, mc.attention_bias) == (16, True, True, False)
+        assert (mc.num_experts, mc.moe_renormalize, mc.qk_norm, mc.attention_bias) == (
+            16,
+            True,
+            True,
+            False,
+        )
     mixtral = ModelConfig.from_hf_dict(MixtralConfig(num_hidden_layers=2).to_dict())
-    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.moe_renormalize) == (8, 14336, True)
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.moe_renormalize) == (
+        8,
+        14336,
+        True,
+    )
     assert mixtral.moe_float32_weights and mixtral.active_intermediate_size() == 2 * 14336
 
 
@@ -170,7 +214,14 @@ def test_tiny_moe_models_match_transformers(tiny_model_dir, arch):
     config = _tiny_config(arch)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     small = 40 * PS * (config.num_hidden_layers * 2 * head_dim * 2 * 4) / (1 << 30)  # ~40 pages
-    check_three_ways(tiny_model_dir(arch), prompts, small, page_size=PS, chunked_prefill_size=48, kv_cache_gb=0.01)
+    check_three_ways(
+        tiny_model_dir(arch),
+        prompts,
+        small,
+        page_size=PS,
+        chunked_prefill_size=48,
+        kv_cache_gb=0.01,
+    )
 
 
 def prompt_batch(prompts: list[list[int]]):
@@ -182,16 +233,26 @@ def prompt_batch(prompts: list[list[int]]):
         tables.append(list(range(first, first + n)))
         first += n
     n = len(prompts)
-    batch = BatchInput(step=0, sids=list(range(n)), input_ids=[t for p in prompts for t in p], prefix_lens=[0] * n,
-                       extend_lens=[len(p) for p in prompts], page_starts=[0] * n, new_pages=tables,
-                       sample=[True] * n, output_lens=[0] * n)
+    batch = BatchInput(
+        step=0,
+        sids=list(range(n)),
+        input_ids=[t for p in prompts for t in p],
+        prefix_lens=[0] * n,
+        extend_lens=[len(p) for p in prompts],
+        page_starts=[0] * n,
+        new_pages=tables,
+        sample=[True] * n,
+        output_lens=[0] * n,
+    )
     return batch, tables
 
 
 LOGIT_PROMPTS = random_prompts(TINY_VOCAB, [7, 19, 33], seed=5)
 
 
-def runner_logits(model_dir: str, dtype: str = "float32", tp: TPGroup | None = None) -> torch.Tensor:
+def runner_logits(
+    model_dir: str, dtype: str = "float32", tp: TPGroup | None = None
+) -> torch.Tensor:
     """Each of LOGIT_PROMPTS' last-token logits from one prompt step."""
     cfg = EngineConfig(dtype=dtype, page_size=PS, kv_cache_gb=0.01, tp_size=tp.size if tp else 1)
     runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir), *([tp] if tp else []))
@@ -221,15 +282,23 @@ def test_bfloat16_predicts_the_next_token_transformers_does(tiny_model_dir, arch
     path = tiny_model_dir(arch)
     prompts = random_prompts(TINY_VOCAB, [6, 11, 23, 40], seed=2)
     outs = Engine(path, dtype="bfloat16", page_size=PS, kv_cache_gb=0.01).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     agree = total = 0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):
-            predicted = model(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
+            predicted = (
+                model(torch.tensor([p + o.token_ids[:-1]]))
+                .logits[0, len(p) - 1 :]
+                .argmax(-1)
+                .tolist()
+            )
             agree += sum(a == b for a, b in zip(predicted, o.token_ids))
             total += len(o.token_ids)
-    assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    assert agree / total >= 0.9, (
+        f"{agree}/{total} next-token predictions agree with transformers (bf16)"
+    )
 
 
 def _tp_logits(rank: int, tp: TPGroup, model_dir: str) -> torch.Tensor:
@@ -253,13 +322,16 @@ def test_server_serves_a_moe_model_as_the_engine_does(tiny_model_dir):
     path = tiny_model_dir("qwen2_moe")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)
     want = Engine(path, dtype="float32", kv_cache_gb=0.05).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    )
     server = Server("--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.05")
     try:
         with server.client() as c:
             for p, w in zip(prompts, want):
-                r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "temperature": 0,
-                                                    "ignore_eos": True})
+                r = c.post(
+                    "/v1/completions",
+                    json={"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == w.text
     finally:
@@ -286,7 +358,9 @@ def triton_path_matches_torch_path() -> None:
                 block.use_triton = True
                 got = block(rows)
                 block.use_triton = False
-                torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
+                torch.testing.assert_close(
+                    got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0
+                )
             print("ok", arch, dtype, flush=True)
 
 
@@ -295,8 +369,17 @@ def test_triton_grouped_experts_in_interpreter():
     path = [ROOT, os.path.join(ROOT, "src")] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
     check = "import tests.test_models_moe as t; t.triton_path_matches_torch_path()"
-    proc = subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and proc.stdout.count("ok ") == 2 * len(ARCHS), proc.stdout + proc.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 2 * len(ARCHS), (
+        proc.stdout + proc.stderr[-3000:]
+    )
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -317,12 +400,28 @@ def test_triton_expert_gemm_compiles_for_gpu(arch):
     params = list(inspect.signature(fn.fn).parameters)
     for ty in ("bf16", "fp16", "fp32"):
         for by_token, out_ty in ((True, ty), (False, "fp32")):
-            constexprs = dict(A_BY_TOKEN=by_token, SCALE=not by_token, IEEE=ty == "fp32", BLOCK_M=triton_moe.BLOCK_M,
-                              BLOCK_N=64, BLOCK_K=64)
-            types = {"pair_ids": "*i64", "block_expert": "*i32", "scales": "*fp32", "Out": f"*{out_ty}",
-                     "A": f"*{ty}", "W": f"*{ty}"}
+            constexprs = dict(
+                A_BY_TOKEN=by_token,
+                SCALE=not by_token,
+                IEEE=ty == "fp32",
+                BLOCK_M=triton_moe.BLOCK_M,
+                BLOCK_N=64,
+                BLOCK_K=64,
+            )
+            types = {
+                "pair_ids": "*i64",
+                "block_expert": "*i32",
+                "scales": "*fp32",
+                "Out": f"*{out_ty}",
+                "A": f"*{ty}",
+                "W": f"*{ty}",
+            }
             sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-            src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+            src = ASTSource(
+                fn=fn,
+                signature=sig,
+                constexprs={(params.index(k),): v for k, v in constexprs.items()},
+            )
             options = {"num_warps": 4, "num_stages": 2}
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             assert compiled.metadata.shared <= 99 * 1024

@@ -6,6 +6,7 @@ machine: two `launch.serve` invocations on 127.0.0.1 with `--nnodes 2 --tp 2`, w
 float32 output must equal the `--tp 1` offline engine's, and node 0 must exit non-zero, naming node 1,
 once node 1 is killed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,13 @@ def free_port_run(n: int) -> int:
 
 # ---- the plan -------------------------------------------------------------------------------
 
+
 def test_plan_splits_ranks_and_derives_every_address_from_dist_init_addr():
-    plan = plan_from_args(parse("--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
-                                "localhost:5000"))
+    plan = plan_from_args(
+        parse(
+            "--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "localhost:5000"
+        )
+    )
     assert plan.multi and plan.host == "127.0.0.1"  # resolved: ZeroMQ binds to addresses
     assert list(plan.local_ranks()) == [2, 3] and list(plan.local_ranks(0)) == [0, 1]
     assert [plan.is_remote(r) for r in range(4)] == [False, False, True, True]
@@ -69,14 +74,29 @@ def test_plan_splits_ranks_and_derives_every_address_from_dist_init_addr():
     assert NodePlan.from_dict(plan.to_dict()) == plan and not NodePlan.from_dict(None).multi
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "split evenly"),
-    (["--tp", "2", "--nnodes", "2"], "--dist-init-addr"),
-    (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000"], "--node-rank"),
-    (["--node-rank", "1"], "--nnodes"),
-    (["--tp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:http"], "--dist-init-addr"),
-    (["--tp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:65534"], "no room"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "split evenly"),
+        (["--tp", "2", "--nnodes", "2"], "--dist-init-addr"),
+        (
+            [
+                "--tp",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--dist-init-addr",
+                "127.0.0.1:5000",
+            ],
+            "--node-rank",
+        ),
+        (["--node-rank", "1"], "--nnodes"),
+        (["--tp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:http"], "--dist-init-addr"),
+        (["--tp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:65534"], "no room"),
+    ],
+)
 def test_bad_multinode_flags_name_the_flag(flags, says):
     with pytest.raises(ValueError, match=says):
         plan_from_args(parse(*flags))
@@ -86,9 +106,20 @@ def test_node0_runs_everything_other_nodes_only_their_ranks():
     cfg = EngineConfig(tp_size=4)
     node0 = NodePlan(2, 0, "127.0.0.1", 5000, 4)
     node1 = NodePlan(2, 1, "127.0.0.1", 5000, 4)
-    assert [c.name for c in plan_children(cfg, 1, node0)] == ["tp0", "tp1", "sched", "detok", "tokenizer"]
+    assert [c.name for c in plan_children(cfg, 1, node0)] == [
+        "tp0",
+        "tp1",
+        "sched",
+        "detok",
+        "tokenizer",
+    ]
     assert [(c.name, c.index) for c in plan_children(cfg, 1, node1)] == [("tp2", 2), ("tp3", 3)]
-    assert [c.name for c in plan_children(cfg, 1)][:4] == ["tp0", "tp1", "tp2", "tp3"]  # one node: as before
+    assert [c.name for c in plan_children(cfg, 1)][:4] == [
+        "tp0",
+        "tp1",
+        "tp2",
+        "tp3",
+    ]  # one node: as before
 
 
 def test_gloo_talks_over_the_interface_that_reaches_node0():
@@ -100,14 +131,19 @@ def test_gloo_talks_over_the_interface_that_reaches_node0():
 
 # ---- liveness ---------------------------------------------------------------------------------
 
+
 def test_peer_watch_names_the_node_that_is_late_down_or_gone():
-    w = PeerWatch([1, 2], now=0.0, join_timeout=30, heartbeat_timeout=5, describe=lambda n: f"node {n}")
+    w = PeerWatch(
+        [1, 2], now=0.0, join_timeout=30, heartbeat_timeout=5, describe=lambda n: f"node {n}"
+    )
     assert w.check(10.0) is None
     w.heard(NodeMsg(1, "hello"), 10.0)
     w.heard(NodeMsg(1, "beat"), 30.0)
     assert w.check(31.0) == "node 2 did not connect within 30 s"
 
-    w = PeerWatch([1, 2], now=0.0, join_timeout=30, heartbeat_timeout=5, describe=lambda n: f"node {n}")
+    w = PeerWatch(
+        [1, 2], now=0.0, join_timeout=30, heartbeat_timeout=5, describe=lambda n: f"node {n}"
+    )
     for node in (1, 2):
         w.heard(NodeMsg(node, "ready", info={"tp1": {}}), 1.0)
     assert w.all_ready and w.check(5.9) is None
@@ -124,7 +160,9 @@ def test_peer_watch_names_the_node_that_is_late_down_or_gone():
 def test_two_links_exchange_ready_and_hear_a_bye_or_silence():
     plan = NodePlan(2, 0, "127.0.0.1", free_port_run(4), 2)
     hub = NodeLink(plan, join_timeout=10, heartbeat_timeout=2).start()
-    worker = NodeLink(NodePlan(2, 1, plan.host, plan.port, 2), join_timeout=10, heartbeat_timeout=2).start()
+    worker = NodeLink(
+        NodePlan(2, 1, plan.host, plan.port, 2), join_timeout=10, heartbeat_timeout=2
+    ).start()
     failures: list[str] = []
     worker.on_failure(failures.append)
     try:
@@ -160,9 +198,16 @@ TWO_NODES = [*FLAGS, "--num-threads", "1"]  # two ranks on this machine's 2 core
 
 def greedy(server: Server, n: int = 12) -> list[list[int]]:
     with server.client() as c:
-        return [c.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                                          "ignore_eos": True}}).json()["output_ids"]
-                for p in PROMPTS]
+        return [
+            c.post(
+                "/generate",
+                json={
+                    "text": p,
+                    "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+                },
+            ).json()["output_ids"]
+            for p in PROMPTS
+        ]
 
 
 class Node1:
@@ -170,10 +215,26 @@ class Node1:
 
     def __init__(self, port: int, *flags: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.serve", *flags, "--tp", "2", "--nnodes", "2", "--node-rank", "1",
-             "--dist-init-addr", f"127.0.0.1:{port}"],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "launch.serve",
+                *flags,
+                "--tp",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--dist-init-addr",
+                f"127.0.0.1:{port}",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -186,28 +247,48 @@ def test_two_nodes_equal_tp1_and_a_dead_node_stops_node0(default_model_dir):
     # The offline engine is the tp 1 reference (the server's tp 1 output equals it: tests/
     # test_speculative_server.py): cheaper than a third server.
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in Engine(default_model_dir, dtype="float32", block_activations="float",
-                                                   kv_cache_gb=0.1).generate(
-        PROMPTS, params)]
+    expected = [
+        o.token_ids
+        for o in Engine(
+            default_model_dir, dtype="float32", block_activations="float", kv_cache_gb=0.1
+        ).generate(PROMPTS, params)
+    ]
 
     port = free_port_run(5)  # rendezvous, node 0's launcher, rank 1's inbox (+ room)
     node1 = Node1(port, *TWO_NODES)
     try:
         # Overlap forced on: decodes run on PENDING_TOKEN inputs that rank 0 fills and sends to rank 1.
-        node0 = Server(*TWO_NODES, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
-                       f"127.0.0.1:{port}", "--overlap-min-share", "0")
+        node0 = Server(
+            *TWO_NODES,
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--dist-init-addr",
+            f"127.0.0.1:{port}",
+            "--overlap-min-share",
+            "0",
+        )
         try:
             assert greedy(node0) == expected
             node0_children = node0.children()
-            node1_pids = [int(p) for p in subprocess.run(["pgrep", "-g", str(node1.proc.pid)], capture_output=True,
-                                                          text=True).stdout.split()]
+            node1_pids = [
+                int(p)
+                for p in subprocess.run(
+                    ["pgrep", "-g", str(node1.proc.pid)], capture_output=True, text=True
+                ).stdout.split()
+            ]
             node1.kill()  # the whole machine: its launcher and its rank
             t0 = time.monotonic()
             code = node0.proc.wait(15)
             assert code != 0, "node 0 exits non-zero"
             assert "node 1" in node0.log, node0.log[-2000:]
             print(f"node 0 exited {code} {time.monotonic() - t0:.1f} s after node 1 died")
-            wait_until(lambda: not [p for p in node0_children if alive(p)], 10, "node 0's children gone")
+            wait_until(
+                lambda: not [p for p in node0_children if alive(p)], 10, "node 0's children gone"
+            )
             assert not [p for p in node1_pids if alive(p)]
         finally:
             node0.stop()
@@ -220,8 +301,16 @@ def test_node1_exits_when_node0_goes_away():
     port = free_port_run(5)
     node1 = Node1(port, "--load-format", "dummy-null")
     try:
-        node0 = Server("--load-format", "dummy-null", "--tp", "2", "--nnodes", "2", "--dist-init-addr",
-                       f"127.0.0.1:{port}")
+        node0 = Server(
+            "--load-format",
+            "dummy-null",
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--dist-init-addr",
+            f"127.0.0.1:{port}",
+        )
         os.killpg(node0.proc.pid, signal.SIGKILL)  # node 0's machine dies: no bye
         node0.proc.wait()
         assert node1.proc.wait(15) == 1

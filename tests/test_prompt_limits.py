@@ -1,6 +1,7 @@
 """PromptPreparer's limits: a prompt that cannot fit the context is refused after about one
 context's worth of tokenizing, never a false refusal, and ids outside the model's vocabulary
 never reach the model."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,17 +48,23 @@ def test_an_oversized_prompt_costs_about_one_context_of_tokenizing(tok, size):
 def test_oversized_chat_messages_are_refused_the_same_way(tok):
     counting = CountingTokenizer(tok)
     prep = PromptPreparer(counting, context_len=2048)
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Summarise this: " + "lorem ipsum dolor sit amet " * 20_000}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Summarise this: " + "lorem ipsum dolor sit amet " * 20_000},
+    ]
     with pytest.raises(InvalidParam) as e:
         prep.prompt_ids(messages=messages)
     assert e.value.field == "messages" and counting.chars <= 4 * 4 * 2048
 
 
-WORDS = st.sampled_from(["the", " ", "  ", "\n", "fox", "über", "日本語", "🙂", "1234", "x" * 30, "\t", "."])
+WORDS = st.sampled_from(
+    ["the", " ", "  ", "\n", "fox", "über", "日本語", "🙂", "1234", "x" * 30, "\t", "."]
+)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(parts=st.lists(WORDS, min_size=1, max_size=1500), context=st.sampled_from([16, 64, 200]))
 def test_never_a_false_refusal(tok, parts, context):
     """Whatever the probe decides, a refused prompt really has >= context tokens, and an
@@ -68,7 +75,9 @@ def test_never_a_false_refusal(tok, parts, context):
     try:
         ids = prep.prompt_ids(text)
     except InvalidParam:
-        assert len(full) >= context, f"refused a {len(full)}-token prompt for a {context}-token context"
+        assert len(full) >= context, (
+            f"refused a {len(full)}-token prompt for a {context}-token context"
+        )
         return
     assert ids == full and len(ids) < context
 
@@ -86,18 +95,22 @@ def test_ids_outside_the_models_vocabulary_are_refused(tok):
 
 # ---- /tokenize and /detokenize (the tokenizer process's side) -------------------------------------
 
+
 def test_tokenize_is_the_tokenizers_encoding_and_detokenize_its_inverse(tok):
     prep = PromptPreparer(tok, context_len=2048)
     text = "Hello world! Ünïcödé 日本語 🙂  two  spaces\n"
     for special in (True, False):
-        assert prep.tokenize(text, add_special_tokens=special) == tok.hf.encode(text, add_special_tokens=special)
+        assert prep.tokenize(text, add_special_tokens=special) == tok.hf.encode(
+            text, add_special_tokens=special
+        )
     ids = prep.tokenize(text, add_special_tokens=False)
     assert prep.detokenize(ids) == text
     assert prep.tokenize("") == [] and prep.detokenize([]) == ""
     assert tok.token_strs(ids) == tok.hf.convert_ids_to_tokens(ids)
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    assert prep.tokenize(messages=messages, chat_kwargs={"add_generation_prompt": True}) == \
-        prep.prompt_ids(messages=messages, chat_kwargs={"add_generation_prompt": True})
+    assert prep.tokenize(
+        messages=messages, chat_kwargs={"add_generation_prompt": True}
+    ) == prep.prompt_ids(messages=messages, chat_kwargs={"add_generation_prompt": True})
     special = [t for t in prep.tokenize(messages=messages) if t in tok.byte_table().special]
     assert special and prep.detokenize(prep.tokenize(messages=messages)).startswith("<|im_start|>")
 
@@ -122,8 +135,13 @@ def test_the_tokenizer_process_answers_tokenize_calls(tok):
 
     prep = PromptPreparer(tok, context_len=64)
     ok = answer(prep, TokenizeCall(3, "tokenize", text="Hi there", return_token_strs=True))
-    assert (ok.call_id, ok.ok, ok.data) == (3, True, {"tokens": tok.encode("Hi there"),
-                                                      "token_strs": tok.token_strs(tok.encode("Hi there"))})
-    assert answer(prep, TokenizeCall(4, "detokenize", tokens=ok.data["tokens"])).data == {"prompt": "Hi there"}
+    assert (ok.call_id, ok.ok, ok.data) == (
+        3,
+        True,
+        {"tokens": tok.encode("Hi there"), "token_strs": tok.token_strs(tok.encode("Hi there"))},
+    )
+    assert answer(prep, TokenizeCall(4, "detokenize", tokens=ok.data["tokens"])).data == {
+        "prompt": "Hi there"
+    }
     refused = answer(prep, TokenizeCall(5, "detokenize", tokens=[10**6]))
     assert not refused.ok and refused.data["param"] == "tokens" and refused.data["status"] == 400

@@ -1,4 +1,5 @@
 """Request parsing and response shapes of relay.api (pure functions, no server)."""
+
 from __future__ import annotations
 
 import json
@@ -100,9 +101,18 @@ BAD_REQUESTS = [
     ("completion", comp(logprobs=-1), 400, "logprobs"),
     ("completion", comp(logprobs=True), 400, "logprobs"),
     ("completion", comp(stream_options={"include_usage": True}), 400, "stream_options"),
-    ("completion", comp(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
-    ("completion", comp(stream=True, stream_options={"include_usage": "yes"}), 400,
-     "stream_options.include_usage"),
+    (
+        "completion",
+        comp(stream=False, stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    (
+        "completion",
+        comp(stream=True, stream_options={"include_usage": "yes"}),
+        400,
+        "stream_options.include_usage",
+    ),
     ("completion", comp(stream="true"), 400, "stream"),
     ("completion", comp(echo=True), 400, "echo"),
     ("completion", comp(suffix="tail"), 400, "suffix"),
@@ -127,43 +137,138 @@ BAD_REQUESTS = [
     ("chat", chat(messages=["Hi"]), 400, "messages.0"),
     ("chat", chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
     ("chat", chat(messages=[{"content": "x"}]), 400, "messages.0.role"),
-    ("chat", chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}]), 400,
-     "messages.1.content"),
+    (
+        "chat",
+        chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}]),
+        400,
+        "messages.1.content",
+    ),
     ("chat", chat(messages=[{"role": "user"}]), 400, "messages.0.content"),
-    ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     400, "messages.0.content"),
-    ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), 400,
-     "messages.0.content"),
+    (
+        "chat",
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        400,
+        "messages.0.content",
+    ),
+    (
+        "chat",
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]),
+        400,
+        "messages.0.content",
+    ),
     ("chat", chat(tools={"type": "function", "function": {"name": "f"}}), 400, "tools"),
     ("chat", chat(tools=["f"]), 400, "tools.0"),
     ("chat", chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400, "tools.0.type"),
     ("chat", chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools.0.function.name"),
-    ("chat", chat(tools=[{"type": "function", "function": {"description": "no name"}}]), 400,
-     "tools.0.function.name"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), 400, "tools.1.function.name"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]), 400,
-     "tools.0.function.parameters"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}]), 400,
-     "tools.0.function.parameters"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]), 400,
-     "tools.0.function.description"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), 400, "tools"),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"description": "no name"}}]),
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
+        400,
+        "tools.1.function.name",
+    ),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
+        400,
+        "tools.0.function.parameters",
+    ),
+    (
+        "chat",
+        chat(
+            tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}
+            ]
+        ),
+        400,
+        "tools.0.function.parameters",
+    ),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+        400,
+        "tools.0.function.description",
+    ),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+        400,
+        "tools",
+    ),
     ("chat", chat(tool_choice="required"), 400, "tool_choice"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), 400,
-     "tool_choice"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function"}), 400,
-     "tool_choice.function"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                  tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice.function.name"),
-    ("chat", chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice.function.name"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
-                  response_format={"type": "json_object"}), 400, "response_format"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], regex="a+",
-                  tool_choice={"type": "function", "function": {"name": "f"}}), 400, "regex"),
+    (
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
+        400,
+        "tool_choice",
+    ),
+    (
+        "chat",
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function"},
+        ),
+        400,
+        "tool_choice.function",
+    ),
+    (
+        "chat",
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice.function.name",
+    ),
+    (
+        "chat",
+        chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        400,
+        "tool_choice.function.name",
+    ),
+    (
+        "chat",
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        ),
+        400,
+        "response_format",
+    ),
+    (
+        "chat",
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            regex="a+",
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        ),
+        400,
+        "regex",
+    ),
     ("chat", chat(functions=[{"name": "f"}]), 400, "functions"),
     ("chat", chat(function_call={"name": "f"}), 400, "function_call"),
-    ("chat", chat(function_call="auto"), 400, "function_call"),  # the legacy pair is refused in any form
+    (
+        "chat",
+        chat(function_call="auto"),
+        400,
+        "function_call",
+    ),  # the legacy pair is refused in any form
     ("chat", chat(function_call="none"), 400, "function_call"),
     ("chat", chat(functions=[]), 400, "functions"),
     ("chat", chat(echo=True), 400, "echo"),
@@ -176,25 +281,60 @@ BAD_REQUESTS = [
     ("completion", comp(logit_bias={"five": 1}), 400, "logit_bias"),
     ("completion", comp(logit_bias={" 5": 1}), 400, "logit_bias"),
     ("completion", comp(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias"),
-    ("generate", gen(sampling_params={"logit_bias": {"5": 200}}), 400, "sampling_params.logit_bias"),
+    (
+        "generate",
+        gen(sampling_params={"logit_bias": {"5": 200}}),
+        400,
+        "sampling_params.logit_bias",
+    ),
     ("completion", comp(echo="yes"), 400, "echo"),
-    ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]), 400,
-     "messages.0.tool_calls"),
-    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]), 400,
-     "messages.0.tool_calls.0.function.name"),
-    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]),
-     400, "messages.0.tool_calls.0.function.arguments"),
+    (
+        "chat",
+        chat(messages=[{"role": "assistant", "content": None, "tool_calls": "f()"}]),
+        400,
+        "messages.0.tool_calls",
+    ),
+    (
+        "chat",
+        chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]),
+        400,
+        "messages.0.tool_calls.0.function.name",
+    ),
+    (
+        "chat",
+        chat(
+            messages=[
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}
+            ]
+        ),
+        400,
+        "messages.0.tool_calls.0.function.arguments",
+    ),
     ("chat", chat(response_format={"type": "xml"}), 400, "response_format.type"),
     ("chat", chat(response_format="json"), 400, "response_format"),
     ("chat", chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
-    ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}), 400,
-     "response_format.json_schema.schema"),
-    ("completion", comp(response_format={"type": "json_object"}, regex="a+"), 400, "response_format"),
+    (
+        "chat",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "completion",
+        comp(response_format={"type": "json_object"}, regex="a+"),
+        400,
+        "response_format",
+    ),
     ("completion", comp(regex=""), 400, "regex"),
     ("completion", comp(ebnf=7), 400, "ebnf"),
     ("completion", comp(json_schema=[1]), 400, "json_schema"),
     ("generate", gen(sampling_params={"regex": 5}), 400, "sampling_params.regex"),
-    ("generate", gen(sampling_params={"regex": "a", "ebnf": "root ::= \"a\""}), 400, "sampling_params.ebnf"),
+    (
+        "generate",
+        gen(sampling_params={"regex": "a", "ebnf": 'root ::= "a"'}),
+        400,
+        "sampling_params.ebnf",
+    ),
     ("chat", chat(logprobs="yes"), 400, "logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat", chat(top_logprobs=3), 400, "top_logprobs"),
@@ -203,7 +343,12 @@ BAD_REQUESTS = [
     ("chat", chat(min_tokens=10, max_completion_tokens=5), 400, "min_tokens"),
     ("chat", chat(temperature="hot"), 400, "temperature"),
     ("chat", chat(chat_template_kwargs="x"), 400, "chat_template_kwargs"),
-    ("chat", chat(chat_template_kwargs={"chat_template": "{{ evil }}"}), 400, "chat_template_kwargs.chat_template"),
+    (
+        "chat",
+        chat(chat_template_kwargs={"chat_template": "{{ evil }}"}),
+        400,
+        "chat_template_kwargs.chat_template",
+    ),
     ("chat", chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
     ("generate", {"text": "a", "input_ids": [1, 2]}, 400, "text"),
     ("generate", {"sampling_params": {}}, 400, "text"),
@@ -215,11 +360,21 @@ BAD_REQUESTS = [
     ("generate", gen(sampling_params={"max_tokens": 5}), 400, "sampling_params.max_tokens"),
     ("generate", gen(sampling_params={"temprature": 0.5}), 400, "sampling_params.temprature"),
     ("generate", gen(sampling_params=[1]), 400, "sampling_params"),
-    ("generate", gen(sampling_params={"max_new_tokens": "5"}), 400, "sampling_params.max_new_tokens"),
+    (
+        "generate",
+        gen(sampling_params={"max_new_tokens": "5"}),
+        400,
+        "sampling_params.max_new_tokens",
+    ),
     ("generate", gen(sampling_params={"max_new_tokens": 0}), 400, "sampling_params.max_new_tokens"),
     ("generate", gen(sampling_params={"temperature": 101}), 400, "sampling_params.temperature"),
     ("generate", gen(sampling_params={"n": 0}), 400, "sampling_params.n"),
-    ("generate", gen(sampling_params={"min_new_tokens": 200}), 400, "sampling_params.min_new_tokens"),
+    (
+        "generate",
+        gen(sampling_params={"min_new_tokens": 200}),
+        400,
+        "sampling_params.min_new_tokens",
+    ),
     ("generate", gen(stream=1), 400, "stream"),
     ("generate", gen(return_logprob="yes"), 400, "return_logprob"),
     ("generate", gen(return_logprob=True, top_logprobs_num=50), 400, "top_logprobs_num"),
@@ -227,8 +382,11 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("kind,body,status,param", BAD_REQUESTS,
-                         ids=[f"{i}-{case[0]}-{case[3]}" for i, case in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "kind,body,status,param",
+    BAD_REQUESTS,
+    ids=[f"{i}-{case[0]}-{case[3]}" for i, case in enumerate(BAD_REQUESTS)],
+)
 def test_bad_requests(kind, body, status, param):
     with pytest.raises(ProtocolError) as info:
         PARSERS[kind](body)
@@ -242,8 +400,15 @@ def test_bad_requests(kind, body, status, param):
 
 def test_error_body_shape():
     body = error_body(400, "'n' must be ...", "n")
-    assert body == {"object": "error", "error": {"message": "'n' must be ...", "type": "invalid_request_error",
-                                                 "param": "n", "code": 400}}
+    assert body == {
+        "object": "error",
+        "error": {
+            "message": "'n' must be ...",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": 400,
+        },
+    }
     assert error_body(404, "no")["error"]["type"] == "not_found_error"
     assert error_body(401, "no")["error"]["type"] == "authentication_error"
     assert ProtocolError(400, "m", "x", "custom").body()["error"]["type"] == "custom"
@@ -257,8 +422,12 @@ def test_openai_client_raises_with_our_error_body():
             return httpx.Response(e.status, json=e.body())
         raise AssertionError("expected a rejection")
 
-    client = openai.OpenAI(api_key="x", base_url="http://relay/v1", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    client = openai.OpenAI(
+        api_key="x",
+        base_url="http://relay/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     assert "max_tokens" in bad.value.message and bad.value.body["param"] == "max_tokens"
@@ -268,44 +437,109 @@ def test_openai_client_raises_with_our_error_body():
 
 # ---------------------------------------------------------------- good paths -------------
 
+
 def test_completion_defaults():
     req = parse_completion({"prompt": "Hello"}, MODEL)  # model may be omitted
     assert isinstance(req, ParsedRequest)
     assert (req.text, req.input_ids, req.messages) == ("Hello", None, None)
     assert (req.n, req.stream, req.include_usage, req.priority) == (1, False, False, 0)
     p = req.params
-    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.top_logprobs) == (16, 1.0, 1.0, -1,
-                                                                                               False, 0)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.top_logprobs) == (
+        16,
+        1.0,
+        1.0,
+        -1,
+        False,
+        0,
+    )
     assert p.stop == [] and p.seed is None
 
 
 def test_completion_nulls_mean_defaults():
-    req = parse_completion(comp(max_tokens=None, temperature=None, stop=None, n=None, logprobs=None, echo=None,
-                                stream=None, stream_options=None, suffix=None, user=None), MODEL)
+    req = parse_completion(
+        comp(
+            max_tokens=None,
+            temperature=None,
+            stop=None,
+            n=None,
+            logprobs=None,
+            echo=None,
+            stream=None,
+            stream_options=None,
+            suffix=None,
+            user=None,
+        ),
+        MODEL,
+    )
     assert req.params.max_new_tokens == 16 and req.params.stop == [] and req.n == 1
 
 
-@pytest.mark.parametrize("prompt,text,ids", [
-    ("abc", "abc", None), (["abc"], "abc", None), ([5, 0, 7], None, [5, 0, 7]), ([[5, 6]], None, [5, 6]),
-])
+@pytest.mark.parametrize(
+    "prompt,text,ids",
+    [
+        ("abc", "abc", None),
+        (["abc"], "abc", None),
+        ([5, 0, 7], None, [5, 0, 7]),
+        ([[5, 6]], None, [5, 6]),
+    ],
+)
 def test_completion_prompt_forms(prompt, text, ids):
     req = parse_completion(comp(prompt=prompt), MODEL)
     assert (req.text, req.input_ids) == (text, ids)
 
 
 def test_completion_fields_and_extras():
-    req = parse_completion(comp(max_tokens=32, temperature=0, top_p=0.9, n=3, stream=True,
-                                stream_options={"include_usage": True}, stop="\n", seed=7, presence_penalty=0.5,
-                                frequency_penalty=-0.5, logprobs=3, user="bob", some_unknown_field=[1],
-                                top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=4, ignore_eos=True,
-                                skip_special_tokens=False, stop_token_ids=[2, 3], priority=-5,
-                                include_stop_str_in_output=True, best_of=3), MODEL, max_n=8)
+    req = parse_completion(
+        comp(
+            max_tokens=32,
+            temperature=0,
+            top_p=0.9,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            stop="\n",
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logprobs=3,
+            user="bob",
+            some_unknown_field=[1],
+            top_k=40,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            min_tokens=4,
+            ignore_eos=True,
+            skip_special_tokens=False,
+            stop_token_ids=[2, 3],
+            priority=-5,
+            include_stop_str_in_output=True,
+            best_of=3,
+        ),
+        MODEL,
+        max_n=8,
+    )
     p = req.params
     assert (req.n, req.stream, req.include_usage, req.priority) == (3, True, True, -5)
-    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (32, 4, 0.0, 0.9, 40,
-                                                                                           0.05)
-    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (1.1, 0.5, -0.5, 7)
-    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.skip_special_tokens) == (["\n"], [2, 3], True, False)
+    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (
+        32,
+        4,
+        0.0,
+        0.9,
+        40,
+        0.05,
+    )
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (
+        1.1,
+        0.5,
+        -0.5,
+        7,
+    )
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.skip_special_tokens) == (
+        ["\n"],
+        [2, 3],
+        True,
+        False,
+    )
     assert p.include_stop_str_in_output and p.logprobs and p.top_logprobs == 3
     assert p.greedy and isinstance(p.temperature, float)
 
@@ -316,44 +550,90 @@ def test_completion_top_k_zero_is_off_and_logprobs_zero_keeps_chosen():
 
 
 def test_chat_defaults_and_content_parts():
-    req = parse_chat({"model": MODEL, "messages": [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]},
-        {"role": "assistant", "content": None},
-        {"role": "tool", "content": "42", "tool_call_id": "c1"},
-    ]}, MODEL)
+    req = parse_chat(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Hello"},
+                        {"type": "text", "text": "world"},
+                    ],
+                },
+                {"role": "assistant", "content": None},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ],
+        },
+        MODEL,
+    )
     assert req.text is None and req.input_ids is None
-    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nworld"},
-                            {"role": "assistant", "content": ""},
-                            {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert req.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello\nworld"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
     assert req.params.max_new_tokens is None  # until the context is full: the tokenizer resolves it
     assert req.chat_kwargs == {"add_generation_prompt": True}
     assert not req.params.logprobs
 
 
 def test_chat_fields():
-    req = parse_chat(chat(max_tokens=10, max_completion_tokens=20, logprobs=True, top_logprobs=5,
-                          chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False,
-                          tools=[], tool_choice="none", response_format={"type": "text"}, top_k=5, min_p=0.1,
-                          repetition_penalty=1.2, ignore_eos=True, priority=3), MODEL)
+    req = parse_chat(
+        chat(
+            max_tokens=10,
+            max_completion_tokens=20,
+            logprobs=True,
+            top_logprobs=5,
+            chat_template_kwargs={"enable_thinking": False},
+            add_generation_prompt=False,
+            tools=[],
+            tool_choice="none",
+            response_format={"type": "text"},
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.2,
+            ignore_eos=True,
+            priority=3,
+        ),
+        MODEL,
+    )
     p = req.params
     assert p.max_new_tokens == 20  # max_completion_tokens wins
     assert p.logprobs and p.top_logprobs == 5
     assert req.chat_kwargs == {"enable_thinking": False, "add_generation_prompt": False}
-    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, req.priority) == (5, 0.1, 1.2, True, 3)
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, req.priority) == (
+        5,
+        0.1,
+        1.2,
+        True,
+        3,
+    )
     assert parse_chat(chat(max_tokens=7), MODEL).params.max_new_tokens == 7
 
 
 def test_output_constraints():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req = parse_chat(chat(response_format={"type": "json_schema",
-                                           "json_schema": {"name": "x", "schema": schema, "strict": True}}), MODEL)
+    req = parse_chat(
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": True},
+            }
+        ),
+        MODEL,
+    )
     assert json.loads(req.params.json_schema) == schema
     assert req.param_names == {"json_schema": "response_format.json_schema.schema"}
-    assert json.loads(parse_chat(chat(response_format={"type": "json_object"}), MODEL).params.json_schema) == {
-        "type": "object"}
+    assert json.loads(
+        parse_chat(chat(response_format={"type": "json_object"}), MODEL).params.json_schema
+    ) == {"type": "object"}
     assert parse_completion(comp(regex=r"\d+"), MODEL).params.constraint == ("regex", r"\d+")
-    assert parse_completion(comp(guided_grammar='root ::= "a"'), MODEL).params.ebnf == 'root ::= "a"'
+    assert (
+        parse_completion(comp(guided_grammar='root ::= "a"'), MODEL).params.ebnf == 'root ::= "a"'
+    )
     req = parse_generate(gen(sampling_params={"json_schema": schema}))
     assert json.loads(req.params.json_schema) == schema
     assert req.param_names == {"json_schema": "sampling_params.json_schema"}
@@ -367,49 +647,128 @@ def test_constraint_size_limit_names_the_field():
     size = len(json.dumps(schema))
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     cases = [
-        (lambda limit: parse_completion(comp(json_schema=schema), MODEL, max_constraint_bytes=limit), "json_schema"),
-        (lambda limit: parse_chat(chat(response_format={"type": "json_schema", "json_schema": {
-            "name": "x", "schema": schema}}), MODEL, max_constraint_bytes=limit), "response_format.json_schema.schema"),
-        (lambda limit: parse_chat(chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
-                                  MODEL, max_constraint_bytes=limit), "tools.0.function.parameters"),
-        (lambda limit: parse_generate(gen(sampling_params={"regex": "a" * (size % 2) + "é" * (size // 2)}),
-                                      max_constraint_bytes=limit), "sampling_params.regex"),  # bytes: 2 per é
+        (
+            lambda limit: parse_completion(
+                comp(json_schema=schema), MODEL, max_constraint_bytes=limit
+            ),
+            "json_schema",
+        ),
+        (
+            lambda limit: parse_chat(
+                chat(
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": schema},
+                    }
+                ),
+                MODEL,
+                max_constraint_bytes=limit,
+            ),
+            "response_format.json_schema.schema",
+        ),
+        (
+            lambda limit: parse_chat(
+                chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
+                MODEL,
+                max_constraint_bytes=limit,
+            ),
+            "tools.0.function.parameters",
+        ),
+        (
+            lambda limit: parse_generate(
+                gen(sampling_params={"regex": "a" * (size % 2) + "é" * (size // 2)}),
+                max_constraint_bytes=limit,
+            ),
+            "sampling_params.regex",
+        ),  # bytes: 2 per é
     ]
     for parse, param in cases:
         assert parse(size).params.constraint is not None
         with pytest.raises(ProtocolError) as info:
             parse(size - 1)
         assert (info.value.status, info.value.param) == (400, param)
-        assert info.value.message.startswith(f"{param} must be at most {size - 1} bytes (--max-constraint-bytes)")
+        assert info.value.message.startswith(
+            f"{param} must be at most {size - 1} bytes (--max-constraint-bytes)"
+        )
 
 
 def test_generate():
-    req = parse_generate({"input_ids": [1, 2, 3], "rid": "abc", "stream": True, "priority": 2,
-                          "return_logprob": True, "top_logprobs_num": 4, "logprob_start_len": 0,
-                          "sampling_params": {"max_new_tokens": 8, "temperature": 0, "sampling_seed": 9,
-                                              "top_k": 1, "stop": "x", "n": 2, "ignore_eos": None}})
+    req = parse_generate(
+        {
+            "input_ids": [1, 2, 3],
+            "rid": "abc",
+            "stream": True,
+            "priority": 2,
+            "return_logprob": True,
+            "top_logprobs_num": 4,
+            "logprob_start_len": 0,
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "temperature": 0,
+                "sampling_seed": 9,
+                "top_k": 1,
+                "stop": "x",
+                "n": 2,
+                "ignore_eos": None,
+            },
+        }
+    )
     p = req.params
     assert (req.input_ids, req.text, req.rid, req.stream, req.priority, req.n) == (
-        [1, 2, 3], None, "abc", True, 2, 2)
-    assert (p.max_new_tokens, p.temperature, p.seed, p.top_k, p.stop, p.logprobs, p.top_logprobs) == (
-        8, 0.0, 9, 1, ["x"], True, 4)
+        [1, 2, 3],
+        None,
+        "abc",
+        True,
+        2,
+        2,
+    )
+    assert (
+        p.max_new_tokens,
+        p.temperature,
+        p.seed,
+        p.top_k,
+        p.stop,
+        p.logprobs,
+        p.top_logprobs,
+    ) == (8, 0.0, 9, 1, ["x"], True, 4)
     default = parse_generate({"text": "hi"})
-    assert default.params.max_new_tokens == 128 and default.rid is None and not default.params.logprobs
-    assert parse_generate(gen(top_logprobs_num=3)).params.top_logprobs == 0  # ignored without return_logprob
+    assert (
+        default.params.max_new_tokens == 128 and default.rid is None and not default.params.logprobs
+    )
+    assert (
+        parse_generate(gen(top_logprobs_num=3)).params.top_logprobs == 0
+    )  # ignored without return_logprob
 
 
 # ---------------------------------------------------------------- responses --------------
 
-LOGPROBS = [[11, "Hel", -0.5, [[11, "Hel", -0.5], [12, "He", -1.5]]],
-            [13, "lo", -float("inf"), [[13, "lo", -0.1], [14, "lo", -2.0]]]]
+LOGPROBS = [
+    [11, "Hel", -0.5, [[11, "Hel", -0.5], [12, "He", -1.5]]],
+    [13, "lo", -float("inf"), [[13, "lo", -0.1], [14, "lo", -2.0]]],
+]
 
 
-def out(text: str, ids: list[int], finish: str | None = None, matched=None, logprobs=None,
-        prompt: int = 0, completion: int | None = None, cached: int = 0) -> RequestOutput:
+def out(
+    text: str,
+    ids: list[int],
+    finish: str | None = None,
+    matched=None,
+    logprobs=None,
+    prompt: int = 0,
+    completion: int | None = None,
+    cached: int = 0,
+) -> RequestOutput:
     """A detokenized record; logprobs as [id, text, logprob, [[id, text, logprob], ...]] entries."""
-    r = RequestOutput("r", list(ids), finish_reason=finish, matched_stop=matched, prompt_tokens=prompt,
-                      completion_tokens=len(ids) if completion is None else completion, cached_tokens=cached,
-                      text=text)
+    r = RequestOutput(
+        "r",
+        list(ids),
+        finish_reason=finish,
+        matched_stop=matched,
+        prompt_tokens=prompt,
+        completion_tokens=len(ids) if completion is None else completion,
+        cached_tokens=cached,
+        text=text,
+    )
     if logprobs is not None:
         r.logprobs = [e[2] for e in logprobs]
         r.token_texts = [e[1] for e in logprobs]
@@ -419,15 +778,21 @@ def out(text: str, ids: list[int], finish: str | None = None, matched=None, logp
 
 
 def test_completion_response_shape_and_openai_model():
-    choices = [out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, completion=2, cached=2),
-               out("Hi", [15], "length", prompt=5)]
+    choices = [
+        out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, completion=2, cached=2),
+        out("Hi", [15], "length", prompt=5),
+    ]
     body = completion_response("cmpl-1", 1700000000, MODEL, choices)
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "text_completion"
     assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                             "prompt_tokens_details": {"cached_tokens": 2}}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == ["Hel", "lo"] and lp["text_offset"] == [0, 3]
     assert lp["token_logprobs"] == [-0.5, -9999.0]  # -inf is not JSON
@@ -441,7 +806,9 @@ def test_completion_response_shape_and_openai_model():
 
 def test_completion_chunks_and_usage_chunk():
     first = completion_chunk("cmpl-1", 1, MODEL, 0, out("Hel", [11], logprobs=LOGPROBS[:1]))
-    last = completion_chunk("cmpl-1", 1, MODEL, 0, out("lo", [13], "length", logprobs=LOGPROBS[1:]), text_offset=3)
+    last = completion_chunk(
+        "cmpl-1", 1, MODEL, 0, out("lo", [13], "length", logprobs=LOGPROBS[1:]), text_offset=3
+    )
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] is None
     assert last["choices"][0]["logprobs"]["text_offset"] == [3]
     Completion.model_validate(last)
@@ -451,7 +818,9 @@ def test_completion_chunks_and_usage_chunk():
 
 
 def test_chat_response_shape_and_openai_model():
-    body = chat_response("chatcmpl-1", 2, MODEL, [out("Hello", [11, 13], "stop", None, LOGPROBS, prompt=7)])
+    body = chat_response(
+        "chatcmpl-1", 2, MODEL, [out("Hello", [11, 13], "stop", None, LOGPROBS, prompt=7)]
+    )
     assert body["object"] == "chat.completion"
     choice = body["choices"][0]
     assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
@@ -480,29 +849,48 @@ def test_chat_chunks():
 
 
 def test_openai_client_reads_our_stream():
-    chunks = [chat_chunk("c", 3, MODEL, 0, out("Hé", [1]), first=True),
-              chat_chunk("c", 3, MODEL, 0, out("llo", [2], "stop"), first=False),
-              usage_chunk("chat", "c", 3, MODEL, Usage(4, 2, 1))]
+    chunks = [
+        chat_chunk("c", 3, MODEL, 0, out("Hé", [1]), first=True),
+        chat_chunk("c", 3, MODEL, 0, out("llo", [2], "stop"), first=False),
+        usage_chunk("chat", "c", 3, MODEL, Usage(4, 2, 1)),
+    ]
     payload = b"".join(sse(c) for c in chunks) + SSE_DONE
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=payload, headers={"content-type": "text/event-stream"})
 
-    client = openai.OpenAI(api_key="x", base_url="http://relay/v1", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
-                                            stream_options={"include_usage": True})
+    client = openai.OpenAI(
+        api_key="x",
+        base_url="http://relay/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     got = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Héllo"
-    assert got[-1].usage.total_tokens == 6 and got[-1].usage.prompt_tokens_details.cached_tokens == 1
+    assert (
+        got[-1].usage.total_tokens == 6 and got[-1].usage.prompt_tokens_details.cached_tokens == 1
+    )
 
 
 def test_generate_response():
-    body = generate_response("r1", out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, cached=1))
+    body = generate_response(
+        "r1", out("Hello", [11, 13], "stop", "\n", LOGPROBS, prompt=5, cached=1)
+    )
     assert body["text"] == "Hello" and body["output_ids"] == [11, 13]
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "stop", "matched": "\n"}
-    assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == ("r1", 5, 2, 1)
+    assert (
+        meta["id"],
+        meta["prompt_tokens"],
+        meta["completion_tokens"],
+        meta["cached_tokens"],
+    ) == ("r1", 5, 2, 1)
     assert meta["output_token_logprobs"] == [[-0.5, 11, "Hel"], [-9999.0, 13, "lo"]]
     assert meta["output_top_logprobs"][0] == [[-0.5, 11, "Hel"], [-1.5, 12, "He"]]
     running = generate_response("r1", out("He", [11], prompt=5))["meta_info"]
@@ -520,7 +908,9 @@ def test_abort_finish_reason_passes_through():
 
 def test_usage_of_choices():
     """The shared prompt counts once and completions add up."""
-    u = Usage.of([out("", [1, 2, 3], prompt=10, cached=4), out("", [4] * 5, prompt=10, cached=8), None])
+    u = Usage.of(
+        [out("", [1, 2, 3], prompt=10, cached=4), out("", [4] * 5, prompt=10, cached=8), None]
+    )
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (10, 8, 8)
     assert u.to_openai()["total_tokens"] == 18
 
@@ -531,8 +921,17 @@ def test_records_merge_with_extend():
     a = out("Hel", [11], logprobs=LOGPROBS[:1], prompt=5, completion=1)
     a.extend(out("lo", [13], "stop", "\n", LOGPROBS[1:], prompt=5, completion=2))
     assert (a.text, a.token_ids, a.finish_reason, a.matched_stop, a.completion_tokens) == (
-        "Hello", [11, 13], "stop", "\n", 2)
-    assert a.token_texts == ["Hel", "lo"] and a.logprobs == [-0.5, -float("inf")] and len(a.top_logprobs) == 2
+        "Hello",
+        [11, 13],
+        "stop",
+        "\n",
+        2,
+    )
+    assert (
+        a.token_texts == ["Hel", "lo"]
+        and a.logprobs == [-0.5, -float("inf")]
+        and len(a.top_logprobs) == 2
+    )
 
 
 def test_sse():
@@ -552,16 +951,27 @@ VOCAB_PARSERS = {
 }
 
 
-@pytest.mark.parametrize("kind, body, param", [
-    ("completion", comp(stop_token_ids=[1, 10**9], min_tokens=2), "stop_token_ids"),
-    ("completion", comp(prompt=[1, VOCAB]), "prompt"),
-    ("chat", chat(stop_token_ids=[VOCAB]), "stop_token_ids"),
-    ("generate", {"input_ids": [VOCAB + 5]}, "input_ids"),
-    ("generate", gen(sampling_params={"stop_token_ids": [VOCAB]}), "sampling_params.stop_token_ids"),
-    ("completion", comp(logit_bias={str(VOCAB): 5}), "logit_bias"),
-    ("chat", chat(logit_bias={"0": 1, str(VOCAB + 7): -5}), "logit_bias"),
-    ("generate", gen(sampling_params={"logit_bias": {str(VOCAB): 1}}), "sampling_params.logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kind, body, param",
+    [
+        ("completion", comp(stop_token_ids=[1, 10**9], min_tokens=2), "stop_token_ids"),
+        ("completion", comp(prompt=[1, VOCAB]), "prompt"),
+        ("chat", chat(stop_token_ids=[VOCAB]), "stop_token_ids"),
+        ("generate", {"input_ids": [VOCAB + 5]}, "input_ids"),
+        (
+            "generate",
+            gen(sampling_params={"stop_token_ids": [VOCAB]}),
+            "sampling_params.stop_token_ids",
+        ),
+        ("completion", comp(logit_bias={str(VOCAB): 5}), "logit_bias"),
+        ("chat", chat(logit_bias={"0": 1, str(VOCAB + 7): -5}), "logit_bias"),
+        (
+            "generate",
+            gen(sampling_params={"logit_bias": {str(VOCAB): 1}}),
+            "sampling_params.logit_bias",
+        ),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, param):
     """An out-of-vocabulary stop id once reached the sampler and failed every request in the
     batch (and with --tp 2 killed the server)."""
@@ -571,11 +981,18 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_the_door(kind, body, pa
 
 
 def test_logit_bias_parses_to_token_ids_and_names_the_id_outside_the_vocabulary():
-    for parsed in (parse_completion(comp(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL,
-                                    vocab_size=VOCAB),
-                   parse_chat(chat(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL, vocab_size=VOCAB),
-                   parse_generate(gen(sampling_params={"logit_bias": {"0": -100, str(VOCAB - 1): 100, "7": 2.5}}),
-                                  vocab_size=VOCAB)):
+    for parsed in (
+        parse_completion(
+            comp(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL, vocab_size=VOCAB
+        ),
+        parse_chat(
+            chat(logit_bias={"0": -100, str(VOCAB - 1): 100, "7": 2.5}), MODEL, vocab_size=VOCAB
+        ),
+        parse_generate(
+            gen(sampling_params={"logit_bias": {"0": -100, str(VOCAB - 1): 100, "7": 2.5}}),
+            vocab_size=VOCAB,
+        ),
+    ):
         assert parsed.params.logit_bias == {0: -100.0, VOCAB - 1: 100.0, 7: 2.5}
     assert parse_chat(chat(logit_bias={}), MODEL).params.logit_bias == {}
     with pytest.raises(ProtocolError) as e:
@@ -584,19 +1001,24 @@ def test_logit_bias_parses_to_token_ids_and_names_the_id_outside_the_vocabulary(
 
 
 def test_token_ids_inside_the_vocabulary_pass():
-    assert parse_completion(comp(prompt=[0, VOCAB - 1], stop_token_ids=[VOCAB - 1]), MODEL,
-                            vocab_size=VOCAB).input_ids == [0, VOCAB - 1]
-    assert parse_generate({"input_ids": [VOCAB - 1], "sampling_params": {"stop_token_ids": [0]}},
-                          vocab_size=VOCAB).params.stop_token_ids == [0]
+    assert parse_completion(
+        comp(prompt=[0, VOCAB - 1], stop_token_ids=[VOCAB - 1]), MODEL, vocab_size=VOCAB
+    ).input_ids == [0, VOCAB - 1]
+    assert parse_generate(
+        {"input_ids": [VOCAB - 1], "sampling_params": {"stop_token_ids": [0]}}, vocab_size=VOCAB
+    ).params.stop_token_ids == [0]
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"prompt": "\\ud800"}', "prompt"),
-    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages.0.content"),
-    (b'{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop.1"),
-    (b'{"text": "x", "rid": "\\ud800"}', "rid"),
-    (b'{"\\ud800": 1}', None),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"prompt": "\\ud800"}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages.0.content"),
+        (b'{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop.1"),
+        (b'{"text": "x", "rid": "\\ud800"}', "rid"),
+        (b'{"\\ud800": 1}', None),
+    ],
+)
 def test_text_that_is_not_valid_unicode_is_refused_naming_the_field(raw, param):
     with pytest.raises(ProtocolError) as e:
         decode_json_body(raw)
@@ -604,11 +1026,20 @@ def test_text_that_is_not_valid_unicode_is_refused_naming_the_field(raw, param):
     assert decode_json_body(b'{"prompt": "\\ud83d\\ude00 ok"}') == {"prompt": "\U0001f600 ok"}
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b'{"messages": [], "chat_template_kwargs": {"x": 1180591620717411303424}}', "chat_template_kwargs.x"),
-    (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
-    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),  # past Python's 4,300-digit limit
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (
+            b'{"messages": [], "chat_template_kwargs": {"x": 1180591620717411303424}}',
+            "chat_template_kwargs.x",
+        ),
+        (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+        (
+            b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+            None,
+        ),  # past Python's 4,300-digit limit
+    ],
+)
 def test_integers_the_wire_cannot_carry_are_refused_naming_the_field(raw, param):
     """msgpack carries 64-bit integers: a larger one in a field passed through whole was a 500."""
     with pytest.raises(ProtocolError) as e:
@@ -642,10 +1073,18 @@ def test_abort_request_body_must_name_a_rid(body):
 
 # ---------------------------------------------------------------- tool calls -------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters
 
 
@@ -654,9 +1093,15 @@ def test_tools_reach_the_template_and_tool_choice_picks_the_mode():
     assert (req.tools.mode, req.tools.named) == ("auto", None)  # auto is the default with tools
     assert req.chat_kwargs["tools"] == [WEATHER, CLOCK]
     assert req.params.constraint is None and req.param_names == {}
-    for none in (chat(tools=[WEATHER], tool_choice="none"), chat(tools=[]), chat(tool_choice="auto")):
+    for none in (
+        chat(tools=[WEATHER], tool_choice="none"),
+        chat(tools=[]),
+        chat(tool_choice="auto"),
+    ):
         req = parse_chat(none, MODEL)
-        assert req.tools is None and "tools" not in req.chat_kwargs and req.params.constraint is None
+        assert (
+            req.tools is None and "tools" not in req.chat_kwargs and req.params.constraint is None
+        )
     # auto leaves a client's own constraint in charge (its output is content)
     req = parse_chat(chat(tools=[WEATHER], response_format={"type": "json_object"}), MODEL)
     assert req.tools.mode == "auto" and req.params.json_schema == '{"type": "object"}'
@@ -666,9 +1111,25 @@ def test_required_tool_choice_constrains_to_a_list_of_calls():
     req = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice="required"), MODEL)
     assert req.tools.mode == "required" and req.param_names == {"json_schema": "tools"}
     call = {"type": "object", "required": ["name", "parameters"], "additionalProperties": False}
-    assert json.loads(req.params.json_schema) == {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {**call, "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER["function"]["parameters"]}},
-        {**call, "properties": {"name": {"const": "now"}, "parameters": {"type": "object"}}}]}}
+    assert json.loads(req.params.json_schema) == {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    **call,
+                    "properties": {
+                        "name": {"const": "get_weather"},
+                        "parameters": WEATHER["function"]["parameters"],
+                    },
+                },
+                {
+                    **call,
+                    "properties": {"name": {"const": "now"}, "parameters": {"type": "object"}},
+                },
+            ]
+        },
+    }
     one = parse_chat(chat(tools=[CLOCK], tool_choice="required"), MODEL)
     assert json.loads(one.params.json_schema)["items"]["properties"]["name"] == {"const": "now"}
 
@@ -679,50 +1140,120 @@ def test_named_tool_choice_constrains_to_its_parameters():
     assert (req.tools.mode, req.tools.named) == ("named", "get_weather")
     assert json.loads(req.params.json_schema) == WEATHER["function"]["parameters"]
     assert req.param_names == {"json_schema": "tools.1.function.parameters"}
-    clock = parse_chat(chat(tools=[CLOCK], tool_choice={"type": "function", "function": {"name": "now"}}), MODEL)
+    clock = parse_chat(
+        chat(tools=[CLOCK], tool_choice={"type": "function", "function": {"name": "now"}}), MODEL
+    )
     assert json.loads(clock.params.json_schema) == {"type": "object"}
 
 
 def test_tool_call_history_reaches_the_template_in_hf_shape():
-    req = parse_chat(chat(messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "not json"}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
-    ], tools=[WEATHER, CLOCK]), MODEL)
+    req = parse_chat(
+        chat(
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        },
+                        {
+                            "id": "call_2",
+                            "type": "function",
+                            "function": {"name": "now", "arguments": "not json"},
+                        },
+                    ],
+                },
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+            ],
+            tools=[WEATHER, CLOCK],
+        ),
+        MODEL,
+    )
     assistant = req.messages[1]
     assert assistant["content"] == ""
     assert assistant["tool_calls"] == [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "call_1"},
-        {"type": "function", "function": {"name": "now", "arguments": "not json"}, "id": "call_2"}]
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            "id": "call_1",
+        },
+        {"type": "function", "function": {"name": "now", "arguments": "not json"}, "id": "call_2"},
+    ]
     assert req.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     # Qwen2.5-style templates write `arguments | tojson`: a dict renders as the JSON it was sent as
     template = jinja2.Environment().from_string(
         '{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-        '{% endfor %}')
-    assert template.render(m=assistant).startswith('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+        "{% endfor %}"
+    )
+    assert template.render(m=assistant).startswith(
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    )
 
 
 QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 AUTO_OUTPUTS = [
     # (text, finish, content, [(name, arguments)], finish_reason)
     (QWEN_CALL, "stop", None, [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
-    ("Let me look that up.\n\n" + QWEN_CALL, "stop", "Let me look that up.",
-     [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
-    (QWEN_CALL + "\n" + '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "stop", None,
-     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("now", "{}")], "tool_calls"),
-    ("A\n" + QWEN_CALL + "\nB", "stop", "A\n\nB", [("get_weather", '{"city": "Paris", "unit": "c"}')], "tool_calls"),
-    ('Write <tool_call>{"name": oops}</tool_call> to call.', "stop",
-     'Write <tool_call>{"name": oops}</tool_call> to call.', [], "stop"),
-    ('<tool_call>\n{"arguments": {}}\n</tool_call>', "stop", '<tool_call>\n{"arguments": {}}\n</tool_call>', [],
-     "stop"),
-    ("Cut: <tool_call>\n{\"name\": \"get_weather\", \"argu", "length",
-     "Cut: <tool_call>\n{\"name\": \"get_weather\", \"argu", [], "length"),
-    (QWEN_CALL + "\n<tool_call>\n{\"name\"", "length", "<tool_call>\n{\"name\"",
-     [("get_weather", '{"city": "Paris", "unit": "c"}')], "length"),
-    ('<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"é\\"}"}</tool_call>', "stop", None, [("f", '{"q": "é"}')],
-     "tool_calls"),
+    (
+        "Let me look that up.\n\n" + QWEN_CALL,
+        "stop",
+        "Let me look that up.",
+        [("get_weather", '{"city": "Paris", "unit": "c"}')],
+        "tool_calls",
+    ),
+    (
+        QWEN_CALL + "\n" + '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        "stop",
+        None,
+        [("get_weather", '{"city": "Paris", "unit": "c"}'), ("now", "{}")],
+        "tool_calls",
+    ),
+    (
+        "A\n" + QWEN_CALL + "\nB",
+        "stop",
+        "A\n\nB",
+        [("get_weather", '{"city": "Paris", "unit": "c"}')],
+        "tool_calls",
+    ),
+    (
+        'Write <tool_call>{"name": oops}</tool_call> to call.',
+        "stop",
+        'Write <tool_call>{"name": oops}</tool_call> to call.',
+        [],
+        "stop",
+    ),
+    (
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        "stop",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        [],
+        "stop",
+    ),
+    (
+        'Cut: <tool_call>\n{"name": "get_weather", "argu',
+        "length",
+        'Cut: <tool_call>\n{"name": "get_weather", "argu',
+        [],
+        "length",
+    ),
+    (
+        QWEN_CALL + '\n<tool_call>\n{"name"',
+        "length",
+        '<tool_call>\n{"name"',
+        [("get_weather", '{"city": "Paris", "unit": "c"}')],
+        "length",
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"é\\"}"}</tool_call>',
+        "stop",
+        None,
+        [("f", '{"q": "é"}')],
+        "tool_calls",
+    ),
     ("  The answer is 4 <tool> a < b\n", "stop", "The answer is 4 <tool> a < b", [], "stop"),
     ("ends in a partial tag <tool_ca", "stop", "ends in a partial tag <tool_ca", [], "stop"),
     ("\n \n", "stop", None, [], "stop"),
@@ -743,13 +1274,15 @@ def test_auto_mode_parses_tagged_calls_out_of_the_text(text, finish, content, ca
 
 
 @pytest.mark.parametrize("text,finish,content,calls,reason", AUTO_OUTPUTS)
-def test_the_stream_parser_fed_random_pieces_agrees_with_the_whole_text_parser(text, finish, content, calls, reason):
+def test_the_stream_parser_fed_random_pieces_agrees_with_the_whole_text_parser(
+    text, finish, content, calls, reason
+):
     rng = random.Random(len(text))
     for _ in range(20):
         stream, pieces, at = OutputStream(_auto()), [], 0
         while at < len(text):
             step = rng.randint(1, 8)
-            pieces += stream.feed(text[at:at + step])
+            pieces += stream.feed(text[at : at + step])
             at += step
         rest, got_reason = stream.finish(finish)
         pieces += rest
@@ -768,17 +1301,33 @@ def test_auto_stream_holds_back_only_what_may_open_a_block():
 
 def test_constrained_outputs_parse_into_calls_or_stay_content():
     required = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice="required"), MODEL).tools
-    out = parse_output(required, '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
-                                 '{"city": "Oslo"}}]', "stop")
-    assert [(c.name, c.arguments) for c in out.tool_calls] == [("now", "{}"), ("get_weather", '{"city": "Oslo"}')]
+    out = parse_output(
+        required,
+        '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
+        '{"city": "Oslo"}}]',
+        "stop",
+    )
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [
+        ("now", "{}"),
+        ("get_weather", '{"city": "Oslo"}'),
+    ]
     assert (out.content, out.finish_reason) == (None, "tool_calls")
     cut = parse_output(required, '[{"name": "get_weather", "parameters": {"ci', "length")
-    assert (cut.content, cut.tool_calls, cut.finish_reason) == ('[{"name": "get_weather", "parameters": {"ci', [],
-                                                                "length")
-    named = parse_chat(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                       MODEL).tools
+    assert (cut.content, cut.tool_calls, cut.finish_reason) == (
+        '[{"name": "get_weather", "parameters": {"ci',
+        [],
+        "length",
+    )
+    named = parse_chat(
+        chat(
+            tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        ),
+        MODEL,
+    ).tools
     out = parse_output(named, '{"city": "Zürich", "unit": "c"}', "stop")
-    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Zürich", "unit": "c"}')]
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [
+        ("get_weather", '{"city": "Zürich", "unit": "c"}')
+    ]
     assert out.finish_reason == "tool_calls"
 
 
@@ -786,12 +1335,28 @@ def _stream_records(texts: list[str], finish: str) -> list[RequestOutput]:
     return [out(t, [i], finish if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
 
 
-@pytest.mark.parametrize("tool_choice,texts", [
-    ("auto", ["I will check. <tool", "_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Paris\"}}",
-              "\n</tool_call>\n<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>"]),
-    ("required", ['[{"name": "get_weather", ', '"parameters": {"city": "Paris"}}, ',
-                  '{"name": "now", "parameters": {}}]']),
-])
+@pytest.mark.parametrize(
+    "tool_choice,texts",
+    [
+        (
+            "auto",
+            [
+                "I will check. <tool",
+                '_call>\n{"name": "get_weather", ',
+                '"arguments": {"city": "Paris"}}',
+                '\n</tool_call>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+            ],
+        ),
+        (
+            "required",
+            [
+                '[{"name": "get_weather", ',
+                '"parameters": {"city": "Paris"}}, ',
+                '{"name": "now", "parameters": {}}]',
+            ],
+        ),
+    ],
+)
 def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(tool_choice, texts):
     tools = parse_chat(chat(tools=[WEATHER, CLOCK], tool_choice=tool_choice), MODEL).tools
     stream, chunks = ChatOutput(tools, None), []
@@ -801,12 +1366,16 @@ def test_openai_client_reassembles_streamed_tool_calls_like_the_whole_response(t
     for chunk in chunks:
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     streamed = state.get_final_completion().choices[0]
-    whole = ChatCompletion.model_validate(chat_response("c", 3, MODEL, [out("".join(texts), [1], "stop")], tools))
+    whole = ChatCompletion.model_validate(
+        chat_response("c", 3, MODEL, [out("".join(texts), [1], "stop")], tools)
+    )
     whole_choice = whole.choices[0]
     assert streamed.finish_reason == whole_choice.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in whole_choice.message.tool_calls] == \
-        [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    assert (
+        [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
+        == [(c.function.name, c.function.arguments) for c in whole_choice.message.tool_calls]
+        == [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    )
     assert (streamed.message.content or None) == whole_choice.message.content
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("tool_calls") == 1
@@ -817,46 +1386,92 @@ from relay.api.tokenization import TokenizeQuery, parse_detokenize, parse_tokeni
 
 
 def test_tokenize_parses_vllms_text_and_chat_requests():
-    assert parse_tokenize({"model": MODEL, "prompt": "Hi"}, MODEL) == TokenizeQuery("tokenize", text="Hi")
-    assert parse_tokenize({"prompt": "", "add_special_tokens": False, "return_token_strs": True}, MODEL) == \
-        TokenizeQuery("tokenize", text="", add_special_tokens=False, return_token_strs=True)
-    chat_q = parse_tokenize({"messages": [{"role": "developer", "content": "Be brief."}], "add_generation_prompt": False,
-                             "chat_template_kwargs": {"enable_thinking": False}}, MODEL)
-    assert chat_q == TokenizeQuery("tokenize", messages=[{"role": "system", "content": "Be brief."}],
-                                   chat_kwargs={"enable_thinking": False, "add_generation_prompt": False},
-                                   add_special_tokens=False)
-    cont = parse_tokenize({"messages": [{"role": "assistant", "content": "The"}], "continue_final_message": True}, MODEL)
+    assert parse_tokenize({"model": MODEL, "prompt": "Hi"}, MODEL) == TokenizeQuery(
+        "tokenize", text="Hi"
+    )
+    assert parse_tokenize(
+        {"prompt": "", "add_special_tokens": False, "return_token_strs": True}, MODEL
+    ) == TokenizeQuery("tokenize", text="", add_special_tokens=False, return_token_strs=True)
+    chat_q = parse_tokenize(
+        {
+            "messages": [{"role": "developer", "content": "Be brief."}],
+            "add_generation_prompt": False,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        MODEL,
+    )
+    assert chat_q == TokenizeQuery(
+        "tokenize",
+        messages=[{"role": "system", "content": "Be brief."}],
+        chat_kwargs={"enable_thinking": False, "add_generation_prompt": False},
+        add_special_tokens=False,
+    )
+    cont = parse_tokenize(
+        {"messages": [{"role": "assistant", "content": "The"}], "continue_final_message": True},
+        MODEL,
+    )
     assert cont.chat_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
-    tools = parse_tokenize({"messages": [{"role": "user", "content": "x"}],
-                            "tools": [{"type": "function", "function": {"name": "f"}}]}, MODEL)
+    tools = parse_tokenize(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        MODEL,
+    )
     assert [t["function"]["name"] for t in tools.chat_kwargs["tools"]] == ["f"]
-    assert parse_detokenize({"tokens": [0, 5]}, MODEL, 10, 100) == TokenizeQuery("detokenize", tokens=[0, 5])
+    assert parse_detokenize({"tokens": [0, 5]}, MODEL, 10, 100) == TokenizeQuery(
+        "detokenize", tokens=[0, 5]
+    )
     assert parse_detokenize({"tokens": []}, MODEL, 10, 100).tokens == []
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "prompt"), ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
-    ({"prompt": 5}, "prompt"), ({"prompt": ["a"]}, "prompt"), ({"prompt": "a", "add_special_tokens": "no"},
-                                                                "add_special_tokens"),
-    ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"), ({"prompt": "a", "model": "other"}, "model"),
-    ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message"),
-    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_special_tokens": True}},
-     "chat_template_kwargs.add_special_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ["a"]}, "prompt"),
+        ({"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+        ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"),
+        ({"prompt": "a", "model": "other"}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "add_generation_prompt": True,
+                "continue_final_message": True,
+            },
+            "continue_final_message",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"add_special_tokens": True},
+            },
+            "chat_template_kwargs.add_special_tokens",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
+    ],
+)
 def test_tokenize_refusals_name_the_field(body, param):
     with pytest.raises(ProtocolError) as e:
         parse_tokenize(body, MODEL)
     assert e.value.param == param and e.value.status in (400, 404)
 
 
-@pytest.mark.parametrize("body, message", [
-    ({}, "'tokens' is required"), ({"tokens": "1 2"}, "list of token ids"), ({"tokens": [1, -1]}, "item 1"),
-    ({"tokens": [1, True]}, "item 1"), ({"tokens": [10]}, "outside the vocabulary [0, 10)"),
-    ({"tokens": [1] * 101}, "at most 100 ids"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "'tokens' is required"),
+        ({"tokens": "1 2"}, "list of token ids"),
+        ({"tokens": [1, -1]}, "item 1"),
+        ({"tokens": [1, True]}, "item 1"),
+        ({"tokens": [10]}, "outside the vocabulary [0, 10)"),
+        ({"tokens": [1] * 101}, "at most 100 ids"),
+    ],
+)
 def test_detokenize_refusals_name_tokens(body, message):
     with pytest.raises(ProtocolError) as e:
         parse_detokenize(body, MODEL, 10, 100)

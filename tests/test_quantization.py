@@ -7,6 +7,7 @@ of the same quantized values. So with enough requests in a batch, greedy output 
 transformers' on the quantized weights token for token; a lone request goes through the int8
 kernel, whose bfloat16 activations may flip a near-tie.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,9 @@ def test_quantize_int8_rounds_each_weight_to_its_rows_grid():
     assert q.abs().max() <= 127
     assert torch.equal(dequantized, q.float() * scale.float()[:, None])
     err = (dequantized - w).abs()
-    assert (err <= scale.float()[:, None] * 0.5 * 1.01 + 1e-7).all()  # bf16 scale: up to 0.4% above amax/127
+    assert (
+        err <= scale.float()[:, None] * 0.5 * 1.01 + 1e-7
+    ).all()  # bf16 scale: up to 0.4% above amax/127
     assert err.max() / w.abs().max() < 0.01
 
 
@@ -49,7 +52,9 @@ def test_int8_kernel_and_float_path_agree():
     layer.int8, layer.weight.data = quantize_int8(layer.weight.data)
     x = torch.randn(INT8_MAX_ROWS, 96)
     batched = layer(x)  # float path over the quantized values
-    rows = torch.cat([layer(x[i:i + 1]) for i in range(INT8_MAX_ROWS)])  # int8 kernel, bf16 activations
+    rows = torch.cat(
+        [layer(x[i : i + 1]) for i in range(INT8_MAX_ROWS)]
+    )  # int8 kernel, bf16 activations
     exact = x @ layer.weight.data.T + layer.bias.data
     assert torch.allclose(batched, exact, atol=1e-4)
     assert ((rows - exact).norm() / exact.norm()) < 1e-2
@@ -72,13 +77,19 @@ def test_default_model_int8_matches_transformers_on_the_quantized_weights(defaul
         for p in model.parameters():
             if p.dim() == 2:  # every GEMM weight; the embedding is tied to the LM head
                 p.data = quantize_int8(p.data)[1]
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
-                    .tolist() for p in prompts]
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
 
     engine = Engine(default_model_dir, dtype="float32", quantization="int8", kv_cache_gb=0.2)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
 
-    alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]  # int8 kernel every decode step
+    alone = [
+        engine.generate([p], GREEDY)[0].token_ids for p in prompts
+    ]  # int8 kernel every decode step
     assert sum(a == e for a, e in zip(alone, expected)) >= len(prompts) - 3
     assert tok.decode(alone[0]).startswith(" Paris")
     engine.check()
@@ -102,7 +113,9 @@ def test_quantize_int4_rounds_each_group_to_its_grid():
     groups = w.view(48, 4, 32)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
     err = (dequantized - w).view(48, 4, 32).abs()
-    assert (err <= step[..., None] * 0.51 + 1e-2 * groups.abs().amax(-1, keepdim=True)).all()  # bf16 scales
+    assert (
+        err <= step[..., None] * 0.51 + 1e-2 * groups.abs().amax(-1, keepdim=True)
+    ).all()  # bf16 scales
     assert q4.packed.dtype == torch.uint8 and q4.scales_and_zeros.shape == (4, 48, 2)
 
 
@@ -116,7 +129,9 @@ def test_int4_kernel_and_float_path_agree():
     x = torch.randn(INT4_MAX_ROWS + 1, 128)
     exact = x @ layer.weight.data.T + layer.bias.data
     assert torch.allclose(layer(x), exact, atol=1e-4)  # the float path over the quantized values
-    rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # the int4 kernel, bf16 activations
+    rows = torch.cat(
+        [layer(x[i : i + 1]) for i in range(len(x))]
+    )  # the int4 kernel, bf16 activations
     assert ((rows - exact).norm() / exact.norm()) < 1e-2
     assert not torch.equal(rows, layer(x)), "a single row must take the int4 kernel"
 
@@ -131,7 +146,9 @@ def test_default_model_int4_is_still_the_model(default_model_dir):
     engine.check()
 
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="Relay's CPU kernels are not built here")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="Relay's CPU kernels are not built here"
+)
 
 
 def int8_rows_reference(x: torch.Tensor, int8, bias: torch.Tensor) -> torch.Tensor:
@@ -158,8 +175,12 @@ def test_w8a8_is_the_integer_product_of_rows_rounded_to_int8(dtype):
     assert y.dtype == dtype and torch.all(y[3] == layer.bias.data)
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bfloat16: the output's own rounding
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < tolerance
-    few = x[:W8A8_MIN_ROWS - 1]  # below the threshold: float activations over the same int8 weights
-    assert ((layer(few).double() - ref[:W8A8_MIN_ROWS - 1]).abs().max() / ref.abs().max()) > tolerance
+    few = x[
+        : W8A8_MIN_ROWS - 1
+    ]  # below the threshold: float activations over the same int8 weights
+    assert (
+        (layer(few).double() - ref[: W8A8_MIN_ROWS - 1]).abs().max() / ref.abs().max()
+    ) > tolerance
 
 
 def test_w8a8_is_refused_where_int8_gemms_have_no_vnni(default_model_dir, monkeypatch):
@@ -172,15 +193,21 @@ def test_w8a8_is_refused_where_int8_gemms_have_no_vnni(default_model_dir, monkey
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.skipif(not isa.int8_dot_products(), reason="w8a8 is refused on this CPU (no VNNI): tested above")
+@pytest.mark.skipif(
+    not isa.int8_dot_products(), reason="w8a8 is refused on this CPU (no VNNI): tested above"
+)
 def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
     """16 requests at once: prompts and decode steps take the int8 x int8 GEMMs, and the answers
     stay the model's."""
     calls = []
     real = cpu_kernels.int8_matmul
-    monkeypatch.setattr(cpu_kernels, "int8_matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(
+        cpu_kernels, "int8_matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
+    )
     engine = Engine(default_model_dir, quantization="w8a8", kv_cache_gb=0.2)
-    prompts = ["The capital of France is"] + [f"Count from {i} to {i + 5}:" for i in range(W8A8_MIN_ROWS - 1)]
+    prompts = ["The capital of France is"] + [
+        f"Count from {i} to {i + 5}:" for i in range(W8A8_MIN_ROWS - 1)
+    ]
     outs = engine.generate(prompts, GREEDY)
     assert outs[0].text.startswith(" Paris"), outs[0].text
     assert calls and max(calls) >= W8A8_MIN_ROWS

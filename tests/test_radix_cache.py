@@ -1,4 +1,5 @@
 """Unit tests for the page allocator and the radix prefix cache (pure Python, no torch)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ from relay.memory.kv_allocator import PageAllocator
 from relay.memory.radix_cache import RadixCache
 
 
-def make(num_pages: int = 64, page_size: int = 1, disabled: bool = False) -> tuple[PageAllocator, RadixCache]:
+def make(
+    num_pages: int = 64, page_size: int = 1, disabled: bool = False
+) -> tuple[PageAllocator, RadixCache]:
     alloc = PageAllocator(num_pages, page_size)
     return alloc, RadixCache(alloc, disabled=disabled)
 
@@ -25,10 +28,10 @@ def put(cache: RadixCache, tokens: list[int]) -> tuple[int, list[int]]:
     assert pages is not None, "test pool too small"
     held = cache.insert(tokens, pages)
     assert held % ps == 0
-    cache.allocator.free(pages[:held // ps])
+    cache.allocator.free(pages[: held // ps])
     matched, _ = cache.match_prefix(tokens)
     assert len(matched) == n
-    assert matched[held // ps:] == pages[held // ps:]
+    assert matched[held // ps :] == pages[held // ps :]
     return held, matched
 
 
@@ -62,6 +65,7 @@ def cached_len(cache: RadixCache, tokens: list[int]) -> int:
 
 # ---- allocator --------------------------------------------------------------------------
 
+
 def test_allocator_never_hands_out_page_zero_and_starts_low():
     alloc = PageAllocator(5, 4)
     assert alloc.capacity == 4 and alloc.num_free == 4
@@ -84,6 +88,7 @@ def test_allocator_rejects_a_pool_without_usable_pages():
 
 # ---- radix cache: concrete cases --------------------------------------------------------
 
+
 @pytest.mark.parametrize("ps", [1, 4])
 def test_match_on_empty_tree(ps):
     alloc, cache = make(page_size=ps)
@@ -102,7 +107,7 @@ def test_insert_then_match(ps):
     assert held == 0 and len(pages) == 3
     assert cache.match_prefix(tokens)[0] == pages
     assert cache.match_prefix(tokens + [99] * (2 * ps))[0] == pages  # longer query
-    assert cache.match_prefix(tokens[:2 * ps + ps // 2])[0] == pages[:2]  # shorter query
+    assert cache.match_prefix(tokens[: 2 * ps + ps // 2])[0] == pages[:2]  # shorter query
     assert cache.match_prefix([99] + tokens)[0] == []
     assert cache.stats().cached_pages == 3 and cache.stats().evictable_pages == 3
     all_accounted(alloc, cache)
@@ -173,9 +178,9 @@ def test_partial_page_is_never_matched_or_cached(ps):
     alloc.free(pages[whole:])  # the partial page stays the caller's
     assert cache.match_prefix(tokens)[0] == pages[:whole]
     if ps > 1:
-        assert cache.match_prefix(tokens[:ps - 1])[0] == []  # less than a page
+        assert cache.match_prefix(tokens[: ps - 1])[0] == []  # less than a page
         # A query whose last page is partial only matches whole pages.
-        assert cache.match_prefix(tokens[:2 * ps - 1])[0] == pages[:1]
+        assert cache.match_prefix(tokens[: 2 * ps - 1])[0] == pages[:1]
     all_accounted(alloc, cache)
 
 
@@ -249,11 +254,13 @@ def test_lru_order_of_eviction():
         assert cache.evict(1) >= 1  # a whole leaf goes, even if it has more pages
         cache.check()
         steps.append(sizes())
-    assert steps == [dict(a=2, b=0, c=2, d=2),   # b: least recently used
-                     dict(a=2, b=0, c=1, d=2),   # c's untouched lower half
-                     dict(a=2, b=0, c=1, d=0),   # d
-                     dict(a=0, b=0, c=1, d=0),   # a (matched before c's upper half)
-                     dict(a=0, b=0, c=0, d=0)]
+    assert steps == [
+        dict(a=2, b=0, c=2, d=2),  # b: least recently used
+        dict(a=2, b=0, c=1, d=2),  # c's untouched lower half
+        dict(a=2, b=0, c=1, d=0),  # d
+        dict(a=0, b=0, c=1, d=0),  # a (matched before c's upper half)
+        dict(a=0, b=0, c=0, d=0),
+    ]
     all_accounted(alloc, cache)
 
 
@@ -311,7 +318,7 @@ def test_insert_returns_the_already_held_prefix_length(ps):
     assert put(cache, a[:ps] + [60] * ps)[0] == ps  # diverges at a page boundary
     if ps > 1:
         # Diverges inside the second page: only whole shared pages count as held.
-        assert put(cache, a[:ps + 1] + [70] * (ps - 1))[0] == ps
+        assert put(cache, a[: ps + 1] + [70] * (ps - 1))[0] == ps
     assert put(cache, [80] * ps)[0] == 0
     assert cache.cached_pages == (6 if ps > 1 else 5)
     all_accounted(alloc, cache)
@@ -377,7 +384,7 @@ def test_evict_of_a_large_count_frees_only_unlocked_pages():
     _, node = cache.match_prefix([1] * 6)
     cache.lock(node)
     free_before = alloc.num_free
-    freed = cache.evict(10 ** 9)
+    freed = cache.evict(10**9)
     assert freed == 3 + 1  # b and c's own page; a's path is locked
     assert alloc.num_free == free_before + freed
     assert cache.match_prefix([1] * 6)[0] == pa
@@ -451,7 +458,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def _verify_pages(self, tokens, pages):
         for i, page in enumerate(pages):
-            assert self.content[page] == tuple(tokens[i * self.ps:(i + 1) * self.ps])
+            assert self.content[page] == tuple(tokens[i * self.ps : (i + 1) * self.ps])
 
     @rule(tokens=TOKENS, match_first=st.booleans())
     def insert(self, tokens, match_first):
@@ -471,17 +478,17 @@ class RadixMachine(RuleBasedStateMachine):
             return
         pages = matched + fresh
         for i in range(len(matched), n):
-            self.content[pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
+            self.content[pages[i]] = tuple(tokens[i * ps : (i + 1) * ps])
         expected_held = cached_len(cache, tokens)
         held = cache.insert(tokens, pages)
         assert held == expected_held
         assert held >= len(matched) * ps
         # Exactly what KVManager.cache_prefix does with the caller's duplicates.
-        self.alloc.free(pages[len(matched):held // ps])
+        self.alloc.free(pages[len(matched) : held // ps])
         cache.unlock(node)
         got, _ = cache.match_prefix(tokens)
         assert len(got) == n
-        assert got[held // ps:] == pages[held // ps:]
+        assert got[held // ps :] == pages[held // ps :]
         self._verify_pages(tokens, got)
 
     @rule(tokens=TOKENS)
@@ -490,7 +497,7 @@ class RadixMachine(RuleBasedStateMachine):
         pages, node = self.cache.match_prefix(tokens)
         assert len(pages) * self.ps == want
         if node is not self.cache.root:
-            assert node.key == tuple(tokens[want - len(node.key):want])
+            assert node.key == tuple(tokens[want - len(node.key) : want])
         self._verify_pages(tokens, pages)
         self.cache.lock(node)
         self.locks.append((node, pages, tokens))
@@ -501,7 +508,7 @@ class RadixMachine(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.locks) - 1))
         node, pages, tokens = self.locks.pop(i)
         # Locked pages were never evicted: the path still holds the same pages.
-        assert self.cache.match_prefix(tokens[:len(pages) * self.ps])[0] == pages
+        assert self.cache.match_prefix(tokens[: len(pages) * self.ps])[0] == pages
         self.cache.unlock(node)
 
     @rule(k=st.integers(0, 30))
@@ -529,7 +536,9 @@ class RadixMachine(RuleBasedStateMachine):
             return
         tree = self.cache.check()
         every = tree + self.alloc.free_pages()
-        assert sorted(every) == list(range(1, self.alloc.num_pages)), "a page is lost or owned twice"
+        assert sorted(every) == list(range(1, self.alloc.num_pages)), (
+            "a page is lost or owned twice"
+        )
         locked = {p for _, pages, _ in self.locks for p in pages}
         assert locked <= set(tree)
         assert self.cache.locked_pages >= len(locked)
@@ -537,6 +546,10 @@ class RadixMachine(RuleBasedStateMachine):
             assert self.cache.locked_pages == 0
 
 
-RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestRadixMachine = RadixMachine.TestCase

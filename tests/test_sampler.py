@@ -4,6 +4,7 @@ Everything runs on CPU on tiny vocabularies. Statistical checks draw from fixed 
 they are deterministic: the bounds are loose enough to hold for any reasonable sampler and
 tight enough to catch a wrong distribution.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ def prob_of(tok: int) -> float:
     return PROBS[PERM.index(tok)]
 
 
-def spec(sid: int, stop: list[int] | None = None, prompt: list[int] | None = None, **kw) -> SamplingSpec:
+def spec(
+    sid: int, stop: list[int] | None = None, prompt: list[int] | None = None, **kw
+) -> SamplingSpec:
     return SamplingSpec(sid, SamplingParams(**kw), list(stop or []), list(prompt or []))
 
 
@@ -44,12 +47,18 @@ def make(specs: list[SamplingSpec], seed: int = 0, vocab: int = V) -> Sampler:
     return s
 
 
-def sample(s: Sampler, rows: list[list[float]] | torch.Tensor, sids: list[int], lens: list[int]) -> SampleResult:
-    logits = rows.clone() if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.float32)
+def sample(
+    s: Sampler, rows: list[list[float]] | torch.Tensor, sids: list[int], lens: list[int]
+) -> SampleResult:
+    logits = (
+        rows.clone() if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.float32)
+    )
     return s.sample(logits, sids, lens)
 
 
-def draw_many(logits_row: torch.Tensor, n: int, base_seed: int = 1000, position: int = 0, **kw) -> list[int]:
+def draw_many(
+    logits_row: torch.Tensor, n: int, base_seed: int = 1000, position: int = 0, **kw
+) -> list[int]:
     """n draws from one logits row: n requests with distinct fixed seeds in one batch."""
     s = make([spec(i, seed=base_seed + i, **kw) for i in range(n)])
     return sample(s, logits_row.expand(n, -1), list(range(n)), [position] * n).token_ids
@@ -110,8 +119,16 @@ def test_greedy_rows_take_argmax_whatever_else_is_in_the_batch(kw):
         if i in greedy_rows:
             specs.append(spec(i, **kw))
         else:  # sampled rows of every flavour around the greedy ones
-            specs.append(spec(i, temperature=1.5, top_p=0.9 if i % 2 else 1.0, top_k=5 if i % 3 == 0 else -1,
-                              min_p=0.05 if i % 4 == 1 else 0.0, seed=i if i % 2 else None))
+            specs.append(
+                spec(
+                    i,
+                    temperature=1.5,
+                    top_p=0.9 if i % 2 else 1.0,
+                    top_k=5 if i % 3 == 0 else -1,
+                    min_p=0.05 if i % 4 == 1 else 0.0,
+                    seed=i if i % 2 else None,
+                )
+            )
     s = make(specs, vocab=50)
     alone = make([spec(i, **kw) for i in greedy_rows], vocab=50)
     want = logits.argmax(-1).tolist()
@@ -132,8 +149,9 @@ def test_greedy_does_not_consume_the_runner_rng():
 
 
 # ---- penalties -------------------------------------------------------------------------------------
-def reference_logits(base: list[float], out: list[int], prompt: list[int], rep: float, freq: float,
-                     pres: float) -> list[float]:
+def reference_logits(
+    base: list[float], out: list[int], prompt: list[int], rep: float, freq: float, pres: float
+) -> list[float]:
     """The hand computation: HF repetition penalty over prompt + output, then OpenAI
     frequency/presence penalties over output tokens only."""
     seen = set(prompt) | set(out)
@@ -153,18 +171,26 @@ def log_softmax(row: list[float]) -> list[float]:
     return [x - lse for x in row]
 
 
-@pytest.mark.parametrize("rep,freq,pres,prompt", [
-    (1.0, 0.6, 0.0, []),
-    (1.0, 0.0, 1.1, []),
-    (1.0, 0.4, 0.3, [4, 0]),  # prompt tokens must NOT count for frequency/presence
-    (2.0, 0.0, 0.0, [1, 2]),  # 1 is positive (divided), 2 negative (multiplied)
-    (1.7, 0.25, 0.5, [4, 5, 5]),
-    (0.5, 0.0, 0.0, [2, 3]),  # rep < 1 rewards seen tokens
-    (1.0, -0.5, 0.0, []),  # negative frequency penalty rewards repeats
-])
+@pytest.mark.parametrize(
+    "rep,freq,pres,prompt",
+    [
+        (1.0, 0.6, 0.0, []),
+        (1.0, 0.0, 1.1, []),
+        (1.0, 0.4, 0.3, [4, 0]),  # prompt tokens must NOT count for frequency/presence
+        (2.0, 0.0, 0.0, [1, 2]),  # 1 is positive (divided), 2 negative (multiplied)
+        (1.7, 0.25, 0.5, [4, 5, 5]),
+        (0.5, 0.0, 0.0, [2, 3]),  # rep < 1 rewards seen tokens
+        (1.0, -0.5, 0.0, []),  # negative frequency penalty rewards repeats
+    ],
+)
 def test_penalties_match_hand_computation_over_steps(rep, freq, pres, prompt):
-    kw = dict(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
-              logprobs=True, top_logprobs=V)
+    kw = dict(
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        logprobs=True,
+        top_logprobs=V,
+    )
     s = make([spec(7, prompt=prompt, temperature=0.0, **kw)])
     out: list[int] = []
     for step in range(12):
@@ -220,9 +246,22 @@ def test_repetition_penalty_is_not_compounded():
 
 def test_penalty_counts_come_from_sampled_tokens_of_random_rows():
     """Counts accumulate from the sampler's own (random) choices; logprobs follow them."""
-    s = make([spec(3, temperature=0.8, seed=11, frequency_penalty=0.7, presence_penalty=0.2,
-                   repetition_penalty=1.3, prompt=[0, 6], logprobs=True, top_logprobs=V),
-              spec(4, temperature=1.0, seed=12)])  # an unpenalised neighbour
+    s = make(
+        [
+            spec(
+                3,
+                temperature=0.8,
+                seed=11,
+                frequency_penalty=0.7,
+                presence_penalty=0.2,
+                repetition_penalty=1.3,
+                prompt=[0, 6],
+                logprobs=True,
+                top_logprobs=V,
+            ),
+            spec(4, temperature=1.0, seed=12),
+        ]
+    )  # an unpenalised neighbour
     out: list[int] = []
     for step in range(30):
         res = sample(s, [BASE, BASE], [3, 4], [step, step])
@@ -249,7 +288,9 @@ def test_penalties_do_not_leak_between_rows():
 def test_min_new_tokens_masks_stop_ids_greedy():
     row = [0.0] * V
     row[7], row[5], row[2] = 10.0, 9.0, 1.0  # stops dominate
-    s = make([spec(1, stop=[7, 5], temperature=0.0, min_new_tokens=3, logprobs=True, top_logprobs=3)])
+    s = make(
+        [spec(1, stop=[7, 5], temperature=0.0, min_new_tokens=3, logprobs=True, top_logprobs=3)]
+    )
     got = []
     for n in range(5):
         res = sample(s, [row], [1], [n])
@@ -264,7 +305,9 @@ def test_min_new_tokens_masks_stop_ids_sampled():
     row[7], row[5] = 3.0, 3.0  # each stop ~ 44% when allowed
     n = 600
     for pos, allowed in [(0, False), (3, False), (4, True), (9, True)]:
-        s = make([spec(i, stop=[7, 5], seed=50 + i, temperature=1.0, min_new_tokens=4) for i in range(n)])
+        s = make(
+            [spec(i, stop=[7, 5], seed=50 + i, temperature=1.0, min_new_tokens=4) for i in range(n)]
+        )
         toks = sample(s, row.expand(n, -1), list(range(n)), [pos] * n).token_ids
         hits = sum(t in (5, 7) for t in toks)
         if allowed:
@@ -276,9 +319,13 @@ def test_min_new_tokens_masks_stop_ids_sampled():
 def test_min_new_tokens_only_masks_listed_ids_and_only_that_row():
     row = [0.0] * V
     row[7] = 10.0
-    s = make([spec(1, stop=[5], temperature=0.0, min_new_tokens=5),  # 7 is not one of its stop ids
-              spec(2, stop=[7], temperature=0.0, min_new_tokens=5),
-              spec(3, stop=[7], temperature=0.0, min_new_tokens=0)])
+    s = make(
+        [
+            spec(1, stop=[5], temperature=0.0, min_new_tokens=5),  # 7 is not one of its stop ids
+            spec(2, stop=[7], temperature=0.0, min_new_tokens=5),
+            spec(3, stop=[7], temperature=0.0, min_new_tokens=0),
+        ]
+    )
     assert sample(s, [row, row, row], [1, 2, 3], [0, 0, 0]).token_ids == [7, 0, 7]
 
 
@@ -294,14 +341,22 @@ def test_seeded_rows_are_reproducible_across_batch_composition():
     ref = [sample(alone, row[None], [42], [p]).token_ids[0] for p in positions]
 
     others = _flat_logits(6, 1)
-    s = make([spec(42, seed=1234, temperature=0.9, top_p=0.95),
-              spec(1, temperature=1.0), spec(2, temperature=0.0), spec(3, seed=99, temperature=2.0, top_k=3),
-              spec(4, temperature=0.7, min_p=0.1), spec(5, temperature=1.0, frequency_penalty=1.0)], seed=77)
+    s = make(
+        [
+            spec(42, seed=1234, temperature=0.9, top_p=0.95),
+            spec(1, temperature=1.0),
+            spec(2, temperature=0.0),
+            spec(3, seed=99, temperature=2.0, top_k=3),
+            spec(4, temperature=0.7, min_p=0.1),
+            spec(5, temperature=1.0, frequency_penalty=1.0),
+        ],
+        seed=77,
+    )
     got = []
     for j, p in enumerate(positions):
         # Reorder the batch each step and vary which neighbours are present.
         rows = [1, 2, 3, 4, 5][: 1 + j % 5]
-        order = rows[: j % len(rows)] + [42] + rows[j % len(rows):]
+        order = rows[: j % len(rows)] + [42] + rows[j % len(rows) :]
         batch = torch.stack([row if sid == 42 else others[sid] for sid in order])
         lens = [p if sid == 42 else (j * 7 + sid) % 50 for sid in order]
         res = sample(s, batch, order, lens)
@@ -337,7 +392,13 @@ def test_different_seeds_differ():
 
 def test_same_seed_same_position_same_token_in_one_batch():
     row = _flat_logits(1, 4)[0]
-    s = make([spec(1, seed=9, temperature=1.0), spec(2, seed=9, temperature=1.0), spec(3, seed=10, temperature=1.0)])
+    s = make(
+        [
+            spec(1, seed=9, temperature=1.0),
+            spec(2, seed=9, temperature=1.0),
+            spec(3, seed=10, temperature=1.0),
+        ]
+    )
     same = 0
     for p in range(50):
         t = sample(s, row.expand(3, -1), [1, 2, 3], [p, p, p]).token_ids
@@ -355,7 +416,10 @@ def test_unseeded_rows_use_the_runner_rng():
             specs += [spec(2, seed=3, temperature=1.0), spec(3, temperature=0.0)]
         s = make(specs, seed=runner_seed)
         sids = [s_.sid for s_ in specs]
-        return [sample(s, row.expand(len(sids), -1), sids, [p] * len(sids)).token_ids[0] for p in range(80)]
+        return [
+            sample(s, row.expand(len(sids), -1), sids, [p] * len(sids)).token_ids[0]
+            for p in range(80)
+        ]
 
     torch.manual_seed(123)
     a = stream(0, False)
@@ -367,7 +431,9 @@ def test_unseeded_rows_use_the_runner_rng():
     # Unseeded rows do not repeat with position the way a seeded row does: two unseeded
     # rows at the same position in one batch draw different numbers.
     s = make([spec(1, temperature=1.0), spec(2, temperature=1.0)], seed=0)
-    same = sum(len(set(sample(s, row.expand(2, -1), [1, 2], [0, 0]).token_ids)) == 1 for _ in range(80))
+    same = sum(
+        len(set(sample(s, row.expand(2, -1), [1, 2], [0, 0]).token_ids)) == 1 for _ in range(80)
+    )
     assert same < 30  # ~10 expected
 
 
@@ -384,27 +450,32 @@ def top(n: int) -> set[int]:
     return set(PERM[:n])
 
 
-@pytest.mark.parametrize("kw,keep", [
-    (dict(top_k=3), top(3)),
-    (dict(top_k=1, temperature=1.0), top(1)),
-    (dict(top_p=0.7), top(3)),  # 0.4, 0.65 < 0.7 <= 0.80: three tokens
-    (dict(top_p=0.3), top(1)),  # the top token alone already covers p
-    (dict(top_p=0.93), top(5)),  # 0.90 < 0.93 <= 0.95
-    (dict(top_p=0.97), top(6)),  # 0.95 < 0.97 <= 0.98
-    (dict(min_p=0.2), top(4)),  # floor 0.08
-    (dict(min_p=0.5), top(2)),  # floor 0.2
-    (dict(top_k=5, top_p=0.7), top(3)),
-    (dict(top_k=2, top_p=0.9), top(2)),
-    (dict(top_p=0.88, min_p=0.3), top(3)),  # top-p keeps 4, floor 0.12 drops the 0.1
-    (dict(top_k=6, top_p=0.99, min_p=0.09), top(5)),  # floor 0.036
-])
+@pytest.mark.parametrize(
+    "kw,keep",
+    [
+        (dict(top_k=3), top(3)),
+        (dict(top_k=1, temperature=1.0), top(1)),
+        (dict(top_p=0.7), top(3)),  # 0.4, 0.65 < 0.7 <= 0.80: three tokens
+        (dict(top_p=0.3), top(1)),  # the top token alone already covers p
+        (dict(top_p=0.93), top(5)),  # 0.90 < 0.93 <= 0.95
+        (dict(top_p=0.97), top(6)),  # 0.95 < 0.97 <= 0.98
+        (dict(min_p=0.2), top(4)),  # floor 0.08
+        (dict(min_p=0.5), top(2)),  # floor 0.2
+        (dict(top_k=5, top_p=0.7), top(3)),
+        (dict(top_k=2, top_p=0.9), top(2)),
+        (dict(top_p=0.88, min_p=0.3), top(3)),  # top-p keeps 4, floor 0.12 drops the 0.1
+        (dict(top_k=6, top_p=0.99, min_p=0.09), top(5)),  # floor 0.036
+    ],
+)
 def test_filters_keep_exactly_the_expected_tokens(kw, keep):
     toks = draw_many(permuted_logits(), N_DRAWS, **kw)
     assert set(toks) == keep  # nothing outside, and every kept token actually shows up
     assert_matches(toks, renormalised(keep))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(top_p=1.0, top_k=-1), dict(top_k=0), dict(top_k=V), dict(min_p=0.0)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(top_p=1.0, top_k=-1), dict(top_k=0), dict(top_k=V), dict(min_p=0.0)]
+)
 def test_disabled_filters_keep_the_full_distribution(kw):
     toks = draw_many(permuted_logits(), N_DRAWS, **kw)
     assert set(toks) == set(range(V))
@@ -461,7 +532,7 @@ def test_mixed_filters_in_one_batch_stay_per_row():
         sids.append(i)
     s = make(specs)
     toks = sample(s, row.expand(len(sids), -1), sids, [0] * len(sids)).token_ids
-    by_kind = [toks[k::len(kinds)] for k in range(len(kinds))]
+    by_kind = [toks[k :: len(kinds)] for k in range(len(kinds))]
     assert set(by_kind[0]) == top(2)
     assert set(by_kind[1]) == set(range(V))
     assert set(by_kind[2]) == top(2)
@@ -483,10 +554,15 @@ def test_sampling_never_picks_a_minus_inf_token():
 def test_logprobs_and_top_logprobs_match_log_softmax():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 40, generator=g) * 2
-    s = make([spec(1, temperature=0.0, logprobs=True, top_logprobs=5),
-              spec(2, temperature=0.6, seed=1, logprobs=True, top_logprobs=0),
-              spec(3, temperature=1.4, top_k=10, logprobs=False),
-              spec(4, temperature=2.0, seed=2, logprobs=True, top_logprobs=2)], vocab=40)
+    s = make(
+        [
+            spec(1, temperature=0.0, logprobs=True, top_logprobs=5),
+            spec(2, temperature=0.6, seed=1, logprobs=True, top_logprobs=0),
+            spec(3, temperature=1.4, top_k=10, logprobs=False),
+            spec(4, temperature=2.0, seed=2, logprobs=True, top_logprobs=2),
+        ],
+        vocab=40,
+    )
     res = sample(s, logits, [1, 2, 3, 4], [0, 0, 0, 0])
     ref = torch.log_softmax(logits, -1)  # before temperature and filters
     assert len(res.token_ids) == len(res.logprobs) == len(res.top_logprobs) == 4
@@ -569,8 +645,15 @@ def test_repetition_state_reset_on_reuse():
 
 
 def test_state_allocated_only_for_penalties():
-    s = make([spec(1), spec(2, frequency_penalty=0.1), spec(3, presence_penalty=-0.2),
-              spec(4, repetition_penalty=1.1, prompt=[3]), spec(5, repetition_penalty=1.0, prompt=[3])])
+    s = make(
+        [
+            spec(1),
+            spec(2, frequency_penalty=0.1),
+            spec(3, presence_penalty=-0.2),
+            spec(4, repetition_penalty=1.1, prompt=[3]),
+            spec(5, repetition_penalty=1.0, prompt=[3]),
+        ]
+    )
     st = s.states
     assert st[1].counts is None and st[1].seen is None
     assert st[2].counts is not None and st[2].seen is None
@@ -585,8 +668,13 @@ def test_logit_bias_forces_and_bans_greedy_tokens_per_row():
     in the same batch, and the caller's logits, are untouched."""
     logits = torch.tensor([BASE, BASE, BASE])
     before = logits.clone()
-    s = make([spec(1, temperature=0.0, logit_bias={2: 100.0}), spec(2, temperature=0.0, logit_bias={4: -100.0}),
-              spec(3, temperature=0.0)])
+    s = make(
+        [
+            spec(1, temperature=0.0, logit_bias={2: 100.0}),
+            spec(2, temperature=0.0, logit_bias={4: -100.0}),
+            spec(3, temperature=0.0),
+        ]
+    )
     assert s.sample(logits, [1, 2, 3], [0, 0, 0]).token_ids == [2, 0, 4]
     assert torch.equal(logits, before)
 
@@ -602,8 +690,12 @@ def test_logit_bias_cannot_lift_a_masked_token():
     """A grammar's -inf (applied before the sampler) and min_new_tokens' stop mask win over +100."""
     row = list(BASE)
     row[2] = float("-inf")
-    s = make([spec(1, stop=[3], temperature=0.0, min_new_tokens=2, logit_bias={2: 100.0, 3: 100.0}),
-              spec(2, temperature=0.9, seed=5, logit_bias={2: 100.0})])
+    s = make(
+        [
+            spec(1, stop=[3], temperature=0.0, min_new_tokens=2, logit_bias={2: 100.0, 3: 100.0}),
+            spec(2, temperature=0.9, seed=5, logit_bias={2: 100.0}),
+        ]
+    )
     for n in range(20):
         first, second = s.sample(torch.tensor([row, row]), [1, 2], [0, n]).token_ids
         assert first not in (2, 3) and second != 2
@@ -631,4 +723,7 @@ def test_logit_bias_holds_under_speculative_verification_and_drafting():
 def test_logit_bias_state_only_for_biased_requests():
     s = make([spec(1), spec(2, logit_bias={6: 1.0, 0: -1.0})])
     assert s.states[1].bias_ids is None
-    assert s.states[2].bias_ids.tolist() == [6, 0] and s.states[2].bias_values.tolist() == [1.0, -1.0]
+    assert s.states[2].bias_ids.tolist() == [6, 0] and s.states[2].bias_values.tolist() == [
+        1.0,
+        -1.0,
+    ]

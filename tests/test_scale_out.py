@@ -7,6 +7,7 @@ tests of the pieces: core shares, the replicas' and the router's flags, request 
 replica metrics label, the front door (on a stand-in router), and the supervision policy (a
 dead replica, the last one, the router) on stand-in processes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,21 @@ MODEL = "SmolLM2-135M-Instruct"
 
 # ---- one --dp 2 server ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server():
     metrics_port = free_port()
-    s = Server("--dp", "2", "--load-format", "dummy-null", "--kv-cache-gb", "0.05", "--log-requests",
-               "--router-prometheus-port", str(metrics_port))
+    s = Server(
+        "--dp",
+        "2",
+        "--load-format",
+        "dummy-null",
+        "--kv-cache-gb",
+        "0.05",
+        "--log-requests",
+        "--router-prometheus-port",
+        str(metrics_port),
+    )
     s.router_metrics_port = metrics_port
     yield s
     s.stop()
@@ -75,18 +86,32 @@ def titled(server: Server) -> dict[str, int]:
 @pytest.mark.slow
 def test_openai_client_through_the_router(server, oai):
     assert [m.id for m in oai.models.list().data] == [MODEL]
-    out = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    out = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     whole = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text and whole.choices[0].message.content  # (the null runner's tokens differ per request)
+    assert (
+        text and whole.choices[0].message.content
+    )  # (the null runner's tokens differ per request)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 6
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     with server.client() as c:
-        native = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3}}).json()
+        native = c.post(
+            "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3}}
+        ).json()
     assert native["meta_info"]["completion_tokens"] == 3
 
 
@@ -97,9 +122,11 @@ def test_a_body_without_a_model_is_served_as_by_a_single_server(server):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     with server.client() as c:
         completion = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-        answers = [c.post("/v1/chat/completions", json=chat),
-                   c.post("/v1/chat/completions", json={**chat, "model": None}),
-                   c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "model": None})]
+        answers = [
+            c.post("/v1/chat/completions", json=chat),
+            c.post("/v1/chat/completions", json={**chat, "model": None}),
+            c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "model": None}),
+        ]
         with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         other = c.post("/v1/completions", json={"prompt": "Hi", "model": "other"})
@@ -139,7 +166,9 @@ def test_metrics_carry_the_replica_and_the_router_has_its_own(server, replicas):
         assert all(s.labels["replica"] == name for s in fams["relay:prompt_tokens"].samples)
     router = httpx.get(f"http://127.0.0.1:{server.router_metrics_port}/metrics", timeout=30).text
     assert "smg_http_requests_total" in router
-    merged = httpx.get(server.url + "/engine_metrics", timeout=30)  # the router merges the replicas'
+    merged = httpx.get(
+        server.url + "/engine_metrics", timeout=30
+    )  # the router merges the replicas'
     assert merged.status_code == 200, merged.text
     assert {f'replica="{n}"' for n in replicas} <= set(re.findall(r'replica="dp\d"', merged.text))
 
@@ -148,12 +177,18 @@ def test_metrics_carry_the_replica_and_the_router_has_its_own(server, replicas):
 def test_a_request_id_reaches_the_replicas_log_line(server):
     trace = f"trace-{uuid.uuid4().hex[:12]}"
     with server.client() as c:
-        r = c.post("/v1/completions", headers={"X-Request-Id": trace},
-                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        r = c.post(
+            "/v1/completions",
+            headers={"X-Request-Id": trace},
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        )
     assert r.status_code == 200 and r.headers["x-request-id"] == trace
     assert r.json()["id"] == f"comp-{trace}"
-    line = wait_until(lambda: next((line for line in server.lines if f"rid=comp-{trace} " in line), None), 10,
-                      "the replica's request log line")
+    line = wait_until(
+        lambda: next((line for line in server.lines if f"rid=comp-{trace} " in line), None),
+        10,
+        "the replica's request log line",
+    )
     assert re.search(r"sched dp[01]\]", line), line  # tagged with the replica that served it
 
 
@@ -165,7 +200,9 @@ def test_process_titles_groups_and_core_shares(server):
         for name in ("http", "tokenizer", "sched", "tp0", "detok"):
             assert f"relay::{name} {rep}" in procs, sorted(procs)
         group = os.getpgid(procs[f"relay::http {rep}"])
-        assert group != os.getpgid(server.proc.pid), "each replica runs in a process group of its own"
+        assert group != os.getpgid(server.proc.pid), (
+            "each replica runs in a process group of its own"
+        )
         assert os.getpgid(procs[f"relay::tp0 {rep}"]) == group
     assert "sglang::router" in procs
     cores = [os.sched_getaffinity(procs[f"relay::tp0 {rep}"]) for rep in ("dp0", "dp1")]
@@ -175,14 +212,24 @@ def test_process_titles_groups_and_core_shares(server):
 
 # ---- cache-aware routing against round-robin ----------------------------------------------
 
-GROUPS, PER_GROUP = 3, 4  # an odd number of groups: round-robin splits every group over both replicas
+GROUPS, PER_GROUP = (
+    3,
+    4,
+)  # an odd number of groups: round-robin splits every group over both replicas
 
 
 def shared_prefix_prompts() -> list[str]:
     """Round by round, one request per group: a long system prompt, then a short question."""
-    prefix = [f"You are assistant {g}. " + " ".join(f"Rule {g}.{i}: answer briefly and precisely." for i in range(40))
-              for g in range(GROUPS)]
-    return [f"{prefix[g]}\nQuestion {r}: what is {r} plus {g}?" for r in range(PER_GROUP) for g in range(GROUPS)]
+    prefix = [
+        f"You are assistant {g}. "
+        + " ".join(f"Rule {g}.{i}: answer briefly and precisely." for i in range(40))
+        for g in range(GROUPS)
+    ]
+    return [
+        f"{prefix[g]}\nQuestion {r}: what is {r} plus {g}?"
+        for r in range(PER_GROUP)
+        for g in range(GROUPS)
+    ]
 
 
 def cache_counters(replicas: dict[str, str]) -> tuple[int, int]:
@@ -211,16 +258,41 @@ def test_cache_aware_routing_hits_the_cache_more_than_round_robin(server, replic
     cache_aware = hit_rate(server.url, replicas)
     # The same replicas behind a second router, started by hand as on a multi-host setup.
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                               "--port", str(port), "--worker-urls", *replicas.values(), "--policy", "round_robin",
-                               "--prometheus-port", str(free_port()), "--log-level", "warn"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *replicas.values(),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     try:
+
         def ready():
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=5).json()["healthy_workers"] == 2
+                return (
+                    httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=5).json()[
+                        "healthy_workers"
+                    ]
+                    == 2
+                )
             except (httpx.HTTPError, ValueError, KeyError):
                 return False
+
         wait_until(ready, 60, "the hand-started router sees both replicas", interval=0.2)
         round_robin = hit_rate(f"http://127.0.0.1:{port}", replicas)
     finally:
@@ -233,22 +305,37 @@ def test_cache_aware_routing_hits_the_cache_more_than_round_robin(server, replic
 
 # ---- a dying replica, then SIGTERM (last: it takes the server down) -----------------------
 
+
 @pytest.mark.slow
 def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything(server, replicas):
     victim = titled(server)["relay::tp0 dp1"]
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: any("replica dp1" in line and "out of the router's rotation" in line for line in server.lines), 30,
-               "the supervisor takes dp1 out")
+    wait_until(
+        lambda: any(
+            "replica dp1" in line and "out of the router's rotation" in line
+            for line in server.lines
+        ),
+        30,
+        "the supervisor takes dp1 out",
+    )
     with server.client() as c:
-        wait_until(lambda: [w["url"] for w in c.get("/workers").json()["workers"]] == [replicas["dp0"]], 10,
-                   "the router has only dp0 left")
+        wait_until(
+            lambda: [w["url"] for w in c.get("/workers").json()["workers"]] == [replicas["dp0"]],
+            10,
+            "the router has only dp0 left",
+        )
 
     async def burst():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        outs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=f"Request {i}", max_tokens=3)
-                                      for i in range(8)])
+        outs = await asyncio.gather(
+            *[
+                client.completions.create(model=MODEL, prompt=f"Request {i}", max_tokens=3)
+                for i in range(8)
+            ]
+        )
         await client.close()
         return outs
+
     assert all(o.usage.completion_tokens == 3 for o in asyncio.run(burst()))
     assert server.proc.poll() is None, "one replica left: the server serves on"
 
@@ -256,11 +343,19 @@ def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything
     assert "sglang::router" in left and "relay::http dp0" in left
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 1, "a replica had died: the stop must not hide it"
-    assert any("replica dp1" in line and "before the stop signal: exiting 1" in line for line in server.lines), server.log
-    wait_until(lambda: not [p for p in left.values() if alive(p)], 10, "the router and every replica process gone")
+    assert any(
+        "replica dp1" in line and "before the stop signal: exiting 1" in line
+        for line in server.lines
+    ), server.log
+    wait_until(
+        lambda: not [p for p in left.values() if alive(p)],
+        10,
+        "the router and every replica process gone",
+    )
 
 
 # ---- the pieces ------------------------------------------------------------------------------
+
 
 def test_core_shares():
     assert dp.share_cores([0, 1], 2) == [[0], [1]]
@@ -280,18 +375,57 @@ def test_gpu_plan(monkeypatch):
 
 def test_replica_and_router_flags():
     parser = build_parser()
-    ns = parser.parse_args(["--dp", "2", "--port", "8000", "--host", "127.0.0.1", "--tp", "2", "--log-requests",
-                            "--kv-cache-gb", "0.5", "--api-key", "k", "--allowed-hosts", "box",
-                            "--router-policy", "round_robin", "--router-args", "--cache-threshold 0.5"])
+    ns = parser.parse_args(
+        [
+            "--dp",
+            "2",
+            "--port",
+            "8000",
+            "--host",
+            "127.0.0.1",
+            "--tp",
+            "2",
+            "--log-requests",
+            "--kv-cache-gb",
+            "0.5",
+            "--api-key",
+            "k",
+            "--allowed-hosts",
+            "box",
+            "--router-policy",
+            "round_robin",
+            "--router-args",
+            "--cache-threshold 0.5",
+        ]
+    )
     argv = dp.replica_argv(parser, ns, dp.Replica("dp1", 4242))
     again = parser.parse_args(argv)
-    assert (again.port, again.replica_name, again.tp_size, again.log_requests, again.kv_cache_gb, again.api_key,
-            again.dp, again.allowed_hosts, again.host) == (4242, "dp1", 2, True, 0.5, "k", 1, None, "127.0.0.1")
+    assert (
+        again.port,
+        again.replica_name,
+        again.tp_size,
+        again.log_requests,
+        again.kv_cache_gb,
+        again.api_key,
+        again.dp,
+        again.allowed_hosts,
+        again.host,
+    ) == (4242, "dp1", 2, True, 0.5, "k", 1, None, "127.0.0.1")
     router = dp.router_argv(ns, [dp.Replica("dp0", 1), dp.Replica("dp1", 2)], 4343)
-    assert router[:4] == ["--host", "127.0.0.1", "--port", "4343"], "behind the front door, on loopback"
-    assert router[router.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    assert router[router.index("--policy") + 1] == "round_robin" and router[router.index("--api-key") + 1] == "k"
-    assert "http://box:8000" in router and "http://[::1]:8000" in router  # CORS: the names it answers to
+    assert router[:4] == ["--host", "127.0.0.1", "--port", "4343"], (
+        "behind the front door, on loopback"
+    )
+    assert router[router.index("--worker-urls") + 1 :][:2] == [
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+    ]
+    assert (
+        router[router.index("--policy") + 1] == "round_robin"
+        and router[router.index("--api-key") + 1] == "k"
+    )
+    assert (
+        "http://box:8000" in router and "http://[::1]:8000" in router
+    )  # CORS: the names it answers to
     assert router[-2:] == ["--cache-threshold", "0.5"]
     anywhere = parser.parse_args(["--dp", "2", "--host", "0.0.0.0"])
     assert "--cors-allowed-origins" not in dp.router_argv(anywhere, [], 4343)
@@ -326,7 +460,9 @@ def test_response_header_echoes_only_ascii_ids():
 
     async def run(rid):
         sent.clear()
-        await rid_mod.RequestIdMiddleware(app)({"type": "http", "headers": [], "rid": rid}, None, send)
+        await rid_mod.RequestIdMiddleware(app)(
+            {"type": "http", "headers": [], "rid": rid}, None, send
+        )
         return dict(sent[0]["headers"]).get(rid_mod.HEADER.encode())
 
     assert asyncio.run(run("gene-abc")) == b"gene-abc"
@@ -338,38 +474,58 @@ def test_replica_label_on_every_series():
     m.observe_finish(1.0, 0.1, 10, 5, 3, "stop")
     fams = list(text_string_to_metric_families(m.render()[0].decode()))
     assert fams and all(s.labels.get("replica") == "dp3" for f in fams for s in f.samples)
-    assert "relay:aborted_requests" not in {f.name for f in fams}, "no empty families (the router cannot merge them)"
+    assert "relay:aborted_requests" not in {f.name for f in fams}, (
+        "no empty families (the router cannot merge them)"
+    )
     assert "replica=" not in ServerMetrics().render()[0].decode()
 
 
 def test_the_front_door_fills_a_missing_model_and_reframes_each_request():
     chunked_body = b'{"prompt": "Hi"}'
-    sent = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunked_body), chunked_body)
-            + request(b"POST", b"/v1/chat/completions?x=1", b'{"model": null, "messages": []}')
-            + request(b"GET", b"/v1/models", b"")
-            + request(b"POST", b"/generate", b'{"text": "Hi"}')
-            + request(b"POST", b"/v1/completions", b'{"model": "other", "prompt": "Hi"}')
-            + request(b"POST", b"/v1/completions", b"[1, 2]"))
+    sent = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunked_body), chunked_body)
+        + request(b"POST", b"/v1/chat/completions?x=1", b'{"model": null, "messages": []}')
+        + request(b"GET", b"/v1/models", b"")
+        + request(b"POST", b"/generate", b'{"text": "Hi"}')
+        + request(b"POST", b"/v1/completions", b'{"model": "other", "prompt": "Hi"}')
+        + request(b"POST", b"/v1/completions", b"[1, 2]")
+    )
     parser = RequestParser(1 << 20, on_continue=lambda: None)
-    requests = parser.feed(sent[:40]) + parser.feed(sent[40:])  # split mid-request: pipelined, in pieces
+    requests = parser.feed(sent[:40]) + parser.feed(
+        sent[40:]
+    )  # split mid-request: pipelined, in pieces
     assert len(requests) == 6 and not parser.partial
     framed = b"".join(r.encode("M") for r in requests)
     assert b"transfer-encoding" not in framed.lower()
-    again = RequestParser(1 << 20, on_continue=lambda: None).feed(framed)  # as the router reads them
+    again = RequestParser(1 << 20, on_continue=lambda: None).feed(
+        framed
+    )  # as the router reads them
     assert [(r.method, r.url) for r in again] == [(r.method, r.url) for r in requests]
     bodies = [json.loads(r.body) if r.body else None for r in again]
-    assert bodies == [{"prompt": "Hi", "model": "M"}, {"model": "M", "messages": []}, None, {"text": "Hi"},
-                      {"model": "other", "prompt": "Hi"}, [1, 2]]
+    assert bodies == [
+        {"prompt": "Hi", "model": "M"},
+        {"model": "M", "messages": []},
+        None,
+        {"text": "Hi"},
+        {"model": "other", "prompt": "Hi"},
+        [1, 2],
+    ]
 
 
 def request(method: bytes, url: bytes, body: bytes) -> bytes:
-    return b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (method, url, len(body), body)
+    return b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+        method,
+        url,
+        len(body),
+        body,
+    )
 
 
 def test_the_front_door_streams_answers_and_passes_a_disconnect_on():
     """A client that goes away closes its router connection (the router then aborts its request);
     a body past the limit gets a 413; a request that stalls half-sent ends its connection."""
+
     async def main():
         bodies, router_saw_eof = asyncio.Queue(), asyncio.Event()
 
@@ -381,6 +537,7 @@ def test_the_front_door_streams_answers_and_passes_a_disconnect_on():
             await writer.drain()
             if not await reader.read():
                 router_saw_eof.set()
+
         stub = await asyncio.start_server(router, "127.0.0.1", 0)
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
@@ -393,21 +550,29 @@ def test_the_front_door_streams_answers_and_passes_a_disconnect_on():
         reader, writer = await asyncio.open_connection(*address)
         writer.write(request(b"POST", b"/v1/completions", b"{}"))
         assert json.loads(await asyncio.wait_for(bodies.get(), 10)) == {"model": "M"}
-        assert (await asyncio.wait_for(reader.readuntil(b"hello"), 10)).startswith(b"HTTP/1.1 200 OK")
+        assert (await asyncio.wait_for(reader.readuntil(b"hello"), 10)).startswith(
+            b"HTTP/1.1 200 OK"
+        )
         writer.close()  # mid-answer
         await asyncio.wait_for(router_saw_eof.wait(), 10)
 
         reader, writer = await asyncio.open_connection(*address)
         writer.write(request(b"POST", b"/v1/completions", b"x" * 500))
         answer = await asyncio.wait_for(reader.read(), 10)
-        assert answer.startswith(b"HTTP/1.1 413") and json.loads(answer.split(b"\r\n\r\n")[1])["error"]["code"] == 413
+        assert (
+            answer.startswith(b"HTTP/1.1 413")
+            and json.loads(answer.split(b"\r\n\r\n")[1])["error"]["code"] == 413
+        )
 
         reader, writer = await asyncio.open_connection(*address)
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
-        assert await asyncio.wait_for(reader.read(), 10) == b"", "closed once the request stalled past the timeout"
+        assert await asyncio.wait_for(reader.read(), 10) == b"", (
+            "closed once the request stalled past the timeout"
+        )
         stop.set()
         await asyncio.wait_for(serving, 10)
         stub.close()
+
     asyncio.run(main())
 
 
@@ -418,8 +583,10 @@ class _Args(argparse.Namespace):
 
 def test_supervision_policy_on_stand_in_processes():
     """A replica that exits leaves the others serving; the last one, or the router, ends it."""
+
     def sleeper():
         return subprocess.Popen(["sleep", "60"])
+
     ns = _Args(host="127.0.0.1", port=free_port())  # no router there: removal is best effort
 
     def supervised(kill: list[int]) -> tuple[int, float]:
@@ -453,7 +620,9 @@ def test_supervision_policy_on_stand_in_processes():
 def test_a_stop_after_a_death_names_it():
     """SIGTERM after a replica (or the router) died must exit non-zero: died() names who."""
     reps = [dp.Replica(f"dp{i}", 1, proc=subprocess.Popen(["sleep", "60"])) for i in range(2)]
-    sup = dp.Supervisor(argparse.ArgumentParser(), _Args(host="127.0.0.1", port=free_port()), reps, free_port())
+    sup = dp.Supervisor(
+        argparse.ArgumentParser(), _Args(host="127.0.0.1", port=free_port()), reps, free_port()
+    )
     sup.router = subprocess.Popen(["sleep", "60"])
     try:
         assert sup.died() == []

@@ -12,6 +12,7 @@ With depth=2 the harness drives the scheduler as the server's overlap loop does:
 built (and run: the runner takes steps in order) before step N's output is processed, and
 the fake runner fills PENDING_TOKEN inputs with the token it sampled last for that request.
 """
+
 from __future__ import annotations
 
 import random
@@ -48,21 +49,45 @@ def counting_token(history: tuple[int, ...]) -> int:
 
 
 class Harness:
-    def __init__(self, *, num_pages: int = 256, page_size: int = 4, budget: int = 64,
-                 max_running: int = 256, context_len: int = 4096, eos: tuple[int, ...] = (EOS,),
-                 disable_cache: bool = False, token_fn=hash_token, attention_break_even: int | None = None,
-                 depth: int = 1, stall_ms: float = 0.0, clock=time.monotonic):
-        self.cfg = EngineConfig(page_size=page_size, chunked_prefill_size=budget,
-                                max_running_requests=max_running, disable_radix_cache=disable_cache,
-                                max_decode_stall_ms=stall_ms)
-        self.s = Scheduler(self.cfg, num_pages, context_len, list(eos), attention_break_even=attention_break_even,
-                           clock=clock)
+    def __init__(
+        self,
+        *,
+        num_pages: int = 256,
+        page_size: int = 4,
+        budget: int = 64,
+        max_running: int = 256,
+        context_len: int = 4096,
+        eos: tuple[int, ...] = (EOS,),
+        disable_cache: bool = False,
+        token_fn=hash_token,
+        attention_break_even: int | None = None,
+        depth: int = 1,
+        stall_ms: float = 0.0,
+        clock=time.monotonic,
+    ):
+        self.cfg = EngineConfig(
+            page_size=page_size,
+            chunked_prefill_size=budget,
+            max_running_requests=max_running,
+            disable_radix_cache=disable_cache,
+            max_decode_stall_ms=stall_ms,
+        )
+        self.s = Scheduler(
+            self.cfg,
+            num_pages,
+            context_len,
+            list(eos),
+            attention_break_even=attention_break_even,
+            clock=clock,
+        )
         self.ps, self.budget, self.token_fn = page_size, budget, token_fn
         self.kv: dict[int, list[int | None]] = {}
         self.specs: dict[int, object] = {}
         self.events: dict[str, list[RequestOutput]] = defaultdict(list)
         self.final: dict[str, RequestOutput] = {}
-        self.tables: dict[int, list[int]] = {}  # the runner's page tables, kept from the batches' changes
+        self.tables: dict[
+            int, list[int]
+        ] = {}  # the runner's page tables, kept from the batches' changes
         self.reqs: dict[str, Req] = {}
         self.batches: list[tuple[BatchInput, list[Req]]] = []
         self.steps = 0
@@ -72,7 +97,13 @@ class Harness:
 
     # ---- requests -------------------------------------------------------------------
     def add(self, rid: str, prompt: list[int], priority: int = 0, **params) -> Req:
-        req = Req(rid, list(prompt), SamplingParams(**params), priority=priority, arrival_time=self.s.clock())
+        req = Req(
+            rid,
+            list(prompt),
+            SamplingParams(**params),
+            priority=priority,
+            arrival_time=self.s.clock(),
+        )
         self.s.add_request(req)
         self.reqs[rid] = req
         return req
@@ -98,7 +129,9 @@ class Harness:
         batch = self.s.schedule() if len(self.inflight) < self.depth and had_work else None
         self.s.check()
         if batch is None and not self.inflight:
-            assert not had_work or not self.s.has_work, "livelock: work queued but nothing scheduled"
+            assert not had_work or not self.s.has_work, (
+                "livelock: work queued but nothing scheduled"
+            )
             return None
         if batch is not None:
             self.steps += 1
@@ -137,8 +170,9 @@ class Harness:
         for spec in batch.new_specs:
             # Sent again for a live sid only after a retraction, with the output it restarts from.
             again = spec.sid in self.specs
-            assert not again or (by_sid[spec.sid].num_retractions and spec.output_ids == by_sid[spec.sid].output_ids), \
-                "a spec for a sid that is still live"
+            assert not again or (
+                by_sid[spec.sid].num_retractions and spec.output_ids == by_sid[spec.sid].output_ids
+            ), "a spec for a sid that is still live"
             self.specs[spec.sid] = spec
         tree_pages = set(self.s.cache.check())
         pos = 0
@@ -149,15 +183,19 @@ class Harness:
             sample = batch.sample[i]
             assert n >= 1 and p + n + sample <= req.seq_len
             assert batch.sample[i] == (p + n == req.seq_len - sample)
-            assert batch.input_ids[pos:pos + n] == req.input_slice(p, p + n)
-            assert PENDING_TOKEN not in batch.input_ids[pos:pos + n - 1], "only a decode's one input is pending"
+            assert batch.input_ids[pos : pos + n] == req.input_slice(p, p + n)
+            assert PENDING_TOKEN not in batch.input_ids[pos : pos + n - 1], (
+                "only a decode's one input is pending"
+            )
             assert batch.output_lens[i] == len(req.output_ids) + req.pending - sample
             held = self.tables.setdefault(batch.sids[i], [])
             assert batch.page_starts[i] <= len(held), "a page update with a gap"
-            del held[batch.page_starts[i]:]
+            del held[batch.page_starts[i] :]
             held.extend(batch.new_pages[i])
             table = held
-            assert table == req.pages[:len(table)], "the runner's page table differs from the scheduler's"
+            assert table == req.pages[: len(table)], (
+                "the runner's page table differs from the scheduler's"
+            )
             assert len(table) == -(-(p + n) // self.ps)
             assert 0 not in table, "page 0 is scratch, never mapped"
             # New KV only goes into pages the request holds privately: never into a tree page
@@ -173,21 +211,27 @@ class Harness:
         pos, out = 0, []
         for i, sid in enumerate(batch.sids):
             p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
-            for q, tok in zip(range(p, p + n), fill(sid, batch.input_ids[pos:pos + n])):
+            for q, tok in zip(range(p, p + n), fill(sid, batch.input_ids[pos : pos + n])):
                 self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
             pos += n
         for i, sid in enumerate(batch.sids):
             if batch.sample[i]:
                 p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
                 history = [self.kv[table[q // self.ps]][q % self.ps] for q in range(p + n)]
-                assert history == fill(sid, reqs[i].input_slice(0, p + n)), "the KV cache holds the wrong tokens"
+                assert history == fill(sid, reqs[i].input_slice(0, p + n)), (
+                    "the KV cache holds the wrong tokens"
+                )
                 out.append(self.token_fn(tuple(history)))
                 self.last_tokens[sid] = out[-1]
         sampled = [sid for sid, s in zip(batch.sids, batch.sample) if s]
         if any(self.specs[sid].params.logprobs for sid in sampled):
             # Like the real runner: one entry per sampled row when any row asks for them.
-            return BatchOutput(batch.step, out, logprobs=[fake_logprob(t) for t in out],
-                               top_logprobs=[[[t], [fake_logprob(t)]] for t in out])
+            return BatchOutput(
+                batch.step,
+                out,
+                logprobs=[fake_logprob(t) for t in out],
+                top_logprobs=[[[t], [fake_logprob(t)]] for t in out],
+            )
         return BatchOutput(batch.step, out)
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -232,8 +276,9 @@ class Harness:
             assert ev.matched_stop is None
             # The next step would need KV for all seq_len tokens: past the pool it cannot run.
             seq_len, pool = len(req.prompt_ids) + len(out), self.s.allocator.capacity * self.ps
-            assert (len(out) == p.max_new_tokens or seq_len == self.s.context_len
-                    or seq_len == pool + 1), "stopped early for no reason"
+            assert (
+                len(out) == p.max_new_tokens or seq_len == self.s.context_len or seq_len == pool + 1
+            ), "stopped early for no reason"
         # Never past a limit, and not stopped one token late.
         assert len(out) <= p.max_new_tokens and len(req.prompt_ids) + len(out) <= self.s.context_len
         assert len(req.prompt_ids) + len(out) <= self.s.allocator.capacity * self.ps + 1
@@ -250,6 +295,7 @@ def prompt(n: int, seed: int, alphabet: int = VOCAB - 1) -> list[int]:
 
 # ---- finishing -------------------------------------------------------------------------
 
+
 def test_step_log_line_tells_prompt_chunks_from_decodes():
     """--log-steps: a step's prompt chunks (their tokens, and the cached tokens they attend over)
     are told apart from its decode rows."""
@@ -262,7 +308,9 @@ def test_step_log_line_tells_prompt_chunks_from_decodes():
     batch = h.step()
     line = step_log_line(batch, 0.0123, h.s.stats())
     # "b" reuses the 32 cached prompt tokens (8 pages) and computes its last 3; "a" decodes.
-    assert line.startswith(f"step {batch.step}: prompt chunks 1 (3 tokens over 32 cached), decodes 1, running 2")
+    assert line.startswith(
+        f"step {batch.step}: prompt chunks 1 (3 tokens over 32 cached), decodes 1, running 2"
+    )
     assert line.endswith("12.3 ms")
 
 
@@ -296,8 +344,13 @@ def test_stop_token_ids_and_min_new_tokens():
     h.add("stop_ids", list(range(10)), max_new_tokens=20, stop_token_ids=[15, 11])
     h.add("min_new", list(range(10)), max_new_tokens=20, min_new_tokens=4, stop_token_ids=[11])
     h.add("min_new_eos", [1] * 10, max_new_tokens=20, min_new_tokens=3, stop_token_ids=[])
-    h.add("stop_even_ignoring_eos", list(range(10)), max_new_tokens=20, ignore_eos=True,
-          stop_token_ids=[14])
+    h.add(
+        "stop_even_ignoring_eos",
+        list(range(10)),
+        max_new_tokens=20,
+        ignore_eos=True,
+        stop_token_ids=[14],
+    )
     h.run()
     assert h.outputs("stop_ids") == [10, 11] and h.final["stop_ids"].matched_stop == 11
     # min_new_tokens=4 suppresses stopping on 11 (2nd) and eos 12 (3rd); 13 is no stop token,
@@ -305,7 +358,10 @@ def test_stop_token_ids_and_min_new_tokens():
     assert h.outputs("min_new") == list(range(10, 30))
     assert h.final["min_new"].finish_reason == FinishReason.LENGTH
     # eos 12 is the 3rd token: exactly min_new_tokens, so it stops there.
-    assert h.outputs("min_new_eos") == [10, 11, 12] and h.final["min_new_eos"].finish_reason == FinishReason.STOP
+    assert (
+        h.outputs("min_new_eos") == [10, 11, 12]
+        and h.final["min_new_eos"].finish_reason == FinishReason.STOP
+    )
     assert h.outputs("stop_even_ignoring_eos") == [10, 11, 12, 13, 14]
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
@@ -393,8 +449,14 @@ def test_logprobs_follow_their_own_tokens():
 def test_sampling_specs_are_sent_once_with_their_stop_ids():
     h = Harness(eos=(EOS, 5), budget=8)
     h.add("a", prompt(20, 1), max_new_tokens=3, stop_token_ids=[9])
-    h.add("b", prompt(4, 2), max_new_tokens=3, ignore_eos=True, stop_token_ids=[7],
-          repetition_penalty=1.2)
+    h.add(
+        "b",
+        prompt(4, 2),
+        max_new_tokens=3,
+        ignore_eos=True,
+        stop_token_ids=[7],
+        repetition_penalty=1.2,
+    )
     h.run()
     specs = [spec for batch, _ in h.batches for spec in batch.new_specs]
     assert len(specs) == 2
@@ -406,6 +468,7 @@ def test_sampling_specs_are_sent_once_with_their_stop_ids():
 
 # ---- batching ------------------------------------------------------------------------
 
+
 def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
     h = Harness(budget=32, page_size=4)
     h.add("long", prompt(100, 5), max_new_tokens=3, ignore_eos=True)
@@ -413,8 +476,14 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
     while h.s.has_work:
         batch = h.step()
         chunks.append((batch.prefix_lens[0], batch.extend_lens[0], batch.sample[0]))
-    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True),
-                      (100, 1, True), (101, 1, True)]
+    assert chunks == [
+        (0, 32, False),
+        (32, 32, False),
+        (64, 32, False),
+        (96, 4, True),
+        (100, 1, True),
+        (101, 1, True),
+    ]
     h.assert_finished_correctly("long")
 
 
@@ -500,7 +569,13 @@ class BurstHarness(Harness):
     def burst(self, n: int, tokens: int, priority: int = 0) -> list[str]:
         rids = [f"b{len(self.reqs) + i}" for i in range(n)]
         for rid in rids:
-            self.add(rid, prompt(tokens, 100 + len(self.reqs)), priority=priority, max_new_tokens=2, ignore_eos=True)
+            self.add(
+                rid,
+                prompt(tokens, 100 + len(self.reqs)),
+                priority=priority,
+                max_new_tokens=2,
+                ignore_eos=True,
+            )
         return rids
 
     def until_first_tokens(self, rids: list[str]) -> list[set[str]]:
@@ -643,6 +718,7 @@ def test_sids_are_reused_and_released_sids_reported():
 
 # ---- priority and retraction -----------------------------------------------------------
 
+
 def test_priority_order_of_admission():
     h = Harness(max_running=1, budget=256)
     order = [("a", 0), ("b", 2), ("c", 1), ("d", 2), ("e", 0), ("f", 1)]
@@ -705,7 +781,9 @@ def test_a_prompt_is_not_retracted_for_a_lower_priority_decode(depth):
     Decodes are scheduled first, so low is in the step when high needs a page: high must
     not give way to it (the pair then retracted each other in turn, and low, retracted
     with its last token in flight, never finished)."""
-    h = Harness(num_pages=9, page_size=4, budget=3, max_running=2, attention_break_even=4, depth=depth)
+    h = Harness(
+        num_pages=9, page_size=4, budget=3, max_running=2, attention_break_even=4, depth=depth
+    )
     h.add("high", prompt(31, 1), priority=1, max_new_tokens=1, ignore_eos=True)
     h.add("low", prompt(1, 2), priority=0, max_new_tokens=16, ignore_eos=True)
     h.run(max_steps=120)
@@ -771,15 +849,21 @@ def test_high_priority_arrival_takes_a_slot_at_max_running():
         h.assert_finished_correctly(rid)
 
 
-def run_mix(num_pages: int, page_size: int, budget: int, seed: int, depth: int = 1, **params
-            ) -> tuple[Harness, dict[str, list[int]]]:
+def run_mix(
+    num_pages: int, page_size: int, budget: int, seed: int, depth: int = 1, **params
+) -> tuple[Harness, dict[str, list[int]]]:
     rng = random.Random(seed)
     h = Harness(num_pages=num_pages, page_size=page_size, budget=budget, depth=depth)
     base = prompt(24, seed)
     for i in range(12):
-        shared = base[:rng.randrange(0, 24)]
-        h.add(f"r{i}", shared + prompt(rng.randrange(1, 20), 1000 * seed + i),
-              priority=rng.randrange(2), max_new_tokens=rng.randrange(1, 24), **params)
+        shared = base[: rng.randrange(0, 24)]
+        h.add(
+            f"r{i}",
+            shared + prompt(rng.randrange(1, 20), 1000 * seed + i),
+            priority=rng.randrange(2),
+            max_new_tokens=rng.randrange(1, 24),
+            **params,
+        )
     h.run(max_steps=5000)
     return h, {rid: h.outputs(rid) for rid in h.reqs}
 
@@ -853,6 +937,7 @@ def test_retracted_request_resumes_from_its_cached_pages():
 
 # ---- abort -------------------------------------------------------------------------------
 
+
 def test_abort_waiting_running_and_mid_prefill_frees_their_kv():
     h = Harness(budget=16, page_size=4, max_running=2)
     h.add("running", prompt(6, 1), max_new_tokens=50, ignore_eos=True)
@@ -894,6 +979,7 @@ def test_abort_of_an_unknown_request_is_none():
 
 
 # ---- prefix cache --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("page_size,length", [(1, 20), (4, 20), (4, 22), (16, 32), (16, 40)])
 def test_second_identical_prompt_is_cached_but_recomputes_at_least_one_token(page_size, length):
@@ -944,7 +1030,9 @@ def run_shared_prefix(page_size: int, budget: int) -> tuple[Harness, list[int], 
     return h, cached, computed_shared
 
 
-@pytest.mark.parametrize("page_size,budget", [(1, 512), (4, 512), (16, 512), (16, 100), (4, 64), (1, 48)])
+@pytest.mark.parametrize(
+    "page_size,budget", [(1, 512), (4, 512), (16, 512), (16, 100), (4, 64), (1, 48)]
+)
 def test_shared_prefix_is_computed_once(page_size, budget):
     h, cached, computed_shared = run_shared_prefix(page_size, budget)
     assert cached[0] == 0 and all(c >= 128 - page_size for c in cached[1:]), cached
@@ -961,6 +1049,7 @@ def test_shared_prefix_deferral_needs_enough_shared_uncached_tokens():
 
 
 # ---- rejection -----------------------------------------------------------------------------
+
 
 def test_rejections():
     h = Harness(num_pages=9, page_size=4, context_len=30)  # 32 KV tokens
@@ -1001,6 +1090,7 @@ def test_stats_while_running_and_idle():
 
 # ---- property-based ------------------------------------------------------------------------
 
+
 @st.composite
 def workloads(draw):
     ps = draw(st.sampled_from([1, 4, 16]))
@@ -1017,32 +1107,54 @@ def workloads(draw):
         # that share >= SHARED_PREFIX_DEFER_TOKENS uncached tokens get deferred).
         shared = draw(st.one_of(st.just(plen), st.integers(0, plen)))
         tail = draw(st.lists(st.integers(0, 5), min_size=plen - shared, max_size=plen - shared))
-        reqs.append(dict(
-            prompt=bases[draw(st.integers(0, 1))][:shared] + tail,
-            priority=draw(st.integers(0, 2)),
-            max_new_tokens=draw(st.integers(1, 24)),
-            min_new_tokens=draw(st.integers(0, 3)),
-            ignore_eos=draw(st.booleans()),
-            stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
-            arrive=draw(st.one_of(st.just(0), st.integers(0, 12))),  # bursts and stragglers
-            mid_step=draw(st.booleans()),  # arrives while a step is in flight
-        ))
-    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9), st.booleans()), max_size=4))
-    return dict(ps=ps, num_pages=num_pages, context_len=context_len,
-                budget=draw(st.sampled_from([1, 3, 8, 32, 64, 512])),
-                max_running=draw(st.integers(1, 8)), disable_cache=draw(st.booleans()),
-                attention_break_even=draw(st.sampled_from([None, 4, 64])), reqs=reqs, aborts=aborts,
-                stall_ms=draw(st.sampled_from([0.0, 20.0, 60.0])))
+        reqs.append(
+            dict(
+                prompt=bases[draw(st.integers(0, 1))][:shared] + tail,
+                priority=draw(st.integers(0, 2)),
+                max_new_tokens=draw(st.integers(1, 24)),
+                min_new_tokens=draw(st.integers(0, 3)),
+                ignore_eos=draw(st.booleans()),
+                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+                arrive=draw(st.one_of(st.just(0), st.integers(0, 12))),  # bursts and stragglers
+                mid_step=draw(st.booleans()),  # arrives while a step is in flight
+            )
+        )
+    aborts = draw(
+        st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9), st.booleans()), max_size=4)
+    )
+    return dict(
+        ps=ps,
+        num_pages=num_pages,
+        context_len=context_len,
+        budget=draw(st.sampled_from([1, 3, 8, 32, 64, 512])),
+        max_running=draw(st.integers(1, 8)),
+        disable_cache=draw(st.booleans()),
+        attention_break_even=draw(st.sampled_from([None, 4, 64])),
+        reqs=reqs,
+        aborts=aborts,
+        stall_ms=draw(st.sampled_from([0.0, 20.0, 60.0])),
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads(), depth=st.sampled_from([1, 2]))
 def test_random_workloads_run_to_completion(w, depth):
-    clock = StepClock(0.01)  # stall_ms 20 or 60: prompts late after 2 or 6 steps, decodes held as long
-    h = Harness(num_pages=w["num_pages"], page_size=w["ps"], budget=w["budget"],
-                max_running=w["max_running"], context_len=w["context_len"],
-                disable_cache=w["disable_cache"], eos=(EOS, 5), attention_break_even=w["attention_break_even"],
-                depth=depth, stall_ms=w["stall_ms"], clock=clock)
+    clock = StepClock(
+        0.01
+    )  # stall_ms 20 or 60: prompts late after 2 or 6 steps, decodes held as long
+    h = Harness(
+        num_pages=w["num_pages"],
+        page_size=w["ps"],
+        budget=w["budget"],
+        max_running=w["max_running"],
+        context_len=w["context_len"],
+        disable_cache=w["disable_cache"],
+        eos=(EOS, 5),
+        attention_break_even=w["attention_break_even"],
+        depth=depth,
+        stall_ms=w["stall_ms"],
+        clock=clock,
+    )
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
     aborts = defaultdict(list)
     for step, i, mid in w["aborts"]:
@@ -1054,9 +1166,15 @@ def test_random_workloads_run_to_completion(w, depth):
         assert tick < max_steps, "no progress"
 
         def arrive(mid_step: bool) -> None:
-            for i, r in [x for x in pending if x[1]["arrive"] <= tick and x[1]["mid_step"] == mid_step]:
+            for i, r in [
+                x for x in pending if x[1]["arrive"] <= tick and x[1]["mid_step"] == mid_step
+            ]:
                 pending.remove((i, r))
-                params = {k: v for k, v in r.items() if k not in ("prompt", "priority", "arrive", "mid_step")}
+                params = {
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("prompt", "priority", "arrive", "mid_step")
+                }
                 params["min_new_tokens"] = min(params["min_new_tokens"], params["max_new_tokens"])
                 h.add(f"r{i}", r["prompt"], priority=r["priority"], **params)
 
@@ -1065,8 +1183,13 @@ def test_random_workloads_run_to_completion(w, depth):
             if not mid:
                 h.abort(rid)
                 h.s.check()
-        if h.step(abort_mid_step=[rid for rid, mid in aborts.get(tick, []) if mid],
-                  during=lambda: arrive(True)) is None:
+        if (
+            h.step(
+                abort_mid_step=[rid for rid, mid in aborts.get(tick, []) if mid],
+                during=lambda: arrive(True),
+            )
+            is None
+        ):
             arrive(True)  # nothing ran: the arrival still comes
         tick += 1
         clock.tick()
@@ -1081,6 +1204,7 @@ def test_random_workloads_run_to_completion(w, depth):
 
 # ---- overlap scheduling ------------------------------------------------------------------
 
+
 def run_overlap_mix(depth: int, **harness) -> Harness:
     h = add_overlap_mix(Harness(depth=depth, **harness))
     h.run()
@@ -1089,8 +1213,14 @@ def run_overlap_mix(depth: int, **harness) -> Harness:
 
 def add_overlap_mix(h: Harness) -> Harness:
     for i in range(10):
-        h.add(f"r{i}", prompt(3 + 7 * i, 50 + i), max_new_tokens=5 + 3 * i, min_new_tokens=i % 3,
-              stop_token_ids=[7, 11][:i % 3], logprobs=i % 4 == 0)
+        h.add(
+            f"r{i}",
+            prompt(3 + 7 * i, 50 + i),
+            max_new_tokens=5 + 3 * i,
+            min_new_tokens=i % 3,
+            stop_token_ids=[7, 11][: i % 3],
+            logprobs=i % 4 == 0,
+        )
     return h
 
 
@@ -1122,7 +1252,9 @@ def test_the_step_loop_gives_lockstep_tokens_and_keeps_two_steps_out_with_overla
     lockstep = run_overlap_mix(1)
     h = add_overlap_mix(Harness())
     published: list[RequestOutput] = []
-    loop = StepLoop(h.s, HarnessRunner(h), OverlapPolicy(enabled=overlap, min_share=0.0), published.extend)
+    loop = StepLoop(
+        h.s, HarnessRunner(h), OverlapPolicy(enabled=overlap, min_share=0.0), published.extend
+    )
     while loop.busy:
         assert loop.step(), "work queued but nothing scheduled"
         assert len(loop.inflight) <= (2 if overlap else 1)
@@ -1143,7 +1275,9 @@ def test_overlap_gives_the_same_tokens_and_chains_decodes():
     for rid in lockstep.reqs:
         assert overlap.outputs(rid) == lockstep.outputs(rid)
         assert overlap.final[rid].finish_reason == lockstep.final[rid].finish_reason
-        assert [e.logprobs for e in overlap.events[rid]] == [e.logprobs for e in lockstep.events[rid]]
+        assert [e.logprobs for e in overlap.events[rid]] == [
+            e.logprobs for e in lockstep.events[rid]
+        ]
         overlap.assert_finished_correctly(rid)
     pending = sum(b.input_ids.count(PENDING_TOKEN) for b, _ in overlap.batches)
     assert pending > 100, "decodes should run on tokens the scheduler has not seen yet"
@@ -1212,7 +1346,12 @@ def test_overlap_runner_error_fails_its_requests_and_drops_their_next_rows():
 def test_overlap_policy_overlaps_only_where_the_scheduler_is_a_real_share_of_a_step():
     from relay.scheduling.overlap import OverlapPolicy
 
-    cpu, gpu, off, always = OverlapPolicy(), OverlapPolicy(), OverlapPolicy(enabled=False), OverlapPolicy(min_share=0)
+    cpu, gpu, off, always = (
+        OverlapPolicy(),
+        OverlapPolicy(),
+        OverlapPolicy(enabled=False),
+        OverlapPolicy(min_share=0),
+    )
     assert cpu.depth == 1 and always.depth == 2  # nothing measured yet: lockstep, unless forced
     for _ in range(20):
         cpu.record(busy_s=0.002, step_s=0.180)  # a float32 model step on 2 cores

@@ -1,4 +1,5 @@
 """End to end against a real server: real processes, ZeroMQ, HTTP, the default model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,14 @@ from tests.server_utils import Server, wait_until
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 4,",
-           "The quick brown fox", "Q: What is 2+2?\nA:"]
+PROMPTS = [
+    "The capital of France is",
+    "def fib(n):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Q: What is 2+2?\nA:",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +52,19 @@ def test_models_and_health(server, oai):
 
 
 def test_completion_greedy_is_sensible_and_matches_generate(server, oai):
-    out = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    out = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert "Paris" in out.choices[0].text
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     with server.client() as c:
-        native = c.post("/generate", json={"text": "The capital of France is",
-                                           "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+        native = c.post(
+            "/generate",
+            json={
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+        ).json()
     assert native["text"] == out.choices[0].text
     assert native["meta_info"]["completion_tokens"] == 8
 
@@ -58,33 +72,53 @@ def test_completion_greedy_is_sensible_and_matches_generate(server, oai):
 def test_chat_streaming_equals_non_streaming(oai):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     whole = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and "Paris" in text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
+        0
+    ].finish_reason
 
 
 def test_completion_stream_n_seed_stop_logprobs(oai):
-    a = oai.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=12, n=3,
-                               temperature=1.0, seed=7, logprobs=2)
-    b = oai.completions.create(model=MODEL, prompt="My favourite food is", max_tokens=12, n=3,
-                               temperature=1.0, seed=7)
+    a = oai.completions.create(
+        model=MODEL,
+        prompt="My favourite food is",
+        max_tokens=12,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        logprobs=2,
+    )
+    b = oai.completions.create(
+        model=MODEL, prompt="My favourite food is", max_tokens=12, n=3, temperature=1.0, seed=7
+    )
     assert [c.text for c in a.choices] == [c.text for c in b.choices], "same seed, same output"
     assert len({c.text for c in a.choices}) > 1, "choices of one seeded request differ"
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) and all(x <= 0 for x in lp.token_logprobs)
-    stopped = oai.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0,
-                                     stop=[" 6"])
+    stopped = oai.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"]
+    )
     assert stopped.choices[0].finish_reason == "stop" and " 6" not in stopped.choices[0].text
     assert stopped.choices[0].text.strip().startswith("4")
 
 
 def test_32_concurrent_streams(server):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
-        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=16,
-                                                 temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=16, temperature=0, stream=True
+        )
         text, reason = "", None
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -92,7 +126,9 @@ def test_32_concurrent_streams(server):
         return text, reason
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     results = asyncio.run(run())
@@ -102,8 +138,13 @@ def test_32_concurrent_streams(server):
 
 
 def test_disconnect_aborts_and_frees_kv(server):
-    body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -111,15 +152,22 @@ def test_disconnect_aborts_and_frees_kv(server):
         assert got
         assert idle_stats(server)["num_running"] == 1
     # Leaving the block closed the connection mid-stream.
-    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15,
-                       "the abort to free the request")
+    stats = wait_until(
+        lambda: (s := idle_stats(server))["num_running"] == 0 and s,
+        15,
+        "the abort to free the request",
+    )
     assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
 
 
 def test_abort_request_endpoint(server):
     rid = "test-abort-endpoint"
-    body = {"text": "Write an essay.", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "text": "Write an essay.",
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0},
+    }
     with server.client() as c, c.stream("POST", "/generate", json=body) as r:
         lines = (line for line in r.iter_lines() if line.startswith("data: {"))
         assert json.loads(next(lines)[5:])["meta_info"]["id"] == rid
@@ -139,61 +187,169 @@ HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for
 # 2,000 optional properties in one object (over the default --max-constraint-properties, 128):
 # 13 s to compile.
 WIDE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
-DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 800 + '{"type":"string"}' + '},"required":["a"]}' * 800
+DEEP_SCHEMA = (
+    '{"type":"object","properties":{"a":' * 800 + '{"type":"string"}' + '},"required":["a"]}' * 800
+)
 
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", "invalid JSON", None),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', "invalid UTF-8", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "wrong type", "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, "negative", "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "absurd", "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, "past the context", "max_tokens"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": "10"},
+        "wrong type",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": -5},
+        "negative",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 10**9},
+        "absurd",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 9000},
+        "past the context",
+        "max_tokens",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": LONG}, "prompt too long", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, "temperature < 0", "temperature"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "temperature": -0.1},
+        "temperature < 0",
+        "temperature",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p 0", "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p > 1", "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "empty prompt", "prompt"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "unknown model", "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, "n too large", "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**7]}, "token id past the vocabulary", "prompt"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 2, 10**7]},
+        "token id past the vocabulary",
+        "prompt",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, "negative token id", "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "no messages", "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "bad content",
-     "messages.0.content"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+        "bad content",
+        "messages.0.content",
+    ),
     ("/generate", {"text": "hi", "input_ids": [1]}, "text and input_ids", None),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "zero tokens",
-     "sampling_params.max_new_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema",
-                                                  "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
-     "invalid response schema", "response_format.json_schema.schema"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
-     "invalid tool schema, required", "tools"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "tool_choice": {"type": "function", "function": {"name": "f"}},
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
-     "invalid tool schema, named", "tools.0.function.parameters"),
-    ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "invalid regex", "sampling_params.regex"),
-    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= root"}}, "grammar matching nothing",
-     "sampling_params.ebnf"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+        "zero tokens",
+        "sampling_params.max_new_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objec"}},
+            },
+        },
+        "invalid response schema",
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+        },
+        "invalid tool schema, required",
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+        },
+        "invalid tool schema, named",
+        "tools.0.function.parameters",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"regex": "(unclosed"}},
+        "invalid regex",
+        "sampling_params.regex",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"ebnf": "root ::= root"}},
+        "grammar matching nothing",
+        "sampling_params.ebnf",
+    ),
     # Its first token is allowed, then nothing: the request ends mid-output.
-    ("/generate", {"text": "Say a:", "sampling_params": {"ebnf": 'root ::= "a" x\nx ::= x', "max_new_tokens": 8}},
-     "grammar dead end", "sampling_params.ebnf"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "json_schema": HUGE_SCHEMA}, "constraint too large",
-     "json_schema"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema",
-                                                  "json_schema": {"name": "x", "schema": HUGE_SCHEMA}}},
-     "response schema too large", "response_format.json_schema.schema"),
-    ("/generate", {"text": "hi", "sampling_params": {"json_schema": DEEP_SCHEMA}}, "schema nested too deep",
-     "sampling_params.json_schema"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "tool_choice": {"type": "function", "function": {"name": "f"}},
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": WIDE_SCHEMA}}]},
-     "tool schema too wide", "tools.0.function.parameters"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
-     "legacy function_call", "function_call"),
+    (
+        "/generate",
+        {
+            "text": "Say a:",
+            "sampling_params": {"ebnf": 'root ::= "a" x\nx ::= x', "max_new_tokens": 8},
+        },
+        "grammar dead end",
+        "sampling_params.ebnf",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "json_schema": HUGE_SCHEMA},
+        "constraint too large",
+        "json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": HUGE_SCHEMA},
+            },
+        },
+        "response schema too large",
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"json_schema": DEEP_SCHEMA}},
+        "schema nested too deep",
+        "sampling_params.json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": WIDE_SCHEMA}}],
+        },
+        "tool schema too wide",
+        "tools.0.function.parameters",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
+        "legacy function_call",
+        "function_call",
+    ),
 ]
 
 
@@ -222,13 +378,22 @@ def test_server_healthy_after_bad_inputs_and_metrics(server, oai):
     assert out.usage.completion_tokens == 2
     with server.client() as c:
         text = c.get("/metrics").text
-    for name in ("relay:time_to_first_token_seconds", "relay:inter_token_latency_seconds",
-                 "relay:e2e_request_latency_seconds", "relay:num_running_reqs", "relay:prefix_cache_hit_rate",
-                 "relay:generation_tokens_total"):
+    for name in (
+        "relay:time_to_first_token_seconds",
+        "relay:inter_token_latency_seconds",
+        "relay:e2e_request_latency_seconds",
+        "relay:num_running_reqs",
+        "relay:prefix_cache_hit_rate",
+        "relay:generation_tokens_total",
+    ):
         assert name in text
     assert "request rid=" in server.log and "output_ids=[" in server.log  # --log-requests
-    assert re.search(r"step \d+: prompt chunks 1 \(\d+ tokens over \d+ cached\), decodes 0", server.log)  # --log-steps
-    assert re.search(r"step \d+: prompt chunks 0 \(0 tokens over 0 cached\), decodes 1, running 1", server.log)
+    assert re.search(
+        r"step \d+: prompt chunks 1 \(\d+ tokens over \d+ cached\), decodes 0", server.log
+    )  # --log-steps
+    assert re.search(
+        r"step \d+: prompt chunks 0 \(0 tokens over 0 cached\), decodes 1, running 1", server.log
+    )
 
 
 def test_prefix_cache_reported(server):
@@ -255,8 +420,16 @@ def test_openai_client_errors_are_typed(oai):
 
 
 def test_overload_answers_503():
-    s = Server("--load-format", "dummy-null", "--max-queued-requests", "2", "--context-length", "100000",
-               "--api-key", "sekret")
+    s = Server(
+        "--load-format",
+        "dummy-null",
+        "--max-queued-requests",
+        "2",
+        "--context-length",
+        "100000",
+        "--api-key",
+        "sekret",
+    )
     try:
         auth = {"Authorization": "Bearer sekret"}
         with httpx.Client(base_url=s.url, timeout=60) as c:
@@ -265,14 +438,23 @@ def test_overload_answers_503():
             assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert c.get("/v1/models", headers=auth).status_code == 200
             body = {"prompt": "hi", "max_tokens": 90000, "ignore_eos": True, "stream": True}
-            with c.stream("POST", "/v1/completions", json=body, headers=auth) as r1, \
-                    c.stream("POST", "/v1/completions", json=body, headers=auth) as r2:
+            with (
+                c.stream("POST", "/v1/completions", json=body, headers=auth) as r1,
+                c.stream("POST", "/v1/completions", json=body, headers=auth) as r2,
+            ):
                 assert r1.status_code == 200 and r2.status_code == 200
-                r3 = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
+                r3 = httpx.post(
+                    s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth
+                )
                 assert r3.status_code == 503 and r3.json()["error"]["message"]
             # both streams closed: their requests are aborted and the server takes work again
-            wait_until(lambda: c.get("/get_server_info", headers=auth).json()["scheduler"]["num_running"] == 0,
-                       15, "aborted streams to end")
+            wait_until(
+                lambda: (
+                    c.get("/get_server_info", headers=auth).json()["scheduler"]["num_running"] == 0
+                ),
+                15,
+                "aborted streams to end",
+            )
             ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
             # Without a model a step is as short as the scheduler's own work: overlap pays, and is on.
@@ -285,18 +467,36 @@ def test_overload_answers_503():
 
 # ---- structured output and tool calls ------------------------------------------------------
 
-WEATHER_PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                  "required": ["city", "unit"]}
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                 "parameters": WEATHER_PARAMS}}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": WEATHER_PARAMS,
+    },
+}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def _weather_call(oai, tool_choice, **kw):
-    return oai.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
-                                       tool_choice=tool_choice, temperature=0, max_tokens=60, **kw)
+    return oai.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=60,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
@@ -304,7 +504,9 @@ def test_forced_tool_call_validates_and_streams_the_same_call(oai, tool_choice):
     whole = _weather_call(oai, tool_choice).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
     calls = whole.message.tool_calls
-    assert calls and all(c.function.name == "get_weather" and c.id.startswith("call_") for c in calls)
+    assert calls and all(
+        c.function.name == "get_weather" and c.id.startswith("call_") for c in calls
+    )
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
     state = ChatCompletionStreamState()
@@ -312,28 +514,60 @@ def test_forced_tool_call_validates_and_streams_the_same_call(oai, tool_choice):
         state.handle_chunk(chunk)
     streamed = state.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in calls]
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
 
 
 def test_auto_tools_and_call_history_on_a_template_without_tool_support(oai):
     # SmolLM2's template ignores `tools`: rendering them must still work, and the answer is text.
-    history = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
-    out = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], temperature=0,
-                                      max_tokens=8).choices[0]
-    assert out.finish_reason in ("stop", "length") and out.message.content and out.message.tool_calls is None
+    history = [
+        *ASK_WEATHER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+    ]
+    out = oai.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER_TOOL], temperature=0, max_tokens=8
+    ).choices[0]
+    assert (
+        out.finish_reason in ("stop", "length")
+        and out.message.content
+        and out.message.tool_calls is None
+    )
 
 
 def test_chat_response_format_json_schema_validates(oai):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 16},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"]}
-    out = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, messages=[
-        {"role": "user", "content": "Invent a person: give a name and an age."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    }
+    out = oai.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Invent a person: give a name and an age."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), schema)
@@ -342,8 +576,13 @@ def test_chat_response_format_json_schema_validates(oai):
 def test_generate_regex_output_matches(server):
     pattern = r"(yes|no), because [a-z]{1,12}\."
     with server.client() as c:
-        r = c.post("/generate", json={"text": "Is the sky blue? Answer:", "sampling_params": {
-            "regex": pattern, "max_new_tokens": 16, "temperature": 0}}).json()
+        r = c.post(
+            "/generate",
+            json={
+                "text": "Is the sky blue? Answer:",
+                "sampling_params": {"regex": pattern, "max_new_tokens": 16, "temperature": 0},
+            },
+        ).json()
     assert r["meta_info"]["finish_reason"]["type"] == "stop", r
     assert re.fullmatch(pattern, r["text"]), r["text"]
 
@@ -362,22 +601,44 @@ def test_compiling_grammars_do_not_hold_up_a_plain_request(server):
     after them finishes before any of their grammars has compiled (nothing parses or compiles on
     a process's loop). Their clients then leave: the compiles not started are dropped, and the
     requests and what they held are gone."""
+
     async def server_stats(c: httpx.AsyncClient) -> dict:
         return (await c.get("/get_server_info")).json()["scheduler"]
 
     async def run() -> tuple[httpx.Response, dict, dict]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             before = (await server_stats(c))["grammar"]
-            slow = [asyncio.create_task(c.post("/v1/chat/completions", json={
-                "model": MODEL, "messages": [{"role": "user", "content": "JSON, please."}], "max_tokens": 4,
-                "json_schema": slow_schema(i)})) for i in range(10)]
+            slow = [
+                asyncio.create_task(
+                    c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "messages": [{"role": "user", "content": "JSON, please."}],
+                            "max_tokens": 4,
+                            "json_schema": slow_schema(i),
+                        },
+                    )
+                )
+                for i in range(10)
+            ]
+
             async def all_at_the_scheduler() -> None:
                 while (await server_stats(c))["num_waiting"] < 10:
                     await asyncio.sleep(0.02)
 
-            await asyncio.wait_for(all_at_the_scheduler(), 60)  # a tokenizer parsing them never gets there
-            plain = await c.post("/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
-                                                          "max_tokens": 4, "temperature": 0})
+            await asyncio.wait_for(
+                all_at_the_scheduler(), 60
+            )  # a tokenizer parsing them never gets there
+            plain = await c.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "The capital of France is",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            )
             during = await server_stats(c)
             for task in slow:
                 task.cancel()
@@ -387,16 +648,28 @@ def test_compiling_grammars_do_not_hold_up_a_plain_request(server):
     plain, before, during = asyncio.run(run())
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
     assert during["grammar"]["compiles"] == before["compiles"] and during["num_waiting"] == 10
-    stats = wait_until(lambda: (s := idle_stats(server))["num_waiting"] == 0 and s["grammar"]["live_matchers"] == 0
-                       and s, 30, "the leaving clients' requests to end")
+    stats = wait_until(
+        lambda: (
+            (s := idle_stats(server))["num_waiting"] == 0
+            and s["grammar"]["live_matchers"] == 0
+            and s
+        ),
+        30,
+        "the leaving clients' requests to end",
+    )
     assert stats["grammar"]["compiles_cancelled"] > before["compiles_cancelled"]
     assert stats["num_running"] == 0 and stats["kv_locked_tokens"] == 0
 
 
 def test_constrained_stream_disconnect_frees_its_matcher_and_kv(server):
     # At least one token per repetition: the request is still running when the client leaves.
-    body = {"prompt": "Write many short words:", "max_tokens": 400, "temperature": 0, "stream": True,
-            "regex": "( [a-z]{1,3}){400}"}
+    body = {
+        "prompt": "Write many short words:",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "regex": "( [a-z]{1,3}){400}",
+    }
     with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # held: a collected iterator would close the connection here
@@ -404,8 +677,15 @@ def test_constrained_stream_disconnect_frees_its_matcher_and_kv(server):
         assert got
         stats = idle_stats(server)
         assert stats["num_running"] == 1 and stats["grammar"]["live_matchers"] == 1
-    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s["grammar"]["live_matchers"] == 0
-                       and s, 15, "the abort to free the request and its matcher")
+    stats = wait_until(
+        lambda: (
+            (s := idle_stats(server))["num_running"] == 0
+            and s["grammar"]["live_matchers"] == 0
+            and s
+        ),
+        15,
+        "the abort to free the request and its matcher",
+    )
     assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
 
 
@@ -417,7 +697,9 @@ def test_logit_bias_forces_and_bans_greedy_tokens_next_to_an_unbiased_request(se
     sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     with server.client() as c:
         plain = c.post("/generate", json={"text": prompt, "sampling_params": sampling}).json()
-        forced = c.post("/tokenize", json={"prompt": " Lyon", "add_special_tokens": False}).json()["tokens"][0]
+        forced = c.post("/tokenize", json={"prompt": " Lyon", "add_special_tokens": False}).json()[
+            "tokens"
+        ][0]
     assert "Paris" in plain["text"]
     first = plain["output_ids"][0]
 
@@ -425,20 +707,43 @@ def test_logit_bias_forces_and_bans_greedy_tokens_next_to_an_unbiased_request(se
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             return await asyncio.gather(
                 c.post("/generate", json={"text": prompt, "sampling_params": sampling}),
-                c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                                "ignore_eos": True, "logit_bias": {str(forced): 100}}),
-                c.post("/generate", json={"text": prompt, "sampling_params": {**sampling,
-                                                                               "logit_bias": {str(first): -100}}}))
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": prompt,
+                        "max_tokens": n,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "logit_bias": {str(forced): 100},
+                    },
+                ),
+                c.post(
+                    "/generate",
+                    json={
+                        "text": prompt,
+                        "sampling_params": {**sampling, "logit_bias": {str(first): -100}},
+                    },
+                ),
+            )
 
     unbiased, pushed, banned = (r.json() for r in asyncio.run(together()))
     assert unbiased["output_ids"] == plain["output_ids"]
     with server.client() as c:
-        assert pushed["choices"][0]["text"] == c.post("/detokenize", json={"tokens": [forced] * n}).json()["prompt"]
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                  "logit_bias": {"99999": 1}})
+        assert (
+            pushed["choices"][0]["text"]
+            == c.post("/detokenize", json={"tokens": [forced] * n}).json()["prompt"]
+        )
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}},
+        )
     assert banned["output_ids"][0] != first and first not in banned["output_ids"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
-    assert r.json()["error"]["message"] == "logit_bias: token id 99999 is outside the vocabulary (49152)"
+    assert (
+        r.json()["error"]["message"]
+        == "logit_bias: token id 99999 is outside the vocabulary (49152)"
+    )
 
 
 def test_tokenize_and_detokenize_round_trip_and_equal_the_tokenizer(server, default_model_dir):
@@ -449,17 +754,29 @@ def test_tokenize_and_detokenize_round_trip_and_equal_the_tokenizer(server, defa
     hf = AutoTokenizer.from_pretrained(default_model_dir)
     text = "Héllo, world! 日本語 🙂\n  indented"
     with server.client() as c:
-        out = c.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
-        assert out == {"count": len(hf.encode(text)), "max_model_len": c.get("/v1/models").json()["data"][0]
-                       ["max_model_len"], "tokens": hf.encode(text), "token_strs": hf.convert_ids_to_tokens(
-                           hf.encode(text))}
-        assert c.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json() == {"prompt": text}
+        out = c.post(
+            "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}
+        ).json()
+        assert out == {
+            "count": len(hf.encode(text)),
+            "max_model_len": c.get("/v1/models").json()["data"][0]["max_model_len"],
+            "tokens": hf.encode(text),
+            "token_strs": hf.convert_ids_to_tokens(hf.encode(text)),
+        }
+        assert c.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json() == {
+            "prompt": text
+        }
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
         chat = c.post("/tokenize", json={"messages": msgs}).json()
         assert chat["token_strs"] is None
-        assert chat["tokens"] == list(hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
-        billed = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()["usage"]
+        assert chat["tokens"] == list(
+            hf.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        billed = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()[
+            "usage"
+        ]
         assert chat["count"] == billed["prompt_tokens"]
         bad = c.post("/detokenize", json={"tokens": [1, 49152]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

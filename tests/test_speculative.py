@@ -1,6 +1,7 @@
 """Speculative decoding: n-gram proposals, verification (exact greedy; rejection sampling
 that keeps the target's distribution), the scheduler's bookkeeping, and end to end through
 the Engine on tiny random models and the default model."""
+
 from __future__ import annotations
 
 import random
@@ -115,16 +116,31 @@ def test_rejection_sampling_emits_the_targets_distribution(draft):
         support = dist > 0
         assert counts[~support.numpy()].sum() == 0, "a token outside top-k was emitted"
         expected = dist[support].double().numpy() * len(seen)
-        assert chisquare(counts[support.numpy()], expected * counts.sum() / expected.sum()).pvalue > 1e-3
+        assert (
+            chisquare(counts[support.numpy()], expected * counts.sum() / expected.sum()).pvalue
+            > 1e-3
+        )
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"speculative_algorithm": "eagle"}, "speculative_algorithm must be one of"),
-    ({"speculative_algorithm": "standalone", "tp_size": 2}, "runs with tp_size=1 only"),
-    ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens must be >= 1"),
-    ({"speculative_ngram_min_match_window_size": 4, "speculative_ngram_max_match_window_size": 2}, "1 <= min <= max"),
-    ({"speculative_draft_quantization": "int2"}, "speculative_draft_quantization must be one of"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"speculative_algorithm": "eagle"}, "speculative_algorithm must be one of"),
+        ({"speculative_algorithm": "standalone", "tp_size": 2}, "runs with tp_size=1 only"),
+        ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens must be >= 1"),
+        (
+            {
+                "speculative_ngram_min_match_window_size": 4,
+                "speculative_ngram_max_match_window_size": 2,
+            },
+            "1 <= min <= max",
+        ),
+        (
+            {"speculative_draft_quantization": "int2"},
+            "speculative_draft_quantization must be one of",
+        ),
+    ],
+)
 def test_bad_speculative_options_are_refused_with_the_option_named(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
@@ -132,8 +148,13 @@ def test_bad_speculative_options_are_refused_with_the_option_named(options, mess
 
 # ---- scheduler bookkeeping ----------------------------------------------------------------
 def spec_scheduler(num_pages: int = 64, **kw) -> Scheduler:
-    cfg = EngineConfig(page_size=4, chunked_prefill_size=64, speculative_algorithm="ngram",
-                       speculative_num_draft_tokens=4, **kw)
+    cfg = EngineConfig(
+        page_size=4,
+        chunked_prefill_size=64,
+        speculative_algorithm="ngram",
+        speculative_num_draft_tokens=4,
+        **kw,
+    )
     return Scheduler(cfg, num_pages, context_len=256, eos_token_ids=[99])
 
 
@@ -156,7 +177,9 @@ def test_scheduler_appends_accepted_tokens_and_frees_rejected_proposals_pages():
     req = sched.reqs["a"]
     assert records[0].token_ids == [5, 42] and req.output_ids == [4, 5, 42]
     assert req.kv_len == req.seq_len - 1
-    assert len(req.pages) == -(-req.kv_len // 4), "pages of rejected proposals are given back at once"
+    assert len(req.pages) == -(-req.kv_len // 4), (
+        "pages of rejected proposals are given back at once"
+    )
     assert sched.stats().spec["spec_accepted_tokens"] == 1
     sched.check()
 
@@ -180,7 +203,9 @@ def test_speculation_never_overshoots_max_new_tokens_and_stops_above_the_batch_l
     assert batch.spec_lens == [1], "one output token left after the next: propose one"
     assert records[0].finish_reason == "length" and len(records[0].token_ids) == 2
     for rid in "bc":
-        sched.add_request(Req(rid, [5, 6, 5, 6, 5], SamplingParams(temperature=0, max_new_tokens=8)))
+        sched.add_request(
+            Req(rid, [5, 6, 5, 6, 5], SamplingParams(temperature=0, max_new_tokens=8))
+        )
     run_step(sched, lambda i, p: [6])
     batch, _ = run_step(sched, lambda i, p: [6])
     assert not batch.spec_lens, "two running requests exceed speculative_disable_by_batch_size=1"
@@ -190,7 +215,9 @@ def test_speculation_only_takes_the_budget_prompts_leave():
     sched = spec_scheduler()  # a 64-token step budget
     sched.add_request(Req("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_new_tokens=20)))
     run_step(sched, lambda i, p: [3])
-    sched.add_request(Req("b", list(range(10, 73)), SamplingParams(temperature=0, max_new_tokens=4)))
+    sched.add_request(
+        Req("b", list(range(10, 73)), SamplingParams(temperature=0, max_new_tokens=4))
+    )
     batch, _ = run_step(sched, lambda i, p: [1])  # a's decode and 63 of b's 63 prompt tokens
     assert batch.extend_lens == [1, 63] and not any(batch.spec_lens), "the prompt comes first"
     batch, _ = run_step(sched, lambda i, p: [1] + p)
@@ -236,8 +263,14 @@ def test_greedy_output_is_unchanged_by_speculation(tiny_model_dir, arch, algorit
 
 def test_a_draft_identical_to_the_target_is_always_accepted(tiny_model_dir):
     path = tiny_model_dir("llama")
-    engine = Engine(path, dtype="float32", speculative_algorithm="standalone", speculative_draft_model_path=path,
-                    speculative_draft_quantization="none", **SPEC_ALL)
+    engine = Engine(
+        path,
+        dtype="float32",
+        speculative_algorithm="standalone",
+        speculative_draft_model_path=path,
+        speculative_draft_quantization="none",
+        **SPEC_ALL,
+    )
     engine.generate(mixed_prompts(1024, 4), greedy(20))
     spec = engine.scheduler.stats().spec
     assert spec["spec_proposed_tokens"] > 0
@@ -248,7 +281,9 @@ def test_retraction_mid_speculation_recomputes_the_same_tokens(tiny_model_dir):
     path = tiny_model_dir("llama")
     prompts = mixed_prompts(1024, 12, seed=3)
     plain = Engine(path, dtype="float32").generate(prompts, greedy(40))
-    tight = Engine(path, dtype="float32", kv_cache_gb=0.00025, speculative_algorithm="ngram", **SPEC_ALL)
+    tight = Engine(
+        path, dtype="float32", kv_cache_gb=0.00025, speculative_algorithm="ngram", **SPEC_ALL
+    )
     spec = tight.generate(prompts, greedy(40))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert tight.scheduler.stats().num_retractions_total > 0
@@ -262,8 +297,18 @@ def test_no_kv_leaks_after_many_requests_with_aborts_and_stops(tiny_model_dir):
     prompts = mixed_prompts(1024, 200, seed=7)
     for i, p in enumerate(prompts):
         stop = [p[-1]] if i % 3 == 0 else []  # the motif's last token: often among accepted ones
-        sched.add_request(Req(f"r{i}", p, SamplingParams(temperature=0 if i % 2 else 0.7, seed=i,
-                                                          max_new_tokens=rng.randrange(1, 30), stop_token_ids=stop)))
+        sched.add_request(
+            Req(
+                f"r{i}",
+                p,
+                SamplingParams(
+                    temperature=0 if i % 2 else 0.7,
+                    seed=i,
+                    max_new_tokens=rng.randrange(1, 30),
+                    stop_token_ids=stop,
+                ),
+            )
+        )
     while sched.has_work:
         batch = sched.schedule()
         sched.process_output(batch, engine.runner.forward(batch))
@@ -280,9 +325,15 @@ def test_default_model_greedy_output_is_unchanged_by_a_quantized_self_draft(defa
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     # float block products: a verify step's rows then multiply as exactly as a decode step's (int8
     # block activations round x, so a last-bit difference between the attention paths can turn a token)
-    plain = Engine(default_model_dir, dtype="float32", block_activations="float").generate(prompts, params)
-    engine = Engine(default_model_dir, dtype="float32", speculative_algorithm="standalone",  # int4 self-draft
-                    block_activations="float")
+    plain = Engine(default_model_dir, dtype="float32", block_activations="float").generate(
+        prompts, params
+    )
+    engine = Engine(
+        default_model_dir,
+        dtype="float32",
+        speculative_algorithm="standalone",  # int4 self-draft
+        block_activations="float",
+    )
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.scheduler.stats().spec["spec_acceptance_rate"] > 0.5
@@ -292,8 +343,12 @@ def test_stop_strings_end_speculating_requests_and_free_their_kv(default_model_d
     engine = Engine(default_model_dir, speculative_algorithm="ngram")
     prompts = ["red green blue red green blue red green blue red", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1,"]
     free = engine.generate(prompts, greedy(30))
-    stop = engine.tokenizer.decode(free[0].token_ids[2:4])  # text from the middle of the first output
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, stop=[stop]))
+    stop = engine.tokenizer.decode(
+        free[0].token_ids[2:4]
+    )  # text from the middle of the first output
+    outs = engine.generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, stop=[stop])
+    )
     assert outs[0].finish_reason == "stop" and stop not in outs[0].text
     assert engine.scheduler.stats().spec["spec_verify_rows"] > 0
     assert engine.scheduler.stats().kv_locked_tokens == 0
@@ -305,13 +360,25 @@ def test_sampled_output_with_a_different_draft_keeps_the_targets_distribution(ti
     differs from the target: the same distribution (a chi-square test of homogeneity)."""
     target, other = tiny_model_dir("llama"), tiny_model_dir("qwen2")
     prompt = mixed_prompts(1024, 1, seed=11)[0]
-    params = [SamplingParams(temperature=1.5, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(800)]
+    params = [
+        SamplingParams(temperature=1.5, max_new_tokens=3, ignore_eos=True, seed=s)
+        for s in range(800)
+    ]
     runs = []
-    for kw in ({}, {"speculative_algorithm": "standalone", "speculative_draft_model_path": other,
-                    "speculative_draft_quantization": "none", "speculative_num_draft_tokens": 2,
-                    "speculative_disable_by_batch_size": 4096}):
+    for kw in (
+        {},
+        {
+            "speculative_algorithm": "standalone",
+            "speculative_draft_model_path": other,
+            "speculative_draft_quantization": "none",
+            "speculative_num_draft_tokens": 2,
+            "speculative_disable_by_batch_size": 4096,
+        },
+    ):
         engine = Engine(target, dtype="float32", max_running_requests=4096, **kw)
         runs.append([o.token_ids[1] for o in engine.generate([prompt] * len(params), params)])
     top = [t for t, _ in Counter(runs[0]).most_common(8)]
-    table = [[sum(t == x for t in run) for x in top] + [sum(t not in top for t in run)] for run in runs]
+    table = [
+        [sum(t == x for t in run) for x in top] + [sum(t not in top for t in run)] for run in runs
+    ]
     assert chi2_contingency(np.array(table) + 1).pvalue > 1e-3

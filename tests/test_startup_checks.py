@@ -2,6 +2,7 @@
 and the model file. Each failure is one log line naming what to fix and exit status 2, and
 leaves nothing behind in the cache (no lock files). No server is started: each of these
 stops within the interpreter's start-up time."""
+
 from __future__ import annotations
 
 import fcntl
@@ -20,8 +21,14 @@ from tests.server_utils import ROOT, wait_until
 
 def serve(*flags: str, cache_dir: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"RELAY_CACHE_DIR": cache_dir} if cache_dir else {})}
-    return subprocess.run([sys.executable, "-m", "launch.serve", "--load-format", "dummy-null", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.serve", "--load-format", "dummy-null", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *names: str) -> None:
@@ -56,7 +63,10 @@ def test_dp_checks_its_ports_before_starting_replicas():
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_a_shutdown_timeout_that_is_not_a_number_of_seconds_is_refused(value):
     out = serve("--shutdown-timeout", value)
-    assert out.returncode == 2 and "--shutdown-timeout must be a finite number of seconds >= 0" in out.stderr
+    assert (
+        out.returncode == 2
+        and "--shutdown-timeout must be a finite number of seconds >= 0" in out.stderr
+    )
 
 
 def test_a_cache_directory_that_is_a_file(tmp_path):
@@ -78,7 +88,9 @@ def test_a_damaged_gguf_file_is_one_line(tmp_path):
     assert not list(cache.rglob("*")), "nothing is left in the cache"
 
 
-@pytest.mark.parametrize("keep", [0, 1024, 0.5, -100], ids=["empty", "1KB", "half", "last-100-bytes"])
+@pytest.mark.parametrize(
+    "keep", [0, 1024, 0.5, -100], ids=["empty", "1KB", "half", "last-100-bytes"]
+)
 def test_damaged_gguf_files_are_refused_before_converting(tmp_path, monkeypatch, keep):
     src = model_files.default_model_file()
     size = os.path.getsize(src)
@@ -100,15 +112,21 @@ def test_a_failed_conversion_leaves_no_lock_or_partial_files(tmp_path, monkeypat
     def fail(gguf_path: str, out: str) -> None:
         open(os.path.join(out, "model.safetensors"), "w").close()
         raise ValueError("GGUF model with architecture x is not supported yet")
+
     monkeypatch.setattr(model_files, "_write_hf_dir", fail)
     with pytest.raises(ModelFileError, match="converting .* failed"):
         resolve_model_dir(src)
     assert os.listdir(tmp_path / "cache" / "gguf") == []
 
-    monkeypatch.setattr(model_files, "_write_hf_dir",
-                        lambda gguf_path, out: open(os.path.join(out, model_files.CONVERTED_MARKER), "w").close())
+    monkeypatch.setattr(
+        model_files,
+        "_write_hf_dir",
+        lambda gguf_path, out: open(os.path.join(out, model_files.CONVERTED_MARKER), "w").close(),
+    )
     done = resolve_model_dir(src)
-    assert os.listdir(tmp_path / "cache" / "gguf") == [os.path.basename(done)], "converted, and no lock file"
+    assert os.listdir(tmp_path / "cache" / "gguf") == [os.path.basename(done)], (
+        "converted, and no lock file"
+    )
 
 
 def waiters_on(path: str) -> int:
@@ -127,13 +145,17 @@ def test_a_waiter_on_a_removed_lock_file_takes_the_lock_of_the_new_one(tmp_path)
         with model_files._file_lock(path):
             inside.set()
             release.wait(30)
+
     thread = threading.Thread(target=waiter)
     with model_files._file_lock(path):
         thread.start()
         wait_until(lambda: waiters_on(path), 10, "the waiter to block on the lock")
     assert inside.wait(10)
     try:
-        with open(path) as f, pytest.raises(BlockingIOError):  # the file at the path is the waiter's
+        with (
+            open(path) as f,
+            pytest.raises(BlockingIOError),
+        ):  # the file at the path is the waiter's
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         release.set()

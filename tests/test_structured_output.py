@@ -1,6 +1,7 @@
 """Grammar-constrained decoding (relay.text.grammar) on the default model, offline Engine: outputs
 that validate against their JSON schema / fully match their regex, greedy and sampled, and
 unconstrained neighbours left exactly as they were."""
+
 from __future__ import annotations
 
 import json
@@ -26,39 +27,131 @@ xgrammar = pytest.importorskip("xgrammar")
 
 SHORT = {"type": "string", "minLength": 1, "maxLength": 12}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
-                                      "sunny": {"type": "boolean"}}, "required": ["city", "sunny"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": SHORT, "minItems": 1, "maxItems": 3}},
-     "required": ["tags"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9999}, "email": {
-            "type": "string", "pattern": "^[a-z]{2,8}@[a-z]{2,6}\\.com$"}}, "required": ["id", "email"]}},
-     "required": ["user"]},
-    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000},
-                                      "currency": {"enum": ["EUR", "USD"]}}, "required": ["price", "currency"]},
-    {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 2, "maxItems": 5},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
-                                      "ok": {"type": "boolean"}}, "required": ["code", "ok"]},
-    {"type": "object", "properties": {"steps": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "do": SHORT},
-        "required": ["n", "do"]}}}, "required": ["steps"]},
-    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
-                                      "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
-     "required": ["answer", "confidence"]},
-    {"type": "object", "properties": {"title": SHORT, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-                                      "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "horror"]},
-                                                 "maxItems": 2}}, "required": ["title", "year", "genres"]},
+    {
+        "type": "object",
+        "properties": {"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
+            "sunny": {"type": "boolean"},
+        },
+        "required": ["city", "sunny"],
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": SHORT, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "email": {"type": "string", "pattern": "^[a-z]{2,8}@[a-z]{2,6}\\.com$"},
+                },
+                "required": ["id", "email"],
+            }
+        },
+        "required": ["user"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 1000},
+            "currency": {"enum": ["EUR", "USD"]},
+        },
+        "required": ["price", "currency"],
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -50, "maximum": 50},
+        "minItems": 2,
+        "maxItems": 5,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["code", "ok"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "steps": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "do": SHORT,
+                    },
+                    "required": ["n", "do"],
+                },
+            }
+        },
+        "required": ["steps"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no", "maybe"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["answer", "confidence"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": SHORT,
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+            "genres": {
+                "type": "array",
+                "items": {"enum": ["drama", "comedy", "horror"]},
+                "maxItems": 2,
+            },
+        },
+        "required": ["title", "year", "genres"],
+    },
 ]
 # Bounded repeats: a 135M model greedily repeating "zm" forever inside [a-z]+ is the model's
 # doing, not the engine's.
-REGEXES = [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8}", r"(yes|no)", r"\d{1,5}\.\d{2}", r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)",
-           r"#[0-9a-f]{6}", r"(\d{1,3}\.){3}\d{1,3}", r"[A-Z]{2}\d{4}", r"(true|false)", r"-?\d{1,4}",
-           r"\d{4}-\d{2}-\d{2}", r"[a-z]{3,6}( [a-z]{3,6}){1,3}", r"(red|green|blue), (cat|dog)", r"0x[0-9A-F]{4}",
-           r"\(\d{3}\) \d{3}-\d{4}", r"[A-Z][a-z]{1,9}, [A-Z][a-z]{1,9}", r"v\d\.\d\.\d", r"(Mon|Tue|Wed)day",
-           r"\d{2}:\d{2}", r"[a-z_]{2,10}\(\)"]
-PROMPTS = ["Answer in JSON.", "Give me some data:", "Here is a record:", "Write the output now.", "Example:"]
+REGEXES = [
+    r"\d{3}-\d{4}",
+    r"[A-Z][a-z]{2,8}",
+    r"(yes|no)",
+    r"\d{1,5}\.\d{2}",
+    r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)",
+    r"#[0-9a-f]{6}",
+    r"(\d{1,3}\.){3}\d{1,3}",
+    r"[A-Z]{2}\d{4}",
+    r"(true|false)",
+    r"-?\d{1,4}",
+    r"\d{4}-\d{2}-\d{2}",
+    r"[a-z]{3,6}( [a-z]{3,6}){1,3}",
+    r"(red|green|blue), (cat|dog)",
+    r"0x[0-9A-F]{4}",
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"[A-Z][a-z]{1,9}, [A-Z][a-z]{1,9}",
+    r"v\d\.\d\.\d",
+    r"(Mon|Tue|Wed)day",
+    r"\d{2}:\d{2}",
+    r"[a-z_]{2,10}\(\)",
+]
+PROMPTS = [
+    "Answer in JSON.",
+    "Give me some data:",
+    "Here is a record:",
+    "Write the output now.",
+    "Example:",
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +165,17 @@ def engine(default_model_dir):
 
 def test_outputs_validate_against_their_schemas(engine):
     """100 requests over 10 schemas, greedy and sampled, batched together."""
-    jobs = [(schema, prompt, seed) for schema in SCHEMAS for prompt in PROMPTS for seed in (None, 1)]
-    params = [SamplingParams(max_new_tokens=160, json_schema=json.dumps(s),
-                             **({"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}))
-              for s, _, seed in jobs]
+    jobs = [
+        (schema, prompt, seed) for schema in SCHEMAS for prompt in PROMPTS for seed in (None, 1)
+    ]
+    params = [
+        SamplingParams(
+            max_new_tokens=160,
+            json_schema=json.dumps(s),
+            **({"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}),
+        )
+        for s, _, seed in jobs
+    ]
     outs = engine.generate([f"{p} {json.dumps(s)[:60]}" for s, p, _ in jobs], params)
     for (schema, _, _), out in zip(jobs, outs):
         assert out.finish_reason == "stop", (out.text, schema)
@@ -85,8 +185,10 @@ def test_outputs_validate_against_their_schemas(engine):
 
 
 def test_outputs_fully_match_their_regexes(engine):
-    outs = engine.generate([f"Example {i}:" for i in range(len(REGEXES))],
-                           [SamplingParams(max_new_tokens=48, temperature=0, regex=r) for r in REGEXES])
+    outs = engine.generate(
+        [f"Example {i}:" for i in range(len(REGEXES))],
+        [SamplingParams(max_new_tokens=48, temperature=0, regex=r) for r in REGEXES],
+    )
     for regex, out in zip(REGEXES, outs):
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), (regex, out.text)
 
@@ -96,19 +198,28 @@ def test_logit_bias_never_beats_the_grammar(engine):
     constrained greedy choice makes the grammar take its next best, still a match."""
     tok = engine.tokenizer.hf
     regex, prompt = r"(yes|no)", "Is the sky blue? Answer:"
-    (plain,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex))
+    (plain,) = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex)
+    )
     letters = {tok.convert_tokens_to_ids(t): 100.0 for t in ("x", "z", "Q")}
-    (pushed,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex,
-                                                         logit_bias=letters))
+    (pushed,) = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex, logit_bias=letters)
+    )
     assert pushed.token_ids == plain.token_ids
-    (banned,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0, regex=regex,
-                                                         logit_bias={plain.token_ids[0]: -100.0}))
+    (banned,) = engine.generate(
+        [prompt],
+        SamplingParams(
+            max_new_tokens=8, temperature=0, regex=regex, logit_bias={plain.token_ids[0]: -100.0}
+        ),
+    )
     assert re.fullmatch(regex, banned.text) and banned.token_ids[0] != plain.token_ids[0]
 
 
 def test_ebnf(engine):
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
-    (out,) = engine.generate(["Is the sky blue?"], SamplingParams(max_new_tokens=16, temperature=0, ebnf=grammar))
+    (out,) = engine.generate(
+        ["Is the sky blue?"], SamplingParams(max_new_tokens=16, temperature=0, ebnf=grammar)
+    )
     assert out.text in ("The answer is yes.", "The answer is no.")
 
 
@@ -117,23 +228,29 @@ def test_unconstrained_neighbours_are_untouched(engine):
     greedy = SamplingParams(max_new_tokens=24, temperature=0)
     alone = engine.generate(prompts, greedy)
     schema = SamplingParams(max_new_tokens=24, temperature=0, json_schema=json.dumps(SCHEMAS[0]))
-    mixed = engine.generate(["JSON:", *prompts, "More JSON:"], [schema, greedy, greedy, greedy, schema])
+    mixed = engine.generate(
+        ["JSON:", *prompts, "More JSON:"], [schema, greedy, greedy, greedy, schema]
+    )
     assert [o.token_ids for o in mixed[1:4]] == [o.token_ids for o in alone]
 
 
 def test_bad_constraints_name_their_field(engine):
-    for params, field in [(SamplingParams(json_schema='{"type": "objec"}'), "json_schema"),
-                          (SamplingParams(json_schema="{not json"), "json_schema"),
-                          (SamplingParams(regex="a(b"), "regex"),
-                          (SamplingParams(ebnf="root ::= undefined_rule"), "ebnf"),
-                          (SamplingParams(regex="a", ebnf='root ::= "a"'), "ebnf")]:
+    for params, field in [
+        (SamplingParams(json_schema='{"type": "objec"}'), "json_schema"),
+        (SamplingParams(json_schema="{not json"), "json_schema"),
+        (SamplingParams(regex="a(b"), "regex"),
+        (SamplingParams(ebnf="root ::= undefined_rule"), "ebnf"),
+        (SamplingParams(regex="a", ebnf='root ::= "a"'), "ebnf"),
+    ]:
         with pytest.raises(InvalidParam) as info:
             engine.generate(["x"], params)
         assert info.value.field == field
 
 
 def test_cut_short_grammar_ends_with_length_and_frees_its_matcher(engine):
-    (out,) = engine.generate(["Say a's:"], SamplingParams(max_new_tokens=4, temperature=0, regex="a{40}"))
+    (out,) = engine.generate(
+        ["Say a's:"], SamplingParams(max_new_tokens=4, temperature=0, regex="a{40}")
+    )
     assert out.finish_reason == "length" and len(out.token_ids) == 4 and set(out.text) == {"a"}
     assert engine.scheduler.stats().grammar["live_matchers"] == 0
     engine.check()
@@ -145,7 +262,9 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     for rid, schema in (("compiling", fresh), ("cached", json.dumps(SCHEMAS[1]))):
         sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=schema)))
     assert sched.stats().grammar["live_matchers"] == 2
-    gone = json.dumps({"type": "object", "properties": {"aborted_while_compiling": {"type": "string"}}})
+    gone = json.dumps(
+        {"type": "object", "properties": {"aborted_while_compiling": {"type": "string"}}}
+    )
     sched.add_request(Req("gone", [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=gone)))
     assert sched.abort("gone").finish_reason == "abort"
     sched.wait_for_constraints()
@@ -177,7 +296,9 @@ def held_compiles(engine, monkeypatch):
 
 
 def _schema(name: str) -> str:
-    return json.dumps({"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]})
+    return json.dumps(
+        {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+    )
 
 
 def _run(engine, done) -> list:
@@ -200,8 +321,13 @@ def test_plain_requests_run_while_grammars_compile(engine, held_compiles):
     sched = engine.scheduler
     held = [f"held-{i}" for i in range(COMPILE_WORKERS + 2)]
     for rid in held:
-        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0,
-                                                             json_schema=_schema(rid))))
+        sched.add_request(
+            Req(
+                rid,
+                [1, 2, 3],
+                SamplingParams(max_new_tokens=4, temperature=0, json_schema=_schema(rid)),
+            )
+        )
     sched.add_request(Req("plain", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0)))
     records = _run(engine, lambda: "plain" not in sched.reqs)
     assert [r.finish_reason for r in records if r.rid == "plain"][-1] == "length"
@@ -239,7 +365,9 @@ def test_compile_nobody_waits_for_is_cancelled(engine, held_compiles):
     sched, backend = engine.scheduler, engine.scheduler.grammars
     busy = [f"busy-{i}" for i in range(COMPILE_WORKERS)]  # holds every compile thread
     for rid in busy:
-        sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=_schema(rid))))
+        sched.add_request(
+            Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=_schema(rid)))
+        )
     queued = _schema("queued_then_abandoned")
     for rid in ("first", "second"):
         sched.add_request(Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=4, json_schema=queued)))
@@ -253,7 +381,9 @@ def test_compile_nobody_waits_for_is_cancelled(engine, held_compiles):
     assert not sched.has_work and backend.stats()["live_matchers"] == 0
     held_compiles.set()
     # The dropped compile is not what a later request with the same text gets.
-    sched.add_request(Req("later", [1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0, json_schema=queued)))
+    sched.add_request(
+        Req("later", [1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0, json_schema=queued))
+    )
     records = _run(engine, lambda: not sched.has_work)
     assert [r.error for r in records if r.finished] == [None]
     assert backend.stats()["live_matchers"] == 0
@@ -288,7 +418,9 @@ def test_grammar_dead_end_mid_output_ends_with_a_400(engine):
 
 
 def test_constraint_over_the_size_limit_is_refused(engine):
-    big = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}})
+    big = json.dumps(
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
+    )
     assert len(big) > engine.config.max_constraint_bytes
     with pytest.raises(InvalidParam) as info:
         engine.generate(["x"], SamplingParams(json_schema=big))
@@ -297,7 +429,11 @@ def test_constraint_over_the_size_limit_is_refused(engine):
 
 def _nested_objects(levels: int) -> str:
     """Object schemas nested `levels` deep: a JSON document 2 * levels + 1 levels deep."""
-    return '{"type":"object","properties":{"a":' * levels + '{"type":"string"}' + '},"required":["a"]}' * levels
+    return (
+        '{"type":"object","properties":{"a":' * levels
+        + '{"type":"string"}'
+        + '},"required":["a"]}' * levels
+    )
 
 
 def test_json_depth_counts_the_schema_documents_nesting():
@@ -320,20 +456,43 @@ def _parses_by_field(schema: dict, limit_name: str) -> dict:
     messages = [{"role": "user", "content": "Hi"}]
     return {
         "json_schema": lambda limit: parse_completion(
-            {"model": "m", "prompt": "x", "json_schema": schema}, "m", **{limit_name: limit}),
+            {"model": "m", "prompt": "x", "json_schema": schema}, "m", **{limit_name: limit}
+        ),
         "response_format.json_schema.schema": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "response_format": {
-                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "m", **{limit_name: limit}),
+            {
+                "model": "m",
+                "messages": messages,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                },
+            },
+            "m",
+            **{limit_name: limit},
+        ),
         "guided_json": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "guided_json": json.dumps(schema)}, "m", **{limit_name: limit}),
+            {"model": "m", "messages": messages, "guided_json": json.dumps(schema)},
+            "m",
+            **{limit_name: limit},
+        ),
         "tools": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"}, "m",
-            **{limit_name: limit}),
+            {"model": "m", "messages": messages, "tools": [tool], "tool_choice": "required"},
+            "m",
+            **{limit_name: limit},
+        ),
         "tools.0.function.parameters": lambda limit: parse_chat(
-            {"model": "m", "messages": messages, "tools": [tool],
-             "tool_choice": {"type": "function", "function": {"name": "f"}}}, "m", **{limit_name: limit}),
+            {
+                "model": "m",
+                "messages": messages,
+                "tools": [tool],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "m",
+            **{limit_name: limit},
+        ),
         "sampling_params.json_schema": lambda limit: parse_generate(
-            {"text": "x", "sampling_params": {"json_schema": schema}}, **{limit_name: limit}),
+            {"text": "x", "sampling_params": {"json_schema": schema}}, **{limit_name: limit}
+        ),
     }
 
 
@@ -353,28 +512,48 @@ def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
         with pytest.raises(ProtocolError) as info:
             parse(depth - 1)
         assert (info.value.status, info.value.param) == (400, param)
-        assert info.value.message == (f"{param} must nest at most {depth - 1} levels deep "
-                                      f"(--max-constraint-depth), got {depth}")
-    two = [tool, {"type": "function", "function": {"name": "g"}}]  # the calls' schemas under an anyOf
-    assert [json_depth(parse_chat({"model": "m", "messages": messages, "tools": tools, "tool_choice": "required"},
-                                  "m").params.json_schema) - json_depth(json.dumps(schema)) for tools in ([tool], two)
-            ] == [3, 5]
+        assert info.value.message == (
+            f"{param} must nest at most {depth - 1} levels deep "
+            f"(--max-constraint-depth), got {depth}"
+        )
+    two = [
+        tool,
+        {"type": "function", "function": {"name": "g"}},
+    ]  # the calls' schemas under an anyOf
+    assert [
+        json_depth(
+            parse_chat(
+                {"model": "m", "messages": messages, "tools": tools, "tool_choice": "required"}, "m"
+            ).params.json_schema
+        )
+        - json_depth(json.dumps(schema))
+        for tools in ([tool], two)
+    ] == [3, 5]
 
     limit = EngineConfig().max_constraint_depth
     deep = _nested_objects(800)  # 43 KB, 1601 levels
     compiles = engine.scheduler.grammars.stats()["compiles"]
     start = time.perf_counter()
     with pytest.raises(ProtocolError) as info:
-        parse_generate({"text": "x", "sampling_params": {"json_schema": deep}}, max_constraint_depth=limit)
+        parse_generate(
+            {"text": "x", "sampling_params": {"json_schema": deep}}, max_constraint_depth=limit
+        )
     assert (info.value.status, info.value.param) == (400, "sampling_params.json_schema")
-    assert info.value.message.endswith(f"at most {limit} levels deep (--max-constraint-depth), got 1601")
+    assert info.value.message.endswith(
+        f"at most {limit} levels deep (--max-constraint-depth), got 1601"
+    )
     with pytest.raises(InvalidParam) as offline:
         engine.generate(["x"], SamplingParams(json_schema=deep))
     assert offline.value.field == "json_schema" and "--max-constraint-depth" in str(offline.value)
-    assert time.perf_counter() - start < 1 and engine.scheduler.grammars.stats()["compiles"] == compiles
+    assert (
+        time.perf_counter() - start < 1
+        and engine.scheduler.grammars.stats()["compiles"] == compiles
+    )
     at_limit = '{"type":"array","items":' * (limit - 1) + '{"type":"integer"}' + "}" * (limit - 1)
     assert json_depth(at_limit) == limit
-    (out,) = engine.generate(["x"], SamplingParams(max_new_tokens=2, temperature=0, json_schema=at_limit))
+    (out,) = engine.generate(
+        ["x"], SamplingParams(max_new_tokens=2, temperature=0, json_schema=at_limit)
+    )
     assert out.error is None and out.finish_reason == "length", out
     engine.check()
 
@@ -382,18 +561,30 @@ def test_schema_nested_past_the_depth_limit_is_a_400_naming_the_field(engine):
 def _wide_object(optional: int, required: int = 0) -> dict:
     """An object schema of integer properties p0, p1, ...: the first `optional` of them optional."""
     names = [f"p{i}" for i in range(optional + required)]
-    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[optional:]}
+    return {
+        "type": "object",
+        "properties": {n: {"type": "integer"} for n in names},
+        "required": names[optional:],
+    }
 
 
 def test_widest_object_counts_optional_properties_per_object():
     """Per object, its properties not under "required", anywhere in the document (an array's
     items, an anyOf's branch); where, as a JSON pointer. A text that is not JSON, or nests too
     deep to parse, counts nothing: the compiler or the depth limit refuses it."""
-    doc = {"type": "object", "properties": {"a": _wide_object(5, required=40),
-                                            "b/c": {"anyOf": [{"type": "array", "items": _wide_object(7)}]}}}
+    doc = {
+        "type": "object",
+        "properties": {
+            "a": _wide_object(5, required=40),
+            "b/c": {"anyOf": [{"type": "array", "items": _wide_object(7)}]},
+        },
+    }
     assert widest_object(json.dumps(doc)) == (7, "/properties/b~1c/anyOf/0/items")
     assert widest_object(json.dumps(_wide_object(3, required=1))) == (3, "/")
-    assert widest_object(json.dumps({"properties": {"x": {}}, "required": "x"})) == (1, "/")  # not a list: none
+    assert widest_object(json.dumps({"properties": {"x": {}}, "required": "x"})) == (
+        1,
+        "/",
+    )  # not a list: none
     assert widest_object('{"type": "objec"') == (0, "")
     assert widest_object("[" * 100_000 + "]" * 100_000) == (0, "")
 
@@ -404,13 +595,17 @@ def test_schema_wider_than_the_property_limit_is_a_400_naming_the_field(engine):
     the limit passes, and required properties do not count. The issue's flat object of 2,000
     optional properties (13 s to compile; 5,900 in 128 KiB: 404 s) is turned away at once,
     offline too, and an object at the default limit compiles and generates to its schema."""
-    for param, parse in _parses_by_field(_wide_object(9, required=30), "max_constraint_properties").items():
+    for param, parse in _parses_by_field(
+        _wide_object(9, required=30), "max_constraint_properties"
+    ).items():
         assert parse(9).params.json_schema
         with pytest.raises(ProtocolError) as info:
             parse(8)
         assert (info.value.status, info.value.param) == (400, param)
-        assert info.value.message.startswith(f"{param} objects may have at most 8 optional properties each "
-                                             "(--max-constraint-properties; required ones are not counted), got 9 at /")
+        assert info.value.message.startswith(
+            f"{param} objects may have at most 8 optional properties each "
+            "(--max-constraint-properties; required ones are not counted), got 9 at /"
+        )
 
     limit = EngineConfig().max_constraint_properties
     compiles = engine.scheduler.grammars.stats()["compiles"]
@@ -419,15 +614,21 @@ def test_schema_wider_than_the_property_limit_is_a_400_naming_the_field(engine):
         engine.generate(["x"], SamplingParams(json_schema=json.dumps(_wide_object(2000))))
     assert offline.value.field == "json_schema" and str(offline.value).endswith(
         f"at most {limit} optional properties each (--max-constraint-properties; required ones are not counted), "
-        "got 2000 at /")
-    assert time.perf_counter() - start < 1 and engine.scheduler.grammars.stats()["compiles"] == compiles
+        "got 2000 at /"
+    )
+    assert (
+        time.perf_counter() - start < 1
+        and engine.scheduler.grammars.stats()["compiles"] == compiles
+    )
     # The model lists property after property: the text so far, closed after its last whole
     # property, holds only the schema's properties with the schema's types.
     at_limit = _wide_object(limit, required=2)
-    (out,) = engine.generate(["A record:"], SamplingParams(max_new_tokens=32, temperature=0,
-                                                          json_schema=json.dumps(at_limit)))
+    (out,) = engine.generate(
+        ["A record:"],
+        SamplingParams(max_new_tokens=32, temperature=0, json_schema=json.dumps(at_limit)),
+    )
     assert out.error is None and out.finish_reason == "length", out
-    so_far = json.loads(out.text[:out.text.rindex(", ")] + "}")
+    so_far = json.loads(out.text[: out.text.rindex(", ")] + "}")
     assert len(so_far) >= 3, out.text
     jsonschema.validate(so_far, {**at_limit, "required": [], "additionalProperties": False})
     engine.check()
@@ -450,13 +651,16 @@ def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_apply_token_masks_matches_xgrammar(path, monkeypatch):
     from relay.execution.kernels import cpu as cpu_kernels
+
     if path == "torch":
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     elif cpu_kernels.load() is None:
         pytest.skip("no CPU kernels here")
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 1000, [0, 2]
-    words = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), generator=gen, dtype=torch.int64)
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (2, (vocab + 31) // 32), generator=gen, dtype=torch.int64
+    )
     words = words.to(torch.int32)
     logits = torch.randn(3, vocab, generator=gen)
     ours = logits.clone()
@@ -472,14 +676,30 @@ def test_ngram_speculation_keeps_constrained_output(engine, default_model_dir):
     """n-gram proposals are trimmed to what the grammar allows and verified under a mask per
     position: greedy output is the one without speculation, and proposals do get accepted."""
     record = {"name": "Ada", "age": 36, "city": "London", "tags": ["math", "code"]}
-    schema = {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer"}, "city": SHORT,
-                                               "tags": {"type": "array", "items": SHORT, "maxItems": 2}},
-              "required": ["name", "age", "city", "tags"]}
-    prompts = [f"Copy this JSON exactly: {json.dumps(record)}\nCopy: ", "Repeat: {\"name\": \"Bob\", \"age\": 7"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": SHORT,
+            "age": {"type": "integer"},
+            "city": SHORT,
+            "tags": {"type": "array", "items": SHORT, "maxItems": 2},
+        },
+        "required": ["name", "age", "city", "tags"],
+    }
+    prompts = [
+        f"Copy this JSON exactly: {json.dumps(record)}\nCopy: ",
+        'Repeat: {"name": "Bob", "age": 7',
+    ]
     params = SamplingParams(max_new_tokens=100, temperature=0, json_schema=json.dumps(schema))
     plain = engine.generate(prompts, params)
-    spec = Engine(default_model_dir, dtype="float32", kv_cache_gb=0.2, speculative_algorithm="ngram",
-                  speculative_disable_by_batch_size=64, block_activations="float")
+    spec = Engine(
+        default_model_dir,
+        dtype="float32",
+        kv_cache_gb=0.2,
+        speculative_algorithm="ngram",
+        speculative_disable_by_batch_size=64,
+        block_activations="float",
+    )
     fast = spec.generate(prompts, params)
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
     assert fast[0].finish_reason == "stop" and json.loads(fast[0].text) == record
@@ -492,6 +712,7 @@ def test_ngram_speculation_keeps_constrained_output(engine, default_model_dir):
 
 
 # ---- a constraint after a reasoning block (--reasoning-parser) ---------------------------------
+
 
 def _accepts(backend, kind: str, text: str, tags, output: str, tokenizer) -> bool:
     """Whether the grammar lets the model write exactly `output` and then stop."""
@@ -507,17 +728,19 @@ def _accepts(backend, kind: str, text: str, tags, output: str, tokenizer) -> boo
 
 def test_reasoning_runs_free_until_its_close_tag_then_the_constraint_rules(engine):
     backend, tok = engine.scheduler.grammars, engine.tokenizer.hf
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    schema = json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
     r1, qwen3 = ("", "</think>"), ("<think>", "</think>")
     for tags, output, ok in [
-            (r1, 'Free text, even {"a": "no"} JSON-ish.</think>\n\n{"a": 1}', True),
-            (r1, '<think>\nRepeated open tag.</think>{"a": 1}', True),
-            (r1, '{"a": 1}', False),  # the reasoning must close first
-            (r1, 'x</think>{"a": "one"}', False),  # the answer must match the schema
-            (r1, 'x</think>{"a": 1} and more', False),
-            (qwen3, '<think>why not</think>\n\n{"a": 1}', True),
-            (qwen3, '{"a": 1}', True),  # no block (enable_thinking false in the template)
-            (qwen3, 'Free text first</think>{"a": 1}', False),  # a block must open with <think>
+        (r1, 'Free text, even {"a": "no"} JSON-ish.</think>\n\n{"a": 1}', True),
+        (r1, '<think>\nRepeated open tag.</think>{"a": 1}', True),
+        (r1, '{"a": 1}', False),  # the reasoning must close first
+        (r1, 'x</think>{"a": "one"}', False),  # the answer must match the schema
+        (r1, 'x</think>{"a": 1} and more', False),
+        (qwen3, '<think>why not</think>\n\n{"a": 1}', True),
+        (qwen3, '{"a": 1}', True),  # no block (enable_thinking false in the template)
+        (qwen3, 'Free text first</think>{"a": 1}', False),  # a block must open with <think>
     ]:
         assert _accepts(backend, "json_schema", schema, tags, output, tok) is ok, (tags, output)
     assert _accepts(backend, "regex", r"(yes|no)", r1, "maybe</think> yes", tok)
@@ -525,7 +748,9 @@ def test_reasoning_runs_free_until_its_close_tag_then_the_constraint_rules(engin
 
 
 def test_bad_constraint_under_reasoning_still_names_its_field(engine):
-    params = SamplingParams(json_schema='{"type": "objec"}', reasoning_open="", reasoning_close="</think>")
+    params = SamplingParams(
+        json_schema='{"type": "objec"}', reasoning_open="", reasoning_close="</think>"
+    )
     with pytest.raises(InvalidParam) as info:
         engine.generate(["x"], params)
     assert info.value.field == "json_schema"
@@ -535,8 +760,13 @@ def test_constrained_answer_after_optional_reasoning_validates(engine):
     from relay.api.chat_output import whole_message
 
     schema = SCHEMAS[1]
-    params = SamplingParams(max_new_tokens=120, temperature=0, json_schema=json.dumps(schema),
-                            reasoning_open="<think>", reasoning_close="</think>")
+    params = SamplingParams(
+        max_new_tokens=120,
+        temperature=0,
+        json_schema=json.dumps(schema),
+        reasoning_open="<think>",
+        reasoning_close="</think>",
+    )
     (out,) = engine.generate(["Answer in JSON: is it sunny in Paris?"], params)
     message, reason = whole_message(None, "qwen3", out.text, out.finish_reason)
     assert reason == "stop", out.text

@@ -1,5 +1,6 @@
 """Compute threads that back off on a loaded machine (relay/execution/thread_backoff.py): the policy's
 decisions from fed readings, and the readings the runner takes from /proc."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,14 @@ from relay.execution.thread_backoff import (
 QUIET, STARVED = 0.02, 0.55  # the step thread's run-queue wait, as a share of its step time
 
 
-def window(policy: ThreadPolicy, now: float, share: float, idle: float | None = None, busy: float = 0.25,
-           wall: float = 0.3) -> int:
+def window(
+    policy: ThreadPolicy,
+    now: float,
+    share: float,
+    idle: float | None = None,
+    busy: float = 0.25,
+    wall: float = 0.3,
+) -> int:
     """A verdict on `busy` seconds of steps within `wall`, waiting `share` of them."""
     return policy.verdict(now, busy, share * busy, wall, idle)
 
@@ -50,7 +57,9 @@ def test_idle_cores_while_the_steps_were_rare_are_no_room():
     window(policy, 0.0, STARVED)
     policy.hold = 64.0  # as after failed tries
     assert window(policy, 5.0, QUIET, idle=1.8, busy=0.25, wall=10.0) == 1
-    assert window(policy, 6.0, QUIET, idle=1.0, busy=0.25, wall=0.3) == 2  # busy steps beside an idle core
+    assert (
+        window(policy, 6.0, QUIET, idle=1.0, busy=0.25, wall=0.3) == 2
+    )  # busy steps beside an idle core
 
 
 def test_a_try_that_starves_again_doubles_the_hold_and_one_that_holds_resets_it():
@@ -76,19 +85,24 @@ def test_a_try_that_starves_again_doubles_the_hold_and_one_that_holds_resets_it(
 
 def test_one_thread_never_changes():
     policy = ThreadPolicy(1)
-    assert [window(policy, t, share, idle=1.0) for t in range(10) for share in (QUIET, STARVED)] == [1] * 20
+    assert [
+        window(policy, t, share, idle=1.0) for t in range(10) for share in (QUIET, STARVED)
+    ] == [1] * 20
 
 
 def test_the_flags():
     assert not EngineConfig().disable_thread_backoff
     from launch.flags import engine_config, parse_args
+
     assert engine_config(parse_args(["--disable-thread-backoff"])).disable_thread_backoff
     assert engine_config(parse_args(["--num-threads", "2"])).num_threads == 2
 
 
 def test_idle_jiffies(tmp_path):
     stat = tmp_path / "stat"
-    stat.write_text("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 1 0 1 10 2 0 0 0 0 0\ncpu1 1 1 1 20 0 0 0 1 0 0\n")
+    stat.write_text(
+        "cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 1 0 1 10 2 0 0 0 0 0\ncpu1 1 1 1 20 0 0 0 1 0 0\n"
+    )
     assert read_idle_jiffies([0], str(stat)) == (12, 14)
     assert read_idle_jiffies([0, 1], str(stat)) == (32, 38)
 
@@ -98,8 +112,11 @@ def test_the_runner_side_reads_proc_and_applies_the_count(monkeypatch):
     assert read_idle_jiffies(sorted(os.sched_getaffinity(0)))[1] > 0
     applied = []
     import torch
+
     monkeypatch.setattr(torch, "set_num_threads", applied.append)
-    backoff = ThreadBackoff(2, ThreadPolicy(2, window_s=0.01, starved_share=-1.0))  # every verdict: starved
+    backoff = ThreadBackoff(
+        2, ThreadPolicy(2, window_s=0.01, starved_share=-1.0)
+    )  # every verdict: starved
     backoff.after_step(0.02)  # the first step sets the baseline only
     assert backoff.threads == 2 and applied == []
     backoff.after_step(0.005)  # not a window yet
@@ -125,8 +142,11 @@ def test_the_runner_backs_off_only_from_its_default_count(tiny_model_dir):
     cores = available_cores()
 
     def backoff(**flags):
-        runner = ModelRunner(EngineConfig(dtype="float32", page_size=4, kv_cache_gb=0.01, **flags), path, mc)
+        runner = ModelRunner(
+            EngineConfig(dtype="float32", page_size=4, kv_cache_gb=0.01, **flags), path, mc
+        )
         return runner.thread_backoff
+
     try:
         made = backoff()
         assert (made is not None) == (cores > 1 and backoff_supported())

@@ -1,4 +1,5 @@
 """GGUF blocks recovered from dequantized float32 weights, and the GEMM that reads them."""
+
 from __future__ import annotations
 
 import types
@@ -86,7 +87,9 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 7, 13, 40])
 @pytest.mark.parametrize("n,k", [(200, 96), (40, 160), (64, 576)])
-def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(lib, kernel_level, kind, m, n, k):
+def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(
+    lib, kernel_level, kind, m, n, k
+):
     """Blocks that stand for a bfloat16 model's weights (round_bf16): their GEMMs (Q8_0's of two
     rows or more) round the activations to bfloat16, as the model's own GEMMs do, where the CPU has
     bfloat16 dot products, and multiply them by the exact weights (float32 accumulation); one row
@@ -101,7 +104,9 @@ def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(lib, kernel_level, kind):
+def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(
+    lib, kernel_level, kind
+):
     """A decode step's rows (one per request) through a bfloat16 model's blocks: each row's output
     is the same bit for bit alone, in a small batch and in a large one (Q8_0 from two rows on: one
     row keeps float32 activations there), so a request's greedy output does not depend on how many
@@ -125,18 +130,30 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
 
-    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
-                         ModelConfig.from_dir(default_model_dir))
+    runner = ModelRunner(
+        EngineConfig(dtype="float32", kv_cache_gb=0.05),
+        default_model_dir,
+        ModelConfig.from_dir(default_model_dir),
+    )
     modules = runner.model.gemm_modules()
     assert all(mod.blocks is not None for mod in modules)
     assert {mod.blocks.bits for mod in modules} == {4, 8}
-    off = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05, disable_weight_blocks=True), default_model_dir,
-                      ModelConfig.from_dir(default_model_dir))
+    off = ModelRunner(
+        EngineConfig(dtype="float32", kv_cache_gb=0.05, disable_weight_blocks=True),
+        default_model_dir,
+        ModelConfig.from_dir(default_model_dir),
+    )
     assert all(mod.blocks is None for mod in off.model.gemm_modules())
 
 
-def step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tuple, attr: str = "decode_layers",
-                  rows: list[int] | None = None) -> list:
+def step_each_way(
+    runner: ModelRunner,
+    step,
+    tables: list[list[int]],
+    ways: tuple,
+    attr: str = "decode_layers",
+    rows: list[int] | None = None,
+) -> list:
     """The same step once per entry of ways (the model's decode_layers, or whatever attr names:
     its C call, or None for the layers one by one), each from the KV cache as it was before:
     (logits of rows, the KV after) per way."""
@@ -150,6 +167,7 @@ def step_each_way(runner: ModelRunner, step, tables: list[list[int]], ways: tupl
         results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
     return results
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
 def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir, kv_dtype):
@@ -161,24 +179,32 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
 
-    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05), default_model_dir,
-                         ModelConfig.from_dir(default_model_dir))
+    runner = ModelRunner(
+        EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05),
+        default_model_dir,
+        ModelConfig.from_dir(default_model_dir),
+    )
     fast = runner.model.decode_layers
     assert fast is not None
     ids = torch.randint(100, 40000, (3, 100), generator=torch.Generator().manual_seed(0)).tolist()
     ids[1][:80] = ids[0][:80]  # request 1 shares request 0's first five pages
     tables = [list(range(1, 7)), list(range(1, 6)) + [7, 8], list(range(9, 16))]
     for i, (prefix, n) in enumerate([(0, 90), (80, 20), (0, 100)]):
-        runner.step_logits(BatchInput(0, [i], ids[i][prefix:prefix + n], [prefix], [n], [0], [tables[i]], [True], [0]),
-                           [tables[i]])
-    step = BatchInput(0, [0, 1, 2], [5, 6, 7], [90, 100, 100], [1, 1, 1], [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
+        runner.step_logits(
+            BatchInput(
+                0, [i], ids[i][prefix : prefix + n], [prefix], [n], [0], [tables[i]], [True], [0]
+            ),
+            [tables[i]],
+        )
+    step = BatchInput(
+        0, [0, 1, 2], [5, 6, 7], [90, 100, 100], [1, 1, 1], [0] * 3, [[]] * 3, [True] * 3, [1] * 3
+    )
     kv = [t.clone() for t in runner.kv.k + runner.kv.v]
     results = step_each_way(runner, step, tables, (fast, None))
     assert runner.attn.dec_plan.num_groups == 1  # the shared prefix was attended as a cascade
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
     assert not all(torch.equal(a, b) for a, b in zip(results[0][1], kv))  # the step wrote its keys
-
 
 
 @pytest.mark.slow
@@ -193,8 +219,11 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
 
-    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
-                         ModelConfig.from_dir(default_model_dir))
+    runner = ModelRunner(
+        EngineConfig(dtype="bfloat16", kv_cache_gb=0.05),
+        default_model_dir,
+        ModelConfig.from_dir(default_model_dir),
+    )
     assert runner.model.decode_layers[1].on_panels and runner.model.decode_layers[1].max_rows > 1024
     runner.model.limit_weight_blocks(0)  # every GEMM on the panels, in both paths
     assert runner.model.use_decode_layers(runner.attn)
@@ -202,19 +231,25 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     ids = torch.randint(100, 40000, (3, 40), generator=torch.Generator().manual_seed(1)).tolist()
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     for i in range(3):
-        runner.step_logits(BatchInput(0, [i], ids[i], [0], [40], [0], [tables[i]], [True], [0]), [tables[i]])
-    step = BatchInput(0, [0, 1, 2], [5, 6, 7], [40] * 3, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3)
+        runner.step_logits(
+            BatchInput(0, [i], ids[i], [0], [40], [0], [tables[i]], [True], [0]), [tables[i]]
+        )
+    step = BatchInput(
+        0, [0, 1, 2], [5, 6, 7], [40] * 3, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
+    )
     (call, _), (layered, _) = step_each_way(runner, step, tables, (fast, None))
     assert (call - layered).abs().max() < 0.05 * layered.abs().max()
     for m in runner.model.gemm_modules():  # what the C call read were the panels
         if isinstance(m.packed, cpu.Bf16Panels):
             m.packed.data.zero_()
-    (zeroed, _), = step_each_way(runner, step, tables, (fast,))
+    ((zeroed, _),) = step_each_way(runner, step, tables, (fast,))
     assert (zeroed - call).abs().max() > 0.5 * call.abs().max()
 
 
 @pytest.mark.slow
-def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(default_model_dir, monkeypatch):
+def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(
+    default_model_dir, monkeypatch
+):
     """Where a bfloat16 model's GEMMs run on Relay's panels, a step with prompt chunks runs its 30
     layers in one C call: a whole prompt, and a step mixing decodes (two of them sharing a cached
     prefix: cascade attention) with a chunk over a cached prefix and a new prompt give the logits
@@ -225,8 +260,11 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
 
-    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.05), default_model_dir,
-                         ModelConfig.from_dir(default_model_dir))
+    runner = ModelRunner(
+        EngineConfig(dtype="bfloat16", kv_cache_gb=0.05),
+        default_model_dir,
+        ModelConfig.from_dir(default_model_dir),
+    )
     # the LM head picks its kernel by row count too (its blocks up to the crossover measured at
     # start-up): keep it on the panels, so that the rows kept below meet the same kernels
     runner.model.limit_weight_blocks(0)
@@ -235,31 +273,51 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(de
     calls = []
     monkeypatch.setattr(fast[1], "run", lambda *a, _run=fast[1].run: calls.append(1) or _run(*a))
     ps = runner.page_size
-    ids = torch.randint(100, 40000, (4, 4 * ps), generator=torch.Generator().manual_seed(2)).tolist()
-    ids[1][:3 * ps] = ids[0][:3 * ps]  # request 1 shares request 0's first three pages
+    ids = torch.randint(
+        100, 40000, (4, 4 * ps), generator=torch.Generator().manual_seed(2)
+    ).tolist()
+    ids[1][: 3 * ps] = ids[0][: 3 * ps]  # request 1 shares request 0's first three pages
     tables = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7, 8, 9], [10, 11]]
     n0 = 3 * ps + 5
     whole = BatchInput(0, [0], ids[0][:n0], [0], [n0], [0], [tables[0]], [True], [0])
-    (call, kv_call), (layered, kv_layered) = step_each_way(runner, whole, [tables[0]], (fast, None), "prompt_layers",
-                                                           rows=list(range(n0)))
-    assert calls and torch.equal(call, layered) and all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    (call, kv_call), (layered, kv_layered) = step_each_way(
+        runner, whole, [tables[0]], (fast, None), "prompt_layers", rows=list(range(n0))
+    )
+    assert (
+        calls
+        and torch.equal(call, layered)
+        and all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    )
     runner.model.prompt_layers = fast
     for i, n in ((0, n0), (1, 3 * ps + 7), (2, 3 * ps)):
-        runner.step_logits(BatchInput(0, [i], ids[i][:n], [0], [n], [0], [tables[i]], [True], [0]), [tables[i]])
+        runner.step_logits(
+            BatchInput(0, [i], ids[i][:n], [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
+        )
     # decodes of 0 and 1 (a cascade over their shared pages), a chunk of 2 over its prefix, request 3 anew
-    mixed = BatchInput(0, [0, 1, 2, 3], [5, 6] + ids[2][3 * ps:3 * ps + 20] + ids[3][:40], [n0, 3 * ps + 7, 3 * ps, 0],
-                       [1, 1, 20, 40], [0] * 4, [[]] * 4, [True] * 4, [1, 1, 0, 0])
+    mixed = BatchInput(
+        0,
+        [0, 1, 2, 3],
+        [5, 6] + ids[2][3 * ps : 3 * ps + 20] + ids[3][:40],
+        [n0, 3 * ps + 7, 3 * ps, 0],
+        [1, 1, 20, 40],
+        [0] * 4,
+        [[]] * 4,
+        [True] * 4,
+        [1, 1, 0, 0],
+    )
     calls.clear()
-    (call, kv_call), (layered, kv_layered) = step_each_way(runner, mixed, tables, (fast, None), "prompt_layers",
-                                                           rows=list(range(62)))
+    (call, kv_call), (layered, kv_layered) = step_each_way(
+        runner, mixed, tables, (fast, None), "prompt_layers", rows=list(range(62))
+    )
     assert calls and runner.attn.dec_plan.num_groups == 1
     assert torch.equal(call, layered)
     assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
     # The server reads each request's last row only: the last layer runs past its attention for
     # those rows alone, and gives them (and the cache) what the step with every row gave.
     last = [0, 1, 21, 61]
-    (call_last, kv_last), (layered_last, kv_layered_last) = step_each_way(runner, mixed, tables, (fast, None),
-                                                                          "prompt_layers")
+    (call_last, kv_last), (layered_last, kv_layered_last) = step_each_way(
+        runner, mixed, tables, (fast, None), "prompt_layers"
+    )
     assert torch.equal(call_last, call[last])  # the C call: the same panels at any row count
     assert all(torch.equal(a, b) for a, b in zip(kv_last, kv_call))
     assert all(torch.equal(a, b) for a, b in zip(kv_layered_last, kv_call))
@@ -287,9 +345,11 @@ class VirtualClock:
 
     def costing(self, fn, seconds: float):
         """fn, run for real, taking `seconds` of this clock per call."""
+
         def timed(*args, **kwargs):
             self.now += seconds
             return fn(*args, **kwargs)
+
         return timed
 
 
@@ -299,7 +359,10 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
     every size tried when the float path is."""
     modules = [linear_on_blocks(64, 96, seed) for seed in range(2)]
     gemm_blocks, cpu_matmul = cpu.gemm_blocks, layers.cpu_matmul
-    for blocks_cost, floats_cost, rows in ((1.0, 0.1, 0), (0.1, 1.0, layers.BLOCKS_ROW_CANDIDATES[-1])):
+    for blocks_cost, floats_cost, rows in (
+        (1.0, 0.1, 0),
+        (0.1, 1.0, layers.BLOCKS_ROW_CANDIDATES[-1]),
+    ):
         clock = VirtualClock(monkeypatch)
         monkeypatch.setattr(cpu, "gemm_blocks", clock.costing(gemm_blocks, blocks_cost))
         monkeypatch.setattr(layers, "cpu_matmul", clock.costing(cpu_matmul, floats_cost))
@@ -307,7 +370,9 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
 
 
 @pytest.mark.slow
-def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at(default_model_dir, monkeypatch):
+def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at(
+    default_model_dir, monkeypatch
+):
     """Start-up times whole decode steps in one C call against the layers called one by one: a C
     call that is the slow one is not used (and blocks no GEMM reads are dropped); when the layers
     are the slow ones, the C call takes every batch size tried that the KV pool holds."""
@@ -317,11 +382,16 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     from relay.execution.models import llama
 
     def runner() -> ModelRunner:
-        return ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir,
-                           ModelConfig.from_dir(default_model_dir))
+        return ModelRunner(
+            EngineConfig(dtype="float32", kv_cache_gb=0.05),
+            default_model_dir,
+            ModelConfig.from_dir(default_model_dir),
+        )
 
     clock = VirtualClock(monkeypatch)
-    monkeypatch.setattr(layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001))  # GEMMs: blocks win
+    monkeypatch.setattr(
+        layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001)
+    )  # GEMMs: blocks win
     run, forward = cpu_layers.DecodeLayers.run, llama.DecoderLayer.forward
     monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 1.0))
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
@@ -332,7 +402,11 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
     per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
-    held = [s for s in startup_timing.DECODE_LAYERS_SIZES if 1 + s * per_request <= slow_layers.num_pages]
+    held = [
+        s
+        for s in startup_timing.DECODE_LAYERS_SIZES
+        if 1 + s * per_request <= slow_layers.num_pages
+    ]
     assert slow_layers.model.decode_layers[1].max_rows == held[-1]
 
 
@@ -346,20 +420,36 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
 
-    runners = [ModelRunner(EngineConfig(kv_cache_gb=0.05, **cfg), default_model_dir, ModelConfig.from_dir(default_model_dir))
-               for cfg in ({"dtype": "float32", "block_activations": "float"}, {"dtype": "bfloat16"},
-                           {"dtype": "bfloat16", "disable_weight_blocks": True})]
+    runners = [
+        ModelRunner(
+            EngineConfig(kv_cache_gb=0.05, **cfg),
+            default_model_dir,
+            ModelConfig.from_dir(default_model_dir),
+        )
+        for cfg in (
+            {"dtype": "float32", "block_activations": "float"},
+            {"dtype": "bfloat16"},
+            {"dtype": "bfloat16", "disable_weight_blocks": True},
+        )
+    ]
     exact, rounded = (r.model.gemm_modules() for r in runners[:2])
     for a, b in zip(exact, rounded):
-        assert b.blocks is not None and b.blocks.round_bf16 and torch.equal(b.blocks.dequantize(), a.weight)
+        assert (
+            b.blocks is not None
+            and b.blocks.round_bf16
+            and torch.equal(b.blocks.dequantize(), a.weight)
+        )
         assert b.weight.dtype == torch.bfloat16 and torch.equal(b.weight, a.weight.bfloat16())
     assert runners[1].model.decode_layers is not None
     ids = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []
     for runner in runners:
         runner.step_logits(BatchInput(0, [0], ids, [0], [40], [0], [[1, 2]], [True], [0]), [[1, 2]])
-        logits.append(runner.step_logits(BatchInput(0, [0], [ids[7]], [40], [1], [0], [[]], [True], [1]),
-                                         [[1, 2]])[0])
+        logits.append(
+            runner.step_logits(
+                BatchInput(0, [0], [ids[7]], [40], [1], [0], [[]], [True], [1]), [[1, 2]]
+            )[0]
+        )
     on_blocks, without = ((x - logits[0]).abs().max() for x in logits[1:])
     assert on_blocks < without
     assert on_blocks < 0.05 * logits[0].abs().max()
@@ -372,7 +462,9 @@ def test_a_dense_float32_checkpoint_in_bfloat16_is_a_plain_bfloat16_model(tiny_m
     from relay.config import EngineConfig, ModelConfig
 
     path = tiny_model_dir("llama")
-    runner = ModelRunner(EngineConfig(dtype="bfloat16", kv_cache_gb=0.01), path, ModelConfig.from_dir(path))
+    runner = ModelRunner(
+        EngineConfig(dtype="bfloat16", kv_cache_gb=0.01), path, ModelConfig.from_dir(path)
+    )
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
     assert all(m.blocks is None for m in runner.model.gemm_modules())
 
@@ -384,7 +476,9 @@ def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
     k = x.shape[1]
     xb = x.reshape(x.shape[0], k // 32, 32)  # float32 steps, as the kernel takes them
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)  # a float32 division, as the kernel does
+    inv = torch.full_like(amax, 127.0) / amax.clamp_min(
+        1e-30
+    )  # a float32 division, as the kernel does
     rounded = torch.where(amax > 0, torch.round(xb * inv), 0.0).double()
     xq = (rounded * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape[0], k)
     n, w = blocks.out_features, blocks.dequantize().double()

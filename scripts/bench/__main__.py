@@ -1,4 +1,5 @@
 """`python -m scripts.bench SUBCOMMAND [flags]`: each subcommand's module parses its own flags."""
+
 from __future__ import annotations
 
 import importlib
@@ -6,9 +7,18 @@ import sys
 
 from scripts import bench
 
-SUBCOMMANDS = {"serving": "serving", "compare": "compare", "hf": "hf", "offline": "offline",
-               "goodput": "goodput", "structured": "structured", "dp": "dp", "scheduler": "scheduler",
-               "hardening": "hardening", "busy-host": "busy_host"}
+SUBCOMMANDS = {
+    "serving": "serving",
+    "compare": "compare",
+    "hf": "hf",
+    "offline": "offline",
+    "goodput": "goodput",
+    "structured": "structured",
+    "dp": "dp",
+    "scheduler": "scheduler",
+    "hardening": "hardening",
+    "busy-host": "busy_host",
+}
 
 
 def main(argv: list[str]) -> int:

@@ -13,6 +13,7 @@ in turn, round after round (so load from outside the benchmark falls on all of t
   python -m scripts.bench busy-host -- --num-threads 1            # with launch.serve flags
   python -m scripts.bench busy-host --checkout /tmp/old --checkout .   # two checkouts, A/B
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ from scripts.bench.servers import Server, free_port, relay_server
 from scripts.bench.table import markdown
 
 SHORT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-LONG = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 128, "temperature": 0,
-        "ignore_eos": True}
+LONG = {
+    "prompt": "Write a long story about a lighthouse keeper.",
+    "max_tokens": 128,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 def short_latencies(client: httpx.Client, reps: int) -> list[float]:
@@ -63,8 +68,14 @@ def phase(clients: list[httpx.Client], rounds: int, reps: int) -> list[dict]:
         for i, c in enumerate(clients):
             lat[i] += short_latencies(c, reps)
             speed[i].append(decode_speed(c))
-    return [{"short_p50_s": round(statistics.median(lat_s), 3), "short_max_s": round(max(lat_s), 3),
-             "decode_tok_s": round(statistics.median(s), 1)} for lat_s, s in zip(lat, speed)]
+    return [
+        {
+            "short_p50_s": round(statistics.median(lat_s), 3),
+            "short_max_s": round(max(lat_s), 3),
+            "decode_tok_s": round(statistics.median(s), 1),
+        }
+        for lat_s, s in zip(lat, speed)
+    ]
 
 
 def measure(servers: list[Server], args) -> dict[str, list[dict]]:
@@ -91,31 +102,57 @@ def measure(servers: list[Server], args) -> dict[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkout", action="append", help="a checkout to serve from (repeat to compare; default: this)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkout",
+        action="append",
+        help="a checkout to serve from (repeat to compare; default: this)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="rounds per phase")
     p.add_argument("--reps", type=int, default=2, help="4-token requests per server and round")
     p.add_argument("--busy", type=int, default=len(os.sched_getaffinity(0)), help="busy processes")
-    p.add_argument("--settle", type=float, default=3.0, help="seconds between a load change and measuring")
+    p.add_argument(
+        "--settle", type=float, default=3.0, help="seconds between a load change and measuring"
+    )
     p.add_argument("--output", default=None, help="results, JSON lines (results.py's format)")
     p.add_argument("flags", nargs="*", help="launch.serve flags (after --)")
     args = p.parse_args(argv)
     checkouts = [os.path.abspath(c) for c in args.checkout or [ROOT]]
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(relay_server(f"busy-host-{i}", free_port(), args.flags, checkout=c))
-                   for i, c in enumerate(checkouts)]
+        servers = [
+            stack.enter_context(relay_server(f"busy-host-{i}", free_port(), args.flags, checkout=c))
+            for i, c in enumerate(checkouts)
+        ]
         results = measure(servers, args)
         logs = [s.log_text() for s in servers]
     out = ResultFile(args.output, "busy-host", flags=args.flags, busy_processes=args.busy)
     rows = []
     for i, (checkout, log) in enumerate(zip(checkouts, logs)):
         changes = [line.strip() for line in log.splitlines() if "compute thread" in line]
-        out.add({"checkout": checkout, **{k: v[i] for k, v in results.items()}, "thread_changes": len(changes)})
+        out.add(
+            {
+                "checkout": checkout,
+                **{k: v[i] for k, v in results.items()},
+                "thread_changes": len(changes),
+            }
+        )
         rows += [{"checkout": checkout, "phase": k, **v[i]} for k, v in results.items()]
         for line in changes[-4:]:
             print("  ", line)
-    print(markdown(rows, [("checkout", "checkout"), ("phase", "phase"), ("short p50 (s)", "short_p50_s", 3),
-                          ("short max (s)", "short_max_s", 3), ("decode tok/s", "decode_tok_s")]))
+    print(
+        markdown(
+            rows,
+            [
+                ("checkout", "checkout"),
+                ("phase", "phase"),
+                ("short p50 (s)", "short_p50_s", 3),
+                ("short max (s)", "short_max_s", 3),
+                ("decode tok/s", "decode_tok_s"),
+            ],
+        )
+    )
     print("load average at the end:", " ".join(open("/proc/loadavg").read().split()[:3]))
     return 0
 

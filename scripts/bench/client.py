@@ -7,6 +7,7 @@ Timing follows SGLang's bench_serving: TTFT is request sent -> first chunk carry
 k tokens counts as k inter-token gaps of gap/k, k from the server's cumulative token count (native backend)
 or from re-tokenizing the streamed text.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,22 +63,28 @@ def _sse_events(buffer: bytearray, data: bytes) -> list[str]:
         if nl < 0:
             return out
         line = bytes(buffer[:nl]).strip()
-        del buffer[:nl + 1]
+        del buffer[: nl + 1]
         if line.startswith(b"data:"):
             out.append(line[5:].strip().decode("utf-8"))
         elif line.startswith(b"error:"):
             out.append(json.dumps({"error": line[6:].strip().decode("utf-8", "replace")}))
 
 
-def _request_body(backend: str, model: str | None, row: DatasetRow, ignore_eos: bool,
-                  extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _request_body(
+    backend: str, model: str | None, row: DatasetRow, ignore_eos: bool, extra: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     if backend == "relay-native":
         sp = {"max_new_tokens": row.output_len, "temperature": 0.0}
         if ignore_eos:
             sp["ignore_eos"] = True
         return "/generate", {"text": row.prompt, "sampling_params": sp, "stream": True, **extra}
-    body: dict[str, Any] = {"prompt": row.prompt, "max_tokens": row.output_len, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "prompt": row.prompt,
+        "max_tokens": row.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     if ignore_eos:
@@ -90,8 +97,16 @@ def _request_body(backend: str, model: str | None, row: DatasetRow, ignore_eos: 
     return "/v1/completions", body
 
 
-async def send_request(session, base_url: str, backend: str, model: str | None, row: DatasetRow,
-                       ignore_eos: bool, extra: dict[str, Any], pbar=None) -> RequestOutput:
+async def send_request(
+    session,
+    base_url: str,
+    backend: str,
+    model: str | None,
+    row: DatasetRow,
+    ignore_eos: bool,
+    extra: dict[str, Any],
+    pbar=None,
+) -> RequestOutput:
     path, body = _request_body(backend, model, row, ignore_eos, extra)
     out = RequestOutput(prompt_len=row.prompt_len)
     prev_text = ""  # native: the cumulative text so far
@@ -113,7 +128,9 @@ async def send_request(session, base_url: str, backend: str, model: str | None, 
                     chunk = json.loads(payload)
                     if chunk.get("error"):
                         err = chunk["error"]
-                        out.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        out.error = (
+                            err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        )
                         return out
                     if backend == "relay-native":
                         text = chunk.get("text", "")
@@ -121,7 +138,7 @@ async def send_request(session, base_url: str, backend: str, model: str | None, 
                         n_tok = meta.get("completion_tokens")
                         if n_tok is None:
                             n_tok = len(chunk.get("output_ids") or [])
-                        delta, k = text[len(prev_text):], n_tok - prev_tokens
+                        delta, k = text[len(prev_text) :], n_tok - prev_tokens
                         if k > 0 or delta:
                             out.chunk_times.append(now)
                             out.chunk_texts.append(delta)
@@ -137,7 +154,11 @@ async def send_request(session, base_url: str, backend: str, model: str | None, 
                         if choices:
                             c = choices[0]
                             text = c.get("text") or ""
-                            toks = c.get("tokens") if isinstance(c.get("tokens"), list) else chunk.get("tokens")
+                            toks = (
+                                c.get("tokens")
+                                if isinstance(c.get("tokens"), list)
+                                else chunk.get("tokens")
+                            )
                             k = len(toks) if isinstance(toks, list) else None
                             if text or (k or 0) > 0:
                                 out.chunk_times.append(now)
@@ -235,11 +256,14 @@ async def resolve_model(session, base_url: str) -> str | None:
 async def wait_ready(base_url: str, timeout: float = 600.0, proc=None) -> None:
     """Poll /health (then /v1/models) until the server answers 200."""
     import aiohttp
+
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+                raise RuntimeError(
+                    f"the server exited with code {proc.returncode} before it was ready"
+                )
             for path in ("/health", "/v1/models"):
                 try:
                     async with s.get(base_url + path) as r:
@@ -259,8 +283,9 @@ async def _arrivals(rows: list[DatasetRow], rate: float, rng: np.random.Generato
         await asyncio.sleep(float(rng.exponential(1.0 / rate)))
 
 
-async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
-                    max_concurrency: int | None) -> dict[str, Any]:
+async def benchmark(
+    args, rows: list[DatasetRow], tokenizer, model: str | None, max_concurrency: int | None
+) -> dict[str, Any]:
     import aiohttp
     from tqdm import tqdm
 
@@ -281,24 +306,36 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
             # benchmark's prompts.
             wrng = np.random.default_rng(args.seed + 10_000)
             cands = candidate_ids(tokenizer)
-            warm = [DatasetRow(*random_text(tokenizer, wrng, 32, cands), 8) for _ in range(args.warmup_requests)]
-            wouts = await asyncio.gather(*(send_request(session, args.base_url, args.backend, model, r, True, extra)
-                                           for r in warm))
+            warm = [
+                DatasetRow(*random_text(tokenizer, wrng, 32, cands), 8)
+                for _ in range(args.warmup_requests)
+            ]
+            wouts = await asyncio.gather(
+                *(
+                    send_request(session, args.base_url, args.backend, model, r, True, extra)
+                    for r in warm
+                )
+            )
             bad = [o.error for o in wouts if not o.success]
             if len(bad) == len(wouts):
                 raise RuntimeError(f"every warm-up request failed; first error: {bad[0]}")
         before = await relay_counters(session, args.base_url)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        pbar = None if args.disable_tqdm else tqdm(total=len(rows), desc=f"c={max_concurrency or 'inf'}",
-                                                   leave=False)
+        pbar = (
+            None
+            if args.disable_tqdm
+            else tqdm(total=len(rows), desc=f"c={max_concurrency or 'inf'}", leave=False)
+        )
 
         async def one(row: DatasetRow) -> RequestOutput:
             if sem is None:
-                return await send_request(session, args.base_url, args.backend, model, row, args.ignore_eos,
-                                          extra, pbar)
+                return await send_request(
+                    session, args.base_url, args.backend, model, row, args.ignore_eos, extra, pbar
+                )
             async with sem:
-                return await send_request(session, args.base_url, args.backend, model, row, args.ignore_eos,
-                                          extra, pbar)
+                return await send_request(
+                    session, args.base_url, args.backend, model, row, args.ignore_eos, extra, pbar
+                )
 
         rng = np.random.default_rng(args.seed + 1)
         start = time.perf_counter()
@@ -313,15 +350,21 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
 
     finish_outputs(outputs, tokenizer)
     m = calculate_metrics(rows, outputs, duration, tokenizer, parse_goodput(args.goodput))
-    m["itl_k_source"] = "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
+    m["itl_k_source"] = (
+        "server" if all(k is not None for o in outputs for k in o.chunk_tokens) else "retokenized"
+    )
     if args.per_request:
         m["requests"] = per_request(rows, outputs, start)
-    if any(row.passage for row in rows):  # copy: how much of the output an n-gram drafter could find
+    if any(
+        row.passage for row in rows
+    ):  # copy: how much of the output an n-gram drafter could find
         m["copied_output_share"] = copied_share(tokenizer, rows, outputs)
     m["cache_hit_rate"] = None
     if before is not None and after is not None:
         dp = after.get("prompt_tokens_total", 0) - before.get("prompt_tokens_total", 0)
-        dc = after.get("cached_prompt_tokens_total", 0) - before.get("cached_prompt_tokens_total", 0)
+        dc = after.get("cached_prompt_tokens_total", 0) - before.get(
+            "cached_prompt_tokens_total", 0
+        )
         m["server_prompt_tokens"] = dp
         m["server_cached_prompt_tokens"] = dc
         m["cache_hit_rate"] = dc / dp if dp > 0 else 0.0
@@ -329,7 +372,11 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
             m.update(spec_delta(before["spec"], after["spec"]))
     # What the responses' usage says (any server that reports prompt_tokens_details.cached_tokens, llama.cpp
     # included): cached prompt tokens / prompt tokens, and the server's own prompt token count.
-    reported = [o for o in outputs if o.success and o.server_cached_tokens is not None and o.server_prompt_len]
+    reported = [
+        o
+        for o in outputs
+        if o.success and o.server_cached_tokens is not None and o.server_prompt_len
+    ]
     if reported:
         m["usage_prompt_tokens"] = int(sum(o.server_prompt_len for o in reported))
         m["usage_cached_tokens"] = int(sum(o.server_cached_tokens for o in reported))
@@ -343,14 +390,19 @@ async def benchmark(args, rows: list[DatasetRow], tokenizer, model: str | None,
 # One request at a time, synchronously (httpx): what the latency probes (busy-host, hardening, structured's
 # first-seen schema) and the small calls around a load run need.
 
+
 def server_info(base_url: str) -> dict[str, Any]:
     import httpx
+
     return httpx.get(base_url + "/get_server_info", timeout=60).json()
 
 
-def timed_post(client, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int | str, float]:
+def timed_post(
+    client, body: dict[str, Any], path: str = "/v1/completions"
+) -> tuple[int | str, float]:
     """One request's HTTP status (or the transport error's name) and its latency in seconds."""
     import httpx
+
     t0 = time.monotonic()
     try:
         r = client.post(path, json=body)
@@ -359,7 +411,9 @@ def timed_post(client, body: dict[str, Any], path: str = "/v1/completions") -> t
         return type(e).__name__, time.monotonic() - t0
 
 
-def stream_times(client, body: dict[str, Any], path: str = "/v1/completions") -> tuple[float, list[float], float]:
+def stream_times(
+    client, body: dict[str, Any], path: str = "/v1/completions"
+) -> tuple[float, list[float], float]:
     """One streamed completion: when it was sent, when each chunk carrying text arrived, when it ended
     (time.monotonic)."""
     sent, arrivals = time.monotonic(), []
@@ -376,8 +430,12 @@ def stream_times(client, body: dict[str, Any], path: str = "/v1/completions") ->
 def complete(base_url: str, model: str | None, prompt: str, max_tokens: int) -> None:
     """A short non-streamed completion that must succeed (warm-up)."""
     import httpx
-    httpx.post(base_url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens},
-               timeout=300).raise_for_status()
+
+    httpx.post(
+        base_url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens},
+        timeout=300,
+    ).raise_for_status()
 
 
 def model_name(base_url: str) -> str | None:

@@ -17,6 +17,7 @@ With --baseline it first runs the same workload on one server with all the cores
   python -m scripts.bench dp --runs 1 --gsp-num-groups 4 --no-baseline     # a quick look
   python -m scripts.bench dp --server-args '--dtype float32' --output-json .bench/dp.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,12 @@ def replica_counters(url: str) -> dict[str, float]:
     """The replica's own counters: its scheduler's prompt/cached totals, its http process's requests and
     output tokens."""
     sched = server_info(url)["scheduler"]
-    out = {"prompt": sched["prompt_tokens_total"], "cached": sched["cached_prompt_tokens_total"],
-           "requests": 0.0, "output": 0.0}
+    out = {
+        "prompt": sched["prompt_tokens_total"],
+        "cached": sched["cached_prompt_tokens_total"],
+        "requests": 0.0,
+        "output": 0.0,
+    }
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in fam.samples:
             if s.name == "relay:requests_total":
@@ -63,23 +68,40 @@ def one_run(router_url: str, replicas: dict[str, str], bench_args, rows, tokeniz
     per = {}
     for name in replicas:
         d = {k: after[name][k] - before[name][k] for k in before[name]}
-        per[name] = {"requests": int(d["requests"]), "prompt_tokens": int(d["prompt"]),
-                     "cached_tokens": int(d["cached"]), "hit_rate": d["cached"] / max(1.0, d["prompt"]),
-                     "output_tok_s": d["output"] / m["duration"]}
+        per[name] = {
+            "requests": int(d["requests"]),
+            "prompt_tokens": int(d["prompt"]),
+            "cached_tokens": int(d["cached"]),
+            "hit_rate": d["cached"] / max(1.0, d["prompt"]),
+            "output_tok_s": d["output"] / m["duration"],
+        }
     prompt = sum(p["prompt_tokens"] for p in per.values())
     cached = sum(p["cached_tokens"] for p in per.values())
-    return {"hit_rate": cached / max(1, prompt), "prompt_tokens": prompt, "cached_tokens": cached,
-            "ttft_p50_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
-            "e2e_p50_ms": m["median_e2e_latency_ms"],
-            "output_tok_s": m["output_throughput"], "completed": m["completed"], "failed": m["failed"],
-            "duration_s": m["duration"], "replicas": per}
+    return {
+        "hit_rate": cached / max(1, prompt),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_p50_ms": m["median_ttft_ms"],
+        "ttft_p99_ms": m["p99_ttft_ms"],
+        "e2e_p50_ms": m["median_e2e_latency_ms"],
+        "output_tok_s": m["output_throughput"],
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "duration_s": m["duration"],
+        "replicas": per,
+    }
 
 
 def median_row(runs: list[dict]) -> dict:
     keys = ["hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "output_tok_s", "duration_s"]
     out = {k: statistics.median(r[k] for r in runs) for k in keys}
-    out["replicas"] = {name: {k: statistics.median(r["replicas"][name][k] for r in runs)
-                              for k in runs[0]["replicas"][name]} for name in runs[0]["replicas"]}
+    out["replicas"] = {
+        name: {
+            k: statistics.median(r["replicas"][name][k] for r in runs)
+            for k in runs[0]["replicas"][name]
+        }
+        for name in runs[0]["replicas"]
+    }
     return out
 
 
@@ -91,16 +113,37 @@ def serve(tag: str, flags: list[str], timeout: float) -> tuple[Server, dict[str,
     except BaseException:
         server.stop()
         raise
-    return server, dict(re.findall(r"(dp\d+) (http://127\.0\.0\.1:\d+)", m.group(0))) or {"all": server.base_url}
+    return server, dict(re.findall(r"(dp\d+) (http://127\.0\.0\.1:\d+)", m.group(0))) or {
+        "all": server.base_url
+    }
 
 
 def round_robin_router(replicas: dict[str, str], timeout: float) -> Server:
     """sglang-router with --policy round_robin in front of the replicas, once it has registered them all."""
     port = free_port()
-    router = Server("round-robin router", [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *replicas.values(), "--policy", "round_robin", "--prometheus-port", str(free_port()),
-        "--log-level", "warn"], port, f"{BENCH_DIR}/logs/dp-router-rr.log", timeout).__enter__()
+    router = Server(
+        "round-robin router",
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *replicas.values(),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ],
+        port,
+        f"{BENCH_DIR}/logs/dp-router-rr.log",
+        timeout,
+    ).__enter__()
     deadline = time.monotonic() + 120
     while _healthy(router.base_url) != len(replicas):
         if time.monotonic() > deadline:
@@ -111,22 +154,46 @@ def round_robin_router(replicas: dict[str, str], timeout: float) -> Server:
 
 
 def print_table(medians: dict[str, dict]) -> None:
-    rows = [{"routing": name, **m, "per_replica": "; ".join(
-        f"{n} {v['requests']:.0f}, {v['hit_rate']:.3f}, {v['output_tok_s']:.1f}" for n, v in m["replicas"].items())}
-        for name, m in medians.items()]
-    print("\n" + markdown(rows, [
-        ("routing", "routing"), ("cache hit rate", "hit_rate", 3), ("TTFT p50 (ms)", "ttft_p50_ms", 0),
-        ("TTFT p99 (ms)", "ttft_p99_ms", 0), ("E2E p50 (ms)", "e2e_p50_ms", 0), ("output tok/s", "output_tok_s"),
-        ("per replica: requests, hit rate, output tok/s", "per_replica")]))
+    rows = [
+        {
+            "routing": name,
+            **m,
+            "per_replica": "; ".join(
+                f"{n} {v['requests']:.0f}, {v['hit_rate']:.3f}, {v['output_tok_s']:.1f}"
+                for n, v in m["replicas"].items()
+            ),
+        }
+        for name, m in medians.items()
+    ]
+    print(
+        "\n"
+        + markdown(
+            rows,
+            [
+                ("routing", "routing"),
+                ("cache hit rate", "hit_rate", 3),
+                ("TTFT p50 (ms)", "ttft_p50_ms", 0),
+                ("TTFT p99 (ms)", "ttft_p99_ms", 0),
+                ("E2E p50 (ms)", "e2e_p50_ms", 0),
+                ("output tok/s", "output_tok_s"),
+                ("per replica: requests, hit rate, output tok/s", "per_replica"),
+            ],
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--runs", type=int, default=3, help="runs per policy (medians reported)")
-    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                   help="first run the workload on one server with every core (--dp 1)")
+    p.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run the workload on one server with every core (--dp 1)",
+    )
     p.add_argument("--server-args", default="", help="more launch.serve flags for every server")
     p.add_argument("--gsp-num-groups", type=int, default=8)
     p.add_argument("--gsp-prompts-per-group", type=int, default=8)
@@ -135,17 +202,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gsp-output-len", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--output-json", default=None,
-                   help="append one JSON line (results.py's format) with every run and the medians")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        help="append one JSON line (results.py's format) with every run and the medians",
+    )
     args = p.parse_args(argv)
 
     # No warm-up inside a run: the replicas' counters are read around it (warm() runs before).
-    bench_args = serving.parse_args([
-        "--dataset-name", "generated-shared-prefix", "--ignore-eos", "--disable-tqdm", "--warmup-requests", "0",
-        "--max-concurrency", str(args.max_concurrency), "--gsp-num-groups", str(args.gsp_num_groups),
-        "--gsp-prompts-per-group", str(args.gsp_prompts_per_group),
-        "--gsp-system-prompt-len", str(args.gsp_system_prompt_len),
-        "--gsp-question-len", str(args.gsp_question_len), "--gsp-output-len", str(args.gsp_output_len)])
+    bench_args = serving.parse_args(
+        [
+            "--dataset-name",
+            "generated-shared-prefix",
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--warmup-requests",
+            "0",
+            "--max-concurrency",
+            str(args.max_concurrency),
+            "--gsp-num-groups",
+            str(args.gsp_num_groups),
+            "--gsp-prompts-per-group",
+            str(args.gsp_prompts_per_group),
+            "--gsp-system-prompt-len",
+            str(args.gsp_system_prompt_len),
+            "--gsp-question-len",
+            str(args.gsp_question_len),
+            "--gsp-output-len",
+            str(args.gsp_output_len),
+        ]
+    )
     tokenizer = load_tokenizer(None)
     rows = build_dataset(bench_args, tokenizer)
     extra = shlex.split(args.server_args)
@@ -156,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = model_name(server.base_url)
             warm(server.base_url, model)
-            runs["dp1"] = [one_run(server.base_url, replicas, bench_args, rows, tokenizer, model)
-                           for _ in range(args.runs)]
+            runs["dp1"] = [
+                one_run(server.base_url, replicas, bench_args, rows, tokenizer, model)
+                for _ in range(args.runs)
+            ]
         finally:
             server.stop()
 
-    server, replicas = serve("dp-server", ["--dp", str(args.dp), "--router-prometheus-port", str(free_port()), *extra],
-                             args.startup_timeout)
+    server, replicas = serve(
+        "dp-server",
+        ["--dp", str(args.dp), "--router-prometheus-port", str(free_port()), *extra],
+        args.startup_timeout,
+    )
     try:
         router = round_robin_router(replicas, args.startup_timeout)
     except BaseException:
@@ -178,10 +269,15 @@ def main(argv: list[str] | None = None) -> int:
             for policy in order:
                 r = one_run(urls[policy], replicas, bench_args, rows, tokenizer, model)
                 runs.setdefault(policy, []).append(r)
-                print(f"run {i + 1} {policy}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
-                      f"output {r['output_tok_s']:.1f} tok/s, per replica "
-                      + ", ".join(f"{n}: {v['requests']} req {v['hit_rate']:.2f} hit {v['output_tok_s']:.1f} tok/s"
-                                  for n, v in r["replicas"].items()), flush=True)
+                print(
+                    f"run {i + 1} {policy}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+                    f"output {r['output_tok_s']:.1f} tok/s, per replica "
+                    + ", ".join(
+                        f"{n}: {v['requests']} req {v['hit_rate']:.2f} hit {v['output_tok_s']:.1f} tok/s"
+                        for n, v in r["replicas"].items()
+                    ),
+                    flush=True,
+                )
     finally:
         router.stop()
         server.stop()

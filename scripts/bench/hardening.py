@@ -12,6 +12,7 @@ Starts `python -m launch.serve` from a checkout (this one, or another to compare
   python -m scripts.bench hardening                        # this checkout, the default model
   python -m scripts.bench hardening --checkout /tmp/old    # the same against another checkout
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,11 @@ def leak(url: str, bad_requests: int) -> dict:
     with httpx.Client(base_url=url, timeout=600) as c:
         for _ in range(bad_requests):
             try:
-                r = c.post("/v1/completions", content=b'{"prompt": "\\ud800", "max_tokens": 2}',
-                           headers={"content-type": "application/json"})
+                r = c.post(
+                    "/v1/completions",
+                    content=b'{"prompt": "\\ud800", "max_tokens": 2}',
+                    headers={"content-type": "application/json"},
+                )
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
             except httpx.HTTPError as e:
                 codes[type(e).__name__] = codes.get(type(e).__name__, 0) + 1
@@ -63,8 +67,11 @@ def leak(url: str, bad_requests: int) -> dict:
             in_flight = server_info(url).get("num_http_requests")
         except (httpx.HTTPError, ValueError) as e:
             in_flight = f"unknown ({type(e).__name__})"
-        return {"bad_request_statuses": codes, "in_flight_after": in_flight,
-                "normal_request_after": timed_post(c, SHORT)[0]}
+        return {
+            "bad_request_statuses": codes,
+            "in_flight_after": in_flight,
+            "normal_request_after": timed_post(c, SHORT)[0],
+        }
 
 
 def idle(url: str, port: int, pid: int) -> dict:
@@ -81,14 +88,20 @@ def idle(url: str, port: int, pid: int) -> dict:
                 break
         with httpx.Client(base_url=url, timeout=10) as c:
             fresh = timed_post(c, SHORT)[0]
-        return {"sockets_opened": len(socks), "http_fds": len(os.listdir(f"/proc/{pid}/fd")), "fresh_request": fresh}
+        return {
+            "sockets_opened": len(socks),
+            "http_fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "fresh_request": fresh,
+        }
     finally:
         for s in socks:
             s.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--checkout", default=ROOT)
     ap.add_argument("--port", type=int, default=30111)
     ap.add_argument("--bad-requests", type=int, default=4100)
@@ -97,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     checkout = os.path.abspath(args.checkout)
     res: dict = {"checkout": checkout}
-    with relay_server("hardening", args.port, args.flags, checkout=checkout, fd_limit=1024) as server:
+    with relay_server(
+        "hardening", args.port, args.flags, checkout=checkout, fd_limit=1024
+    ) as server:
         url = server.base_url
         with httpx.Client(base_url=url, timeout=600) as c:
             res["alone"] = dict(zip(("status", "s"), timed_post(c, SHORT)))
@@ -106,8 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         res["long"] = behind(url, {"prompt": "word " * 7990, "max_tokens": 4}, 1.0)
         res["idle"] = idle(url, args.port, server.proc.pid)
     ResultFile(args.output, "hardening").add(res)
-    rows = [{"case": case, "result": ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
-             else value} for case, value in res.items()]
+    rows = [
+        {
+            "case": case,
+            "result": ", ".join(f"{k} {v}" for k, v in value.items())
+            if isinstance(value, dict)
+            else value,
+        }
+        for case, value in res.items()
+    ]
     print(markdown(rows, [("case", "case"), ("result", "result")]))
     return 0
 

@@ -1,21 +1,22 @@
 """What a load run measured, as one flat dict of SGLang bench_serving's metric names.
 
-  request_throughput   completed requests / benchmark duration
-  input_throughput     total input tokens / duration          (input lengths as built by the dataset)
-  output_throughput    total output tokens / duration         (the server's own usage count when it reports
-                                                                one, else the generated text re-tokenized)
-  total_throughput     (input + output tokens) / duration
-  concurrency          sum of E2E latencies / duration        (the average number of requests in flight)
-  E2E latency          request sent -> last byte of the stream
-  TTFT                 request sent -> first chunk carrying output
-  TPOT                 per request (E2E - TTFT) / (output tokens - 1), requests with > 1 output token
-  goodput              with --goodput: completed requests / duration counting only those that met every
-                       SLO given (vLLM's bench_serving option): ttft:MS (the request's TTFT) and itl:MS (the
-                       p99 of the request's own ITL gaps); reported as request_goodput
-  ITL                  gaps between consecutive streamed chunks; a chunk carrying k tokens counts as k gaps
-                       of gap/k (SGLang counts one gap per chunk), so servers that batch several tokens per
-                       chunk are not flattered
+request_throughput   completed requests / benchmark duration
+input_throughput     total input tokens / duration          (input lengths as built by the dataset)
+output_throughput    total output tokens / duration         (the server's own usage count when it reports
+                                                              one, else the generated text re-tokenized)
+total_throughput     (input + output tokens) / duration
+concurrency          sum of E2E latencies / duration        (the average number of requests in flight)
+E2E latency          request sent -> last byte of the stream
+TTFT                 request sent -> first chunk carrying output
+TPOT                 per request (E2E - TTFT) / (output tokens - 1), requests with > 1 output token
+goodput              with --goodput: completed requests / duration counting only those that met every
+                     SLO given (vLLM's bench_serving option): ttft:MS (the request's TTFT) and itl:MS (the
+                     p99 of the request's own ITL gaps); reported as request_goodput
+ITL                  gaps between consecutive streamed chunks; a chunk carrying k tokens counts as k gaps
+                     of gap/k (SGLang counts one gap per chunk), so servers that batch several tokens per
+                     chunk are not flattered
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,11 @@ def _stats(name: str, values_s: list[float], pcts=(99,)) -> dict[str, float]:
         out = {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0}
         out.update({f"p{p}_{name}_ms": 0.0 for p in pcts})
         return out
-    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-           f"std_{name}_ms": float(ms.std())}
+    out = {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+    }
     out.update({f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in pcts})
     return out
 
@@ -57,8 +61,13 @@ def meets_slo(o, slo: dict[str, float]) -> bool:
     return "itl" not in slo or not o.itl or float(np.percentile(o.itl, 99)) <= slo["itl"]
 
 
-def calculate_metrics(rows: list[DatasetRow], outputs: list, duration: float,
-                      tokenizer, slo: dict[str, float] | None = None) -> dict[str, Any]:
+def calculate_metrics(
+    rows: list[DatasetRow],
+    outputs: list,
+    duration: float,
+    tokenizer,
+    slo: dict[str, float] | None = None,
+) -> dict[str, Any]:
     completed = total_input = total_output = total_retok = 0
     ttfts, tpots, itls, e2es = [], [], [], []
     for row, o in zip(rows, outputs):
@@ -112,17 +121,31 @@ def calculate_metrics(rows: list[DatasetRow], outputs: list, duration: float,
     m["max_itl_ms"] = float(max(itls) * 1000.0) if itls else 0.0
     if slo:
         good = sum(1 for o in outputs if meets_slo(o, slo))
-        m.update({"goodput_slo_ms": {k: v * 1000.0 for k, v in slo.items()}, "good_requests": good,
-                  "request_goodput": good / dur})
+        m.update(
+            {
+                "goodput_slo_ms": {k: v * 1000.0 for k, v in slo.items()},
+                "good_requests": good,
+                "request_goodput": good / dur,
+            }
+        )
     return m
 
 
 def per_request(rows: list[DatasetRow], outputs: list, t0: float) -> list[dict[str, Any]]:
     """Each request's timeline (seconds from the run's start): when it was sent, its first token
     and end, and its inter-token gaps; what a p99 is made of (a burst's queue, a slow step)."""
-    return [{"sent": o.start - t0, "ttft": o.ttft, "latency": o.latency, "prompt_len": row.prompt_len,
-             "output_len": o.output_len, "ok": o.success, "itl": [round(g, 6) for g in o.itl]}
-            for row, o in zip(rows, outputs)]
+    return [
+        {
+            "sent": o.start - t0,
+            "ttft": o.ttft,
+            "latency": o.latency,
+            "prompt_len": row.prompt_len,
+            "output_len": o.output_len,
+            "ok": o.success,
+            "itl": [round(g, 6) for g in o.itl],
+        }
+        for row, o in zip(rows, outputs)
+    ]
 
 
 def copied_share(tokenizer, rows: list[DatasetRow], outputs: list, n: int = 4) -> float | None:
@@ -133,11 +156,11 @@ def copied_share(tokenizer, rows: list[DatasetRow], outputs: list, n: int = 4) -
         if not o.success:
             continue
         prompt_ids, out_ids = encode(tokenizer, row.prompt), encode(tokenizer, o.generated_text)
-        grams = {tuple(prompt_ids[i:i + n]) for i in range(len(prompt_ids) - n + 1)}
+        grams = {tuple(prompt_ids[i : i + n]) for i in range(len(prompt_ids) - n + 1)}
         hit = [False] * len(out_ids)
         for i in range(len(out_ids) - n + 1):
-            if tuple(out_ids[i:i + n]) in grams:
-                hit[i:i + n] = [True] * n
+            if tuple(out_ids[i : i + n]) in grams:
+                hit[i : i + n] = [True] * n
         covered += sum(hit)
         total += len(out_ids)
     return covered / total if total else None
@@ -146,7 +169,12 @@ def copied_share(tokenizer, rows: list[DatasetRow], outputs: list, n: int = 4) -
 def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Speculative decoding over the run, from Relay's scheduler counters: the share of proposed tokens
     accepted, and tokens emitted per verify step (accepted + the target's own)."""
-    rows, proposed, accepted = (after[k] - before[k] for k in
-                                ("spec_verify_rows", "spec_proposed_tokens", "spec_accepted_tokens"))
-    return {"spec_verify_rows": rows, "spec_acceptance_rate": accepted / max(1, proposed),
-            "spec_accept_length": (accepted + rows) / max(1, rows)}
+    rows, proposed, accepted = (
+        after[k] - before[k]
+        for k in ("spec_verify_rows", "spec_proposed_tokens", "spec_accepted_tokens")
+    )
+    return {
+        "spec_verify_rows": rows,
+        "spec_acceptance_rate": accepted / max(1, proposed),
+        "spec_accept_length": (accepted + rows) / max(1, rows),
+    }

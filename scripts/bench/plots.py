@@ -1,5 +1,6 @@
 """The sweep plot: output throughput and median ITL against max concurrency, one line per label
 (serving --sweep-concurrency --plot, compare's docs/img/concurrency-sweep.png)."""
+
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ from typing import Any
 def plot_sweep(series: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
     """One PNG: output throughput and median ITL vs max concurrency, one line per label."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
@@ -16,8 +18,10 @@ def plot_sweep(series: dict[str, list[dict[str, Any]]], path: str, title: str = 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     levels: set[int] = set()
     for label, results in series.items():
-        pts = sorted((r.get("max_concurrency") or 1, r.get("output_throughput"), r.get("median_itl_ms"))
-                     for r in results)
+        pts = sorted(
+            (r.get("max_concurrency") or 1, r.get("output_throughput"), r.get("median_itl_ms"))
+            for r in results
+        )
         if not pts:
             continue
         levels.update(p[0] for p in pts)

@@ -10,6 +10,7 @@ metrics under the names metrics.py gives them plus a header saying where and whe
 A file may hold records of several subcommands and runs; `load` reads any number of them (and the older
 {"meta": ..., "runs": [...]} files of scripts/compare.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,17 +52,34 @@ def machine() -> str:
 
 def git_rev() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10, check=False).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def header(bench: str, **extra: Any) -> dict[str, Any]:
     model, flags = cpu_info()
-    return {"bench": bench, "timestamp": datetime.now().isoformat(timespec="seconds"), "git": git_rev(),
-            "host": platform.node(), "cpu": model, "cpus": len(os.sched_getaffinity(0)), "cpu_flags": flags,
-            "load_avg": os.getloadavg()[0], **extra}
+    return {
+        "bench": bench,
+        "timestamp": datetime.now().isoformat(timespec="seconds"),
+        "git": git_rev(),
+        "host": platform.node(),
+        "cpu": model,
+        "cpus": len(os.sched_getaffinity(0)),
+        "cpu_flags": flags,
+        "load_avg": os.getloadavg()[0],
+        **extra,
+    }
 
 
 def jsonable(value: Any) -> Any:
@@ -90,8 +108,14 @@ class ResultFile:
     def add(self, fields: dict[str, Any]) -> dict[str, Any]:
         # The header's bench wins: a record carried over from another subcommand (compare keeps serving's)
         # is filed under the one that wrote it here.
-        record = jsonable({**self.header, "timestamp": datetime.now().isoformat(timespec="seconds"), **fields,
-                           "bench": self.header["bench"]})
+        record = jsonable(
+            {
+                **self.header,
+                "timestamp": datetime.now().isoformat(timespec="seconds"),
+                **fields,
+                "bench": self.header["bench"],
+            }
+        )
         self.records.append(record)
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -103,8 +127,14 @@ class ResultFile:
 def _legacy_compare_runs(saved: dict[str, Any]) -> list[dict[str, Any]]:
     """An older compare results file: its meta spread over each of its runs."""
     meta = saved.get("meta", {})
-    stamp = {"bench": "compare", "timestamp": meta.get("date"), "git": meta.get("git"), "host": meta.get("host"),
-             "cpus": meta.get("cpus"), "load_avg": (meta.get("load_avg_start") or [0.0])[0]}
+    stamp = {
+        "bench": "compare",
+        "timestamp": meta.get("date"),
+        "git": meta.get("git"),
+        "host": meta.get("host"),
+        "cpus": meta.get("cpus"),
+        "load_avg": (meta.get("load_avg_start") or [0.0])[0],
+    }
     return [{**stamp, **run} for run in saved.get("runs", [])]
 
 

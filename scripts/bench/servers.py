@@ -5,6 +5,7 @@ A server runs in a session of its own, its output in a log file under .bench/log
 started and removes what it left in shared memory that no process holds (vLLM killed at the end of its run
 left ~1.6 GB of torch segments in /dev/shm, RAM the next engine measured without).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,9 @@ def held_open() -> set[str]:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
             with open(f"/proc/{pid}/maps") as f:
-                held.update(line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6)
+                held.update(
+                    line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6
+                )
         except OSError:
             continue  # gone meanwhile, or not ours to read
     return held
@@ -67,7 +70,6 @@ def remove_orphaned_shm(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
-
 def tail(path: str, n: int) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -76,16 +78,24 @@ def tail(path: str, n: int) -> str:
         return ""
 
 
-
 class Server:
     """One server process: `with Server(...) as s` starts it, waits until s.base_url answers, and stops it.
 
     checkout: serve from another checkout (its launch/ and src/ first on PYTHONPATH), e.g. a `git worktree`
     of an older commit to compare against; fd_limit: the descriptor limit it runs under."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: str, ready_timeout: float = 900.0,
-                 env: dict[str, str] | None = None, cwd: str = ROOT, checkout: str | None = None,
-                 fd_limit: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_path: str,
+        ready_timeout: float = 900.0,
+        env: dict[str, str] | None = None,
+        cwd: str = ROOT,
+        checkout: str | None = None,
+        fd_limit: int | None = None,
+    ):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
         self.ready_timeout, self.fd_limit = ready_timeout, fd_limit
         self.env = dict(env or {})
@@ -97,16 +107,26 @@ class Server:
 
     def __enter__(self):
         if not port_free(self.port):
-            raise RuntimeError(f"port {self.port} is already in use: stop that server or pick another port")
+            raise RuntimeError(
+                f"port {self.port} is already in use: stop that server or pick another port"
+            )
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log = open(self.log_path, "w")
         self.shm_before = shm_entries()
-        print(f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
-              flush=True)
+        print(
+            f"\n### starting {self.name}: {' '.join(self.cmd)}\n    (log: {os.path.relpath(self.log_path, ROOT)})",
+            flush=True,
+        )
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **self.env},
-                                     preexec_fn=self._limit if self.fd_limit else None)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=self.cwd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self.env},
+            preexec_fn=self._limit if self.fd_limit else None,
+        )
         try:
             asyncio.run(wait_ready(self.base_url, self.ready_timeout, self.proc))
         except BaseException:
@@ -135,7 +155,9 @@ class Server:
             if m:
                 return m
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}"
+                )
             time.sleep(0.5)
         raise TimeoutError(f"no {pattern!r} within {timeout:.0f} s; see {self.log_path}")
 
@@ -148,11 +170,26 @@ class Server:
             self.log.close()
 
 
-def relay_server(tag: str, port: int, flags: list[str], env: dict[str, str] | None = None,
-                 ready_timeout: float = 900.0, checkout: str | None = None, fd_limit: int | None = None) -> Server:
+def relay_server(
+    tag: str,
+    port: int,
+    flags: list[str],
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 900.0,
+    checkout: str | None = None,
+    fd_limit: int | None = None,
+) -> Server:
     """Relay's `python -m launch.serve --port PORT FLAGS`, its log .bench/logs/relay-TAG.log."""
     cmd = [sys.executable, "-m", "launch.serve", "--port", str(port), *flags]
     if env:
         print(f"    relay environment: {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
-    return Server(f"relay ({tag})", cmd, port, os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"), ready_timeout,
-                  env=env, checkout=checkout, fd_limit=fd_limit)
+    return Server(
+        f"relay ({tag})",
+        cmd,
+        port,
+        os.path.join(BENCH_DIR, "logs", f"relay-{tag}.log"),
+        ready_timeout,
+        env=env,
+        checkout=checkout,
+        fd_limit=fd_limit,
+    )

@@ -14,6 +14,7 @@ scheduler's grammar thread before the request is admitted) and of the same schem
 
   python -m scripts.bench structured --rounds 2 --output .bench/structured.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,38 +32,91 @@ from scripts.bench.servers import relay_server
 from scripts.bench.table import markdown
 from scripts.bench.workloads import load_tokenizer
 
-ITEM = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-    "name": {"type": "string", "minLength": 1, "maxLength": 16},
-    "kind": {"enum": ["book", "film", "song", "game"]},
-    "rating": {"type": "number", "minimum": 0, "maximum": 5},
-    "tags": {"type": "array", "items": {"enum": ["new", "classic", "popular", "rare"]}, "maxItems": 2},
-}, "required": ["id", "name", "kind", "rating", "tags"]}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "kind": {"enum": ["book", "film", "song", "game"]},
+        "rating": {"type": "number", "minimum": 0, "maximum": 5},
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["new", "classic", "popular", "rare"]},
+            "maxItems": 2,
+        },
+    },
+    "required": ["id", "name", "kind", "rating", "tags"],
+}
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 4, "maxItems": 4}
 
 
 def response_format(schema: dict) -> dict:
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": schema}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "items", "schema": schema},
+        }
+    }
 
 
 def serving_run(base_url: str, c: int, mode: str, args, tokenizer, seed: int) -> dict:
     n = max(16, min(128, 4 * c))
-    argv = ["--base-url", base_url, "--backend", "relay-openai", "--dataset-name", "random",
-            "--num-prompts", str(n), "--random-input-len", "256", "--random-input-range-ratio", "0.5",
-            "--random-output-len", str(args.output_len), "--random-output-range-ratio", "1",
-            "--max-concurrency", str(c), "--seed", str(seed),
-            "--warmup-requests", "2", "--disable-tqdm", "--label", mode,
-            "--flush-cache"]  # both modes send the same prompts: neither may find the other's in the cache
+    argv = [
+        "--base-url",
+        base_url,
+        "--backend",
+        "relay-openai",
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(n),
+        "--random-input-len",
+        "256",
+        "--random-input-range-ratio",
+        "0.5",
+        "--random-output-len",
+        str(args.output_len),
+        "--random-output-range-ratio",
+        "1",
+        "--max-concurrency",
+        str(c),
+        "--seed",
+        str(seed),
+        "--warmup-requests",
+        "2",
+        "--disable-tqdm",
+        "--label",
+        mode,
+        "--flush-cache",
+    ]  # both modes send the same prompts: neither may find the other's in the cache
     if mode == "unconstrained":
         argv.append("--ignore-eos")
     else:
-        argv += ["--random-output-len", str(args.constrained_max_tokens),
-                 "--extra-request-body", json.dumps(response_format(SCHEMA))]
+        argv += [
+            "--random-output-len",
+            str(args.constrained_max_tokens),
+            "--extra-request-body",
+            json.dumps(response_format(SCHEMA)),
+        ]
     (m,) = serving.run(serving.parse_args(argv), tokenizer)
-    return {"mode": mode, "max_concurrency": c, "tokens_per_request": m["total_output_tokens"] / max(1, m["completed"]),
-            **{k: m.get(k) for k in (
-        "output_throughput", "completed", "total_output_tokens", "median_ttft_ms", "p99_ttft_ms",
-        "median_itl_ms", "p99_itl_ms", "first_error")}}
+    return {
+        "mode": mode,
+        "max_concurrency": c,
+        "tokens_per_request": m["total_output_tokens"] / max(1, m["completed"]),
+        **{
+            k: m.get(k)
+            for k in (
+                "output_throughput",
+                "completed",
+                "total_output_tokens",
+                "median_ttft_ms",
+                "p99_ttft_ms",
+                "median_itl_ms",
+                "p99_itl_ms",
+                "first_error",
+            )
+        },
+    }
 
 
 def grammar_counters(client: httpx.Client) -> dict:
@@ -70,7 +124,12 @@ def grammar_counters(client: httpx.Client) -> dict:
 
 
 def ttft_ms(client: httpx.Client, schema: dict) -> float:
-    body = {"prompt": "List eight items as JSON:", "max_tokens": 4, "temperature": 0, **response_format(schema)}
+    body = {
+        "prompt": "List eight items as JSON:",
+        "max_tokens": 4,
+        "temperature": 0,
+        **response_format(schema),
+    }
     sent, arrivals, _ = stream_times(client, body)
     if not arrivals:
         raise RuntimeError("no token streamed")
@@ -82,31 +141,61 @@ def first_seen_vs_cached(base_url: str, trials: int) -> dict:
     with httpx.Client(base_url=base_url, timeout=120) as client:
         for _ in range(trials):
             # A new property name makes a schema the server has never compiled.
-            schema = {**SCHEMA, "items": {**ITEM, "properties": {**ITEM["properties"],
-                                                                  f"k{uuid.uuid4().hex[:8]}": {"type": "boolean"}}}}
+            schema = {
+                **SCHEMA,
+                "items": {
+                    **ITEM,
+                    "properties": {
+                        **ITEM["properties"],
+                        f"k{uuid.uuid4().hex[:8]}": {"type": "boolean"},
+                    },
+                },
+            }
             before = grammar_counters(client)["compile_seconds_sum"]
             first.append(ttft_ms(client, schema))
             compile_ms.append((grammar_counters(client)["compile_seconds_sum"] - before) * 1e3)
             cached.append(ttft_ms(client, schema))
     med = statistics.median
-    return {"first_seen_ttft_ms": med(first), "cached_ttft_ms": med(cached), "compile_ms": med(compile_ms),
-            "trials": trials, "first_seen_within_target": med(first) <= 2 * med(cached) + med(compile_ms)}
+    return {
+        "first_seen_ttft_ms": med(first),
+        "cached_ttft_ms": med(cached),
+        "compile_ms": med(compile_ms),
+        "trials": trials,
+        "first_seen_within_target": med(first) <= 2 * med(cached) + med(compile_ms),
+    }
 
 
-COLUMNS = [("conc.", "max_concurrency")] + [
-    (f"{mode} {title}", f"{mode}_{key}") for mode in ("unconstrained", "json_schema")
-    for title, key in (("tok/s", "output_throughput"), ("ITL p50 (ms)", "median_itl_ms"),
-                       ("ITL p99 (ms)", "p99_itl_ms"), ("TTFT p50 (ms)", "median_ttft_ms"))] + [
-    ("constrained / free", "ratio", 2)]
+COLUMNS = (
+    [("conc.", "max_concurrency")]
+    + [
+        (f"{mode} {title}", f"{mode}_{key}")
+        for mode in ("unconstrained", "json_schema")
+        for title, key in (
+            ("tok/s", "output_throughput"),
+            ("ITL p50 (ms)", "median_itl_ms"),
+            ("ITL p99 (ms)", "p99_itl_ms"),
+            ("TTFT p50 (ms)", "median_ttft_ms"),
+        )
+    ]
+    + [("constrained / free", "ratio", 2)]
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--output-len", type=int, default=192,
-                   help="unconstrained requests' output tokens (the schema's outputs run ~195)")
-    p.add_argument("--constrained-max-tokens", type=int, default=384, help="constrained requests' max_tokens")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=192,
+        help="unconstrained requests' output tokens (the schema's outputs run ~195)",
+    )
+    p.add_argument(
+        "--constrained-max-tokens", type=int, default=384, help="constrained requests' max_tokens"
+    )
     p.add_argument("--ttft-trials", type=int, default=5)
     p.add_argument("--port", type=int, default=30131)
     p.add_argument("--server-args", default="", help="extra `python -m launch.serve` flags")
@@ -116,14 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(None)
     out = ResultFile(args.output, "structured")
     runs = []
-    with relay_server("structured", args.port, args.server_args.split(), ready_timeout=600) as server:
+    with relay_server(
+        "structured", args.port, args.server_args.split(), ready_timeout=600
+    ) as server:
         for r in range(args.rounds):
             for c in levels:
-                modes = ["unconstrained", "json_schema"][::1 if r % 2 == 0 else -1]
+                modes = ["unconstrained", "json_schema"][:: 1 if r % 2 == 0 else -1]
                 for mode in modes:
                     print(f"\n--- round {r + 1} c={c} {mode}", flush=True)
-                    runs.append(out.add({"round": r + 1, **serving_run(server.base_url, c, mode, args, tokenizer,
-                                                                        1 + r)}))
+                    runs.append(
+                        out.add(
+                            {
+                                "round": r + 1,
+                                **serving_run(server.base_url, c, mode, args, tokenizer, 1 + r),
+                            }
+                        )
+                    )
         ttft = first_seen_vs_cached(server.base_url, args.ttft_trials)
         with httpx.Client(base_url=server.base_url) as client:
             counters = grammar_counters(client)

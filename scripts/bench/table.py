@@ -1,5 +1,6 @@
 """The one table writer: markdown tables of result records, a column per (header, value) pair, so that
 every subcommand's table pastes into docs/benchmarks.md as it is printed."""
+
 from __future__ import annotations
 
 from typing import Any

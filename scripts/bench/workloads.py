@@ -7,6 +7,7 @@
 
 Importing this module loads neither aiohttp nor transformers.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,13 @@ def default_tokenizer_path() -> str:
     if src not in sys.path:
         sys.path.insert(0, src)
     from relay.execution.model_files import resolve_model_dir
+
     return resolve_model_dir(None)
 
 
 def load_tokenizer(path: str | None):
     import transformers
+
     transformers.logging.set_verbosity_error()
     return transformers.AutoTokenizer.from_pretrained(path or default_tokenizer_path())
 
@@ -46,7 +49,9 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def random_text(tokenizer, rng: np.random.Generator, num_tokens: int, candidates: np.ndarray) -> tuple[str, int]:
+def random_text(
+    tokenizer, rng: np.random.Generator, num_tokens: int, candidates: np.ndarray
+) -> tuple[str, int]:
     """Text that re-encodes to `num_tokens` tokens (as near as the tokenizer allows): random token ids are
     decoded, re-encoded, truncated or topped up, and decoded again, as SGLang's random dataset does."""
     ids = rng.choice(candidates, size=num_tokens).tolist()
@@ -55,13 +60,17 @@ def random_text(tokenizer, rng: np.random.Generator, num_tokens: int, candidates
         enc = encode(tokenizer, text)
         if len(enc) == num_tokens:
             return text, num_tokens
-        enc = enc[:num_tokens] if len(enc) > num_tokens else enc + rng.choice(
-            candidates, size=num_tokens - len(enc)).tolist()
+        enc = (
+            enc[:num_tokens]
+            if len(enc) > num_tokens
+            else enc + rng.choice(candidates, size=num_tokens - len(enc)).tolist()
+        )
         text = tokenizer.decode(enc)
     return text, len(encode(tokenizer, text))
 
 
 # ------------------------------------------------------------------------------- datasets --
+
 
 @dataclass
 class DatasetRow:
@@ -77,8 +86,15 @@ def _uniform_lens(rng: np.random.Generator, length: int, ratio: float, n: int) -
     return rng.integers(max(int(length * ratio), 1), length + 1, size=n)
 
 
-def build_random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
-                         input_range_ratio: float, output_range_ratio: float, seed: int) -> list[DatasetRow]:
+def build_random_dataset(
+    tokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    input_range_ratio: float,
+    output_range_ratio: float,
+    seed: int,
+) -> list[DatasetRow]:
     """The `random` workload: prompts of random tokens with uniform input/output lengths. The same arguments
     give the same prompts and output lengths (the hf subcommand relies on it)."""
     rng = np.random.default_rng(seed)
@@ -92,8 +108,15 @@ def build_random_dataset(tokenizer, num_prompts: int, input_len: int, output_len
     return rows
 
 
-def build_gsp_dataset(tokenizer, num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                      question_len: int, output_len: int, seed: int) -> list[DatasetRow]:
+def build_gsp_dataset(
+    tokenizer,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[DatasetRow]:
     """SGLang's `generated-shared-prefix` workload: `num_groups` random system prompts, each followed by
     `prompts_per_group` random questions ("{system}\\n\\n{question}"); the requests are shuffled."""
     rng = np.random.default_rng(seed)
@@ -111,26 +134,170 @@ def build_gsp_dataset(tokenizer, num_groups: int, prompts_per_group: int, system
 
 # `copy`: passages made from the seed with these small word lists (no download), for prompt-lookup (n-gram)
 # speculative decoding, whose drafts come from text the prompt already holds.
-_FIRST_NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jun", "Kofi",
-                "Lena", "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor")
-_LAST_NAMES = ("Smith", "Garcia", "Novak", "Okafor", "Tanaka", "Berg", "Rossi", "Kowalski", "Silva", "Moreau",
-               "Jensen", "Patel", "Nguyen", "Haddad", "Fischer", "Lopez", "Ivanova", "Cohen", "Murphy", "Sato")
-_CITIES = ("Lisbon", "Oslo", "Nairobi", "Osaka", "Lima", "Krakow", "Dublin", "Austin", "Hanoi", "Porto",
-           "Quito", "Tunis", "Bergen", "Leeds", "Perth", "Seville", "Zagreb", "Denver", "Lyon", "Cairo")
-_PRODUCTS = ("lamp", "chair", "kettle", "notebook", "backpack", "umbrella", "blanket", "mug", "clock", "scarf")
-_NOUNS = ("garden", "river", "window", "engine", "letter", "market", "bridge", "lantern", "harbor", "forest",
-          "ledger", "signal", "orchard", "kettle", "tower", "meadow", "carpet", "mirror", "valley", "basket")
-_ADJECTIVES = ("quiet", "bright", "old", "narrow", "heavy", "green", "silver", "distant", "warm", "broken",
-               "small", "gentle", "busy", "empty", "golden", "steep", "careful", "wooden", "late", "clear")
-_VERBS = ("opened", "carried", "painted", "counted", "repaired", "watched", "cleaned", "moved", "found",
-          "measured", "followed", "closed", "sold", "built", "visited", "checked", "lifted", "shared")
-_FN_VERBS = ("load", "parse", "count", "merge", "scale", "check", "update", "build", "format", "filter")
-_SENTENCES = ("{f} {l} moved to {c} in {y} and opened a small {n} shop.",
-              "Every morning, {f} walks past the {a} {n} on the way to work.",
-              "The {a} {n} near the station was {v} by {f} last week.",
-              "In {y}, the city of {c} built a {a} {n} beside the old {n2}.",
-              "{f} said the {n} was too {a} to carry, so {l} took it instead.",
-              "Nobody in {c} remembers who {v} the {n} first.")
+_FIRST_NAMES = (
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dara",
+    "Emil",
+    "Fatima",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jun",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nora",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Viktor",
+)
+_LAST_NAMES = (
+    "Smith",
+    "Garcia",
+    "Novak",
+    "Okafor",
+    "Tanaka",
+    "Berg",
+    "Rossi",
+    "Kowalski",
+    "Silva",
+    "Moreau",
+    "Jensen",
+    "Patel",
+    "Nguyen",
+    "Haddad",
+    "Fischer",
+    "Lopez",
+    "Ivanova",
+    "Cohen",
+    "Murphy",
+    "Sato",
+)
+_CITIES = (
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Osaka",
+    "Lima",
+    "Krakow",
+    "Dublin",
+    "Austin",
+    "Hanoi",
+    "Porto",
+    "Quito",
+    "Tunis",
+    "Bergen",
+    "Leeds",
+    "Perth",
+    "Seville",
+    "Zagreb",
+    "Denver",
+    "Lyon",
+    "Cairo",
+)
+_PRODUCTS = (
+    "lamp",
+    "chair",
+    "kettle",
+    "notebook",
+    "backpack",
+    "umbrella",
+    "blanket",
+    "mug",
+    "clock",
+    "scarf",
+)
+_NOUNS = (
+    "garden",
+    "river",
+    "window",
+    "engine",
+    "letter",
+    "market",
+    "bridge",
+    "lantern",
+    "harbor",
+    "forest",
+    "ledger",
+    "signal",
+    "orchard",
+    "kettle",
+    "tower",
+    "meadow",
+    "carpet",
+    "mirror",
+    "valley",
+    "basket",
+)
+_ADJECTIVES = (
+    "quiet",
+    "bright",
+    "old",
+    "narrow",
+    "heavy",
+    "green",
+    "silver",
+    "distant",
+    "warm",
+    "broken",
+    "small",
+    "gentle",
+    "busy",
+    "empty",
+    "golden",
+    "steep",
+    "careful",
+    "wooden",
+    "late",
+    "clear",
+)
+_VERBS = (
+    "opened",
+    "carried",
+    "painted",
+    "counted",
+    "repaired",
+    "watched",
+    "cleaned",
+    "moved",
+    "found",
+    "measured",
+    "followed",
+    "closed",
+    "sold",
+    "built",
+    "visited",
+    "checked",
+    "lifted",
+    "shared",
+)
+_FN_VERBS = (
+    "load",
+    "parse",
+    "count",
+    "merge",
+    "scale",
+    "check",
+    "update",
+    "build",
+    "format",
+    "filter",
+)
+_SENTENCES = (
+    "{f} {l} moved to {c} in {y} and opened a small {n} shop.",
+    "Every morning, {f} walks past the {a} {n} on the way to work.",
+    "The {a} {n} near the station was {v} by {f} last week.",
+    "In {y}, the city of {c} built a {a} {n} beside the old {n2}.",
+    "{f} said the {n} was too {a} to carry, so {l} took it instead.",
+    "Nobody in {c} remembers who {v} the {n} first.",
+)
 # The instruction per passage kind ({lines}: the passage's line count). Plain "repeat exactly" on purpose:
 # SmolLM2-135M-Instruct, the default model, echoes these three kinds nearly verbatim and then stops, while
 # asking it for edits (set a field, rename a class) or giving it long runs of look-alike units (a JSON array
@@ -166,42 +333,65 @@ def _json_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
     """An order document: a customer, then line items until the passage is long enough."""
     doc: dict[str, Any] = {
         "order_id": f"A-{int(rng.integers(10000, 100000))}",
-        "customer": {"name": f"{_pick(rng, _FIRST_NAMES)} {_pick(rng, _LAST_NAMES)}",
-                     "email": f"{_pick(rng, _FIRST_NAMES).lower()}@example.com", "city": _pick(rng, _CITIES)},
-        "items": [], "paid": bool(rng.integers(2)),
-        "note": f"Leave it at the {_pick(rng, _ADJECTIVES)} {_pick(rng, _NOUNS)}."}
+        "customer": {
+            "name": f"{_pick(rng, _FIRST_NAMES)} {_pick(rng, _LAST_NAMES)}",
+            "email": f"{_pick(rng, _FIRST_NAMES).lower()}@example.com",
+            "city": _pick(rng, _CITIES),
+        },
+        "items": [],
+        "paid": bool(rng.integers(2)),
+        "note": f"Leave it at the {_pick(rng, _ADJECTIVES)} {_pick(rng, _NOUNS)}.",
+    }
     head = len(encode(tokenizer, json.dumps(doc, indent=2)))
-    doc["items"] = _fill(tokenizer, passage_len - head, lambda i: {
-        "sku": f"{_pick(rng, _PRODUCTS)}-{int(rng.integers(100, 1000))}", "qty": int(rng.integers(1, 10)),
-        "price": round(float(rng.uniform(2, 90)), 2)}, lambda item: json.dumps(item, indent=2))
+    doc["items"] = _fill(
+        tokenizer,
+        passage_len - head,
+        lambda i: {
+            "sku": f"{_pick(rng, _PRODUCTS)}-{int(rng.integers(100, 1000))}",
+            "qty": int(rng.integers(1, 10)),
+            "price": round(float(rng.uniform(2, 90)), 2),
+        },
+        lambda item: json.dumps(item, indent=2),
+    )
     return json.dumps(doc, indent=2)
 
 
 def _code_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
     """A Python class: a constructor, then small methods until the passage is long enough."""
-    head = (f"class {_pick(rng, _NOUNS).capitalize()}Store:\n"
-            f"    def __init__(self, path):\n"
-            f"        self.path = path\n"
-            f"        self.items = []\n")
+    head = (
+        f"class {_pick(rng, _NOUNS).capitalize()}Store:\n"
+        f"    def __init__(self, path):\n"
+        f"        self.path = path\n"
+        f"        self.items = []\n"
+    )
 
     def method(i: int) -> str:
         noun = _pick(rng, _NOUNS)
-        return (f"\n    def {_pick(rng, _FN_VERBS)}_{noun}(self, {noun}_id):\n"
-                f"        if {noun}_id < {int(rng.integers(2, 50))}:\n"
-                f"            return None\n"
-                f"        return self.items[{noun}_id % len(self.items)]\n")
+        return (
+            f"\n    def {_pick(rng, _FN_VERBS)}_{noun}(self, {noun}_id):\n"
+            f"        if {noun}_id < {int(rng.integers(2, 50))}:\n"
+            f"            return None\n"
+            f"        return self.items[{noun}_id % len(self.items)]\n"
+        )
 
     return head + "".join(_fill(tokenizer, passage_len - len(encode(tokenizer, head)), method))
 
 
 def _list_passage(rng: np.random.Generator, tokenizer, passage_len: int) -> str:
     """English sentences from templates, one per numbered line (the numbers keep a small model's place)."""
+
     def sentence(i: int) -> str:
         template = _SENTENCES[int(rng.integers(len(_SENTENCES)))]
         return f"{i + 1}. " + template.format(
-            f=_pick(rng, _FIRST_NAMES), l=_pick(rng, _LAST_NAMES), c=_pick(rng, _CITIES),
-            y=int(rng.integers(1950, 2025)), n=_pick(rng, _NOUNS), n2=_pick(rng, _NOUNS),
-            a=_pick(rng, _ADJECTIVES), v=_pick(rng, _VERBS))
+            f=_pick(rng, _FIRST_NAMES),
+            l=_pick(rng, _LAST_NAMES),
+            c=_pick(rng, _CITIES),
+            y=int(rng.integers(1950, 2025)),
+            n=_pick(rng, _NOUNS),
+            n2=_pick(rng, _NOUNS),
+            a=_pick(rng, _ADJECTIVES),
+            v=_pick(rng, _VERBS),
+        )
 
     return "\n".join(_fill(tokenizer, passage_len, sentence))
 
@@ -213,13 +403,15 @@ def _chat_prompt(tokenizer, content: str) -> str:
     """The user message in the tokenizer's chat template (the default model is a chat model, and
     /v1/completions sends raw text); the bare message if the tokenizer has no template."""
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
     return content
 
 
-def build_copy_dataset(tokenizer, num_prompts: int, passage_len: int, output_len: int,
-                       seed: int) -> list[DatasetRow]:
+def build_copy_dataset(
+    tokenizer, num_prompts: int, passage_len: int, output_len: int, seed: int
+) -> list[DatasetRow]:
     """The `copy` workload, for prompt-lookup (n-gram) speculative decoding: each prompt asks the model to
     repeat a passage of about `passage_len` tokens (a JSON document, a Python class or a numbered list of
     sentences, the kinds taking turns), so most of a good answer is text the prompt already holds.
@@ -246,11 +438,24 @@ def build_dataset(args, tokenizer) -> list[DatasetRow]:
     if args.dataset_name == "random":
         ratio = args.random_range_ratio
         return build_random_dataset(
-            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
             ratio if args.random_input_range_ratio is None else args.random_input_range_ratio,
-            ratio if args.random_output_range_ratio is None else args.random_output_range_ratio, args.seed)
+            ratio if args.random_output_range_ratio is None else args.random_output_range_ratio,
+            args.seed,
+        )
     if args.dataset_name == "copy":
-        return build_copy_dataset(tokenizer, args.num_prompts, args.copy_passage_len, args.copy_output_len,
-                                  args.seed)
-    return build_gsp_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
-                             args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
+        return build_copy_dataset(
+            tokenizer, args.num_prompts, args.copy_passage_len, args.copy_output_len, args.seed
+        )
+    return build_gsp_dataset(
+        tokenizer,
+        args.gsp_num_groups,
+        args.gsp_prompts_per_group,
+        args.gsp_system_prompt_len,
+        args.gsp_question_len,
+        args.gsp_output_len,
+        args.seed,
+    )

@@ -1,11 +1,19 @@
 """Relay: an LLM inference engine with continuous batching, a paged KV pool and a radix prefix cache."""
+
 from importlib import metadata
 
 from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 try:
     __version__ = metadata.version("relay")

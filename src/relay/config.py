@@ -4,6 +4,7 @@
 flags map onto it one to one); `ModelConfig` is what a checkpoint's config.json says.
 Both are plain dataclasses so they travel between processes as msgpack maps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -104,7 +105,9 @@ class EngineConfig:
     # its own work is at least overlap_min_share of a step (0: always; relay/scheduling/overlap.py).
     disable_overlap_schedule: bool = False
     overlap_min_share: float = 0.1
-    disable_weight_blocks: bool = False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
+    disable_weight_blocks: bool = (
+        False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
+    )
     # What the GEMMs on GGUF blocks multiply: int8 rounds x to 8 bits per block of 32 and sums
     # quant products in integers (csrc/gemm_dot.c, as llama.cpp does); float multiplies float32 x by
     # the exact weights. auto: int8 for a float32 model on x86 with AVX2 or more, else float.
@@ -138,28 +141,51 @@ class EngineConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
-                             f"got {self.speculative_algorithm!r}")
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                f"got {self.speculative_algorithm!r}"
+            )
         if self.speculative_draft_quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(f"speculative_draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
-                             f"got {self.speculative_draft_quantization!r}")
+            raise ValueError(
+                f"speculative_draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                f"got {self.speculative_draft_quantization!r}"
+            )
         if self.speculative_algorithm == "standalone" and self.tp_size != 1:
-            raise ValueError("speculative_algorithm='standalone' runs with tp_size=1 only; "
-                             "ngram works with any tp_size")
-        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError(
+                "speculative_algorithm='standalone' runs with tp_size=1 only; "
+                "ngram works with any tp_size"
+            )
+        if (
+            not 1
+            <= self.speculative_ngram_min_match_window_size
+            <= self.speculative_ngram_max_match_window_size
+        ):
             raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
         if self.block_activations not in BLOCK_ACTIVATIONS:
-            raise ValueError(f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}")
+            raise ValueError(
+                f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}"
+            )
         if self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
+            )
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        for name in ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",
-                     "speculative_num_draft_tokens"):
+        for name in (
+            "tp_size",
+            "page_size",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "speculative_num_draft_tokens",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_constraint_bytes < 1:
@@ -167,9 +193,13 @@ class EngineConfig:
         if self.max_constraint_depth < 1:
             raise ValueError(f"max_constraint_depth must be >= 1, got {self.max_constraint_depth}")
         if self.max_constraint_properties < 1:
-            raise ValueError(f"max_constraint_properties must be >= 1, got {self.max_constraint_properties}")
+            raise ValueError(
+                f"max_constraint_properties must be >= 1, got {self.max_constraint_properties}"
+            )
         if not self.grammar_compile_timeout > 0:
-            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
+            )
         if self.max_decode_stall_ms < 0:
             raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -199,8 +229,10 @@ class EngineConfig:
         """This config with what depends on the device resolved (step budget, page size)."""
         gpu = device_type == "cuda"
         return dataclasses.replace(
-            self, chunked_prefill_size=self.chunked_prefill_size or (8192 if gpu else 256),
-            page_size=self.page_size or (16 if gpu else 32))
+            self,
+            chunked_prefill_size=self.chunked_prefill_size or (8192 if gpu else 256),
+            page_size=self.page_size or (16 if gpu else 32),
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
@@ -227,11 +259,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
-    rope_scaling: dict[str, Any] | None = None  # relay.execution.rope.rope_settings's: None is the default rope
+    rope_scaling: dict[str, Any] | None = (
+        None  # relay.execution.rope.rope_settings's: None is the default rope
+    )
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
-    partial_rotary_factor: float = 1.0  # the share of each head's features the rope rotates (Phi-4-mini: 0.75)
+    partial_rotary_factor: float = (
+        1.0  # the share of each head's features the rope rotates (Phi-4-mini: 0.75)
+    )
     # Mixture of experts (0 experts: a dense model). A sparse layer routes each token to
     # num_experts_per_tok of num_experts MLPs of moe_intermediate_size (softmax over the router's
     # logits, then top-k; renormalised over the top-k where moe_renormalize), plus, where
@@ -252,10 +288,16 @@ class ModelConfig:
     # transformers' sliding_window_overlay), None where it attends the whole context; [] where no
     # layer has one.
     layer_windows: list[int | None] = field(default_factory=list)
-    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    attn_logit_softcap: float | None = (
+        None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    )
     final_logit_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
-    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power, not head_dim's (Gemma)
-    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rope base (default rope, no scaling)
+    query_pre_attn_scalar: float | None = (
+        None  # scores scale by its -1/2 power, not head_dim's (Gemma)
+    )
+    local_rope_theta: float | None = (
+        None  # Gemma 3: the sliding layers' rope base (default rope, no scaling)
+    )
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -332,21 +374,30 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether layer layer_id's feed-forward block is sparse (transformers' rule for Qwen2/3-MoE)."""
-        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
-                and (layer_id + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     def active_intermediate_size(self) -> int:
         """The MLP features one token's feed-forward pass computes: a sparse layer's top-k experts
         and shared expert (a dense model's intermediate_size)."""
         if not self.num_experts:
             return self.intermediate_size
-        return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        return (
+            self.num_experts_per_tok * self.moe_intermediate_size
+            + self.shared_expert_intermediate_size
+        )
 
     def attention_break_even(self) -> int:
         """The context length at which a token's attention costs as many FLOPs as its dense
         layers (q/k/v/o and MLP GEMMs): past it, attention dominates a prompt chunk's cost."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        dense = 2 * (self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.active_intermediate_size())
+        dense = 2 * (
+            self.hidden_size * (2 * q + 2 * kv)
+            + 3 * self.hidden_size * self.active_intermediate_size()
+        )
         return max(1, dense // (4 * q))  # QK^T and PV: 2 FLOPs each per query dim per key
 
     def kv_bytes_per_token(self, itemsize: int, tp_size: int = 1) -> int:
@@ -380,16 +431,32 @@ _DEFAULT_LAYER_TYPES = {
 
 
 # Gemma3TextConfig's defaults: the released multimodal checkpoints' text_config names few fields.
-_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-                             rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6,
-                             rope_local_base_freq=1e4, tie_word_embeddings=True)
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    rope_theta=1e6,
+    rope_local_base_freq=1e4,
+    tie_word_embeddings=True,
+)
 
 
 def gemma3_text_tower(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma3ForConditionalGeneration config as its text tower's Gemma3ForCausalLM config (Relay
     serves text only: the model's loader skips the vision tower's weights)."""
-    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+    text = {
+        **_GEMMA3_TEXT_DEFAULTS,
+        **(cfg.get("text_config") or {}),
+        "architectures": ["Gemma3ForCausalLM"],
+    }
     for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if cfg.get(name) is not None and (cfg.get("text_config") or {}).get(name) is None:
             text[name] = cfg[name]
@@ -403,18 +470,24 @@ def gemma_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     rope_theta, rope_scaling (the global layers') and rope_local_base_freq."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"config.json hidden_activation {act!r} is not supported for {arch}; Relay implements "
-                         f"gelu_pytorch_tanh")
+        raise ValueError(
+            f"config.json hidden_activation {act!r} is not supported for {arch}; Relay implements "
+            f"gelu_pytorch_tanh"
+        )
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError(f"config.json use_bidirectional_attention is not supported for {arch}: Relay generates "
-                         f"causally")
+        raise ValueError(
+            f"config.json use_bidirectional_attention is not supported for {arch}: Relay generates "
+            f"causally"
+        )
     params = cfg.get("rope_parameters") or {}
     if "full_attention" not in params:
         return cfg
     local = dict(params.get("sliding_attention") or {})
     if local.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json rope_parameters.sliding_attention.rope_type {local['rope_type']!r} is not "
-                         f"supported; Relay rotates Gemma 3's sliding layers with the default rope")
+        raise ValueError(
+            f"config.json rope_parameters.sliding_attention.rope_type {local['rope_type']!r} is not "
+            f"supported; Relay rotates Gemma 3's sliding layers with the default rope"
+        )
     flat = {k: v for k, v in cfg.items() if k != "rope_scaling"}
     flat["rope_parameters"] = params["full_attention"]
     flat["rope_local_base_freq"] = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
@@ -425,9 +498,11 @@ def _attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's sliding windows, soft-caps and Gemma's query scalar and local rope base."""
     fields: dict[str, Any] = dict(layer_windows=_layer_windows(arch, cfg))
     if arch in GEMMA:
-        fields.update(attn_logit_softcap=cfg.get("attn_logit_softcapping"),
-                      final_logit_softcap=cfg.get("final_logit_softcapping"),
-                      query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+        fields.update(
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+        )
     if arch == "Gemma3ForCausalLM":
         fields["local_rope_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
     return fields
@@ -435,15 +510,19 @@ def _attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _layer_windows(arch: str, cfg: dict[str, Any]) -> list[int | None]:
     window, layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
-    if not window or cfg.get("use_sliding_window") is False:  # Qwen2's configs name a window they do not use
+    if (
+        not window or cfg.get("use_sliding_window") is False
+    ):  # Qwen2's configs name a window they do not use
         return []
     types = cfg.get("layer_types")
     if types is None:
         slides = _DEFAULT_LAYER_TYPES.get(arch, lambda cfg, i: True)
         types = ["sliding_attention" if slides(cfg, i) else "full_attention" for i in range(layers)]
     if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-        raise ValueError(f"config.json layer_types must name sliding_attention or full_attention for each of the "
-                         f"{layers} layers, got {types!r}")
+        raise ValueError(
+            f"config.json layer_types must name sliding_attention or full_attention for each of the "
+            f"{layers} layers, got {types!r}"
+        )
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
@@ -454,13 +533,21 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     moe_intermediate_size. transformers 5 writes Qwen3-MoE's expert count as num_local_experts,
     the released checkpoints as num_experts."""
     if arch == "MixtralForCausalLM":
-        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-                    moe_intermediate_size=cfg["intermediate_size"], moe_renormalize=True, moe_float32_weights=True)
+        return dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            moe_renormalize=True,
+            moe_float32_weights=True,
+        )
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
-                    num_experts_per_tok=cfg["num_experts_per_tok"], moe_intermediate_size=cfg["moe_intermediate_size"],
-                    moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
-                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-                    decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
-                    mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+        return dict(
+            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        )
     return {}

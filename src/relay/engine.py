@@ -8,6 +8,7 @@ It runs the same step loop (relay.scheduling.step_loop) as the server's schedule
 the objects the server puts in separate processes: the PromptPreparer, the Scheduler, the
 ModelRunner and the Detokenizer, and merges each request's RequestOutput records into one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,25 +35,40 @@ class Engine:
     def __init__(self, model_path: str | None = None, **config):
         self.config = EngineConfig(model_path=model_path, **config)
         if self.config.tp_size != 1:
-            raise ValueError("the offline Engine runs tp_size=1; serve with `python -m launch.serve --tp N`")
+            raise ValueError(
+                "the offline Engine runs tp_size=1; serve with `python -m launch.serve --tp N`"
+            )
         if self.config.load_format == "dummy-null":
-            raise ValueError("load_format dummy-null only exists in the server (it measures the pipeline)")
+            raise ValueError(
+                "load_format dummy-null only exists in the server (it measures the pipeline)"
+            )
         model_dir = resolve_model_dir(model_path)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer(self.config.tokenizer_path or model_dir, self.config.chat_template)
+        self.tokenizer = Tokenizer(
+            self.config.tokenizer_path or model_dir, self.config.chat_template
+        )
         self.runner = ModelRunner(self.config, model_dir, mc)
         self.prompts = PromptPreparer(self.tokenizer, self.runner.context_len, mc.vocab_size)
         eos = eos_ids(mc, self.tokenizer)
         grammars = make_backend(self.config.tokenizer_path or model_dir, mc.vocab_size, eos)
-        self.scheduler = Scheduler(self.runner.cfg, self.runner.num_pages, self.runner.context_len, eos,
-                                   attention_break_even=mc.attention_break_even(), grammars=grammars,
-                                   long_rope_after=mc.long_rope_after)
+        self.scheduler = Scheduler(
+            self.runner.cfg,
+            self.runner.num_pages,
+            self.runner.context_len,
+            eos,
+            attention_break_even=mc.attention_break_even(),
+            grammars=grammars,
+            long_rope_after=mc.long_rope_after,
+        )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
         """Run prompts (strings or token id lists) to completion; one merged RequestOutput
         per prompt (text, token_ids, finish_reason, counts, logprobs when asked)."""
         prompts = _as_list(prompts)
@@ -60,8 +76,12 @@ class Engine:
         priorities = _broadcast(priority, len(prompts), "priority")
         results: dict[str, RequestOutput] = {}
         for p in params:
-            p.validate(self.tokenizer.vocab_size, self.config.max_constraint_bytes, self.config.max_constraint_depth,
-                       self.config.max_constraint_properties)
+            p.validate(
+                self.tokenizer.vocab_size,
+                self.config.max_constraint_bytes,
+                self.config.max_constraint_depth,
+                self.config.max_constraint_properties,
+            )
         self._check_constraints(params)
         for prompt, p, prio in zip(prompts, params, priorities):
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
@@ -71,8 +91,12 @@ class Engine:
             self.detokenizer.start(DetokenizeSpec.of(rid, ids, p))
             self.scheduler.add_request(Req(rid, ids, p, priority=prio))
             results[rid] = RequestOutput(rid)
-        loop = StepLoop(self.scheduler, InProcessRunner(self.runner), self._overlap_policy(),
-                        lambda records: self._publish(records, results))
+        loop = StepLoop(
+            self.scheduler,
+            InProcessRunner(self.runner),
+            self._overlap_policy(),
+            lambda records: self._publish(records, results),
+        )
         while loop.busy:
             if not loop.step():
                 if self.scheduler.compiling:
@@ -85,7 +109,9 @@ class Engine:
     def _overlap_policy(self) -> OverlapPolicy:
         """The server's (relay.scheduling.overlap). Here the runner runs in this thread, so the
         policy keeps lockstep unless overlap_min_share is 0 (which tests use to run that path)."""
-        return OverlapPolicy(not self.config.disable_overlap_schedule, self.config.overlap_min_share)
+        return OverlapPolicy(
+            not self.config.disable_overlap_schedule, self.config.overlap_min_share
+        )
 
     def _publish(self, records: list[RequestOutput], results: dict[str, RequestOutput]) -> None:
         """Detokenize the records into the merged results; stop the requests a stop string ended."""
@@ -99,7 +125,9 @@ class Engine:
         """Compile the output constraints now and raise InvalidParam naming the field of one that
         fails (it does not parse, matches nothing, or does not compile in time), before any
         request queues."""
-        constraints = [(*p.constraint, p.reasoning_tags) for p in params if p.constraint is not None]
+        constraints = [
+            (*p.constraint, p.reasoning_tags) for p in params if p.constraint is not None
+        ]
         if not constraints:
             return
         grammars = self.scheduler.grammars

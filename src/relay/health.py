@@ -6,6 +6,7 @@ within the timeout means some process's loop has stopped turning, even though ev
 process may still be alive; the scheduler also stamps how long its current model step has
 been running, so a runner stuck inside a step shows too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ class Heartbeats:
     next_seq: int = 0
     step_age: float = 0.0
     undelivered_since: float | None = None  # heartbeats found no process to take them
-
 
     def ping(self, now: float) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1

@@ -1,4 +1,5 @@
 """Small pieces of a request's life across processes."""
+
 from __future__ import annotations
 
 import time
@@ -16,7 +17,11 @@ class Tombstones:
 
     def add(self, rid: str, at: float | None = None) -> None:
         now = self.clock()
-        self._at = {r: t for r, t in self._at.items() if now - t < self.ttl} if len(self._at) > 64 else self._at
+        self._at = (
+            {r: t for r, t in self._at.items() if now - t < self.ttl}
+            if len(self._at) > 64
+            else self._at
+        )
         self._at[rid] = now if at is None else at
 
     def discard(self, rid: str) -> None:

@@ -6,6 +6,7 @@ carry a `relay:` prefix, mirroring SGLang's `sglang:` ones, so dashboards port o
 replica of a data-parallel server (`--dp`, `--replica-name`) labels every series with
 `replica="<name>"`, so one Prometheus scrape config covers all replicas and they stay apart.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,36 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # 1 ms .. 60 s: a CPU-served token can take tens of ms, a queued long prompt tens of seconds.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
-                   0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+)
 # A label value per finish reason the engine produces; anything else is folded into "other"
 # so a caller bug cannot blow up the series count.
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
@@ -30,6 +59,7 @@ FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
 class TokenTiming(NamedTuple):
     """What one delta of `count` tokens means for the latency histograms."""
+
     first_token: float | None  # seconds from arrival to the first token, on the first delta only
     inter_token: float | None  # seconds since the previous delta, on later deltas
     count: int  # tokens that gap covers
@@ -41,6 +71,7 @@ class RequestTimer:
 
     Times are whatever clock the caller uses consistently (time.monotonic() or time.time()).
     """
+
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
@@ -65,29 +96,68 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.replica = replica
         r = self.registry
-        self.ttft = Histogram("relay:time_to_first_token_seconds", "Time from request arrival to its first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("relay:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("relay:e2e_request_latency_seconds", "Time from request arrival to its end.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("relay:queue_time_seconds", "Time a request waited before its first prefill.",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("relay:prompt_tokens_total", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter("relay:generation_tokens_total", "Output tokens generated.", registry=r)
-        self.cached_tokens = Counter("relay:cached_tokens_total", "Prompt tokens served from the prefix cache.",
-                                     registry=r)
-        self.requests = Counter("relay:requests_total", "Finished requests, by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.aborted = Counter("relay:aborted_requests_total",
-                               "Requests ended early, by reason (client_disconnect, abort_request, ...).",
-                               ["reason"], registry=r)
-        self.num_running = Gauge("relay:num_running_reqs", "Requests in the running batch.", registry=r)
-        self.num_waiting = Gauge("relay:num_waiting_reqs", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("relay:kv_usage_ratio", "Share of KV cache held by running requests.", registry=r)
-        self.kv_used = Gauge("relay:kv_used_tokens", "KV cache tokens held by running requests.", registry=r)
-        self.hit_rate = Gauge("relay:prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache.",
-                              registry=r)
+        self.ttft = Histogram(
+            "relay:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "relay:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "relay:e2e_request_latency_seconds",
+            "Time from request arrival to its end.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "relay:queue_time_seconds",
+            "Time a request waited before its first prefill.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "relay:prompt_tokens_total", "Prompt tokens processed.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "relay:generation_tokens_total", "Output tokens generated.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "relay:cached_tokens_total", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.requests = Counter(
+            "relay:requests_total",
+            "Finished requests, by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.aborted = Counter(
+            "relay:aborted_requests_total",
+            "Requests ended early, by reason (client_disconnect, abort_request, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.num_running = Gauge(
+            "relay:num_running_reqs", "Requests in the running batch.", registry=r
+        )
+        self.num_waiting = Gauge(
+            "relay:num_waiting_reqs", "Requests waiting to be scheduled.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "relay:kv_usage_ratio", "Share of KV cache held by running requests.", registry=r
+        )
+        self.kv_used = Gauge(
+            "relay:kv_used_tokens", "KV cache tokens held by running requests.", registry=r
+        )
+        self.hit_rate = Gauge(
+            "relay:prefix_cache_hit_rate",
+            "Share of prompt tokens found in the prefix cache.",
+            registry=r,
+        )
         self.spec = SpecCollector()
         r.register(self.spec)
         self.adaptive = AdaptiveCollector()
@@ -116,8 +186,15 @@ class ServerMetrics:
         if timing.inter_token is not None:
             self.observe_inter_token(timing.inter_token, timing.count)
 
-    def observe_finish(self, e2e: float, queue_time: float | None, prompt_tokens: int, completion_tokens: int,
-                       cached_tokens: int, finish_reason: str | None) -> None:
+    def observe_finish(
+        self,
+        e2e: float,
+        queue_time: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        finish_reason: str | None,
+    ) -> None:
         self.e2e.observe(e2e)
         if queue_time is not None:
             self.queue.observe(queue_time)
@@ -157,7 +234,11 @@ class ServerMetrics:
             self.grammar.latest = d["grammar"]
 
     def render(self) -> tuple[bytes, str]:
-        source = self.registry if self.replica is None else Labelled(self.registry, {"replica": self.replica})
+        source = (
+            self.registry
+            if self.replica is None
+            else Labelled(self.registry, {"replica": self.replica})
+        )
         return generate_latest(source), CONTENT_TYPE_LATEST
 
 
@@ -199,21 +280,37 @@ class SpecCollector(LatestCollector):
     the scheduler counts every verify step, this only exposes its totals."""
 
     def families(self, d: dict[str, Any]):
-        yield CounterMetricFamily("relay:spec_proposed_tokens", "Tokens proposed by speculative decoding.",
-                                  value=d["spec_proposed_tokens"])
-        yield CounterMetricFamily("relay:spec_accepted_tokens", "Proposed tokens the target model accepted.",
-                                  value=d["spec_accepted_tokens"])
-        yield GaugeMetricFamily("relay:spec_acceptance_rate", "Share of proposed tokens accepted.",
-                                value=d["spec_acceptance_rate"])
-        yield GaugeMetricFamily("relay:spec_accept_length", "Tokens emitted per verify step (accepted + 1).",
-                                value=d["spec_accept_length"])
+        yield CounterMetricFamily(
+            "relay:spec_proposed_tokens",
+            "Tokens proposed by speculative decoding.",
+            value=d["spec_proposed_tokens"],
+        )
+        yield CounterMetricFamily(
+            "relay:spec_accepted_tokens",
+            "Proposed tokens the target model accepted.",
+            value=d["spec_accepted_tokens"],
+        )
+        yield GaugeMetricFamily(
+            "relay:spec_acceptance_rate",
+            "Share of proposed tokens accepted.",
+            value=d["spec_acceptance_rate"],
+        )
+        yield GaugeMetricFamily(
+            "relay:spec_accept_length",
+            "Tokens emitted per verify step (accepted + 1).",
+            value=d["spec_accept_length"],
+        )
         hist, cumulative, buckets = d["spec_accepted_hist"], 0, []
         for accepted, n in enumerate(hist):
             cumulative += n
             buckets.append((str(float(accepted)), cumulative))
         buckets.append(("+Inf", cumulative))
-        yield HistogramMetricFamily("relay:spec_accepted_per_verify", "Proposals accepted per verify step.",
-                                    buckets=buckets, sum_value=float(d["spec_accepted_tokens"]))
+        yield HistogramMetricFamily(
+            "relay:spec_accepted_per_verify",
+            "Proposals accepted per verify step.",
+            buckets=buckets,
+            sum_value=float(d["spec_accepted_tokens"]),
+        )
 
 
 class AdaptiveCollector(LatestCollector):
@@ -221,26 +318,43 @@ class AdaptiveCollector(LatestCollector):
     last reported them (AdaptiveLimits.to_dict)."""
 
     def families(self, d: dict[str, Any]):
-        yield GaugeMetricFamily("relay:adaptive_prefill_budget_tokens", "Prompt tokens a step may compute now.",
-                                value=d["prefill_budget"])
-        yield GaugeMetricFamily("relay:adaptive_max_running_reqs", "Requests that may run at once now.",
-                                value=d["max_running"])
-        yield CounterMetricFamily("relay:adaptive_limit_changes", "Changes the controller made to the limits.",
-                                  value=d["changes"])
+        yield GaugeMetricFamily(
+            "relay:adaptive_prefill_budget_tokens",
+            "Prompt tokens a step may compute now.",
+            value=d["prefill_budget"],
+        )
+        yield GaugeMetricFamily(
+            "relay:adaptive_max_running_reqs",
+            "Requests that may run at once now.",
+            value=d["max_running"],
+        )
+        yield CounterMetricFamily(
+            "relay:adaptive_limit_changes",
+            "Changes the controller made to the limits.",
+            value=d["changes"],
+        )
         for name in ("itl", "ttft"):
             target = d.get(f"target_{name}_ms")
             if target is not None:
-                yield GaugeMetricFamily(f"relay:adaptive_target_{name}_seconds", f"The p99 {name.upper()} target.",
-                                        value=target / 1e3)
+                yield GaugeMetricFamily(
+                    f"relay:adaptive_target_{name}_seconds",
+                    f"The p99 {name.upper()} target.",
+                    value=target / 1e3,
+                )
             p99 = d.get(f"p99_{name}_ms")
             if p99 is not None:
-                yield GaugeMetricFamily(f"relay:adaptive_p99_{name}_seconds",
-                                        f"Windowed p99 {name.upper()} the scheduler measures.", value=p99 / 1e3)
+                yield GaugeMetricFamily(
+                    f"relay:adaptive_p99_{name}_seconds",
+                    f"Windowed p99 {name.upper()} the scheduler measures.",
+                    value=p99 / 1e3,
+                )
         model = d.get("step_model")
         if model:
-            g = GaugeMetricFamily("relay:adaptive_step_cost_seconds",
-                                  "The learnt step-time model: base, per decode token, per prefill token.",
-                                  labels=["part"])
+            g = GaugeMetricFamily(
+                "relay:adaptive_step_cost_seconds",
+                "The learnt step-time model: base, per decode token, per prefill token.",
+                labels=["part"],
+            )
             for part in ("base", "per_decode_token", "per_prefill_token"):
                 g.add_metric([part], model[f"{part}_ms"] / 1e3)
             yield g
@@ -251,17 +365,32 @@ class GrammarCollector(LatestCollector):
 
     def families(self, d: dict[str, Any]):
         buckets, cumulative = [], 0
-        for bound, n in zip([*map(str, d["compile_seconds_buckets"]), "+Inf"], d["compile_seconds_counts"]):
+        for bound, n in zip(
+            [*map(str, d["compile_seconds_buckets"]), "+Inf"], d["compile_seconds_counts"]
+        ):
             cumulative += n
             buckets.append((bound, cumulative))
-        yield HistogramMetricFamily("relay:grammar_compile_seconds", "Time to compile a grammar (cache misses).",
-                                    buckets=buckets, sum_value=d["compile_seconds_sum"])
-        yield CounterMetricFamily("relay:grammar_cache_hits", "Constrained requests whose grammar was compiled "
-                                  "already.", value=d["cache_hits"])
-        yield GaugeMetricFamily("relay:grammar_matchers", "Grammar matchers held by unfinished requests.",
-                                value=d["live_matchers"])
-        yield GaugeMetricFamily("relay:grammar_mask_step_share", "Share of step time the scheduler spent filling "
-                                "token masks.", value=d["mask_step_share"])
+        yield HistogramMetricFamily(
+            "relay:grammar_compile_seconds",
+            "Time to compile a grammar (cache misses).",
+            buckets=buckets,
+            sum_value=d["compile_seconds_sum"],
+        )
+        yield CounterMetricFamily(
+            "relay:grammar_cache_hits",
+            "Constrained requests whose grammar was compiled already.",
+            value=d["cache_hits"],
+        )
+        yield GaugeMetricFamily(
+            "relay:grammar_matchers",
+            "Grammar matchers held by unfinished requests.",
+            value=d["live_matchers"],
+        )
+        yield GaugeMetricFamily(
+            "relay:grammar_mask_step_share",
+            "Share of step time the scheduler spent filling token masks.",
+            value=d["mask_step_share"],
+        )
 
 
 def _kv_used(d: dict[str, Any]) -> float | None:

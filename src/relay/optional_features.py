@@ -16,10 +16,16 @@ def missing_features() -> list[str]:
     """One line per feature that is off here: what it is, why, and how to turn it on."""
     off = []
     if not _installed("xgrammar"):
-        off.append("structured output (response_format, json_schema/regex/ebnf, forced tool calls): "
-                   "xgrammar is not installed; pip install 'relay[grammar]' (scripts/install.sh installs it)")
+        off.append(
+            "structured output (response_format, json_schema/regex/ebnf, forced tool calls): "
+            "xgrammar is not installed; pip install 'relay[grammar]' (scripts/install.sh installs it)"
+        )
     if not _installed("sglang_router"):
-        off.append("--dp replicas: sglang-router is not installed; pip install 'sglang-router>=0.3.2,<0.4'")
+        off.append(
+            "--dp replicas: sglang-router is not installed; pip install 'sglang-router>=0.3.2,<0.4'"
+        )
     if compiler() is None:
-        off.append("Relay's C kernels for CPUs: no C compiler (gcc or $CC); the torch paths run instead")
+        off.append(
+            "Relay's C kernels for CPUs: no C compiler (gcc or $CC); the torch paths run instead"
+        )
     return off

@@ -6,6 +6,7 @@ streams or merges it; the offline Engine merges it too. A new field (an accept l
 tool call) is added here and touches only the process that fills it and the one that reads
 it. Records travel in batches: a list of them is one message.
 """
+
 from __future__ import annotations
 
 import enum
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 class FinishReason(str, enum.Enum):
     """Why a request ended; equal to (and sent as) its OpenAI string."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -58,11 +60,18 @@ class RequestOutput:
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_tokens = later.cached_tokens
         if later.finished or later.error is not None:
-            self.finish_reason, self.matched_stop, self.queue_time = (later.finish_reason, later.matched_stop,
-                                                                      later.queue_time)
+            self.finish_reason, self.matched_stop, self.queue_time = (
+                later.finish_reason,
+                later.matched_stop,
+                later.queue_time,
+            )
             self.error, self.status, self.param = later.error, later.status, later.param
 
 
-def error_output(rid: str, message: str, param: str | None = None, status: int = 400) -> RequestOutput:
+def error_output(
+    rid: str, message: str, param: str | None = None, status: int = 400
+) -> RequestOutput:
     """A request refused or failed with no output: it ends here."""
-    return RequestOutput(rid, finish_reason=FinishReason.ABORT, error=message, status=status, param=param)
+    return RequestOutput(
+        rid, finish_reason=FinishReason.ABORT, error=message, status=status, param=param
+    )

@@ -4,6 +4,7 @@ RANGES is the one declaration of each numeric parameter's legal values: validate
 them here, and the HTTP parsers (relay.api) check the same table so their errors can name
 the API's own field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,7 +90,9 @@ def _optional_properties(schema: dict) -> int:
     if not isinstance(properties, dict):
         return 0
     required = schema.get("required")
-    required = set(r for r in required if isinstance(r, str)) if isinstance(required, list) else set()
+    required = (
+        set(r for r in required if isinstance(r, str)) if isinstance(required, list) else set()
+    )
     return sum(name not in required for name in properties)
 
 
@@ -104,6 +107,7 @@ class InvalidParam(ValueError):
 @dataclass(frozen=True)
 class Range:
     """The legal values of one numeric parameter."""
+
     lo: float
     hi: float
     integer: bool = False
@@ -141,7 +145,9 @@ RANGES: dict[str, Range] = {
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int | None = 128  # None: as many as the context leaves (fit_context resolves it)
+    max_new_tokens: int | None = (
+        128  # None: as many as the context leaves (fit_context resolves it)
+    )
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -188,46 +194,80 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Whether sampling depends on the tokens output so far (the runner counts them)."""
-        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+        return (
+            self.repetition_penalty != 1.0
+            or bool(self.frequency_penalty)
+            or bool(self.presence_penalty)
+        )
 
-    def validate(self, vocab_size: int | None = None, max_constraint_bytes: int | None = None,
-                 max_constraint_depth: int | None = None, max_constraint_properties: int | None = None
-                 ) -> SamplingParams:
+    def validate(
+        self,
+        vocab_size: int | None = None,
+        max_constraint_bytes: int | None = None,
+        max_constraint_depth: int | None = None,
+        max_constraint_properties: int | None = None,
+    ) -> SamplingParams:
         """Raise InvalidParam naming the first bad field; return self for chaining. A server's
         --max-constraint-bytes caps the constraint's text, --max-constraint-depth a JSON schema's
         nesting (json_depth), --max-constraint-properties the optional properties of each of its
         objects (widest_object); None: no cap."""
         for name, rule in RANGES.items():
             value = getattr(self, name)
-            if (value is not None or name not in ("max_new_tokens", "seed")) and not rule.holds(value):
+            if (value is not None or name not in ("max_new_tokens", "seed")) and not rule.holds(
+                value
+            ):
                 raise InvalidParam(name, f"{name} must be {rule.describe()}, got {value!r}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise InvalidParam("min_new_tokens", f"min_new_tokens must be <= max_new_tokens, got "
-                                                 f"{self.min_new_tokens!r}")
-        if not (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS):
-            raise InvalidParam("stop", f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
-        self._validate_constraint(max_constraint_bytes, max_constraint_depth, max_constraint_properties)
+            raise InvalidParam(
+                "min_new_tokens",
+                f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens!r}",
+            )
+        if not (
+            all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= MAX_STOP_STRINGS
+        ):
+            raise InvalidParam(
+                "stop",
+                f"stop must be up to {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}",
+            )
+        self._validate_constraint(
+            max_constraint_bytes, max_constraint_depth, max_constraint_properties
+        )
         limit = vocab_size or 2**31
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in self.stop_token_ids):
-            raise InvalidParam("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary, got "
-                                                 f"{self.stop_token_ids!r}")
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
+            for t in self.stop_token_ids
+        ):
+            raise InvalidParam(
+                "stop_token_ids",
+                f"stop_token_ids must be token ids in the vocabulary, got {self.stop_token_ids!r}",
+            )
         self._validate_logit_bias(vocab_size)
         return self
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidParam("logit_bias", f"logit_bias allows at most {MAX_LOGIT_BIAS} tokens, got "
-                                             f"{len(self.logit_bias)}")
+            raise InvalidParam(
+                "logit_bias",
+                f"logit_bias allows at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+            )
         lo, hi = LOGIT_BIAS_RANGE
         for token, bias in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
+                raise InvalidParam(
+                    "logit_bias",
+                    f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}",
+                )
             if vocab_size is not None and token >= vocab_size:
-                raise InvalidParam("logit_bias", f"logit_bias: token id {token} is outside the vocabulary "
-                                                 f"({vocab_size})")
+                raise InvalidParam(
+                    "logit_bias",
+                    f"logit_bias: token id {token} is outside the vocabulary ({vocab_size})",
+                )
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not lo <= bias <= hi:
-                raise InvalidParam("logit_bias", f"logit_bias values must be numbers in [{lo:g}, {hi:g}]; token "
-                                                 f"{token} has {bias!r:.40}")
+                raise InvalidParam(
+                    "logit_bias",
+                    f"logit_bias values must be numbers in [{lo:g}, {hi:g}]; token "
+                    f"{token} has {bias!r:.40}",
+                )
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -241,14 +281,25 @@ class SamplingParams:
     @property
     def reasoning_tags(self) -> tuple[str, str] | None:
         """(open, close) of the reasoning block before a constrained answer; None if none."""
-        return None if self.reasoning_close is None else (self.reasoning_open or "", self.reasoning_close)
+        return (
+            None
+            if self.reasoning_close is None
+            else (self.reasoning_open or "", self.reasoning_close)
+        )
 
-    def _validate_constraint(self, max_bytes: int | None, max_depth: int | None, max_properties: int | None) -> None:
+    def _validate_constraint(
+        self, max_bytes: int | None, max_depth: int | None, max_properties: int | None
+    ) -> None:
         if self.reasoning_close is not None or self.reasoning_open is not None:
-            if not (isinstance(self.reasoning_close, str) and self.reasoning_close
-                    and isinstance(self.reasoning_open or "", str)):
-                raise InvalidParam("reasoning_close", "reasoning_close must be a non-empty string (and "
-                                                      "reasoning_open a string)")
+            if not (
+                isinstance(self.reasoning_close, str)
+                and self.reasoning_close
+                and isinstance(self.reasoning_open or "", str)
+            ):
+                raise InvalidParam(
+                    "reasoning_close",
+                    "reasoning_close must be a non-empty string (and reasoning_open a string)",
+                )
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
         for kind in given:
             text = getattr(self, kind)
@@ -256,20 +307,40 @@ class SamplingParams:
                 raise InvalidParam(kind, f"{kind} must be a non-empty string, got {text!r:.60}")
             size = len(text.encode("utf-8", "surrogatepass"))
             if max_bytes is not None and size > max_bytes:
-                raise InvalidParam(kind, f"{kind} must be at most {max_bytes} bytes (--max-constraint-bytes), "
-                                         f"got {size}")
-            if kind == "json_schema" and max_depth is not None and (depth := json_depth(text)) > max_depth:
-                raise InvalidParam(kind, f"{kind} must nest at most {max_depth} levels deep "
-                                         f"(--max-constraint-depth), got {depth}")
+                raise InvalidParam(
+                    kind,
+                    f"{kind} must be at most {max_bytes} bytes (--max-constraint-bytes), "
+                    f"got {size}",
+                )
+            if (
+                kind == "json_schema"
+                and max_depth is not None
+                and (depth := json_depth(text)) > max_depth
+            ):
+                raise InvalidParam(
+                    kind,
+                    f"{kind} must nest at most {max_depth} levels deep "
+                    f"(--max-constraint-depth), got {depth}",
+                )
             # Each property is a key and a ':': a text with no more ':' than the limit needs no parse.
-            if kind == "json_schema" and max_properties is not None and text.count(":") > max_properties:
+            if (
+                kind == "json_schema"
+                and max_properties is not None
+                and text.count(":") > max_properties
+            ):
                 widest, where = widest_object(text)
                 if widest > max_properties:
-                    raise InvalidParam(kind, f"{kind} objects may have at most {max_properties} optional properties "
-                                             f"each (--max-constraint-properties; required ones are not counted), "
-                                             f"got {widest} at {where}")
+                    raise InvalidParam(
+                        kind,
+                        f"{kind} objects may have at most {max_properties} optional properties "
+                        f"each (--max-constraint-properties; required ones are not counted), "
+                        f"got {widest} at {where}",
+                    )
         if len(given) > 1:
-            raise InvalidParam(given[1], f"give at most one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given)}")
+            raise InvalidParam(
+                given[1],
+                f"give at most one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given)}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -283,9 +354,13 @@ class SamplingParams:
         return cls(**d)
 
 
-def check_prompt_length(num_tokens: int, context_len: int, field_name: str = "prompt",
-                        at_least: bool = False) -> None:
+def check_prompt_length(
+    num_tokens: int, context_len: int, field_name: str = "prompt", at_least: bool = False
+) -> None:
     """The one rule for a prompt's length: it must leave room for one generated token."""
     if num_tokens >= context_len:
-        raise InvalidParam(field_name, f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens; "
-                                       f"this model's context is {context_len} tokens, output included")
+        raise InvalidParam(
+            field_name,
+            f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens; "
+            f"this model's context is {context_len} tokens, output included",
+        )

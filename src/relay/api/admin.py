@@ -5,6 +5,7 @@ take a replica out of rotation, `/server_info` and `/model_info` (SGLang's curre
 `get_` ones are the older names) for the served model's name when it registers a replica, and
 `/get_load` for its load-aware policies.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,16 +35,20 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
     async def health_generate(request: Request):
         """Healthy only if a one-token generation makes it through every process."""
         try:
-            api = client.submit(ParsedRequest(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0]),
-                                "health")
+            api = client.submit(
+                ParsedRequest(SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0]),
+                "health",
+            )
         except ProtocolError as e:
             return JSONResponse({"status": "unhealthy", "reason": e.message}, status_code=503)
         try:
             pieces = await asyncio.wait_for(collect(client, api, request), HEALTH_GENERATE_TIMEOUT)
         except asyncio.TimeoutError:
             client.release(api, abort=True, reason="health_check_timeout")
-            return JSONResponse({"status": "unhealthy", "reason": f"no token within {HEALTH_GENERATE_TIMEOUT:g} s"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "unhealthy", "reason": f"no token within {HEALTH_GENERATE_TIMEOUT:g} s"},
+                status_code=503,
+            )
         if pieces is None or any(r.error for _, r in pieces):
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
@@ -56,18 +61,26 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
             out = await client.control("get_info")
         except ProtocolError as e:
             return error_response(e)
-        return {**client.server_info, "scheduler": out.data, "num_http_requests": client.num_requests}
+        return {
+            **client.server_info,
+            "scheduler": out.data,
+            "num_http_requests": client.num_requests,
+        }
 
     @app.get("/get_model_info", responses=ERROR_RESPONSES)
     @app.get("/model_info", responses=ERROR_RESPONSES)
     async def get_model_info():
         """The served model (SGLang's shape): a router names the replica's model from it."""
         info = client.server_info
-        return {"model_path": info.get("model_dir") or info.get("model_path"),
-                "tokenizer_path": info.get("tokenizer_path") or info.get("model_dir"),
-                "served_model_name": client.served_model, "is_generation": True,
-                "context_len": client.context_len, "vocab_size": client.vocab_size,
-                "replica": info.get("replica")}
+        return {
+            "model_path": info.get("model_dir") or info.get("model_path"),
+            "tokenizer_path": info.get("tokenizer_path") or info.get("model_dir"),
+            "served_model_name": client.served_model,
+            "is_generation": True,
+            "context_len": client.context_len,
+            "vocab_size": client.vocab_size,
+            "replica": info.get("replica"),
+        }
 
     @app.get("/get_load", responses=ERROR_RESPONSES)
     async def get_load():
@@ -78,8 +91,15 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
         except ProtocolError as e:
             return error_response(e)
         d = out.data
-        return [{"dp_rank": 0, "num_reqs": d["num_running"] + d["num_waiting"], "num_waiting_reqs": d["num_waiting"],
-                 "num_tokens": d["kv_locked_tokens"], "num_http_requests": client.num_requests}]
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": d["num_running"] + d["num_waiting"],
+                "num_waiting_reqs": d["num_waiting"],
+                "num_tokens": d["kv_locked_tokens"],
+                "num_http_requests": client.num_requests,
+            }
+        ]
 
     @app.post("/flush_cache", responses=ERROR_RESPONSES)
     async def flush_cache():

@@ -1,6 +1,7 @@
 """One chat choice's output as the client sees it: reasoning split off (--reasoning-parser),
 then tool calls read from what is left (the request's tools), the rest being the content.
 The same stream serves whole and streamed responses, so both say the same thing."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,8 +38,9 @@ class ChatOutput:
         return out
 
 
-def whole_message(tools: ToolCalling | None, reasoning: str | None, text: str, finish_reason: str | None
-                  ) -> tuple[dict[str, Any], str | None]:
+def whole_message(
+    tools: ToolCalling | None, reasoning: str | None, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
     """A whole choice's message, and its finish reason ("tool_calls" once it called tools)."""
     out = ChatOutput(tools, reasoning)
     pieces = out.feed(text)
@@ -47,7 +49,9 @@ def whole_message(tools: ToolCalling | None, reasoning: str | None, text: str, f
     content, calls = assemble([p for p in pieces if not isinstance(p, Reasoning)])
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if reasoning:
-        message["reasoning_content"] = "".join(p.text for p in pieces if isinstance(p, Reasoning)) or None
+        message["reasoning_content"] = (
+            "".join(p.text for p in pieces if isinstance(p, Reasoning)) or None
+        )
     if calls:
         message["tool_calls"] = [call.to_openai() for call in calls]
     return message, finish_reason
@@ -60,7 +64,15 @@ def piece_delta(piece: ChatPiece) -> dict[str, Any]:
     if isinstance(piece, Reasoning):
         return {"reasoning_content": piece.text}
     if isinstance(piece, CallStart):
-        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
-                                "function": {"name": piece.name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {
+                    "index": piece.index,
+                    "id": piece.id,
+                    "type": "function",
+                    "function": {"name": piece.name, "arguments": ""},
+                }
+            ]
+        }
     assert isinstance(piece, ArgsPiece)
     return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}

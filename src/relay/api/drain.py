@@ -6,6 +6,7 @@ then are aborted: a stream ends with an error event, a whole response is a 503 e
 cut off silently. S = 0 (the default, as vLLM's) aborts them at once. A second signal ends the
 wait early. The server exits 0 afterwards (uvicorn then closes the connections).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,11 @@ async def drain(client: Drainable, timeout: float, cut: asyncio.Event) -> int:
     client.stop_accepting(SHUTTING_DOWN)
     waiting = client.in_flight()
     if waiting and timeout > 0:
-        logger.info("stopping: letting %d requests in flight finish for up to %g s (--shutdown-timeout)",
-                    waiting, timeout)
+        logger.info(
+            "stopping: letting %d requests in flight finish for up to %g s (--shutdown-timeout)",
+            waiting,
+            timeout,
+        )
         idle, stop = asyncio.ensure_future(client.wait_idle()), asyncio.ensure_future(cut.wait())
         try:
             await asyncio.wait({idle, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -42,8 +46,9 @@ async def drain(client: Drainable, timeout: float, cut: asyncio.Event) -> int:
             stop.cancel()
     if not client.in_flight():
         return 0
-    aborted = client.abort_all(f"{SHUTTING_DOWN}: the request was still running after --shutdown-timeout "
-                               f"{timeout:g} s")
+    aborted = client.abort_all(
+        f"{SHUTTING_DOWN}: the request was still running after --shutdown-timeout {timeout:g} s"
+    )
     if aborted:
         logger.warning("stopping: aborted %d requests still in flight", aborted)
     return aborted

@@ -9,6 +9,7 @@ Conventions shared by all parsers:
 - Unknown top-level fields are ignored (OpenAI SDKs pass vendor extras through), except
   inside SGLang's `sampling_params`, where a typo would otherwise be silently ignored.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,14 +40,20 @@ MAX_JSON_DEPTH = 64
 
 # ---- errors ------------------------------------------------------------------------------
 
-_DEFAULT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                        429: "rate_limit_error"}
+_DEFAULT_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 class ProtocolError(Exception):
     """A request the server refuses; maps one-to-one onto an OpenAI error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -63,11 +70,19 @@ def _default_error_type(status: int) -> str:
     return _DEFAULT_ERROR_TYPES.get(status, "invalid_request_error")
 
 
-def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, type: str | None = None
+) -> dict[str, Any]:
     # The nested "error" object is what the openai client reads to build BadRequestError etc.
-    return {"object": "error",
-            "error": {"message": message, "type": type or _default_error_type(status),
-                      "param": param, "code": status}}
+    return {
+        "object": "error",
+        "error": {
+            "message": message,
+            "type": type or _default_error_type(status),
+            "param": param,
+            "code": status,
+        },
+    }
 
 
 def bad(param: str | None, message: str) -> ProtocolError:
@@ -81,6 +96,7 @@ def show(value: Any) -> str:
 
 
 # ---- JSON bodies -------------------------------------------------------------------------
+
 
 def decode_json_body(raw: bytes) -> Any:
     """A request body as JSON, refusing (400) what would break later stages: invalid UTF-8,
@@ -114,7 +130,9 @@ def _check_json_tree(body: Any) -> None:
         value, path, depth = stack.pop()
         if isinstance(value, str):
             if not _is_valid_unicode(value):
-                raise bad(path or None, f"'{path or 'body'}' is not valid Unicode (a lone surrogate?)")
+                raise bad(
+                    path or None, f"'{path or 'body'}' is not valid Unicode (a lone surrogate?)"
+                )
             continue
         if isinstance(value, int) and not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
             raise bad(path or None, f"'{path or 'body'}' is an integer outside the 64-bit range")
@@ -147,9 +165,11 @@ def require_object(body: Any) -> dict[str, Any]:
 
 # ---- the parsed request --------------------------------------------------------------------
 
+
 @dataclass
 class ParsedRequest:
     """One validated API request, ready to become an ipc GenerateReq."""
+
     params: SamplingParams
     text: str | None = None
     input_ids: list[int] | None = None
@@ -169,6 +189,7 @@ class ParsedRequest:
 
 # ---- typed field access --------------------------------------------------------------------
 
+
 def as_int(value: Any, param: str, lo: int, hi: int, what: str | None = None) -> int:
     return _as(Range(lo, hi, integer=True, what=what), value, param)
 
@@ -185,7 +206,9 @@ def as_dict(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
-def as_token_ids(value: Any, param: str, allow_empty: bool, vocab_size: int | None = None) -> list[int]:
+def as_token_ids(
+    value: Any, param: str, allow_empty: bool, vocab_size: int | None = None
+) -> list[int]:
     if not isinstance(value, list):
         raise bad(param, f"'{param}' must be a list of token ids, got {show(value)}")
     if not value and not allow_empty:
@@ -193,9 +216,13 @@ def as_token_ids(value: Any, param: str, allow_empty: bool, vocab_size: int | No
     limit = vocab_size or _I32
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise bad(param, f"'{param}' must hold token ids (integers >= 0); item {i} is {show(t)}")
+            raise bad(
+                param, f"'{param}' must hold token ids (integers >= 0); item {i} is {show(t)}"
+            )
         if t >= limit:
-            raise bad(param, f"'{param}' item {i} is {show(t)}, outside the vocabulary [0, {limit})")
+            raise bad(
+                param, f"'{param}' item {i} is {show(t)}, outside the vocabulary [0, {limit})"
+            )
     return value
 
 
@@ -211,7 +238,11 @@ def priority(body: dict[str, Any]) -> int:
 def _as(rule: Range, value: Any, param: str) -> Any:
     if not rule.holds(value):
         kind = "an integer" if rule.integer else "a number"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (rule.integer and isinstance(value, float)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (rule.integer and isinstance(value, float))
+        ):
             raise bad(param, f"'{param}' must be {kind}, got {show(value)}")
         raise bad(param, f"'{param}' must be {rule.describe()}, got {show(value)}")
     return float(value) if not rule.integer else value
@@ -254,9 +285,14 @@ def _as_logit_bias(value: Any, param: str) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in biases.items():
         if not _TOKEN_ID_KEY.fullmatch(key):
-            raise bad(param, f"'{param}' keys must be token ids (decimal integers >= 0), got {show(key)}")
+            raise bad(
+                param, f"'{param}' keys must be token ids (decimal integers >= 0), got {show(key)}"
+            )
         if not rule.holds(bias):
-            raise bad(param, f"'{param}' values must be numbers in [{lo:g}, {hi:g}]; token {key} has {show(bias)}")
+            raise bad(
+                param,
+                f"'{param}' values must be numbers in [{lo:g}, {hi:g}]; token {key} has {show(bias)}",
+            )
         out[int(key)] = float(bias)
     return out
 
@@ -273,18 +309,33 @@ FIELD_RULES: dict[str, Callable[[Any, str], Any]] = {
 }
 
 
-def sampling_kwargs(body: dict[str, Any], keys: dict[str, str], rules: dict[str, Callable[[Any, str], Any]],
-                    prefix: str = "") -> dict[str, Any]:
+def sampling_kwargs(
+    body: dict[str, Any],
+    keys: dict[str, str],
+    rules: dict[str, Callable[[Any, str], Any]],
+    prefix: str = "",
+) -> dict[str, Any]:
     """SamplingParams keyword arguments from the API keys present in body (key -> field)."""
-    return {name: rules[name](body[key], prefix + key) for key, name in keys.items() if body.get(key) is not None}
+    return {
+        name: rules[name](body[key], prefix + key)
+        for key, name in keys.items()
+        if body.get(key) is not None
+    }
 
 
-def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | None,
-              max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
-              max_constraint_properties: int | None = None) -> SamplingParams:
+def validated(
+    params: SamplingParams,
+    names: dict[str, str],
+    vocab_size: int | None,
+    max_constraint_bytes: int | None = None,
+    max_constraint_depth: int | None = None,
+    max_constraint_properties: int | None = None,
+) -> SamplingParams:
     """Run SamplingParams.validate(), reporting failures under the API's field names."""
     try:
-        return params.validate(vocab_size, max_constraint_bytes, max_constraint_depth, max_constraint_properties)
+        return params.validate(
+            vocab_size, max_constraint_bytes, max_constraint_depth, max_constraint_properties
+        )
     except InvalidParam as e:
         # Rename only in the "<field> <rule>" head: the ", got <value>" tail may quote user text.
         head, sep, tail = str(e).partition(", got ")
@@ -295,13 +346,20 @@ def validated(params: SamplingParams, names: dict[str, str], vocab_size: int | N
 # ---- constrained decoding ------------------------------------------------------------------
 
 # API key -> SamplingParams constraint: SGLang's names, and vLLM's guided_* ones.
-CONSTRAINT_KEYS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",
-                   "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf"}
+CONSTRAINT_KEYS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "ebnf",
+}
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
-def constraint(body: dict[str, Any], prefix: str = "", response_format: bool = False
-               ) -> tuple[dict[str, str], dict[str, str]]:
+def constraint(
+    body: dict[str, Any], prefix: str = "", response_format: bool = False
+) -> tuple[dict[str, str], dict[str, str]]:
     """The output constraint a body asks for, as (SamplingParams kwargs, {field: API key});
     at most one of the constraint keys and (OpenAI routes) a JSON response_format."""
     given: dict[str, tuple[str, str]] = {}
@@ -312,14 +370,20 @@ def constraint(body: dict[str, Any], prefix: str = "", response_format: bool = F
         if kind == "json_schema" and isinstance(value, dict):
             value = json.dumps(value)
         if not isinstance(value, str) or not value:
-            what = "a JSON schema (an object or its JSON text)" if kind == "json_schema" else "a non-empty string"
+            what = (
+                "a JSON schema (an object or its JSON text)"
+                if kind == "json_schema"
+                else "a non-empty string"
+            )
             raise bad(prefix + key, f"'{prefix + key}' must be {what}, got {show(value)}")
         given[prefix + key] = (kind, value)
     if response_format:
         given.update(_response_format(body.get("response_format")))
     if len(given) > 1:
         raise bad(list(given)[1], f"give at most one output constraint; got {', '.join(given)}")
-    return {kind: text for kind, text in given.values()}, {kind: key for key, (kind, _) in given.items()}
+    return {kind: text for kind, text in given.values()}, {
+        kind: key for key, (kind, _) in given.items()
+    }
 
 
 def _response_format(value: Any) -> dict[str, tuple[str, str]]:
@@ -333,8 +397,11 @@ def _response_format(value: Any) -> dict[str, tuple[str, str]]:
     if kind == "json_object":
         return {"response_format": ("json_schema", ANY_JSON_OBJECT)}
     if kind != "json_schema":
-        raise bad("response_format.type", "'response_format.type' must be one of text, json_object, json_schema, "
-                                          f"got {show(kind)}")
+        raise bad(
+            "response_format.type",
+            "'response_format.type' must be one of text, json_object, json_schema, "
+            f"got {show(kind)}",
+        )
     spec = as_dict(rf.get("json_schema"), "response_format.json_schema")
     schema = spec.get("schema")
     if schema is None:

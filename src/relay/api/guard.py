@@ -12,6 +12,7 @@ before a handler sees it, and connection limits that keep the server's descripto
   with a 503.
 Every refusal is an OpenAI-shaped JSON error.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +62,7 @@ def _hostname(host_header: str) -> str:
     """'example.com:8080' -> 'example.com'; '[::1]:30000' -> '::1'."""
     host = host_header.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -86,13 +87,22 @@ class RequestGuard:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         allowed = self.cfg.allowed_hosts
         if allowed is not None and _hostname(headers.get("host", "")) not in allowed:
-            raise ProtocolError(400, "this server does not answer to that Host header "
-                                     "(see --allowed-hosts)", "Host")
+            raise ProtocolError(
+                400, "this server does not answer to that Host header (see --allowed-hosts)", "Host"
+            )
         origin = headers.get("origin")
-        if (origin and allowed is not None and scope["method"] != "GET"
-                and _hostname(urlsplit(origin).netloc) not in allowed):
-            raise ProtocolError(403, "cross-origin requests are not allowed (see --allowed-hosts)", "Origin",
-                                "permission_error")
+        if (
+            origin
+            and allowed is not None
+            and scope["method"] != "GET"
+            and _hostname(urlsplit(origin).netloc) not in allowed
+        ):
+            raise ProtocolError(
+                403,
+                "cross-origin requests are not allowed (see --allowed-hosts)",
+                "Origin",
+                "permission_error",
+            )
         if self._key is not None and scope["path"] != "/health":
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, b"Bearer " + self._key):
@@ -100,10 +110,15 @@ class RequestGuard:
         if scope["method"] == "POST" and _has_body(headers):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
-                raise ProtocolError(415, "POST bodies must be JSON: send 'Content-Type: application/json'",
-                                    "Content-Type")
+                raise ProtocolError(
+                    415,
+                    "POST bodies must be JSON: send 'Content-Type: application/json'",
+                    "Content-Type",
+                )
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.cfg.max_body_bytes):
+            if length is not None and (
+                not length.isdigit() or int(length) > self.cfg.max_body_bytes
+            ):
                 raise _too_large(self.cfg.max_body_bytes)
 
     async def _buffered_body(self, scope: Scope, receive: Receive) -> Receive:
@@ -117,8 +132,9 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(left, 0.0))
             except asyncio.TimeoutError:
-                raise ProtocolError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
-                                    None) from None
+                raise ProtocolError(
+                    408, f"the request body did not arrive within {self.cfg.body_timeout:g} s", None
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ProtocolError(400, "the client disconnected while sending the body", None)
             chunk = message.get("body", b"")
@@ -142,22 +158,35 @@ class RequestGuard:
 
 
 def _has_body(headers: dict[str, str]) -> bool:
-    return headers.get("content-length", "0") != "0" or "chunked" in headers.get("transfer-encoding", "")
+    return headers.get("content-length", "0") != "0" or "chunked" in headers.get(
+        "transfer-encoding", ""
+    )
 
 
 def _too_large(limit: int) -> ProtocolError:
-    return ProtocolError(413, f"the request body exceeds {limit} bytes (--max-request-body-bytes)", None)
+    return ProtocolError(
+        413, f"the request body exceeds {limit} bytes (--max-request-body-bytes)", None
+    )
 
 
 async def send_error(send: Send, e: ProtocolError) -> None:
     body = json.dumps(error_body(e.status, e.message, e.param, e.type)).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": e.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 # ---- connections -----------------------------------------------------------------------
+
 
 def raise_fd_limit() -> int:
     """Raise the soft descriptor limit to the hard one; returns the soft limit now in force."""
@@ -176,9 +205,13 @@ def default_max_connections(fd_limit: int) -> int:
     return max(16, fd_limit - FD_RESERVE)
 
 
-_REFUSED = json.dumps(error_body(503, "too many connections; retry later", None, "server_error")).encode()
-_REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                     b"connection: close\r\ncontent-length: " + str(len(_REFUSED)).encode() + b"\r\n\r\n" + _REFUSED)
+_REFUSED = json.dumps(
+    error_body(503, "too many connections; retry later", None, "server_error")
+).encode()
+_REFUSED_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: " + str(len(_REFUSED)).encode() + b"\r\n\r\n" + _REFUSED
+)
 
 
 def guarded_protocol(max_connections: int):
@@ -193,7 +226,9 @@ def guarded_protocol(max_connections: int):
         def connection_made(self, transport) -> None:
             self.idle_since = time.monotonic()
             self.refused = False
-            if len(self.connections) >= max_connections and not _evict_longest_idle(self.connections):
+            if len(self.connections) >= max_connections and not _evict_longest_idle(
+                self.connections
+            ):
                 self.refused = True
                 self.transport = transport
                 transport.write(_REFUSED_RESPONSE)

@@ -15,6 +15,7 @@ split streams: each piece of output is read once, holding back only text that ma
 a tag; reasoning is stripped of surrounding whitespace, and so is the start of the content
 after </think>. Fed the whole text at once, the split is the same.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ REASONING_PARSERS = {
 @dataclass(frozen=True)
 class Reasoning:
     """A piece of reasoning text (content pieces are plain str)."""
+
     text: str
 
 
@@ -73,7 +75,7 @@ class ReasoningSplitter:
         head = self._held.lstrip()
         if head.startswith(self.fmt.open):
             self._held, self._state = "", "reasoning"
-            return head[len(self.fmt.open):]
+            return head[len(self.fmt.open) :]
         if self.fmt.open.startswith(head):
             return ""  # whitespace so far, or the tag arriving
         held, self._held = self._held, ""
@@ -92,11 +94,11 @@ class ReasoningSplitter:
             self._held = self._held[cut:]
             return ""
         self._reason(self._held[:end], out)
-        rest, self._held, self._state = self._held[end + len(self.fmt.close):], "", "content"
+        rest, self._held, self._state = self._held[end + len(self.fmt.close) :], "", "content"
         return rest
 
     def _reason(self, text: str, out: list[Reasoning | str]) -> None:
-        if (text := self._reasoning.push(text)):
+        if text := self._reasoning.push(text):
             out.append(Reasoning(text))
 
     def _on_content(self, text: str, out: list[Reasoning | str]) -> str:

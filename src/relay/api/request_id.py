@@ -11,6 +11,7 @@ fails a request. An id already in flight gets a suffix instead of a refusal.
 `RequestIdMiddleware` reads the header into a context variable for the route's task;
 `request_id()` makes the id when the route submits its request.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -31,7 +32,9 @@ class RequestIds:
     used: str | None = None  # the id the request was submitted under
 
 
-_current: contextvars.ContextVar[RequestIds | None] = contextvars.ContextVar("relay_request_ids", default=None)
+_current: contextvars.ContextVar[RequestIds | None] = contextvars.ContextVar(
+    "relay_request_ids", default=None
+)
 
 
 def usable(value: str | None) -> str | None:
@@ -80,8 +83,15 @@ class RequestIdMiddleware:
                 # A /generate body's own `rid` may hold any text; a header carries visible ASCII only.
                 rid = usable(ids.used or ids.given)
                 if rid is not None:
-                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER.encode()]
-                    message = {**message, "headers": [*headers, (HEADER.encode(), rid.encode("latin-1"))]}
+                    headers = [
+                        (k, v)
+                        for k, v in message.get("headers", [])
+                        if k.lower() != HEADER.encode()
+                    ]
+                    message = {
+                        **message,
+                        "headers": [*headers, (HEADER.encode(), rid.encode("latin-1"))],
+                    }
             await send(message)
 
         try:

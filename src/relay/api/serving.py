@@ -6,6 +6,7 @@ arrive per choice; several that arrived together are merged into one, so under l
 event carries several tokens instead of paying per token. A client that leaves aborts its
 request (its KV is freed), and however a response ends its request is released.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,6 +53,7 @@ class ApiRequest:
 
 class EngineClient(Protocol):
     """What routes need of the http process's link to the pipeline (procs.http_server)."""
+
     served_model: str
     context_len: int
     vocab_size: int | None
@@ -73,6 +75,7 @@ class EngineClient(Protocol):
 
 
 # ---- records -------------------------------------------------------------------------------
+
 
 def coalesce(batch: list[Choice]) -> list[Choice]:
     """Merge the records of each choice that arrived together (not past a finish or error)."""
@@ -122,24 +125,32 @@ class Usage:
         """One request's usage from its choices' latest records: the shared prompt counts
         once (as OpenAI bills it) and completions add up."""
         done = [o for o in outputs if o is not None]
-        return cls(prompt_tokens=max((o.prompt_tokens for o in done), default=0),
-                   completion_tokens=sum(o.completion_tokens for o in done),
-                   cached_tokens=max((o.cached_tokens for o in done), default=0))
+        return cls(
+            prompt_tokens=max((o.prompt_tokens for o in done), default=0),
+            completion_tokens=sum(o.completion_tokens for o in done),
+            cached_tokens=max((o.cached_tokens for o in done), default=0),
+        )
 
     def to_openai(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 def first_error(pieces: list[Choice]) -> ProtocolError | None:
     for _, r in pieces:
         if r.error is not None:
-            return ProtocolError(r.status, r.error, r.param, None if r.status < 500 else "server_error")
+            return ProtocolError(
+                r.status, r.error, r.param, None if r.status < 500 else "server_error"
+            )
     return None
 
 
 # ---- responses -------------------------------------------------------------------------------
+
 
 def error_response(e: ProtocolError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.type), status_code=e.status)
@@ -149,10 +160,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        + b"\n\n"
+    )
 
 
-async def whole(client: EngineClient, api: ApiRequest, request: Request) -> list[RequestOutput] | Response:
+async def whole(
+    client: EngineClient, api: ApiRequest, request: Request
+) -> list[RequestOutput] | Response:
     """A non-streamed request's merged choices, or the response that replaces them (its
     error, or 499 when the client left)."""
     pieces = await collect(client, api, request)
@@ -164,6 +181,7 @@ async def whole(client: EngineClient, api: ApiRequest, request: Request) -> list
 
 async def collect(client: EngineClient, api: ApiRequest, request: Request) -> list[Choice] | None:
     """All records of a request; None (after aborting it) if the client left."""
+
     async def gather() -> list[Choice]:
         return [piece async for piece in choices(api)]
 
@@ -182,7 +200,9 @@ async def collect(client: EngineClient, api: ApiRequest, request: Request) -> li
 SseEvents = Callable[[AsyncIterator[Choice]], AsyncIterator[bytes]]
 
 
-async def streamed(client: EngineClient, api: ApiRequest, request: Request, events: SseEvents) -> Response:
+async def streamed(
+    client: EngineClient, api: ApiRequest, request: Request, events: SseEvents
+) -> Response:
     """Wait for the first output (so a rejected request still gets its 4xx status), then
     stream `events` of the records; a client that goes away aborts the request."""
     try:
@@ -214,8 +234,11 @@ class _ReleasingStream(StreamingResponse):
     leaves before the body starts would otherwise leave its request registered."""
 
     def __init__(self, body, on_close: Callable[[], None]):
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,4 +1,5 @@
 """SGLang's native API: /generate and /abort_request."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -26,11 +27,22 @@ from relay.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 GENERATE_DEFAULT_MAX_TOKENS = 128  # SGLang's default
 # SGLang sampling_params key -> SamplingParams field ("n" is handled apart).
 _KEYS = {
-    "max_new_tokens": "max_new_tokens", "min_new_tokens": "min_new_tokens", "temperature": "temperature",
-    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "seed": "seed", "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output",
+    "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "seed": "seed",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
     "logit_bias": "logit_bias",
 }
 
@@ -39,10 +51,13 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
     @app.post("/generate", openapi_extra=request_body("generate"), responses=ERROR_RESPONSES)
     async def generate(request: Request):
         try:
-            parsed = parse_generate(F.decode_json_body(await request.body()), vocab_size=client.vocab_size,
-                                    max_constraint_bytes=client.max_constraint_bytes,
-                                    max_constraint_depth=client.max_constraint_depth,
-                                    max_constraint_properties=client.max_constraint_properties)
+            parsed = parse_generate(
+                F.decode_json_body(await request.body()),
+                vocab_size=client.vocab_size,
+                max_constraint_bytes=client.max_constraint_bytes,
+                max_constraint_depth=client.max_constraint_depth,
+                max_constraint_properties=client.max_constraint_properties,
+            )
             api = client.submit(parsed, "generate")
         except ProtocolError as e:
             return error_response(e)
@@ -78,6 +93,7 @@ async def _events(outs: AsyncIterator[Choice], rids: list[str]) -> AsyncIterator
 
 # ---- parsing -------------------------------------------------------------------------------
 
+
 def _input(body: dict[str, Any], vocab_size: int | None) -> tuple[str | None, list[int] | None]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -97,7 +113,9 @@ def _sampling(raw: Any, max_n: int) -> tuple[dict[str, Any], int, dict[str, Any]
     sp = {} if raw is None else F.as_dict(raw, "sampling_params")
     for key in sp:
         if key not in _KEYS and key != "n" and key not in F.CONSTRAINT_KEYS:
-            raise bad(f"sampling_params.{key}", f"unknown sampling parameter 'sampling_params.{key}'")
+            raise bad(
+                f"sampling_params.{key}", f"unknown sampling parameter 'sampling_params.{key}'"
+            )
     kwargs = F.sampling_kwargs(sp, _KEYS, F.FIELD_RULES, "sampling_params.")
     n = F.opt(sp, "n", 1, lambda v, _: F.as_int(v, "sampling_params.n", 1, max_n))
     kwargs.setdefault("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
@@ -114,24 +132,49 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
 def _rid(body: dict[str, Any]) -> str | None:
     rid = body.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
-        raise bad("rid", f"'rid' must be a non-empty string of at most 256 characters, got {show(rid)}")
+        raise bad(
+            "rid", f"'rid' must be a non-empty string of at most 256 characters, got {show(rid)}"
+        )
     return rid
 
 
-def parse_generate(body: Any, max_n: int = F.MAX_N, vocab_size: int | None = None,
-                   max_constraint_bytes: int | None = None, max_constraint_depth: int | None = None,
-                   max_constraint_properties: int | None = None) -> ParsedRequest:
+def parse_generate(
+    body: Any,
+    max_n: int = F.MAX_N,
+    vocab_size: int | None = None,
+    max_constraint_bytes: int | None = None,
+    max_constraint_depth: int | None = None,
+    max_constraint_properties: int | None = None,
+) -> ParsedRequest:
     """POST /generate (single request; no batches)."""
     body = F.require_object(body)
     text, input_ids = _input(body, vocab_size)
     kwargs, n, sp = _sampling(body.get("sampling_params"), max_n)
     kwargs.update(_logprobs(body))
     grammar, param_names = F.constraint(sp, "sampling_params.")
-    names = {f: f"sampling_params.{f}" for f in F.FIELD_RULES} | {"top_logprobs": "top_logprobs_num"} | param_names
-    params = F.validated(SamplingParams(**kwargs, **grammar), names, vocab_size, max_constraint_bytes,
-                         max_constraint_depth, max_constraint_properties)
-    return ParsedRequest(params=params, text=text, input_ids=input_ids, n=n, param_names=param_names,
-                         stream=F.opt(body, "stream", False, F.as_bool), priority=F.priority(body), rid=_rid(body))
+    names = (
+        {f: f"sampling_params.{f}" for f in F.FIELD_RULES}
+        | {"top_logprobs": "top_logprobs_num"}
+        | param_names
+    )
+    params = F.validated(
+        SamplingParams(**kwargs, **grammar),
+        names,
+        vocab_size,
+        max_constraint_bytes,
+        max_constraint_depth,
+        max_constraint_properties,
+    )
+    return ParsedRequest(
+        params=params,
+        text=text,
+        input_ids=input_ids,
+        n=n,
+        param_names=param_names,
+        stream=F.opt(body, "stream", False, F.as_bool),
+        priority=F.priority(body),
+        rid=_rid(body),
+    )
 
 
 def parse_abort(body: Any) -> str:
@@ -144,6 +187,7 @@ def parse_abort(body: Any) -> str:
 
 # ---- responses -------------------------------------------------------------------------------
 
+
 def _finish(r: RequestOutput) -> dict[str, Any] | None:
     if r.finish_reason is None:
         return None
@@ -151,20 +195,33 @@ def _finish(r: RequestOutput) -> dict[str, Any] | None:
         return {"type": "length", "length": r.completion_tokens}
     if r.finish_reason == "stop":
         return {"type": "stop", "matched": r.matched_stop}
-    return {"type": str(getattr(r.finish_reason, "value", r.finish_reason)), "message": r.matched_stop}
+    return {
+        "type": str(getattr(r.finish_reason, "value", r.finish_reason)),
+        "message": r.matched_stop,
+    }
 
 
 def generate_response(rid: str, r: RequestOutput) -> dict[str, Any]:
     """SGLang's /generate shape for one choice's output so far."""
     usage = Usage.of([r])
-    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish(r), "prompt_tokens": usage.prompt_tokens,
-                            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens}
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish(r),
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cached_tokens": usage.cached_tokens,
+    }
     if r.logprobs is not None:
         # SGLang orders each entry (logprob, token_id, text).
         texts = r.token_texts or [""] * len(r.token_ids)
-        meta["output_token_logprobs"] = [[logprob(lp), t, s] for t, s, lp in zip(r.token_ids, texts, r.logprobs)]
+        meta["output_token_logprobs"] = [
+            [logprob(lp), t, s] for t, s, lp in zip(r.token_ids, texts, r.logprobs)
+        ]
         if r.top_logprobs is not None and any(top is not None for top in r.top_logprobs):
             meta["output_top_logprobs"] = [
-                [[logprob(lp), t, s] for t, s, lp in zip(top[0], names or [], top[1])] if top else []
-                for top, names in zip(r.top_logprobs, r.top_texts or [None] * len(r.top_logprobs))]
+                [[logprob(lp), t, s] for t, s, lp in zip(top[0], names or [], top[1])]
+                if top
+                else []
+                for top, names in zip(r.top_logprobs, r.top_texts or [None] * len(r.top_logprobs))
+            ]
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}

@@ -1,4 +1,5 @@
 """Whitespace trimmed off a text that streams."""
+
 from __future__ import annotations
 
 
@@ -15,6 +16,6 @@ class Trim:
         if not self._started:
             text = text.lstrip()
         body = text.rstrip()
-        self._pending = text[len(body):]
+        self._pending = text[len(body) :]
         self._started = self._started or bool(body)
         return body

@@ -9,6 +9,7 @@ POST /tokenize {model?, prompt | messages, add_special_tokens?, add_generation_p
     -> {count, max_model_len, tokens, token_strs}
 POST /detokenize {model?, tokens} -> {prompt}
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from relay.api.serving import EngineClient, error_response
 @dataclass
 class TokenizeQuery:
     """What the tokenizer process is asked: kind "tokenize" (text or messages) or "detokenize" (tokens)."""
+
     kind: str
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -44,14 +46,22 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
             out = await client.tokenizer_call(query)
         except ProtocolError as e:
             return error_response(e)
-        return {"count": len(out["tokens"]), "max_model_len": client.context_len, "tokens": out["tokens"],
-                "token_strs": out.get("token_strs")}
+        return {
+            "count": len(out["tokens"]),
+            "max_model_len": client.context_len,
+            "tokens": out["tokens"],
+            "token_strs": out.get("token_strs"),
+        }
 
     @app.post("/detokenize", openapi_extra=request_body("detokenize"), responses=ERROR_RESPONSES)
     async def detokenize(request: Request):
         try:
-            query = parse_detokenize(F.decode_json_body(await request.body()), client.served_model,
-                                     client.vocab_size, client.context_len)
+            query = parse_detokenize(
+                F.decode_json_body(await request.body()),
+                client.served_model,
+                client.vocab_size,
+                client.context_len,
+            )
             out = await client.tokenizer_call(query)
         except ProtocolError as e:
             return error_response(e)
@@ -71,23 +81,35 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeQuery:
         text = body["prompt"]
         if not isinstance(text, str):
             raise bad("prompt", f"'prompt' must be a string, got {F.show(text)}")
-        return TokenizeQuery("tokenize", text=text, add_special_tokens=F.opt(body, "add_special_tokens", True, F.as_bool),
-                             return_token_strs=strs)
+        return TokenizeQuery(
+            "tokenize",
+            text=text,
+            add_special_tokens=F.opt(body, "add_special_tokens", True, F.as_bool),
+            return_token_strs=strs,
+        )
     kwargs = chat_template_kwargs(body)
     if F.opt(body, "continue_final_message", False, F.as_bool):
         if body.get("add_generation_prompt") is True:
-            raise bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both "
-                                                "be true")
+            raise bad(
+                "continue_final_message",
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+            )
         kwargs.update(continue_final_message=True, add_generation_prompt=False)
     tools = T.parse_tool_calling(body)
     if tools is not None:
         kwargs["tools"] = tools.template_tools()
-    return TokenizeQuery("tokenize", messages=parse_messages(body.get("messages")), chat_kwargs=kwargs,
-                         add_special_tokens=F.opt(body, "add_special_tokens", False, F.as_bool),
-                         return_token_strs=strs)
+    return TokenizeQuery(
+        "tokenize",
+        messages=parse_messages(body.get("messages")),
+        chat_kwargs=kwargs,
+        add_special_tokens=F.opt(body, "add_special_tokens", False, F.as_bool),
+        return_token_strs=strs,
+    )
 
 
-def parse_detokenize(body: Any, served_model: str, vocab_size: int | None, max_tokens: int) -> TokenizeQuery:
+def parse_detokenize(
+    body: Any, served_model: str, vocab_size: int | None, max_tokens: int
+) -> TokenizeQuery:
     """Token ids to text; at most a context's worth of them (no prompt or output is longer)."""
     body = F.require_object(body)
     check_model(body, served_model)
@@ -95,5 +117,8 @@ def parse_detokenize(body: Any, served_model: str, vocab_size: int | None, max_t
         raise bad("tokens", "'tokens' is required")
     ids = F.as_token_ids(body["tokens"], "tokens", allow_empty=True, vocab_size=vocab_size)
     if max_tokens and len(ids) > max_tokens:
-        raise bad("tokens", f"'tokens' allows at most {max_tokens} ids (this model's context), got {len(ids)}")
+        raise bad(
+            "tokens",
+            f"'tokens' allows at most {max_tokens} ids (this model's context), got {len(ids)}",
+        )
     return TokenizeQuery("detokenize", tokens=list(ids))

@@ -14,6 +14,7 @@ How each tool_choice is served:
 - a named function: the output is constrained to that function's parameters schema; the
   output is the call's arguments.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,11 @@ AUTO, REQUIRED, NAMED = "auto", "required", "named"
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # msgpack's integer range: a larger one in a schema could not reach the tokenizer process.
-_WIRE_INT = (-2**63, 2**64)
+_WIRE_INT = (-(2**63), 2**64)
 
 
 # ---- the request's tools -----------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Tool:
@@ -57,6 +59,7 @@ class Tool:
 @dataclass(frozen=True)
 class ToolCalling:
     """A request's tools and how it wants them used (never tool_choice "none": see module doc)."""
+
     tools: tuple[Tool, ...]
     mode: str  # AUTO | REQUIRED | NAMED
     named: str | None = None  # NAMED: the function that must be called
@@ -72,9 +75,20 @@ class ToolCalling:
         if self.mode == NAMED:
             return self._tool(self.named).arguments_schema
         if self.mode == REQUIRED:
-            calls = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.arguments_schema},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "parameters": t.arguments_schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools
+            ]
+            array = {
+                "type": "array",
+                "minItems": 1,
+                "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+            }
             return array if self.parallel else {**array, "maxItems": 1}
         return None
 
@@ -101,7 +115,9 @@ def parse_tool_calling(body: dict[str, Any], parser: str = "hermes") -> ToolCall
     mode, named = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"'parallel_tool_calls' must be a boolean, got {show(parallel)}")
+        raise bad(
+            "parallel_tool_calls", f"'parallel_tool_calls' must be a boolean, got {show(parallel)}"
+        )
     if mode == "none" or not tools:
         return None
     return ToolCalling(tuple(tools), mode, named, parser, parallel is not False)
@@ -118,7 +134,10 @@ def _tools(value: Any) -> list[Tool]:
     for i, item in enumerate(value):
         tool = _tool(item, f"tools.{i}")
         if any(t.name == tool.name for t in tools):
-            raise bad(f"tools.{i}.function.name", f"'tools.{i}.function.name' repeats the tool name {tool.name!r}")
+            raise bad(
+                f"tools.{i}.function.name",
+                f"'tools.{i}.function.name' repeats the tool name {tool.name!r}",
+            )
         tools.append(tool)
     return tools
 
@@ -126,13 +145,17 @@ def _tools(value: Any) -> list[Tool]:
 def _tool(item: Any, param: str) -> Tool:
     item = as_dict(item, param)
     if item.get("type") != "function":
-        raise bad(f"{param}.type", f"'{param}.type' must be \"function\", got {show(item.get('type'))}")
+        raise bad(
+            f"{param}.type", f"'{param}.type' must be \"function\", got {show(item.get('type'))}"
+        )
     function = as_dict(item.get("function"), f"{param}.function")
     name = _function_name(function.get("name"), f"{param}.function.name")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise bad(f"{param}.function.description", f"'{param}.function.description' must be a string, "
-                                                   f"got {show(description)}")
+        raise bad(
+            f"{param}.function.description",
+            f"'{param}.function.description' must be a string, got {show(description)}",
+        )
     parameters = function.get("parameters")
     if parameters is not None:
         as_dict(parameters, f"{param}.function.parameters")
@@ -144,7 +167,10 @@ def _tool(item: Any, param: str) -> Tool:
 
 def _function_name(value: Any, param: str) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise bad(param, f"'{param}' must be 1 to 64 letters, digits, '_', '-', '.' or ':', got {show(value)}")
+        raise bad(
+            param,
+            f"'{param}' must be 1 to 64 letters, digits, '_', '-', '.' or ':', got {show(value)}",
+        )
     return value
 
 
@@ -169,13 +195,18 @@ def _tool_choice(value: Any, tools: list[Tool]) -> tuple[str, str | None]:
             raise bad("tool_choice", "'tool_choice' \"required\" needs 'tools'")
         return value, None
     if not isinstance(value, dict) or value.get("type") != "function":
-        raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                                 f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {show(value)}")
+        raise bad(
+            "tool_choice",
+            '\'tool_choice\' must be "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {show(value)}',
+        )
     function = as_dict(value.get("function"), "tool_choice.function")
     name = function.get("name")
     if not isinstance(name, str) or not any(t.name == name for t in tools):
-        raise bad("tool_choice.function.name", f"'tool_choice.function.name' must name one of 'tools', "
-                                               f"got {show(name)}")
+        raise bad(
+            "tool_choice.function.name",
+            f"'tool_choice.function.name' must name one of 'tools', got {show(name)}",
+        )
     return NAMED, name
 
 
@@ -191,15 +222,19 @@ def template_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
         function = as_dict(call.get("function"), f"{param}.{j}.function")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise bad(f"{param}.{j}.function.name", f"'{param}.{j}.function.name' must be a non-empty string, "
-                                                    f"got {show(name)}")
+            raise bad(
+                f"{param}.{j}.function.name",
+                f"'{param}.{j}.function.name' must be a non-empty string, got {show(name)}",
+            )
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             parsed = _json_object(arguments)
             arguments = arguments if parsed is None else parsed
         elif not isinstance(arguments, dict):
-            raise bad(f"{param}.{j}.function.arguments", f"'{param}.{j}.function.arguments' must be a JSON "
-                                                         f"string, got {show(arguments)}")
+            raise bad(
+                f"{param}.{j}.function.arguments",
+                f"'{param}.{j}.function.arguments' must be a JSON string, got {show(arguments)}",
+            )
         out = {"type": "function", "function": {"name": name, "arguments": arguments}}
         if isinstance(call.get("id"), str):
             out["id"] = call["id"]

@@ -10,6 +10,7 @@ kept (a forced call's grammar already allows only one).
 The whole-response parser is the streaming one fed the whole text, so a streamed response
 reassembles to exactly the calls of the whole one.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,11 @@ class ToolCall:
     id: str = field(default_factory=new_call_id, compare=False)
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,9 @@ class OutputStream:
         """The pieces still held, and the choice's finish reason."""
         if self._parser is None:
             events = parse_constrained(self.calling, self._held)
-            pieces = self._pieces(events) if events is not None else ([self._held] if self._held else [])
+            pieces = (
+                self._pieces(events) if events is not None else ([self._held] if self._held else [])
+            )
         else:
             pieces = self._pieces(self._parser.finish())
         if self._calls and finish_reason == "stop":
@@ -120,7 +127,7 @@ class OutputStream:
             elif isinstance(e, CallArgs):
                 if not self._dropping and e.text:
                     out.append(ArgsPiece(self._calls - 1, e.text))
-            elif (text := e if self._parser is None else self._trim.push(e)):
+            elif text := e if self._parser is None else self._trim.push(e):
                 out.append(text)
         return out
 

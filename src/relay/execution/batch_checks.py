@@ -2,6 +2,7 @@
 pool or the request's page table. The scheduler never builds them; this keeps a bug (or a bad
 id that slipped past the door) from failing a whole batch, or on a GPU from poisoning the
 device. Every rank holds the same tables, so every rank reaches the same verdict."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,19 +21,31 @@ class BatchChecker:
     def invalid_rows(self, batch: BatchInput, page_tables: dict[int, list[int]]) -> dict[int, str]:
         """Rows that cannot run, with why (a quick pass over the whole batch first)."""
         vocab = self.vocab
-        specs_ok = all(ids_within(s.stop_token_ids, vocab) and ids_within(s.prompt_ids, vocab)
-                       for s in batch.new_specs)
+        specs_ok = all(
+            ids_within(s.stop_token_ids, vocab) and ids_within(s.prompt_ids, vocab)
+            for s in batch.new_specs
+        )
         pages_ok = all(ids_within(pages, self.num_pages, 1) for pages in batch.new_pages)
-        spec_ok = (ids_within(batch.proposed_ids, vocab) and ids_within(batch.catchup_ids, vocab)
-                   and self._spec_lens_ok(batch))
-        if (ids_within(batch.input_ids, vocab) and pages_ok and specs_ok and spec_ok
-                and sum(batch.extend_lens) == len(batch.input_ids) and not self._bad_tables(batch, page_tables)):
+        spec_ok = (
+            ids_within(batch.proposed_ids, vocab)
+            and ids_within(batch.catchup_ids, vocab)
+            and self._spec_lens_ok(batch)
+        )
+        if (
+            ids_within(batch.input_ids, vocab)
+            and pages_ok
+            and specs_ok
+            and spec_ok
+            and sum(batch.extend_lens) == len(batch.input_ids)
+            and not self._bad_tables(batch, page_tables)
+        ):
             return {}
         return self._find_invalid_rows(batch, page_tables)
 
     def _spec_lens_ok(self, batch: BatchInput) -> bool:
-        return (len(batch.proposed_ids) == (0 if self.own_drafter else sum(batch.spec_lens))
-                and len(batch.catchup_ids) == sum(batch.catchup_lens))
+        return len(batch.proposed_ids) == (0 if self.own_drafter else sum(batch.spec_lens)) and len(
+            batch.catchup_ids
+        ) == sum(batch.catchup_lens)
 
     def _bad_tables(self, batch: BatchInput, page_tables: dict[int, list[int]]) -> list[int]:
         """Rows whose page update leaves a gap, or whose table would not hold their tokens."""
@@ -40,25 +53,40 @@ class BatchChecker:
         bad = []
         for i, sid in enumerate(batch.sids):
             held = 0 if sid in released else len(page_tables.get(sid, ()))
-            end = batch.prefix_lens[i] + batch.extend_lens[i] + (batch.spec_lens[i] if batch.spec_lens else 0)
+            end = (
+                batch.prefix_lens[i]
+                + batch.extend_lens[i]
+                + (batch.spec_lens[i] if batch.spec_lens else 0)
+            )
             start = batch.page_starts[i]
-            if start > held or (start + len(batch.new_pages[i])) * self.page_size < end or end > self.context_len:
+            if (
+                start > held
+                or (start + len(batch.new_pages[i])) * self.page_size < end
+                or end > self.context_len
+            ):
                 bad.append(i)
         return bad
 
-    def _find_invalid_rows(self, batch: BatchInput, page_tables: dict[int, list[int]]) -> dict[int, str]:
+    def _find_invalid_rows(
+        self, batch: BatchInput, page_tables: dict[int, list[int]]
+    ) -> dict[int, str]:
         vocab = self.vocab
-        bad_specs = {s.sid for s in batch.new_specs
-                     if not (ids_within(s.stop_token_ids, vocab) and ids_within(s.prompt_ids, vocab))}
+        bad_specs = {
+            s.sid
+            for s in batch.new_specs
+            if not (ids_within(s.stop_token_ids, vocab) and ids_within(s.prompt_ids, vocab))
+        }
         bad_tables = set(self._bad_tables(batch, page_tables))
         errors: dict[int, str] = {}
         start = 0
         proposed = batch.row_runs(batch.proposed_ids, batch.spec_lens)
         catchup = batch.row_runs(batch.catchup_ids, batch.catchup_lens)
         for i, (sid, n) in enumerate(zip(batch.sids, batch.extend_lens)):
-            if PENDING_TOKEN in batch.input_ids[start:start + n]:
+            if PENDING_TOKEN in batch.input_ids[start : start + n]:
                 errors[i] = "its previous step failed: there is no sampled token to continue from"
-            elif not ids_within(batch.input_ids[start:start + n] + proposed[i] + catchup[i], vocab):
+            elif not ids_within(
+                batch.input_ids[start : start + n] + proposed[i] + catchup[i], vocab
+            ):
                 errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
             elif sid in bad_specs:
                 errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"
@@ -66,7 +94,10 @@ class BatchChecker:
                 errors[i] = "the request's KV pages or positions are out of range"
             start += n
         if start != len(batch.input_ids) or not self._spec_lens_ok(batch):  # no row can be trusted
-            errors = {i: "malformed batch: input ids and extend lengths disagree" for i in range(len(batch.sids))}
+            errors = {
+                i: "malformed batch: input ids and extend lengths disagree"
+                for i in range(len(batch.sids))
+            }
         return errors
 
 

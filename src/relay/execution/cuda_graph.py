@@ -11,6 +11,7 @@ into them. The graph covers the whole model and the LM head: its output is the l
 The batch-size list and the padding bookkeeping are plain Python (tested on CPU); the
 runner itself needs CUDA.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -42,8 +43,9 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pad_decode_meta(prefix_lens: list[int], page_tables: list[list[int]], bs: int
-                    ) -> tuple[list[int], list[int], list[list[int]]]:
+def pad_decode_meta(
+    prefix_lens: list[int], page_tables: list[list[int]], bs: int
+) -> tuple[list[int], list[int], list[list[int]]]:
     """(prefix_lens, extend_lens, page_tables) of a decode step padded to bs rows: each
     padded row is a one-token sequence (prefix 0) on the scratch page 0."""
     pad = bs - len(prefix_lens)
@@ -57,8 +59,14 @@ class CudaGraphRunner:
 
     requires_cuda = True  # a CPU test double that re-runs instead of capturing clears it
 
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, max_bs: int,
-                 max_pages_per_req: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: AttentionBackend,
+        device: torch.device,
+        max_bs: int,
+        max_pages_per_req: int,
+    ):
         if device.type != "cuda" and self.requires_cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         if not attn.supports_cuda_graph:
@@ -80,7 +88,9 @@ class CudaGraphRunner:
 
     def _meta(self, bs: int, prefix_lens: list[int], page_tables: list[list[int]]) -> StepMeta:
         prefix, ext, tables = pad_decode_meta(prefix_lens, page_tables, bs)
-        return StepMeta(prefix, ext, tables, positions=self.positions[:bs], out_slots=self.out_slots[:bs])
+        return StepMeta(
+            prefix, ext, tables, positions=self.positions[:bs], out_slots=self.out_slots[:bs]
+        )
 
     def _run(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
@@ -113,8 +123,12 @@ class CudaGraphRunner:
             self.outputs[bs] = out
         torch.cuda.synchronize(self.device)
         used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / (1 << 20)
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
-                    self.batch_sizes, time.perf_counter() - t0, used)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
+            self.batch_sizes,
+            time.perf_counter() - t0,
+            used,
+        )
 
     def can_run(self, num_reqs: int, is_decode: bool) -> bool:
         return is_decode and 0 < num_reqs <= self.max_bs
@@ -125,7 +139,9 @@ class CudaGraphRunner:
         n = len(meta.prefix_lens)
         bs = padded_batch_size(n, self.batch_sizes)
         if bs is None:
-            raise ValueError(f"a decode batch of {n} exceeds the largest captured graph ({self.max_bs})")
+            raise ValueError(
+                f"a decode batch of {n} exceeds the largest captured graph ({self.max_bs})"
+            )
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(meta.positions, non_blocking=True)
         self.out_slots[:n].copy_(meta.out_slots, non_blocking=True)
@@ -139,18 +155,28 @@ class CudaGraphRunner:
         return self.outputs[bs][:n]
 
 
-def decode_graphs(cfg: EngineConfig, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
-                  context_len: int) -> CudaGraphRunner | None:
+def decode_graphs(
+    cfg: EngineConfig,
+    model: torch.nn.Module,
+    attn: AttentionBackend,
+    device: torch.device,
+    context_len: int,
+) -> CudaGraphRunner | None:
     """The runner's decode graphs; None (decode runs eagerly) on CPU, with --disable-cuda-graph,
     or where the attention backend or the model cannot be captured."""
     if device.type != "cuda" or cfg.disable_cuda_graph:
         return None
     if not attn.supports_cuda_graph:
-        logger.info("the %s attention backend does not support CUDA graphs: decode runs eagerly", attn.name)
+        logger.info(
+            "the %s attention backend does not support CUDA graphs: decode runs eagerly", attn.name
+        )
         return None
     if not model.supports_cuda_graph:
-        logger.info("%s steps run eagerly: which experts run depends on the tokens, which a CUDA graph "
-                    "cannot follow", model.config.architecture)
+        logger.info(
+            "%s steps run eagerly: which experts run depends on the tokens, which a CUDA graph "
+            "cannot follow",
+            model.config.architecture,
+        )
         return None
     max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if max_bs < 1:

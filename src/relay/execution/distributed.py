@@ -5,6 +5,7 @@ runs with tp_size 1 (every collective a no-op), NCCL on CUDA, and on CPU a share
 segment between the ranks of one machine (ShmGroup) for the per-step collectives, gloo for the
 rest and across machines.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HeadShard:
     """The attention heads one rank owns: q heads [q_start, q_start+q_count), same for kv."""
+
     q_start: int
     q_count: int
     kv_start: int
@@ -56,14 +58,22 @@ def head_partition(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -
     q_count = num_heads // tp_size
     q_start = rank * q_count
     if q_count > group or group % q_count:
-        raise ValueError(f"tp_size {tp_size} does not fit {num_heads} heads / {num_kv_heads} kv heads")
+        raise ValueError(
+            f"tp_size {tp_size} does not fit {num_heads} heads / {num_kv_heads} kv heads"
+        )
     return HeadShard(q_start, q_count, q_start // group, 1)
 
 
 class _ShmState(ctypes.Structure):  # csrc/shm_collective.c's ShmGroup
-    _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_int64), ("size", ctypes.c_int64),
-                ("slot_bytes", ctypes.c_int64), ("gen", ctypes.c_uint64), ("timeout_s", ctypes.c_double),
-                ("spins", ctypes.c_int64)]
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("size", ctypes.c_int64),
+        ("slot_bytes", ctypes.c_int64),
+        ("gen", ctypes.c_uint64),
+        ("timeout_s", ctypes.c_double),
+        ("spins", ctypes.c_int64),
+    ]
 
 
 class ShmGroup:
@@ -78,10 +88,14 @@ class ShmGroup:
     # (--tp 3 on 2 cores: 112 tok/s at concurrency 1 yielding at once, 60 after 4,096 pauses).
     SPINS_OWN_CORE, SPINS_SHARED_CORES = 4096, 16
 
-    def __init__(self, lib: ctypes.CDLL, segment: mmap.mmap, rank: int, size: int, timeout_s: float):
+    def __init__(
+        self, lib: ctypes.CDLL, segment: mmap.mmap, rank: int, size: int, timeout_s: float
+    ):
         self._lib, self._segment = lib, segment
         base = ctypes.addressof(ctypes.c_char.from_buffer(segment))
-        spins = self.SPINS_OWN_CORE if size <= len(os.sched_getaffinity(0)) else self.SPINS_SHARED_CORES
+        spins = (
+            self.SPINS_OWN_CORE if size <= len(os.sched_getaffinity(0)) else self.SPINS_SHARED_CORES
+        )
         self.state = _ShmState(base, rank, size, self.SLOT_BYTES, 0, timeout_s, spins)
         self.ptr = ctypes.addressof(self.state)  # what the one-call decoder steps take
 
@@ -102,7 +116,9 @@ class ShmGroup:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 os.posix_fallocate(fd, 0, nbytes)  # zeros: every arrival counter at 0
             except OSError as e:
-                logger.warning("no shared memory segment for the tensor-parallel ranks at %s (%s)", path, e)
+                logger.warning(
+                    "no shared memory segment for the tensor-parallel ranks at %s (%s)", path, e
+                )
                 if fd >= 0:
                     os.close(fd)
                     os.unlink(path)
@@ -123,25 +139,36 @@ class ShmGroup:
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"shared-memory all_reduce takes float32 or bfloat16, not {x.dtype}")
         x = x if x.is_contiguous() else x.contiguous()
-        self._check(self._lib.relay_shm_all_reduce(self.ptr, x.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16)))
+        self._check(
+            self._lib.relay_shm_all_reduce(
+                self.ptr, x.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16)
+            )
+        )
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x (the same shape and dtype on every rank)."""
         x = x.contiguous()
         out = x.new_empty(self.state.size, *x.shape)
-        self._check(self._lib.relay_shm_all_gather(self.ptr, x.data_ptr(), x.numel() * x.element_size(),
-                                                   out.data_ptr()))
+        self._check(
+            self._lib.relay_shm_all_gather(
+                self.ptr, x.data_ptr(), x.numel() * x.element_size(), out.data_ptr()
+            )
+        )
         return out
 
     def _check(self, verdict: int) -> None:
         """csrc/shm_collective.c's verdict: 1 done, 0 a timeout, -1 ranks that disagree."""
         if verdict == 0:
-            raise RuntimeError(f"tensor-parallel rank {self.state.rank}: a peer rank did not join a collective "
-                               f"in {self.state.timeout_s:.0f} s")
+            raise RuntimeError(
+                f"tensor-parallel rank {self.state.rank}: a peer rank did not join a collective "
+                f"in {self.state.timeout_s:.0f} s"
+            )
         if verdict != 1:
-            raise RuntimeError(f"tensor-parallel rank {self.state.rank}: the ranks called different collectives "
-                               "(byte counts differ); they are out of step")
+            raise RuntimeError(
+                f"tensor-parallel rank {self.state.rank}: the ranks called different collectives "
+                "(byte counts differ); they are out of step"
+            )
 
 
 def _everyone(flag: bool) -> bool:
@@ -154,9 +181,11 @@ def _everyone(flag: bool) -> bool:
 def _shm_path(init_method: str) -> str:
     """Where one server's segment goes: RAM (/dev/shm) where the machine has it, under a name
     taken from the server's private IPC directory (which holds the file:// rendezvous)."""
-    ipc_dir = os.path.dirname(init_method[len("file://"):])
+    ipc_dir = os.path.dirname(init_method[len("file://") :])
     name = f"{os.path.basename(ipc_dir)}-tp"
-    return os.path.join("/dev/shm", name) if os.path.isdir("/dev/shm") else os.path.join(ipc_dir, name)
+    return (
+        os.path.join("/dev/shm", name) if os.path.isdir("/dev/shm") else os.path.join(ipc_dir, name)
+    )
 
 
 class TPGroup:
@@ -166,8 +195,14 @@ class TPGroup:
         self.shm = shm  # CPU ranks of one machine: the per-step collectives go through it
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: torch.device,
-             timeout: float | None = None) -> TPGroup:
+    def init(
+        cls,
+        rank: int,
+        size: int,
+        init_method: str,
+        device: torch.device,
+        timeout: float | None = None,
+    ) -> TPGroup:
         """Join the process group: NCCL on CUDA, gloo on CPU (over loopback for a file://
         rendezvous, i.e. one machine; across machines the launcher names the interface).
         timeout (seconds) bounds the rendezvous and every collective (torch's default: 30 min).
@@ -180,21 +215,33 @@ class TPGroup:
             if device.index is None:
                 device = torch.device("cuda", rank)
             if device.index >= torch.cuda.device_count():
-                raise RuntimeError(f"TP rank {rank} wants {device} but only {torch.cuda.device_count()} "
-                                   f"GPUs are visible; lower --tp or check CUDA_VISIBLE_DEVICES")
+                raise RuntimeError(
+                    f"TP rank {rank} wants {device} but only {torch.cuda.device_count()} "
+                    f"GPUs are visible; lower --tp or check CUDA_VISIBLE_DEVICES"
+                )
             torch.cuda.set_device(device)
         if size > 1:
             if init_method.startswith("file://"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
             if device.type == "cuda":
-                dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
-                                        device_id=device, **kw)
+                dist.init_process_group(
+                    "nccl",
+                    init_method=init_method,
+                    rank=rank,
+                    world_size=size,
+                    device_id=device,
+                    **kw,
+                )
             else:
-                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, **kw)
+                dist.init_process_group(
+                    "gloo", init_method=init_method, rank=rank, world_size=size, **kw
+                )
                 if init_method.startswith("file://"):  # one machine
                     shm = ShmGroup.open(_shm_path(init_method), rank, size, timeout or 1800.0)
-                    logger.info("tensor-parallel collectives: %s", "shared memory" if shm else "gloo")
+                    logger.info(
+                        "tensor-parallel collectives: %s", "shared memory" if shm else "gloo"
+                    )
                     return cls(rank, size, shm)
         return cls(rank, size)
 
@@ -245,7 +292,9 @@ class TPGroup:
             return x
         # Both transports gather equal shapes: pad to the widest shard, cut each back to its size.
         width = max(sizes)
-        padded = (x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))).contiguous()
+        padded = (
+            x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        ).contiguous()
         if self.shm is not None:
             gathered = self.shm.all_gather(padded)
         else:

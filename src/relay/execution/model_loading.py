@@ -1,5 +1,6 @@
 """Building a model and loading its weights for a runner: quantized, on CPU packed for its
 GEMMs, and kept in their GGUF blocks where those are exact."""
+
 from __future__ import annotations
 
 import glob
@@ -40,7 +41,9 @@ class ModelLoader:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
-        if kept or (place.tp.size > 1 and place.on_cpu):  # every CPU rank: they agree on the crossover
+        if kept or (
+            place.tp.size > 1 and place.on_cpu
+        ):  # every CPU rank: they agree on the crossover
             choose_weight_block_rows(model, kept, place.tp, place.device)
         return model
 
@@ -57,15 +60,22 @@ class ModelLoader:
                 p.data.fill_(1.0) if "norm" in name else p.data.normal_(0.0, 0.02)
         else:
             with torch.no_grad():
-                model.load_weights(iter_safetensors(model_dir, show_progress=self.place.tp.is_leader))
+                model.load_weights(
+                    iter_safetensors(model_dir, show_progress=self.place.tp.is_leader)
+                )
         return model
 
     def _wants_weight_blocks(self, model_dir: str, quantization: str | None) -> bool:
         """Whether to look for GGUF blocks in the checkpoint's GEMM weights: on CPU, unquantized,
         with the kernel built; in bfloat16 only from a float32 checkpoint (a bf16 one has lost
         them) whose float32 twin fits in a quarter of the free memory."""
-        if (not self.place.on_cpu or quantization is not None or self.cfg.disable_weight_blocks
-                or self.cfg.load_format == "dummy" or not cpu_kernels.gemm_blocks_available()):
+        if (
+            not self.place.on_cpu
+            or quantization is not None
+            or self.cfg.disable_weight_blocks
+            or self.cfg.load_format == "dummy"
+            or not cpu_kernels.gemm_blocks_available()
+        ):
             return False
         if self.place.dtype == torch.float32:
             return True
@@ -111,7 +121,9 @@ def iter_safetensors(model_dir: str, show_progress: bool = True):
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     handles = [safe_open(f, framework="pt") for f in files]
     names = [(h, k) for h in handles for k in h.keys()]
-    for h, k in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False):
+    for h, k in tqdm(
+        names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False
+    ):
         yield k, h.get_tensor(k)
 
 

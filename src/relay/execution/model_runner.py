@@ -7,6 +7,7 @@ warm_up, request_state (what it keeps per request between steps), batch_checks (
 cannot run), step_inputs (a batch as the model's inputs), cuda_graph (decode graphs) and
 step_sampling (logits to a BatchOutput).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,15 +35,23 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: str, mc: ModelConfig, tp: TPGroup | None = None,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: str,
+        mc: ModelConfig,
+        tp: TPGroup | None = None,
+        device: torch.device | None = None,
+    ):
         self.tp = tp or TPGroup()
         self.mc = mc
         self.device = device or pick_device(cfg.device)
         self.cfg = cfg = cfg.for_device(self.device.type)
         self.place = Placement.choose(cfg, self.tp, self.device)
         self.dtype, self.kv_dtype = self.place.dtype, self.place.kv_dtype
-        self.thread_backoff = claim_threads(cfg, self.place)  # what the step loop calls after every CPU step
+        self.thread_backoff = claim_threads(
+            cfg, self.place
+        )  # what the step loop calls after every CPU step
         self.context_len = cfg.context_length or mc.max_position_embeddings
         loader = ModelLoader(cfg, self.place, self.context_len)
         self.model = loader.load(model_dir, mc, cfg.quantization)
@@ -52,32 +61,47 @@ class ModelRunner:
             self.draft_mc = check_draft_model(mc, draft_dir, model_dir)
             self.draft_model = loader.load(draft_dir, self.draft_mc, cfg.draft_quantization)
         self.page_size = cfg.page_size
-        self.num_pages = agree_on_pages(cfg, self.place, mc, self.draft_mc, lambda: free_bytes_after_warmup(
-            cfg, self.place, mc, self.model, self.context_len))
+        self.num_pages = agree_on_pages(
+            cfg,
+            self.place,
+            mc,
+            self.draft_mc,
+            lambda: free_bytes_after_warmup(cfg, self.place, mc, self.model, self.context_len),
+        )
         self.kv, self.attn = kv_and_attention(cfg, self.place, mc, self.num_pages, self.context_len)
         self._choose_cpu_paths()
         self.drafter = self._drafter()
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.requests = RequestTables(self.tp, self.device)
-        self.checker = BatchChecker(mc.vocab_size, self.num_pages, self.page_size, self.context_len,
-                                    self.drafter is not None)
+        self.checker = BatchChecker(
+            mc.vocab_size,
+            self.num_pages,
+            self.page_size,
+            self.context_len,
+            self.drafter is not None,
+        )
         self.cuda_graphs = decode_graphs(cfg, self.model, self.attn, self.device, self.context_len)
         self._warm_up()
 
     def _choose_cpu_paths(self) -> None:
         """Which of the model's one-C-call paths its steps take here; the weight blocks no path reads go."""
         if self.place.on_cpu and self.model.use_decode_layers(self.attn):
-            choose_decode_layers(self.model, self.attn, self.run_model, self.tp.size, self.page_size, self.num_pages)
+            choose_decode_layers(
+                self.model, self.attn, self.run_model, self.tp.size, self.page_size, self.num_pages
+            )
         if self.place.on_cpu and self.model.use_prompt_layers(self.attn):
-            logger.info("steps with prompt chunks run their decoder layers in one C call on the bfloat16 panels")
+            logger.info(
+                "steps with prompt chunks run their decoder layers in one C call on the bfloat16 panels"
+            )
         self.model.drop_unused_weight_blocks()
 
     def _drafter(self) -> Drafter | None:
         """The standalone draft model over a KV pool of its own (as many pages), or None."""
         if self.draft_model is None:
             return None
-        _, draft_attn = kv_and_attention(self.cfg, self.place, self.draft_mc, self.num_pages,
-                                         self.context_len)
+        _, draft_attn = kv_and_attention(
+            self.cfg, self.place, self.draft_mc, self.num_pages, self.context_len
+        )
         if self.place.on_cpu:
             self.draft_model.use_decode_layers(draft_attn)
         self.draft_model.drop_unused_weight_blocks()
@@ -85,8 +109,13 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """Run every kind of step once before the server says it is ready (relay.execution.warm_up)."""
-        steps = warm_up_steps(self.context_len, self.page_size, self.num_pages,
-                              bool(self.cfg.speculative_algorithm), self.drafter is not None)
+        steps = warm_up_steps(
+            self.context_len,
+            self.page_size,
+            self.num_pages,
+            bool(self.cfg.speculative_algorithm),
+            self.drafter is not None,
+        )
         for batch in steps:
             out = self.forward(batch)
             if out.row_errors or out.error:
@@ -124,8 +153,9 @@ class ModelRunner:
         table, with why (relay.execution.batch_checks)."""
         return self.checker.invalid_rows(batch, self.requests.page_tables)
 
-    def _proposals(self, batch: BatchInput, tables: list[list[int]]
-                   ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def _proposals(
+        self, batch: BatchInput, tables: list[list[int]]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per row, the tokens to verify after its input token, and for sampled requests the
         draft distributions they came from (None: the proposals were certain, as n-gram's)."""
         if self.drafter is not None:
@@ -133,8 +163,9 @@ class ModelRunner:
         return batch.row_runs(batch.proposed_ids, batch.spec_lens), [None] * len(batch.sids)
 
     @torch.inference_mode()
-    def step_logits(self, batch: BatchInput, tables: list[list[int]], rows: list[int] | None = None
-                    ) -> torch.Tensor | None:
+    def step_logits(
+        self, batch: BatchInput, tables: list[list[int]], rows: list[int] | None = None
+    ) -> torch.Tensor | None:
         """Run one step's forward over these page tables (one per request, covering its
         prefix and new tokens); float32 logits [rows, vocab] of the given token rows (default:
         each sampling request's last token; None when there are none). Decode steps that fit a
@@ -149,8 +180,14 @@ class ModelRunner:
             return logits[rows] if len(rows) < logits.shape[0] else logits
         return self.run_model(self.model, self.attn, batch, tables, rows)
 
-    def run_model(self, model: torch.nn.Module, attn, batch: BatchInput, tables: list[list[int]],
-                  rows: list[int] | None = None) -> torch.Tensor | None:
+    def run_model(
+        self,
+        model: torch.nn.Module,
+        attn,
+        batch: BatchInput,
+        tables: list[list[int]],
+        rows: list[int] | None = None,
+    ) -> torch.Tensor | None:
         """An eager forward of model over its KV pool (attn's) and these page tables; float32
         logits of the given token rows (default: each sampling request's last token)."""
         meta, input_ids = self.prepare(batch, tables, model)
@@ -162,7 +199,11 @@ class ModelRunner:
             return None
         return model.compute_logits(hidden if ordered else hidden[rows])
 
-    def prepare(self, batch: BatchInput, tables: list[list[int]], model: torch.nn.Module | None = None):
+    def prepare(
+        self, batch: BatchInput, tables: list[list[int]], model: torch.nn.Module | None = None
+    ):
         """The step's attention metadata and input ids on this runner's device, positions on
         model's rotary tables (default: the runner's model)."""
-        return prepare_step(batch, tables, self.page_size, self.device, model if model is not None else self.model)
+        return prepare_step(
+            batch, tables, self.page_size, self.device, model if model is not None else self.model
+        )

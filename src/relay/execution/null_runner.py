@@ -4,6 +4,7 @@ Only for measuring the pipeline around the model (HTTP, tokenizer, scheduler,
 detokenizer): `launch.serve --load-format dummy-null`. It honours the same contract as
 ModelRunner (page count from the same KV budget, one token per sampled request).
 """
+
 from __future__ import annotations
 
 from relay.config import EngineConfig, ModelConfig
@@ -23,11 +24,19 @@ class NullModelRunner:
         self.page_size = cfg.page_size
         self.context_len = cfg.context_length or mc.max_position_embeddings
         bytes_per_token = mc.kv_bytes_per_token(2, cfg.tp_size)
-        self.num_pages = num_pages_for_budget(bytes_per_token, cfg.page_size, cfg.kv_cache_gb,
-                                              cfg.mem_fraction_static, torch.device("cpu"))
+        self.num_pages = num_pages_for_budget(
+            bytes_per_token,
+            cfg.page_size,
+            cfg.kv_cache_gb,
+            cfg.mem_fraction_static,
+            torch.device("cpu"),
+        )
         self.span = min(_SPAN, mc.vocab_size - _FIRST_TOKEN)
 
     def forward(self, batch: BatchInput) -> BatchOutput:
-        tokens = [_FIRST_TOKEN + (sid * 7919 + n) % self.span
-                  for sid, n, s in zip(batch.sids, batch.output_lens, batch.sample) if s]
+        tokens = [
+            _FIRST_TOKEN + (sid * 7919 + n) % self.span
+            for sid, n, s in zip(batch.sids, batch.output_lens, batch.sample)
+            if s
+        ]
         return BatchOutput(batch.step, tokens)

@@ -1,5 +1,6 @@
 """Where and in what a model runner computes: its device, its weights' and KV cache's dtypes, its
 CPU threads, and the checks of a config against what this machine can run."""
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
     dtype = getattr(torch, name)
     if dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("float16 has no fast path on CPU (about 100x slower); use bfloat16 or float32")
+        raise ValueError(
+            "float16 has no fast path on CPU (about 100x slower); use bfloat16 or float32"
+        )
     return dtype
 
 
 def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -72,11 +77,15 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
     if quantization and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only")
     if quantization == "w8a8" and not cpu_kernels.available():
-        raise ValueError("quantization='w8a8' needs Relay's CPU kernels (a C compiler; RELAY_CPU_KERNELS not 0)")
+        raise ValueError(
+            "quantization='w8a8' needs Relay's CPU kernels (a C compiler; RELAY_CPU_KERNELS not 0)"
+        )
     if quantization == "w8a8" and not isa.int8_dot_products():
-        raise ValueError(f"quantization='w8a8' needs a CPU with VNNI int8 dot products (AVX512-VNNI); this one "
-                         f"runs at {isa.level()!r}, where int8 GEMMs are slower than float32: use 'int8' "
-                         f"(weight-only) or no quantization")
+        raise ValueError(
+            f"quantization='w8a8' needs a CPU with VNNI int8 dot products (AVX512-VNNI); this one "
+            f"runs at {isa.level()!r}, where int8 GEMMs are slower than float32: use 'int8' "
+            f"(weight-only) or no quantization"
+        )
     if quantization == "int4" and not int4_supported():
         raise ValueError("quantization='int4' needs torch's CPU int4 kernels (torch >= 2.6)")
 
@@ -90,6 +99,11 @@ def claim_threads(cfg: EngineConfig, place: Placement) -> ThreadBackoff | None:
     # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
     threads = cfg.num_threads or max(1, available_cores() // place.tp.size)
     torch.set_num_threads(threads)
-    if cfg.num_threads is None and not cfg.disable_thread_backoff and threads > 1 and backoff_supported():
+    if (
+        cfg.num_threads is None
+        and not cfg.disable_thread_backoff
+        and threads > 1
+        and backoff_supported()
+    ):
         return ThreadBackoff(threads)
     return None

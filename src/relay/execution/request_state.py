@@ -1,6 +1,7 @@
 """What a model runner keeps per request between steps, keyed by its handle (sid): the page
 table each step's changes are applied to, and the token it last sampled, the input of a decode
 row the scheduler built before it saw that token (PENDING_TOKEN)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,19 +16,30 @@ from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
 class RequestTables:
     def __init__(self, tp: TPGroup, device: torch.device):
         self.tp, self.device = tp, device
-        self.page_tables: dict[int, list[int]] = {}  # sid -> the KV pages of its prefix and new tokens
-        self.last_tokens: dict[int, int] = {}  # sid -> its token sampled last (the leader's: overlap)
+        self.page_tables: dict[
+            int, list[int]
+        ] = {}  # sid -> the KV pages of its prefix and new tokens
+        self.last_tokens: dict[
+            int, int
+        ] = {}  # sid -> its token sampled last (the leader's: overlap)
 
     def fill_pending(self, batch: BatchInput) -> BatchInput:
         """The batch with each PENDING_TOKEN input (a decode row's only one) replaced by the
         token the leader sampled for that request last, sent to the other ranks (one small
         collective, only in steps that have such inputs); one it lacks stays, and its row fails."""
-        if (not batch.input_ids or min(batch.input_ids) != PENDING_TOKEN
-                or sum(batch.extend_lens) != len(batch.input_ids)):
+        if (
+            not batch.input_ids
+            or min(batch.input_ids) != PENDING_TOKEN
+            or sum(batch.extend_lens) != len(batch.input_ids)
+        ):
             return batch  # (a malformed batch: the runner's check fails it)
         ends = np.cumsum(batch.extend_lens) - 1
-        rows = [(int(e), sid) for sid, e in zip(batch.sids, ends) if batch.input_ids[e] == PENDING_TOKEN]
-        tokens = self.tp.broadcast_ints([self.last_tokens.get(sid, PENDING_TOKEN) for _, sid in rows], self.device)
+        rows = [
+            (int(e), sid) for sid, e in zip(batch.sids, ends) if batch.input_ids[e] == PENDING_TOKEN
+        ]
+        tokens = self.tp.broadcast_ints(
+            [self.last_tokens.get(sid, PENDING_TOKEN) for _, sid in rows], self.device
+        )
         ids = list(batch.input_ids)
         for (i, _), tok in zip(rows, tokens):
             ids[i] = tok

@@ -25,6 +25,7 @@ Two types make transformers choose frequencies by the length of the sequence in 
 The parsing and validation here import no torch (the HTTP process and the tokenizers read configs
 too); building the tables does.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,9 @@ _USES_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 @dataclass(frozen=True)
 class RopeSettings:
     theta: float
-    scaling: dict[str, Any] | None  # None: the default rope; else the parameters, "rope_type" included
+    scaling: (
+        dict[str, Any] | None
+    )  # None: the default rope; else the parameters, "rope_type" included
     partial_rotary_factor: float
 
 
@@ -62,31 +65,45 @@ def rope_settings(cfg: dict[str, Any], architecture: str, head_dim: int) -> Rope
     field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     params = dict(cfg.get(field) or {})
     theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
-    partial = float(params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    partial = float(
+        params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+    )
     kind = params.pop("type", None)
     kind = params.get("rope_type", kind) or "default"
     if architecture == "Phi3ForCausalLM" and kind in ("su", "yarn"):
         kind = "longrope"  # Phi3Config's backward compatibility
     if kind not in ROPE_TYPES:
-        raise ValueError(f"config.json {field}.rope_type {kind!r} is not supported; Relay implements "
-                         f"{', '.join(ROPE_TYPES)}")
+        raise ValueError(
+            f"config.json {field}.rope_type {kind!r} is not supported; Relay implements "
+            f"{', '.join(ROPE_TYPES)}"
+        )
     if kind == "default":
         return RopeSettings(theta, None, partial)
     params["rope_type"] = kind
-    missing = [k for k in _REQUIRED[kind] if params.get(k) is None and not (k == "factor" and kind == "yarn")]
+    missing = [
+        k
+        for k in _REQUIRED[kind]
+        if params.get(k) is None and not (k == "factor" and kind == "yarn")
+    ]
     if missing:
         raise ValueError(f"config.json {field}.{missing[0]} is required by rope_type {kind!r}")
     if kind in _USES_ORIGINAL_LENGTH:
         top = cfg.get("original_max_position_embeddings")
-        if top is not None:  # transformers gives the top-level value priority (Phi-3 keeps it there)
+        if (
+            top is not None
+        ):  # transformers gives the top-level value priority (Phi-3 keeps it there)
             params["original_max_position_embeddings"] = top
-        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+        params.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096)
+        )
     if kind == "longrope":
         want = int(head_dim * partial) // 2
         for name in ("short_factor", "long_factor"):
             if len(params[name]) != want:
-                raise ValueError(f"config.json {field}.{name} has {len(params[name])} values; the rotary "
-                                 f"dimension needs {want}")
+                raise ValueError(
+                    f"config.json {field}.{name} has {len(params[name])} values; the rotary "
+                    f"dimension needs {want}"
+                )
     return RopeSettings(theta, params, partial)
 
 
@@ -124,7 +141,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def yarn_inv_freq(
+    theta: float, dim: int, s: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     import torch
 
     old_len = s["original_max_position_embeddings"]
@@ -132,8 +151,11 @@ def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int)
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
-        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (
+            float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
@@ -152,8 +174,9 @@ def yarn_inv_freq(theta: float, dim: int, s: dict, max_position_embeddings: int)
     return inv, attention_factor
 
 
-def longrope_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, float]:
+def longrope_inv_freqs(
+    theta: float, dim: int, s: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(short, long) inverse frequencies and the attention factor."""
     import torch
 
@@ -161,15 +184,20 @@ def longrope_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings:
     factor = s.get("factor") or max_position_embeddings / old_len
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        )
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    short, long = (1.0 / (torch.tensor(s[k], dtype=torch.float32) * theta ** shape)
-                   for k in ("short_factor", "long_factor"))
+    short, long = (
+        1.0 / (torch.tensor(s[k], dtype=torch.float32) * theta**shape)
+        for k in ("short_factor", "long_factor")
+    )
     return short, long, attention_factor
 
 
-def dynamic_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: int, positions: int
-                      ) -> torch.Tensor:
+def dynamic_inv_freqs(
+    theta: float, dim: int, s: dict, max_position_embeddings: int, positions: int
+) -> torch.Tensor:
     """[positions - max_position_embeddings, dim / 2]: the frequencies transformers uses for a token
     at each position from max_position_embeddings on (sequence length p + 1), by its float32 tensor
     arithmetic (the sequence length is a tensor there)."""
@@ -181,8 +209,9 @@ def dynamic_inv_freqs(theta: float, dim: int, s: dict, max_position_embeddings: 
     return 1.0 / (base[:, None] ** _exponents(dim)[None, :])
 
 
-def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
-                max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def rope_angles(
+    theta: float, dim: int, scaling: dict | None, positions: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """([positions, dim / 2] angles position x inverse frequency, the attention factor)."""
     import torch
 
@@ -197,7 +226,9 @@ def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
     if kind == "yarn":
         inv, factor = yarn_inv_freq(theta, dim, scaling, max_position_embeddings)
         return t[:, None] * inv, factor
-    if kind == "longrope":  # see long_rope_rows: positions by their own rule, then all on the long factors
+    if (
+        kind == "longrope"
+    ):  # see long_rope_rows: positions by their own rule, then all on the long factors
         short, long, factor = longrope_inv_freqs(theta, dim, scaling, max_position_embeddings)
         edge = min(scaling["original_max_position_embeddings"], positions)
         return torch.cat([t[:edge, None] * short, t[edge:, None] * long, t[:, None] * long]), factor
@@ -205,13 +236,17 @@ def rope_angles(theta: float, dim: int, scaling: dict | None, positions: int,
         # Within max_position_embeddings transformers keeps the frequencies of its start-up, computed
         # with Python floats (there factor * L / L - (factor - 1) is 1).
         mp = max_position_embeddings
-        base = theta * ((scaling["factor"] * mp / mp) - (scaling["factor"] - 1)) ** (dim / (dim - 2))
+        base = theta * ((scaling["factor"] * mp / mp) - (scaling["factor"] - 1)) ** (
+            dim / (dim - 2)
+        )
         edge = min(mp, positions)
         angles = [t[:edge, None] * default_inv_freq(base, dim)]
         if positions > mp:
             angles.append(t[edge:, None] * dynamic_inv_freqs(theta, dim, scaling, mp, positions))
         return torch.cat(angles), 1.0
-    raise ValueError(f"rope_type {kind!r} is not supported; Relay implements {', '.join(ROPE_TYPES)}")
+    raise ValueError(
+        f"rope_type {kind!r} is not supported; Relay implements {', '.join(ROPE_TYPES)}"
+    )
 
 
 def long_rope_rows(scaling: dict | None, positions: int) -> int:
@@ -220,8 +255,9 @@ def long_rope_rows(scaling: dict | None, positions: int) -> int:
     return positions if (scaling or {}).get("rope_type") == "longrope" else 0
 
 
-def rotary_tables(theta: float, dim: int, scaling: dict | None, positions: int, max_position_embeddings: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    theta: float, dim: int, scaling: dict | None, positions: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [positions (twice that for LongRoPE: long_rope_rows), dim] cos and signed-sin tables:
     cat(cos, cos) and cat(-sin, sin), times the attention factor (rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in
     the table)."""

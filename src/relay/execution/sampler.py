@@ -5,6 +5,7 @@ sampling state keyed by the scheduler's request handle (sid): its parameters, an
 penalised requests the counts of tokens generated so far. Every step samples all requests
 in one pass of tensor ops; per-request work is limited to building small index lists.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
     """A uniform in [0, 1) fixed by (seed, position, stream): the same seed gives the same
     output whatever else is in the batch (splitmix64 of the triple). Stream 0 chooses tokens;
     speculative decoding draws its accept tests and draft samples from streams 1 and 2."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9 + stream * 0xD6E8FEB86659FD93) & _MASK64
+    z = (
+        seed * 0x9E3779B97F4A7C15
+        + (position + 1) * 0xBF58476D1CE4E5B9
+        + stream * 0xD6E8FEB86659FD93
+    ) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
@@ -62,10 +67,18 @@ class Sampler:
                 st.counts = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
             if p.repetition_penalty != 1.0:
                 st.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                st.seen[torch.tensor(spec.prompt_ids + spec.output_ids, dtype=torch.int64, device=self.device)] = True
+                st.seen[
+                    torch.tensor(
+                        spec.prompt_ids + spec.output_ids, dtype=torch.int64, device=self.device
+                    )
+                ] = True
             if p.logit_bias:  # built once: a step only concatenates the biased rows' tensors
-                st.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
-                st.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
+                st.bias_ids = torch.tensor(
+                    list(p.logit_bias), dtype=torch.int64, device=self.device
+                )
+                st.bias_values = torch.tensor(
+                    list(p.logit_bias.values()), dtype=torch.float32, device=self.device
+                )
             self.states[spec.sid] = st
 
     def sample(self, logits: torch.Tensor, sids: list[int], output_lens: list[int]) -> SampleResult:
@@ -82,8 +95,9 @@ class Sampler:
         return result
 
     # ---- logit processing -----------------------------------------------------------------
-    def _adjusted(self, logits: torch.Tensor, states: list[_State],
-                  extra: list[list[int]] | None = None) -> torch.Tensor:
+    def _adjusted(
+        self, logits: torch.Tensor, states: list[_State], extra: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Logits after the penalties and then logit_bias (a copy where either, or the early-stop
         mask that follows, changes them: the caller's tensor is left alone). extra: per row,
         tokens to count as generated on top of the request's own (proposals ahead of a verified
@@ -99,21 +113,39 @@ class Sampler:
             _add_bias(logits, [states[i] for i in biased], biased)
         return logits
 
-    def _penalise(self, logits: torch.Tensor, states: list[_State], rows: list[int],
-                  extra: list[list[int]] | None) -> None:
+    def _penalise(
+        self,
+        logits: torch.Tensor,
+        states: list[_State],
+        rows: list[int],
+        extra: list[list[int]] | None,
+    ) -> None:
         for i in rows:  # penalised requests are rare; one small op chain each
             st, p, row = states[i], states[i].spec.params, logits[i]
-            ahead = torch.tensor(extra[i], dtype=torch.int64, device=row.device) if extra and extra[i] else None
+            ahead = (
+                torch.tensor(extra[i], dtype=torch.int64, device=row.device)
+                if extra and extra[i]
+                else None
+            )
             if st.seen is not None:
                 seen = st.seen if ahead is None else st.seen.clone().index_fill_(0, ahead, True)
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                penalised = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
                 row.copy_(torch.where(seen, penalised, row))
             if st.counts is not None:
-                counts = st.counts if ahead is None else st.counts.clone().index_add_(
-                    0, ahead, torch.ones_like(ahead, dtype=st.counts.dtype))
+                counts = (
+                    st.counts
+                    if ahead is None
+                    else st.counts.clone().index_add_(
+                        0, ahead, torch.ones_like(ahead, dtype=st.counts.dtype)
+                    )
+                )
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
-    def _mask_early_stops(self, logits: torch.Tensor, states: list[_State], output_lens: list[int]) -> None:
+    def _mask_early_stops(
+        self, logits: torch.Tensor, states: list[_State], output_lens: list[int]
+    ) -> None:
         """Stop tokens get -inf until a request has min_new_tokens (one indexed write per step)."""
         rows, cols = [], []
         for i, st in enumerate(states):
@@ -121,7 +153,9 @@ class Sampler:
                 rows += [i] * len(st.spec.stop_token_ids)
                 cols += st.spec.stop_token_ids
         if rows:
-            index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(
+                logits.device, non_blocking=True
+            )
             logits[index[0], index[1]] = float("-inf")
 
     # ---- choosing tokens ------------------------------------------------------------------
@@ -133,27 +167,39 @@ class Sampler:
             return self._sample_rows(logits, params, output_lens)
         if rand_rows:
             rows = torch.tensor(rand_rows).to(logits.device, non_blocking=True)
-            tokens[rows] = self._sample_rows(logits[rows], [params[i] for i in rand_rows],
-                                             [output_lens[i] for i in rand_rows])
+            tokens[rows] = self._sample_rows(
+                logits[rows], [params[i] for i in rand_rows], [output_lens[i] for i in rand_rows]
+            )
         return tokens
 
-    def _sample_rows(self, logits: torch.Tensor, params: list, output_lens: list[int]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list, output_lens: list[int]
+    ) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         # Per-row knobs travel to the device in one copy: temperature, top-k, top-p, min-p, u.
-        fresh = iter(torch.rand(sum(p.seed is None for p in params), generator=self.rng,
-                                dtype=torch.float64).tolist())  # seeded rows leave the runner RNG alone
-        u = [seeded_uniform(p.seed, k) if p.seed is not None else next(fresh) for p, k in zip(params, output_lens)]
-        knobs = torch.tensor([_filter_knobs(p, vocab) + [x] for p, x in zip(params, u)], dtype=torch.float64)
+        fresh = iter(
+            torch.rand(
+                sum(p.seed is None for p in params), generator=self.rng, dtype=torch.float64
+            ).tolist()
+        )  # seeded rows leave the runner RNG alone
+        u = [
+            seeded_uniform(p.seed, k) if p.seed is not None else next(fresh)
+            for p, k in zip(params, output_lens)
+        ]
+        knobs = torch.tensor(
+            [_filter_knobs(p, vocab) + [x] for p, x in zip(params, u)], dtype=torch.float64
+        )
         knobs = knobs.to(dev, non_blocking=True)
         probs, order = self._filter(logits, params, knobs)
         return _draw(probs, knobs[:, 4:5], order)
 
-    def _filter(self, logits: torch.Tensor, params: list, knobs: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _filter(
+        self, logits: torch.Tensor, params: list, knobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Unnormalised probabilities after temperature, top-k, top-p and min-p; sorted in
         descending order (with the sort's order) when top-k or top-p needed a sort."""
         dev, vocab = logits.device, logits.shape[1]
-        temps, ks, ps, min_ps = (knobs[:, j:j + 1] for j in range(4))
+        temps, ks, ps, min_ps = (knobs[:, j : j + 1] for j in range(4))
         probs = torch.softmax(logits / temps.float(), dim=-1)
         order = None
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
@@ -170,15 +216,22 @@ class Sampler:
         """Each row's sampling distribution [rows, vocab] in token order, normalised: what a
         sampled token is drawn from (speculative decoding compares these of draft and target)."""
         vocab = logits.shape[1]
-        knobs = torch.tensor([_filter_knobs(p, vocab) for p in params], dtype=torch.float64).to(logits.device)
+        knobs = torch.tensor([_filter_knobs(p, vocab) for p in params], dtype=torch.float64).to(
+            logits.device
+        )
         probs, order = self._filter(logits, params, knobs)
         if order is not None:
             probs = torch.zeros_like(probs).scatter_(1, order, probs)
         return probs / probs.sum(dim=-1, keepdim=True)
 
     # ---- speculative decoding -------------------------------------------------------------
-    def propose(self, logits: torch.Tensor, sids: list[int], output_lens: list[int],
-                drafted: list[list[int]]) -> tuple[list[int], list[torch.Tensor | None]]:
+    def propose(
+        self,
+        logits: torch.Tensor,
+        sids: list[int],
+        output_lens: list[int],
+        drafted: list[list[int]],
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         """A draft model's next proposal per row, chosen as the request's own sampler would
         (penalties counting what the row drafted already), and for sampled requests the
         distribution it was drawn from (None for greedy ones)."""
@@ -191,13 +244,22 @@ class Sampler:
         rows = [i for i, st in enumerate(states) if not st.spec.params.greedy]
         if rows:
             q = self.distributions(logits[rows], [states[i].spec.params for i in rows])
-            u = torch.tensor([[self._uniform(states[i].spec.params, lens[i], 2)] for i in rows], dtype=torch.float64)
+            u = torch.tensor(
+                [[self._uniform(states[i].spec.params, lens[i], 2)] for i in rows],
+                dtype=torch.float64,
+            )
             for i, tok, dist in zip(rows, _draw(q, u.to(q.device)).tolist(), q):
                 tokens[i], dists[i] = tok, dist
         return tokens, dists
 
-    def verify(self, logits: torch.Tensor, sids: list[int], output_lens: list[int], proposals: list[list[int]],
-               draft_dists: list[torch.Tensor | None] | None = None) -> list[list[int]]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        sids: list[int],
+        output_lens: list[int],
+        proposals: list[list[int]],
+        draft_dists: list[torch.Tensor | None] | None = None,
+    ) -> list[list[int]]:
         """Decide which proposals each request keeps; per request the tokens to emit: the kept
         proposals, then one token of the target's own.
 
@@ -237,7 +299,9 @@ class Sampler:
                 self._record([st], [tok])
         return emitted
 
-    def _accept(self, p: torch.Tensor, q: torch.Tensor | None, props: list[int], params, n: int) -> list[int]:
+    def _accept(
+        self, p: torch.Tensor, q: torch.Tensor | None, props: list[int], params, n: int
+    ) -> list[int]:
         """Rejection sampling of one request's proposals against the target's distributions
         p [k + 1, vocab] (q: the proposals' [k, vocab], None when each proposal was certain)."""
         for j, tok in enumerate(props):
@@ -256,7 +320,9 @@ class Sampler:
         return props + [self._draw_one(p[len(props)], params, n + len(props))]
 
     def _draw_one(self, dist: torch.Tensor, params, position: int) -> int:
-        u = torch.tensor([[self._uniform(params, position, 0)]], dtype=torch.float64, device=dist.device)
+        u = torch.tensor(
+            [[self._uniform(params, position, 0)]], dtype=torch.float64, device=dist.device
+        )
         return int(_draw(dist.unsqueeze(0), u)[0])
 
     def _uniform(self, params, position: int, stream: int) -> float:
@@ -265,8 +331,9 @@ class Sampler:
         return float(torch.rand(1, generator=self.rng, dtype=torch.float64))
 
     # ---- outputs ----------------------------------------------------------------------------
-    def _add_logprobs(self, result: SampleResult, logits: torch.Tensor, params: list,
-                      tokens: torch.Tensor) -> None:
+    def _add_logprobs(
+        self, result: SampleResult, logits: torch.Tensor, params: list, tokens: torch.Tensor
+    ) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
         result.logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         n = max(p.top_logprobs for p in params)
@@ -274,8 +341,10 @@ class Sampler:
             return
         vals, ids = logprobs.topk(n, dim=-1)
         vals, ids = vals.tolist(), ids.tolist()
-        result.top_logprobs = [[ids[i][:p.top_logprobs], vals[i][:p.top_logprobs]] if p.top_logprobs else None
-                               for i, p in enumerate(params)]
+        result.top_logprobs = [
+            [ids[i][: p.top_logprobs], vals[i][: p.top_logprobs]] if p.top_logprobs else None
+            for i, p in enumerate(params)
+        ]
 
     def _record(self, states: list[_State], tokens: list[int]) -> None:
         for st, tok in zip(states, tokens):
@@ -297,9 +366,12 @@ def _add_bias(logits: torch.Tensor, states: list[_State], rows: list[int]) -> No
 
 def _filter_knobs(p, vocab: int) -> list[float]:
     """A request's temperature, top-k, top-p and min-p as _filter reads them."""
-    return [p.temperature, p.top_k if p.top_k > 0 else vocab,
-            p.top_p if p.top_p < 1.0 else 2.0,  # 1.0 keeps all, even past rounding
-            p.min_p]
+    return [
+        p.temperature,
+        p.top_k if p.top_k > 0 else vocab,
+        p.top_p if p.top_p < 1.0 else 2.0,  # 1.0 keeps all, even past rounding
+        p.min_p,
+    ]
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

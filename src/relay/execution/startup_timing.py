@@ -1,5 +1,6 @@
 """Start-up measurements that choose a CPU runner's paths: up to which rows GEMMs read the GGUF
 weight blocks, and up to which batch size a decode step runs its layers in one C call."""
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,9 @@ DECODE_LAYERS_MIN_GAIN = 0.98
 RunModel = Callable[[torch.nn.Module, object, BatchInput, list[list[int]]], object]
 
 
-def choose_weight_block_rows(model: torch.nn.Module, kept: int, tp: TPGroup, device: torch.device) -> None:
+def choose_weight_block_rows(
+    model: torch.nn.Module, kept: int, tp: TPGroup, device: torch.device
+) -> None:
     """Time the first layer's GEMMs from blocks and from the float weights at growing row
     counts and give every GEMM the measured crossover (none where the floats always win)."""
     sample = [m for m in model.gemm_modules() if isinstance(m, Linear) and m.blocks is not None][:4]
@@ -39,16 +42,27 @@ def choose_weight_block_rows(model: torch.nn.Module, kept: int, tp: TPGroup, dev
 def _log_weight_blocks(model: torch.nn.Module, kept: int, rows: int, tp: TPGroup) -> None:
     dtype = str(model.dtype).removeprefix("torch.")
     if rows:
-        logger.info("%d of %d GEMM weights are exact GGUF blocks: GEMMs of up to %d rows read those "
-                    "(measured %s against %s)", kept, len(model.gemm_modules()), rows,
-                    "here" if tp.size == 1 else "by rank 0", dtype)
+        logger.info(
+            "%d of %d GEMM weights are exact GGUF blocks: GEMMs of up to %d rows read those "
+            "(measured %s against %s)",
+            kept,
+            len(model.gemm_modules()),
+            rows,
+            "here" if tp.size == 1 else "by rank 0",
+            dtype,
+        )
     else:
-        logger.info("%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
-                    "size (a decode step in one C call may still read them)", kept, dtype)
+        logger.info(
+            "%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
+            "size (a decode step in one C call may still read them)",
+            kept,
+            dtype,
+        )
 
 
-def choose_decode_layers(model: torch.nn.Module, attn, run_model: RunModel, tp_size: int, page_size: int,
-                         num_pages: int) -> None:
+def choose_decode_layers(
+    model: torch.nn.Module, attn, run_model: RunModel, tp_size: int, page_size: int, num_pages: int
+) -> None:
     """Time pure decode steps with the layers in one C call against the layers called one by
     one, at growing batch sizes (requests of DECODE_LAYERS_CONTEXT tokens on pages of the
     still empty pool), and run steps of up to the largest size the C call won at that way.
@@ -57,12 +71,19 @@ def choose_decode_layers(model: torch.nn.Module, attn, run_model: RunModel, tp_s
     past the blocks' rows are the layers' own (DecodeLayers.on_panels)."""
     fast = model.decode_layers
     if fast[1].on_panels:
-        logger.info("decode steps run their decoder layers in one C call at every batch size (past the "
-                    "blocks' rows on the layers' own bfloat16 panels)")
+        logger.info(
+            "decode steps run their decoder layers in one C call at every batch size (past the "
+            "blocks' rows on the layers' own bfloat16 panels)"
+        )
         return
-    if tp_size > 1:  # timed steps are collectives, and each rank's timings could stop at another size
-        logger.info("decode steps of up to %d requests (the blocks' rows) run their decoder layers in one C "
-                    "call", fast[1].max_rows)
+    if (
+        tp_size > 1
+    ):  # timed steps are collectives, and each rank's timings could stop at another size
+        logger.info(
+            "decode steps of up to %d requests (the blocks' rows) run their decoder layers in one C "
+            "call",
+            fast[1].max_rows,
+        )
         return
     per_request = -(-(DECODE_LAYERS_CONTEXT + 1) // page_size)
 
@@ -70,18 +91,32 @@ def choose_decode_layers(model: torch.nn.Module, attn, run_model: RunModel, tp_s
         if 1 + size * per_request > num_pages:
             return None
         tables = [list(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(size)]
-        batch = BatchInput(-1, list(range(size)), [1] * size, [DECODE_LAYERS_CONTEXT] * size, [1] * size,
-                           [0] * size, [[]] * size, [True] * size, [1] * size)
+        batch = BatchInput(
+            -1,
+            list(range(size)),
+            [1] * size,
+            [DECODE_LAYERS_CONTEXT] * size,
+            [1] * size,
+            [0] * size,
+            [[]] * size,
+            [True] * size,
+            [1] * size,
+        )
 
         def step(layers) -> Callable[[], None]:
             def run() -> None:
                 model.decode_layers = layers
                 run_model(model, attn, batch, tables)
+
             return run
+
         return PathTiming(step(fast), step(None))
 
     fast[1].max_rows = crossover(DECODE_LAYERS_SIZES, paths, DECODE_LAYERS_MIN_GAIN, reps=2)
     model.decode_layers = fast
     if fast[1].max_rows:
-        logger.info("decode steps of up to %d requests run their decoder layers in one C call (measured "
-                    "here)", fast[1].max_rows)
+        logger.info(
+            "decode steps of up to %d requests run their decoder layers in one C call (measured "
+            "here)",
+            fast[1].max_rows,
+        )

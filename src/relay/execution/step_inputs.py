@@ -1,5 +1,6 @@
 """A step's inputs on the device: the attention metadata (positions, KV slots, page tables) and
 token ids of a BatchInput, and which token rows' logits the step needs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,31 +12,52 @@ from relay.execution.attention.base import StepMeta
 from relay.scheduling.batch import BatchInput
 
 
-def prepare_step(batch: BatchInput, tables: list[list[int]], page_size: int, device: torch.device,
-                 model: torch.nn.Module) -> tuple[StepMeta, torch.Tensor]:
+def prepare_step(
+    batch: BatchInput,
+    tables: list[list[int]],
+    page_size: int,
+    device: torch.device,
+    model: torch.nn.Module,
+) -> tuple[StepMeta, torch.Tensor]:
     """The step's metadata and input ids. Its positions are the rows of model's rotary tables:
     each token's position, plus the LongRoPE long-factor offset for the rows in batch.rope_long."""
     slots_of = _decode_slots if batch.is_decode else _extend_slots
     pos, slots = slots_of(batch, tables, page_size)
     pos = on_long_rope_rows(pos, batch, model)
-    meta = StepMeta(batch.prefix_lens, batch.extend_lens, tables,
-                    positions=torch.from_numpy(pos).to(device), out_slots=torch.from_numpy(slots).to(device))
+    meta = StepMeta(
+        batch.prefix_lens,
+        batch.extend_lens,
+        tables,
+        positions=torch.from_numpy(pos).to(device),
+        out_slots=torch.from_numpy(slots).to(device),
+    )
     return meta, torch.tensor(batch.input_ids, dtype=torch.int64, device=device)
 
 
-def _decode_slots(batch: BatchInput, tables: list[list[int]], ps: int) -> tuple[np.ndarray, np.ndarray]:
+def _decode_slots(
+    batch: BatchInput, tables: list[list[int]], ps: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Positions and KV slots of a pure decode step: one token per request, at its prefix's end."""
     pos = np.asarray(batch.prefix_lens, dtype=np.int64)
-    last_pages = np.fromiter((pt[p // ps] for pt, p in zip(tables, batch.prefix_lens)), dtype=np.int64,
-                             count=len(pos))
+    last_pages = np.fromiter(
+        (pt[p // ps] for pt, p in zip(tables, batch.prefix_lens)), dtype=np.int64, count=len(pos)
+    )
     return pos, last_pages * ps + pos % ps
 
 
-def _extend_slots(batch: BatchInput, tables: list[list[int]], ps: int) -> tuple[np.ndarray, np.ndarray]:
-    pos = np.concatenate([np.arange(p, p + e) for p, e in zip(batch.prefix_lens, batch.extend_lens)])
-    slots = np.concatenate([
-        np.asarray(pt, dtype=np.int64)[np.arange(p, p + e) // ps] * ps + np.arange(p, p + e) % ps
-        for pt, p, e in zip(tables, batch.prefix_lens, batch.extend_lens)])
+def _extend_slots(
+    batch: BatchInput, tables: list[list[int]], ps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    pos = np.concatenate(
+        [np.arange(p, p + e) for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+    )
+    slots = np.concatenate(
+        [
+            np.asarray(pt, dtype=np.int64)[np.arange(p, p + e) // ps] * ps
+            + np.arange(p, p + e) % ps
+            for pt, p, e in zip(tables, batch.prefix_lens, batch.extend_lens)
+        ]
+    )
     return pos, slots
 
 
@@ -61,7 +83,7 @@ def with_proposals(batch: BatchInput, proposals: list[list[int]]) -> tuple[Batch
     whose logits are needed (all of a speculating row's, the last of another sampling row)."""
     ids, lens, rows, at = [], [], [], 0
     for n, props, sample in zip(batch.extend_lens, proposals, batch.sample):
-        ids += batch.input_ids[at:at + n] + props
+        ids += batch.input_ids[at : at + n] + props
         lens.append(n + len(props))
         at += n
         start = len(ids) - len(props) - 1

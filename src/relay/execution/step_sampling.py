@@ -1,5 +1,6 @@
 """Turning a step's logits into its BatchOutput on the leader: token masks applied, each row
 sampled (or its proposals verified), and a row whose sampling raises failed alone."""
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,15 @@ from relay.text.grammar import apply_token_masks
 logger = logging.getLogger(__name__)
 
 
-def sample_step(sampler: Sampler, batch: BatchInput, run: BatchInput, row_errors: dict[int, str],
-                logits: torch.Tensor | None, proposals: list[list[int]] | None,
-                dists: list[torch.Tensor | None] | None) -> BatchOutput:
+def sample_step(
+    sampler: Sampler,
+    batch: BatchInput,
+    run: BatchInput,
+    row_errors: dict[int, str],
+    logits: torch.Tensor | None,
+    proposals: list[list[int]] | None,
+    dists: list[torch.Tensor | None] | None,
+) -> BatchOutput:
     """The output of batch, whose rows in row_errors were left out of run (the rows that ran):
     logits holds a row per sampling row of run (per position, for a row verifying proposals).
     Rows whose sampling fails are added to row_errors."""
@@ -32,14 +39,21 @@ def sample_step(sampler: Sampler, batch: BatchInput, run: BatchInput, row_errors
         if proposals is None:
             res, failed = _sample(sampler, logits, sids, lens)
         else:
-            res, failed = _sample_and_verify(sampler, logits, sids, lens, [proposals[i] for i in picked],
-                                             [dists[i] for i in picked])
+            res, failed = _sample_and_verify(
+                sampler,
+                logits,
+                sids,
+                lens,
+                [proposals[i] for i in picked],
+                [dists[i] for i in picked],
+            )
         row_errors.update({sampled[j]: why for j, why in failed.items()})
     return _scatter(batch, row_errors, sampled, res)
 
 
-def _mask_rows(batch: BatchInput, picked: list[int], proposals: list[list[int]] | None
-               ) -> tuple[list[int], list[bytes]]:
+def _mask_rows(
+    batch: BatchInput, picked: list[int], proposals: list[list[int]] | None
+) -> tuple[list[int], list[bytes]]:
     """The token masks of a step and the logits row each applies to: a plain row has one; a
     row verifying k proposals has k + 1, one per position (concatenated in token_masks)."""
     at = {row: j for j, row in enumerate(picked)}
@@ -51,13 +65,18 @@ def _mask_rows(batch: BatchInput, picked: list[int], proposals: list[list[int]] 
         n = len(proposals[i]) + 1
         size = len(blob) // n
         rows += [starts[at[i]] + r for r in range(n)]
-        masks += [blob[r * size:(r + 1) * size] for r in range(n)]
+        masks += [blob[r * size : (r + 1) * size] for r in range(n)]
     return rows, masks
 
 
-def _sample_and_verify(sampler: Sampler, logits: torch.Tensor, sids: list[int], out_lens: list[int],
-                       proposals: list[list[int]], dists: list[torch.Tensor | None]
-                       ) -> tuple[SampleResult, dict[int, str]]:
+def _sample_and_verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    sids: list[int],
+    out_lens: list[int],
+    proposals: list[list[int]],
+    dists: list[torch.Tensor | None],
+) -> tuple[SampleResult, dict[int, str]]:
     """Sample the rows without proposals and verify those with: logits holds one row per
     plain row and len(proposals) + 1 per speculating one, in order."""
     starts = np.cumsum([0] + [len(p) + 1 for p in proposals]).tolist()
@@ -67,16 +86,25 @@ def _sample_and_verify(sampler: Sampler, logits: torch.Tensor, sids: list[int], 
     failed: dict[int, str] = {}
     res = SampleResult([])
     if plain:
-        res, bad = _sample(sampler, logits[[starts[j] for j in plain]], [sids[j] for j in plain],
-                           [out_lens[j] for j in plain])
+        res, bad = _sample(
+            sampler,
+            logits[[starts[j] for j in plain]],
+            [sids[j] for j in plain],
+            [out_lens[j] for j in plain],
+        )
         failed.update({plain[j]: why for j, why in bad.items()})
         for j, tok in zip(plain, res.token_ids):
             tokens[j] = [tok]
 
     def verify(js: list[int]) -> None:
         rows = [r for j in js for r in range(starts[j], starts[j + 1])]
-        out = sampler.verify(logits[rows], [sids[j] for j in js], [out_lens[j] for j in js],
-                             [proposals[j] for j in js], [dists[j] for j in js])
+        out = sampler.verify(
+            logits[rows],
+            [sids[j] for j in js],
+            [out_lens[j] for j in js],
+            [proposals[j] for j in js],
+            [dists[j] for j in js],
+        )
         for j, emitted in zip(js, out):
             tokens[j] = emitted
 
@@ -100,12 +128,15 @@ def _merged(tokens: list[list[int]], plain: list[int], res: SampleResult) -> Sam
         at = {j: n for n, j in enumerate(plain)}
         merged.logprobs = [res.logprobs[at[j]] if j in at else None for j in range(len(tokens))]
         if res.top_logprobs is not None:
-            merged.top_logprobs = [res.top_logprobs[at[j]] if j in at else None for j in range(len(tokens))]
+            merged.top_logprobs = [
+                res.top_logprobs[at[j]] if j in at else None for j in range(len(tokens))
+            ]
     return merged
 
 
-def _sample(sampler: Sampler, logits: torch.Tensor, sids: list[int], out_lens: list[int]
-            ) -> tuple[SampleResult, dict[int, str]]:
+def _sample(
+    sampler: Sampler, logits: torch.Tensor, sids: list[int], out_lens: list[int]
+) -> tuple[SampleResult, dict[int, str]]:
     """Sample every row; if the batch raises, sample row by row to find the culprits."""
     try:
         return sampler.sample(logits, sids, out_lens), {}
@@ -115,7 +146,7 @@ def _sample(sampler: Sampler, logits: torch.Tensor, sids: list[int], out_lens: l
     failed: dict[int, str] = {}
     for i in range(len(sids)):
         try:
-            parts.append(sampler.sample(logits[i:i + 1], sids[i:i + 1], out_lens[i:i + 1]))
+            parts.append(sampler.sample(logits[i : i + 1], sids[i : i + 1], out_lens[i : i + 1]))
         except Exception as e:
             failed[i] = f"sampling failed for this request: {type(e).__name__}: {e}"
             parts.append(None)
@@ -132,16 +163,29 @@ def _concat_results(parts: list[SampleResult | None]) -> SampleResult:
     return out
 
 
-def _scatter(batch: BatchInput, row_errors: dict[int, str], sampled: list[int], res: SampleResult) -> BatchOutput:
+def _scatter(
+    batch: BatchInput, row_errors: dict[int, str], sampled: list[int], res: SampleResult
+) -> BatchOutput:
     """The output in the batch's own row order: one entry per sampling row, -1 where it failed."""
     if not row_errors:
-        return BatchOutput(batch.step, res.token_ids, res.logprobs, res.top_logprobs,
-                           spec_token_ids=res.spec_token_ids)
+        return BatchOutput(
+            batch.step,
+            res.token_ids,
+            res.logprobs,
+            res.top_logprobs,
+            spec_token_ids=res.spec_token_ids,
+        )
     at = {row: j for j, row in enumerate(sampled)}
     rows = [i for i, s in enumerate(batch.sample) if s]
-    pick = lambda values, default: [values[at[r]] if r in at and r not in row_errors else default  # noqa: E731
-                                    for r in rows]
-    return BatchOutput(batch.step, pick(res.token_ids, -1),
-                       None if res.logprobs is None else pick(res.logprobs, None),
-                       None if res.top_logprobs is None else pick(res.top_logprobs, None), row_errors=row_errors,
-                       spec_token_ids=None if res.spec_token_ids is None else pick(res.spec_token_ids, []))
+
+    def pick(values: list, default):
+        return [values[at[r]] if r in at and r not in row_errors else default for r in rows]
+
+    return BatchOutput(
+        batch.step,
+        pick(res.token_ids, -1),
+        None if res.logprobs is None else pick(res.logprobs, None),
+        None if res.top_logprobs is None else pick(res.top_logprobs, None),
+        row_errors=row_errors,
+        spec_token_ids=None if res.spec_token_ids is None else pick(res.spec_token_ids, []),
+    )

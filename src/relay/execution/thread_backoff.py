@@ -26,6 +26,7 @@ OpenMP threads of the calling thread, the one every step runs on). A fixed --num
 --disable-thread-backoff, leaves the count alone, and so does a rank of one thread (--dp replicas
 and --tp ranks on a core each; multi-node ranks get a fixed count from their node's cores).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,15 @@ class ThreadPolicy:
     """The thread count from readings: verdict() over each window of steps says how many threads
     the next steps should run on."""
 
-    def __init__(self, max_threads: int, window_s: float = WINDOW_S, starved_share: float = STARVED_SHARE,
-                 room_cores: float = ROOM_CORES, hold_s: float = HOLD_S, max_hold_s: float = MAX_HOLD_S):
+    def __init__(
+        self,
+        max_threads: int,
+        window_s: float = WINDOW_S,
+        starved_share: float = STARVED_SHARE,
+        room_cores: float = ROOM_CORES,
+        hold_s: float = HOLD_S,
+        max_hold_s: float = MAX_HOLD_S,
+    ):
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
@@ -63,8 +71,14 @@ class ThreadPolicy:
         self.drops = self.raises = 0
         self.last_share: float | None = None  # the run-queue wait share of the last verdict
 
-    def verdict(self, now: float, busy_s: float, waited_s: float, wall_s: float,
-                idle_cores: float | None = None) -> int:
+    def verdict(
+        self,
+        now: float,
+        busy_s: float,
+        waited_s: float,
+        wall_s: float,
+        idle_cores: float | None = None,
+    ) -> int:
         """One window: busy_s seconds of steps (at least window_s) within the last wall_s
         seconds, the step thread's run-queue wait, and the idle cores over those wall_s seconds
         (None: not known). Returns the count for the next steps."""
@@ -78,7 +92,9 @@ class ThreadPolicy:
             self.lowered_at = now
             self.drops += 1
         elif self.threads < self.max_threads:
-            room = idle_cores is not None and busy_s >= 0.5 * wall_s and idle_cores >= self.room_cores
+            room = (
+                idle_cores is not None and busy_s >= 0.5 * wall_s and idle_cores >= self.room_cores
+            )
             if now >= self.lowered_at + (self.base_hold if room else self.hold):
                 self.threads = min(self.max_threads, 2 * self.threads)
                 self.trying = True
@@ -110,21 +126,35 @@ class ThreadBackoff:
         self._busy += step_s
         if self._busy < self.policy.window_s:
             return
-        now, waited_ns, idle = time.monotonic(), self._read_waited_ns(), read_idle_jiffies(self._cores)
+        now, waited_ns, idle = (
+            time.monotonic(),
+            self._read_waited_ns(),
+            read_idle_jiffies(self._cores),
+        )
         idle_cores = None
         if idle[1] > self._idle[1]:
             idle_cores = len(self._cores) * (idle[0] - self._idle[0]) / (idle[1] - self._idle[1])
-        threads = self.policy.verdict(now, self._busy, (waited_ns - self._waited_ns) / 1e9, now - self._since,
-                                      idle_cores)
-        logger.debug("threads %d: waited %.0f%% of %.2f s of steps; idle cores %s", self.threads,
-                     100 * self.policy.last_share, self._busy, "-" if idle_cores is None else f"{idle_cores:.2f}")
+        threads = self.policy.verdict(
+            now, self._busy, (waited_ns - self._waited_ns) / 1e9, now - self._since, idle_cores
+        )
+        logger.debug(
+            "threads %d: waited %.0f%% of %.2f s of steps; idle cores %s",
+            self.threads,
+            100 * self.policy.last_share,
+            self._busy,
+            "-" if idle_cores is None else f"{idle_cores:.2f}",
+        )
         self._busy, self._waited_ns, self._since, self._idle = 0.0, waited_ns, now, idle
         if threads != self.threads:
             import torch
 
             torch.set_num_threads(threads)
-            logger.info("%s: %d compute thread%s", "cores busy with other work" if threads < self.threads
-                        else "trying more threads", threads, "s" if threads > 1 else "")
+            logger.info(
+                "%s: %d compute thread%s",
+                "cores busy with other work" if threads < self.threads else "trying more threads",
+                threads,
+                "s" if threads > 1 else "",
+            )
             self.threads = threads
 
     def _start(self, tid: int) -> None:

@@ -7,6 +7,7 @@ weight comes back bit for bit gives the same model in 4.5 or 8.5 bits per weight
 decode step's GEMMs, bound by reading weights, run on (csrc/gemm_blocks.c). A weight that is not
 exactly such blocks (a dense checkpoint, a tensor-parallel shard that cuts a block) stays float.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -70,7 +71,9 @@ class BlockWeight:
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:  # [S, K / 2, STRIP] pairs -> [S, K, STRIP] quants 0..15
+def _nibbles(
+    q: torch.Tensor,
+) -> torch.Tensor:  # [S, K / 2, STRIP] pairs -> [S, K, STRIP] quants 0..15
     return torch.stack([q & 0x0F, q >> 4], dim=2).reshape(q.shape[0], -1, STRIP)
 
 
@@ -98,7 +101,12 @@ def strips_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
         t = t.reshape(s, nb * 32, STRIP)
         return (t[:, 0::2] | (t[:, 1::2] << 4)).contiguous()
     nb = q.shape[1] // (4 * 256)
-    return q.reshape(s, 4, nb, 8, 8, 4).permute(0, 2, 3, 5, 1, 4).contiguous().reshape(s, nb * 32, STRIP)
+    return (
+        q.reshape(s, 4, nb, 8, 8, 4)
+        .permute(0, 2, 3, 5, 1, 4)
+        .contiguous()
+        .reshape(s, nb * 32, STRIP)
+    )
 
 
 def recover(weight: torch.Tensor) -> BlockWeight | None:
@@ -111,8 +119,10 @@ def recover(weight: torch.Tensor) -> BlockWeight | None:
         if fit(blocks[:PROBE_BLOCKS]) is None:
             continue
         parts = []
-        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # bounded scratch for a large vocabulary
-            found = fit(blocks[start:start + CHUNK_BLOCKS])
+        for start in range(
+            0, blocks.shape[0], CHUNK_BLOCKS
+        ):  # bounded scratch for a large vocabulary
+            found = fit(blocks[start : start + CHUNK_BLOCKS])
             if found is None:
                 break
             d, m, q = found
@@ -132,8 +142,9 @@ def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
     return [t.float() for t in (h, below, above)]
 
 
-def _choose(candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _choose(
+    candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """candidates: (ok [B], d [B], q [B, 32]); per block the first ok one, or None if a block has none."""
     ok_any = torch.zeros_like(candidates[0][0])
     d = torch.zeros_like(candidates[0][1])
@@ -149,7 +160,9 @@ def _choose(candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 def _fit_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(d, m, q) with blocks == d * q + m exactly (two roundings, as the dequantizer), or None."""
     lo, hi = blocks.amin(-1), blocks.amax(-1)
-    if not torch.equal(lo.to(torch.float16).float(), lo):  # m is a float16, and the minimum has q = 0
+    if not torch.equal(
+        lo.to(torch.float16).float(), lo
+    ):  # m is a float16, and the minimum has q = 0
         return None
     candidates = []
     for d in _fp16_neighbours((hi - lo) / 15):
@@ -174,12 +187,16 @@ def _fit_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return None if chosen is None else (chosen[0], torch.zeros_like(amax), chosen[1])
 
 
-def _pack(bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, k: int) -> BlockWeight:
+def _pack(
+    bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, k: int
+) -> BlockWeight:
     strips = -(-n // STRIP)
     pad = strips * STRIP - n
     nblk = k // BLOCK
 
-    def strip_minor(t: torch.Tensor, cols: int) -> torch.Tensor:  # [n, cols] -> [strips, cols, STRIP]
+    def strip_minor(
+        t: torch.Tensor, cols: int
+    ) -> torch.Tensor:  # [n, cols] -> [strips, cols, STRIP]
         t = torch.cat([t.reshape(n, cols), t.new_zeros(pad, cols)])
         return t.reshape(strips, STRIP, cols).transpose(1, 2).contiguous()
 
@@ -189,5 +206,11 @@ def _pack(bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, 
         data = strip_minor(data, k // 2)
     else:
         data = strip_minor(q.reshape(n, k).to(torch.int8), k)
-    return BlockWeight(bits=bits, q=data, d=strip_minor(d, nblk), m=strip_minor(m, nblk), out_features=n,
-                       in_features=k)
+    return BlockWeight(
+        bits=bits,
+        q=data,
+        d=strip_minor(d, nblk),
+        m=strip_minor(m, nblk),
+        out_features=n,
+        in_features=k,
+    )

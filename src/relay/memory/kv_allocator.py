@@ -3,6 +3,7 @@
 Pure Python and tensor-free: the scheduler owns it, the model runner only ever sees page ids.
 Page 0 is never handed out; runners use it as a scratch target for padded slots.
 """
+
 from __future__ import annotations
 
 

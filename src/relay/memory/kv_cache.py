@@ -1,4 +1,5 @@
 """The paged KV pool's tensors (model-runner side) and how many pages a budget buys."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,17 @@ class KVCache:
     then yields [kv_heads, tokens, head_dim], which batched matmuls take without a copy.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, layout: str = "NHD"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: str = "NHD",
+    ):
         if layout not in ("NHD", "HND"):
             raise ValueError(f"unknown KV layout {layout!r}")
         self.num_pages = num_pages
@@ -48,8 +58,14 @@ class KVCache:
 DEFAULT_CUDA_MEM_FRACTION = 0.85
 
 
-def num_pages_for_budget(bytes_per_token: int, page_size: int, kv_cache_gb: float | None,
-                         mem_fraction: float | None, device: torch.device, free_bytes: int | None = None) -> int:
+def num_pages_for_budget(
+    bytes_per_token: int,
+    page_size: int,
+    kv_cache_gb: float | None,
+    mem_fraction: float | None,
+    device: torch.device,
+    free_bytes: int | None = None,
+) -> int:
     """Pages that fit the KV budget: an explicit size, else a fraction of free memory.
 
     On CUDA, `free_bytes` is the free GPU memory measured by the caller after the weights are
@@ -69,8 +85,12 @@ def num_pages_for_budget(bytes_per_token: int, page_size: int, kv_cache_gb: floa
         else:
             budget = min(avail * DEFAULT_CPU_MEM_FRACTION, DEFAULT_CPU_KV_CAP_GB * (1 << 30))
     pages = int(budget // (bytes_per_token * page_size))
-    logger.info("KV pool: %d pages x %d tokens (%.2f GiB)", pages, page_size,
-                pages * page_size * bytes_per_token / (1 << 30))
+    logger.info(
+        "KV pool: %d pages x %d tokens (%.2f GiB)",
+        pages,
+        page_size,
+        pages * page_size * bytes_per_token / (1 << 30),
+    )
     return pages
 
 

@@ -5,6 +5,7 @@ KV pages that hold them. Running requests lock the path to their deepest node; u
 leaves are evicted least-recently-used first. Evictable leaves sit in a heap maintained as
 nodes change state, so eviction never walks the tree.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -18,8 +19,12 @@ from relay.memory.kv_allocator import PageAllocator
 class RadixNode:
     __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
-                 parent: RadixNode | None = None):
+    def __init__(
+        self,
+        key: tuple[int, ...] = (),
+        pages: list[int] | None = None,
+        parent: RadixNode | None = None,
+    ):
         self.key = key
         self.pages = pages or []
         self.parent = parent
@@ -73,7 +78,7 @@ class RadixCache:
         now = next(self._clock)
         pos, limit = 0, len(tokens) - len(tokens) % self.page_size
         while pos < limit:
-            child = node.children.get(tuple(tokens[pos:pos + self.page_size]))
+            child = node.children.get(tuple(tokens[pos : pos + self.page_size]))
             if child is None:
                 break
             n = self._common_len(child.key, tokens, pos)
@@ -96,11 +101,13 @@ class RadixCache:
         length = min(len(tokens) - len(tokens) % self.page_size, len(pages) * self.page_size)
         node, pos, now = self.root, 0, next(self._clock)
         while pos < length:
-            child = node.children.get(tuple(tokens[pos:pos + self.page_size]))
+            child = node.children.get(tuple(tokens[pos : pos + self.page_size]))
             if child is None:
                 key = tuple(tokens[pos:length])
-                new = RadixNode(key, list(pages[pos // self.page_size:length // self.page_size]), node)
-                node.children[key[:self.page_size]] = new
+                new = RadixNode(
+                    key, list(pages[pos // self.page_size : length // self.page_size]), node
+                )
+                node.children[key[: self.page_size]] = new
                 self._num_nodes += 1
                 self.evictable_pages += len(new.pages)
                 self._touch(new, now)  # `node` is no leaf now: its heap entry goes stale
@@ -142,7 +149,7 @@ class RadixCache:
             if stamp != node.last_access or not node.is_evictable_leaf or node.parent is None:
                 continue  # stale entry
             parent = node.parent
-            del parent.children[node.key[:self.page_size]]
+            del parent.children[node.key[: self.page_size]]
             node.parent = None
             self._num_nodes -= 1
             self.allocator.free(node.pages)
@@ -178,7 +185,9 @@ class RadixCache:
             nodes += 1
             assert len(node.key) == len(node.pages) * self.page_size, "key/pages length mismatch"
             assert node.key and len(node.key) % self.page_size == 0, "unaligned edge"
-            assert node.parent.children.get(node.key[:self.page_size]) is node, "broken parent link"
+            assert node.parent.children.get(node.key[: self.page_size]) is node, (
+                "broken parent link"
+            )
             child_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_locks, "child holds more locks than its parent"
             if node.lock_ref:
@@ -188,10 +197,14 @@ class RadixCache:
             pages.extend(node.pages)
         assert nodes == self._num_nodes, f"node count {self._num_nodes} != {nodes}"
         assert locked == self.locked_pages, f"locked pages {self.locked_pages} != {locked}"
-        assert evictable == self.evictable_pages, f"evictable pages {self.evictable_pages} != {evictable}"
+        assert evictable == self.evictable_pages, (
+            f"evictable pages {self.evictable_pages} != {evictable}"
+        )
         assert len(set(pages)) == len(pages), "a page is cached twice"
         live = {id(n) for n in self._nodes() if n.is_evictable_leaf}
-        in_heap = {id(n) for stamp, n in self._heap if stamp == n.last_access and n.is_evictable_leaf}
+        in_heap = {
+            id(n) for stamp, n in self._heap if stamp == n.last_access and n.is_evictable_leaf
+        }
         assert live <= in_heap, "an evictable leaf is missing from the eviction heap"
         return pages
 
@@ -203,11 +216,13 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], pos: int, end: int | None = None) -> int:
+    def _common_len(
+        self, key: tuple[int, ...], tokens: Sequence[int], pos: int, end: int | None = None
+    ) -> int:
         """Matched length between key and tokens[pos:], rounded down to whole pages."""
         end = len(tokens) if end is None else end
         n = min(len(key), end - pos)
-        if n == len(key) and key == tuple(tokens[pos:pos + n]):
+        if n == len(key) and key == tuple(tokens[pos : pos + n]):
             return n  # the common case, compared in C
         i = 0
         while i < n and key[i] == tokens[pos + i]:
@@ -219,9 +234,9 @@ class RadixCache:
         p = n // self.page_size
         upper = RadixNode(child.key[:n], child.pages[:p], child.parent)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
-        child.parent.children[upper.key[:self.page_size]] = upper
+        child.parent.children[upper.key[: self.page_size]] = upper
         child.key, child.pages, child.parent = child.key[n:], child.pages[p:], upper
-        upper.children[child.key[:self.page_size]] = child
+        upper.children[child.key[: self.page_size]] = child
         self._num_nodes += 1
         return upper
 

@@ -17,6 +17,7 @@ p99 over the target that the model and the bulk of the gaps say the limits do no
 from other processes) cuts nothing. Pure Python: the scheduler feeds it, tests drive it with a
 simulated clock.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,8 +38,12 @@ GROW_BELOW = 0.8  # grow only while p99 ITL is under this share of the target (h
 SHRINK_FACTOR = 0.5
 PLAN_SHARE = 0.9  # the step-time model plans steps to this share of the ITL target
 SLOW_STEP = 4.0  # a decode step this many times the target is logged
-STALL_MARGIN = 1.5  # a p99 up to this multiple of the target, with limits the model says fit, is stalls
-DECIDE_EVERY = 0.25  # seconds between decisions: a percentile per step would cost more than it tells
+STALL_MARGIN = (
+    1.5  # a p99 up to this multiple of the target, with limits the model says fit, is stalls
+)
+DECIDE_EVERY = (
+    0.25  # seconds between decisions: a percentile per step would cost more than it tells
+)
 
 
 class StepLimits:
@@ -59,8 +64,17 @@ class StepLimits:
     def on_admit(self, now: float, request_tokens: int) -> None:
         pass
 
-    def on_step(self, now: float, duration: float, decode_tokens: int, prefill_cost: int,
-                gaps: list[tuple[float, int]], ttfts: list[float], num_waiting: int, num_running: int) -> None:
+    def on_step(
+        self,
+        now: float,
+        duration: float,
+        decode_tokens: int,
+        prefill_cost: int,
+        gaps: list[tuple[float, int]],
+        ttfts: list[float],
+        num_waiting: int,
+        num_running: int,
+    ) -> None:
         pass
 
     def to_dict(self) -> dict | None:
@@ -93,8 +107,13 @@ class StepCostModel:
     def _solve(self) -> tuple[float, float, float] | None:
         """The normal equations, with a tiny ridge so a load that never varies one feature
         (e.g. no prompts yet) gives that feature ~0 instead of a singular system."""
-        a = [[self.xtx[i][j] + (1e-9 * max(1.0, self.xtx[i][i]) if i == j else 0.0) for j in range(3)]
-             for i in range(3)]
+        a = [
+            [
+                self.xtx[i][j] + (1e-9 * max(1.0, self.xtx[i][i]) if i == j else 0.0)
+                for j in range(3)
+            ]
+            for i in range(3)
+        ]
         det = _det3(a)
         if abs(det) < 1e-30:
             return None
@@ -124,14 +143,20 @@ class StepCostModel:
         if self.coef is None:
             return None
         base, per_decode, per_prefill = self.coef
-        return {"base_ms": base * 1e3, "per_decode_token_ms": per_decode * 1e3,
-                "per_prefill_token_ms": per_prefill * 1e3, "steps": self.steps}
+        return {
+            "base_ms": base * 1e3,
+            "per_decode_token_ms": per_decode * 1e3,
+            "per_prefill_token_ms": per_prefill * 1e3,
+            "steps": self.steps,
+        }
 
 
 def _det3(m: list[list[float]]) -> float:
-    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    return (
+        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+        - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+        + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+    )
 
 
 class LatencyWindow:
@@ -184,8 +209,15 @@ class Decision:
 class AdaptiveLimits(StepLimits):
     """Limits steered so the windowed p99 ITL stays under target_itl (seconds)."""
 
-    def __init__(self, chunked_prefill_size: int, max_running_requests: int, kv_total_tokens: int,
-                 target_itl: float, target_ttft: float | None = None, window: float = 5.0):
+    def __init__(
+        self,
+        chunked_prefill_size: int,
+        max_running_requests: int,
+        kv_total_tokens: int,
+        target_itl: float,
+        target_ttft: float | None = None,
+        window: float = 5.0,
+    ):
         super().__init__(chunked_prefill_size, max_running_requests)
         self.target_itl, self.target_ttft, self.window = target_itl, target_ttft, window
         self.kv_total_tokens = kv_total_tokens
@@ -222,8 +254,17 @@ class AdaptiveLimits(StepLimits):
     def on_admit(self, now: float, request_tokens: int) -> None:
         self.request_tokens.add(now, float(request_tokens))
 
-    def on_step(self, now: float, duration: float, decode_tokens: int, prefill_cost: int,
-                gaps: list[tuple[float, int]], ttfts: list[float], num_waiting: int, num_running: int) -> None:
+    def on_step(
+        self,
+        now: float,
+        duration: float,
+        decode_tokens: int,
+        prefill_cost: int,
+        gaps: list[tuple[float, int]],
+        ttfts: list[float],
+        num_waiting: int,
+        num_running: int,
+    ) -> None:
         # Only steps that delay a decoding request are modelled: prompt-only steps sit at
         # another point of a CPU's roofline (compute-bound, not weight-read-bound).
         if decode_tokens:
@@ -248,16 +289,24 @@ class AdaptiveLimits(StepLimits):
         if decision is not None:
             self._apply(decision)
 
-    def _note_if_slow(self, now: float, duration: float, decode_tokens: int, prefill_cost: int) -> None:
+    def _note_if_slow(
+        self, now: float, duration: float, decode_tokens: int, prefill_cost: int
+    ) -> None:
         """Log a step far slower than the target (at most one a second): the limits cannot
         cure it, so an operator should see what it was."""
         if duration < SLOW_STEP * self.target_itl or now - self.slow_noted_at < 1.0:
             return
         self.slow_noted_at = now
         predicted = self.model.predict(decode_tokens, prefill_cost)
-        logger.info("adaptive batching: a step of %d decode tokens and %d prefill units took %.0f ms "
-                    "(step model: %s; target %.0f ms)", decode_tokens, prefill_cost, duration * 1e3,
-                    "unfitted" if predicted is None else f"{predicted * 1e3:.0f} ms", self.target_itl * 1e3)
+        logger.info(
+            "adaptive batching: a step of %d decode tokens and %d prefill units took %.0f ms "
+            "(step model: %s; target %.0f ms)",
+            decode_tokens,
+            prefill_cost,
+            duration * 1e3,
+            "unfitted" if predicted is None else f"{predicted * 1e3:.0f} ms",
+            self.target_itl * 1e3,
+        )
 
     # ---- the policy -----------------------------------------------------------------
     def decide(self, num_waiting: int, num_running: int) -> Decision | None:
@@ -276,8 +325,12 @@ class AdaptiveLimits(StepLimits):
         why = f"p99 ITL {p99 * 1e3:.1f} ms > target {self.target_itl * 1e3:.1f} ms"
         planned = self._planned_budget()
         bulk = self.itl.percentile(95)
-        if (planned is not None and planned >= self.prefill_budget and p99 < STALL_MARGIN * self.target_itl
-                and bulk <= self.target_itl):
+        if (
+            planned is not None
+            and planned >= self.prefill_budget
+            and p99 < STALL_MARGIN * self.target_itl
+            and bulk <= self.target_itl
+        ):
             # The model, fitted on these very steps, says they fit, and all but the slowest few
             # gaps agree: those are stalls from outside the limits (another process on the
             # cores), which no cut would cure.
@@ -290,7 +343,9 @@ class AdaptiveLimits(StepLimits):
                 cut = min(half, planned)
             else:  # near: one step back towards the model's plan (growth may have explored past it)
                 cut = max(half, min(planned, self.prefill_budget - MIN_PREFILL_BUDGET))
-            return Decision(max(MIN_PREFILL_BUDGET, cut), self._max_running, why + ": less prefill per step")
+            return Decision(
+                max(MIN_PREFILL_BUDGET, cut), self._max_running, why + ": less prefill per step"
+            )
         current = min(self._max_running, max(1, num_running))
         decoding = self.decode_time.percentile(50)
         if decoding is None or decoding <= PLAN_SHARE * self.target_itl:
@@ -303,13 +358,19 @@ class AdaptiveLimits(StepLimits):
         return Decision(self.prefill_budget, fewer, why + ": fewer running requests")
 
     def _grow(self, p99: float, num_waiting: int, starved: bool) -> Decision | None:
-        why = (f"p99 ITL {p99 * 1e3:.1f} ms < {GROW_BELOW:.0%} of target"
-               + (", TTFT over target" if starved else f", {num_waiting} waiting"))
+        why = f"p99 ITL {p99 * 1e3:.1f} ms < {GROW_BELOW:.0%} of target" + (
+            ", TTFT over target" if starved else f", {num_waiting} waiting"
+        )
         if num_waiting > 0 and self._max_running < self.running_cap:
             step = max(1, self.running_cap // 16)
-            return Decision(self.prefill_budget, min(self.running_cap, self._max_running + step),
-                            why + ": more running requests")
-        grown = min(self.budget_cap, self.prefill_budget + max(MIN_PREFILL_BUDGET, self.budget_cap // 16))
+            return Decision(
+                self.prefill_budget,
+                min(self.running_cap, self._max_running + step),
+                why + ": more running requests",
+            )
+        grown = min(
+            self.budget_cap, self.prefill_budget + max(MIN_PREFILL_BUDGET, self.budget_cap // 16)
+        )
         planned = self._planned_budget()
         if planned is not None:  # no further than the model's plan, or one step past it to explore
             grown = min(grown, max(planned, self.prefill_budget + MIN_PREFILL_BUDGET))
@@ -328,8 +389,14 @@ class AdaptiveLimits(StepLimits):
     def _apply(self, d: Decision) -> None:
         if (d.prefill_budget, d.max_running) == (self.prefill_budget, self._max_running):
             return
-        logger.info("adaptive batching: prefill budget %d -> %d, max running %d -> %d (%s)",
-                    self.prefill_budget, d.prefill_budget, self._max_running, d.max_running, d.reason)
+        logger.info(
+            "adaptive batching: prefill budget %d -> %d, max running %d -> %d (%s)",
+            self.prefill_budget,
+            d.prefill_budget,
+            self._max_running,
+            d.max_running,
+            d.reason,
+        )
         self.prefill_budget, self._max_running = d.prefill_budget, d.max_running
         self.changes += 1
         self.last_reason = d.reason
@@ -338,13 +405,18 @@ class AdaptiveLimits(StepLimits):
     def to_dict(self) -> dict:
         p99 = self.itl.percentile(99)
         ttft = self.ttft.percentile(99)
-        return {"target_itl_ms": self.target_itl * 1e3,
-                "target_ttft_ms": None if self.target_ttft is None else self.target_ttft * 1e3,
-                "prefill_budget": self.prefill_budget, "max_running": self.max_running,
-                "max_running_by_kv": self.kv_fit(),
-                "p99_itl_ms": None if p99 is None else p99 * 1e3,
-                "p99_ttft_ms": None if ttft is None else ttft * 1e3,
-                "step_model": self.model.to_dict(), "changes": self.changes, "last_reason": self.last_reason}
+        return {
+            "target_itl_ms": self.target_itl * 1e3,
+            "target_ttft_ms": None if self.target_ttft is None else self.target_ttft * 1e3,
+            "prefill_budget": self.prefill_budget,
+            "max_running": self.max_running,
+            "max_running_by_kv": self.kv_fit(),
+            "p99_itl_ms": None if p99 is None else p99 * 1e3,
+            "p99_ttft_ms": None if ttft is None else ttft * 1e3,
+            "step_model": self.model.to_dict(),
+            "changes": self.changes,
+            "last_reason": self.last_reason,
+        }
 
 
 def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
@@ -352,5 +424,11 @@ def make_limits(cfg: EngineConfig, kv_total_tokens: int) -> StepLimits:
     if cfg.target_itl_ms is None:
         return StepLimits(cfg.chunked_prefill_size, cfg.max_running_requests)
     ttft = None if cfg.target_ttft_ms is None else cfg.target_ttft_ms / 1e3
-    return AdaptiveLimits(cfg.chunked_prefill_size, cfg.max_running_requests, kv_total_tokens,
-                          cfg.target_itl_ms / 1e3, ttft, cfg.adaptive_window_s)
+    return AdaptiveLimits(
+        cfg.chunked_prefill_size,
+        cfg.max_running_requests,
+        kv_total_tokens,
+        cfg.target_itl_ms / 1e3,
+        ttft,
+        cfg.adaptive_window_s,
+    )

@@ -6,6 +6,7 @@ A request's state reaches the runner once and then as changes: its sampling spec
 first runs, its page table as (first changed index, pages from there), its handle in
 released_sids when it ends. They hold plain ints, floats and lists for the msgpack codec.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ PENDING_TOKEN = -1
 @dataclass
 class SamplingSpec:
     """What the runner needs to sample for one request; sent once, when it first runs."""
+
     sid: int
     params: SamplingParams
     stop_token_ids: list[int]  # eos ids and the user's, masked until min_new_tokens
@@ -82,19 +84,33 @@ class BatchInput:
         spec_lens = self.spec_lens or [0] * len(self.sids)
         catchup_lens = self.catchup_lens or [0] * len(self.sids)
         return BatchInput(
-            step=self.step, sids=pick(self.sids),
-            input_ids=[t for i in keep for t in self.input_ids[starts[i]:starts[i + 1]]],
-            prefix_lens=pick(self.prefix_lens), extend_lens=pick(self.extend_lens),
-            page_starts=pick(self.page_starts), new_pages=pick(self.new_pages), sample=pick(self.sample),
-            output_lens=pick(self.output_lens), new_specs=[s for s in self.new_specs if s.sid not in dropped],
+            step=self.step,
+            sids=pick(self.sids),
+            input_ids=[t for i in keep for t in self.input_ids[starts[i] : starts[i + 1]]],
+            prefix_lens=pick(self.prefix_lens),
+            extend_lens=pick(self.extend_lens),
+            page_starts=pick(self.page_starts),
+            new_pages=pick(self.new_pages),
+            sample=pick(self.sample),
+            output_lens=pick(self.output_lens),
+            new_specs=[s for s in self.new_specs if s.sid not in dropped],
             released_sids=self.released_sids,
             spec_lens=pick(self.spec_lens) if self.spec_lens else [],
-            proposed_ids=_pick_runs(self.proposed_ids, spec_lens, keep) if self.proposed_ids else [],
-            catchup_ids=_pick_runs(self.catchup_ids, catchup_lens, keep) if self.catchup_ids else [],
+            proposed_ids=_pick_runs(self.proposed_ids, spec_lens, keep)
+            if self.proposed_ids
+            else [],
+            catchup_ids=_pick_runs(self.catchup_ids, catchup_lens, keep)
+            if self.catchup_ids
+            else [],
             catchup_lens=pick(self.catchup_lens) if self.catchup_lens else [],
             draft_prefix_lens=pick(self.draft_prefix_lens) if self.draft_prefix_lens else [],
-            token_masks={new: self.token_masks[old] for new, old in enumerate(keep) if old in self.token_masks},
-            rope_long=pick(self.rope_long) if self.rope_long else [])
+            token_masks={
+                new: self.token_masks[old]
+                for new, old in enumerate(keep)
+                if old in self.token_masks
+            },
+            rope_long=pick(self.rope_long) if self.rope_long else [],
+        )
 
     def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
         """values split into one run per row by lens (e.g. proposed_ids by spec_lens)."""
@@ -104,7 +120,7 @@ class BatchInput:
 def _split(values: list[int], lens: list[int]) -> list[list[int]]:
     out, at = [], 0
     for n in lens:
-        out.append(values[at:at + n])
+        out.append(values[at : at + n])
         at += n
     return out
 

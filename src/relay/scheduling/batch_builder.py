@@ -1,5 +1,6 @@
 """The BatchInput message for a step the scheduler chose, and the record of it kept until its
 output comes back (StepInFlight)."""
+
 from __future__ import annotations
 
 import time
@@ -23,6 +24,7 @@ Batch = list[tuple[Req, int]]  # (request, tokens it computes in the step)
 @dataclass
 class StepInFlight:
     """A step sent to the runner: who is in it, and what the step-time model learns from it."""
+
     reqs: list[Req]
     started: float
     decode_tokens: int = 0  # including proposals to verify
@@ -30,9 +32,17 @@ class StepInFlight:
 
 
 class BatchBuilder:
-    def __init__(self, table: RequestTable, kv: KVManager, cost: StepCost, spec: SpecPlanner | None,
-                 eos_token_ids: frozenset[int], long_rope_after: int | None, grammars: GrammarBackend | None,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        table: RequestTable,
+        kv: KVManager,
+        cost: StepCost,
+        spec: SpecPlanner | None,
+        eos_token_ids: frozenset[int],
+        long_rope_after: int | None,
+        grammars: GrammarBackend | None,
+        clock: Callable[[], float],
+    ):
         self.table, self.kv, self.cost, self.spec = table, kv, cost, spec
         self.eos_token_ids = eos_token_ids
         self.long_rope_after = long_rope_after
@@ -74,7 +84,9 @@ class BatchBuilder:
             new_specs=specs,
             released_sids=self.table.take_released_sids(),
             token_masks=self._token_masks(batch, spec_rows),
-            rope_long=[req.long_rope for req, _ in batch] if self.long_rope_after is not None else [],
+            rope_long=[req.long_rope for req, _ in batch]
+            if self.long_rope_after is not None
+            else [],
             **self._spec_fields(batch, spec_rows),
         )
         self._count_in(batch, out.sample)
@@ -95,7 +107,11 @@ class BatchBuilder:
     def _token_masks(self, batch: Batch, spec_rows: dict[int, SpecRow]) -> dict[int, bytes]:
         """Per constrained row that samples, the bitmask of allowed next tokens; for a row
         verifying proposals, one after each proposal too (k + 1, concatenated)."""
-        rows = [i for i, (req, n) in enumerate(batch) if req.constraint is not None and req.kv_len + n == req.seq_len]
+        rows = [
+            i
+            for i, (req, n) in enumerate(batch)
+            if req.constraint is not None and req.kv_len + n == req.seq_len
+        ]
         if not rows:
             return {}
         start = time.perf_counter()
@@ -111,8 +127,10 @@ class BatchBuilder:
         if not spec_rows:
             return {}
         rows = [spec_rows.get(id(req)) for req, _ in batch]
-        fields = {"spec_lens": [row.k if row else 0 for row in rows],
-                  "proposed_ids": [t for row in rows if row for t in row.proposals]}
+        fields = {
+            "spec_lens": [row.k if row else 0 for row in rows],
+            "proposed_ids": [t for row in rows if row for t in row.proposals],
+        }
         if self.spec.algorithm == "standalone":
             fields["catchup_lens"] = [len(row.catchup) if row else 0 for row in rows]
             fields["catchup_ids"] = [t for row in rows if row for t in row.catchup]

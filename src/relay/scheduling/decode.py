@@ -1,6 +1,7 @@
 """Rows for requests already running: each decoding request's next token (with proposals to
 verify while speculation pays) and the next chunk of a started prompt, with KV reserved for
 them, retracting lower-ranked requests when the pool runs out."""
+
 from __future__ import annotations
 
 from relay.config import EngineConfig
@@ -15,13 +16,22 @@ Batch = list[tuple[Req, int]]  # (request, tokens it computes in the step)
 
 
 class DecodeManager:
-    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, cost: StepCost, context_len: int):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        table: RequestTable,
+        kv: KVManager,
+        cost: StepCost,
+        context_len: int,
+    ):
         self.table, self.kv, self.cost = table, kv, cost
         self.context_len = context_len
         self.long_rope = kv.long_rope
         self.spec = SpecPlanner(cfg, context_len) if cfg.speculative_algorithm else None
 
-    def schedule_running(self, reqs: list[Req], batch: Batch, scheduled: set[int], budget: int) -> int:
+    def schedule_running(
+        self, reqs: list[Req], batch: Batch, scheduled: set[int], budget: int
+    ) -> int:
         """Add the next tokens of running requests (retracting lower-ranked ones for room);
         returns the tokens used."""
         used = 0
@@ -64,8 +74,12 @@ class DecodeManager:
         if self.long_rope.crosses(req):
             return False  # it restarts on the long factors once its last token is known (switch_to_long_rope)
         p = req.params
-        return (req.chainable and len(req.output_ids) + req.pending < p.max_new_tokens
-                and req.seq_len < self.context_len and self.kv.pages_for(req.seq_len) <= self.kv.allocator.capacity)
+        return (
+            req.chainable
+            and len(req.output_ids) + req.pending < p.max_new_tokens
+            and req.seq_len < self.context_len
+            and self.kv.pages_for(req.seq_len) <= self.kv.allocator.capacity
+        )
 
     def speculate(self, decodes: Batch, budget: int) -> dict[int, SpecRow]:
         """Proposals to verify (or draft KV to catch up on) for decoding requests, by id(req),
@@ -107,4 +121,6 @@ class DecodeManager:
         # One whose last token a step still out is sampling waits for it (may_run_ahead): a
         # retraction drops tokens in flight, and without that one its sequence is not past.
         for req in [r for r in self.table.running if self.long_rope.crosses(r) and not r.pending]:
-            self.table.retract(req, f"past {self.long_rope.after} tokens (LongRoPE's long factors from here)")
+            self.table.retract(
+                req, f"past {self.long_rope.after} tokens (LongRoPE's long factors from here)"
+            )

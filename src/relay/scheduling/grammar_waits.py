@@ -1,5 +1,6 @@
 """Constrained requests whose grammar is compiling: they wait in the queue, not admitted,
 until poll() finds the grammar ready, or end with a 400 when it fails or times out."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,8 +16,13 @@ if TYPE_CHECKING:
 
 
 class GrammarWaits:
-    def __init__(self, grammars: GrammarBackend | None, table: RequestTable, compile_timeout: float,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        grammars: GrammarBackend | None,
+        table: RequestTable,
+        compile_timeout: float,
+        clock: Callable[[], float],
+    ):
         self.grammars = grammars
         self.table = table
         self.compile_timeout = compile_timeout
@@ -28,8 +34,9 @@ class GrammarWaits:
         kind = req.params.constraint[0]
         if self.grammars is None:
             raise InvalidParam(kind, f"{kind} needs xgrammar, which this server lacks")
-        req.constraint = self.grammars.start(*req.params.constraint, self.clock(), self.compile_timeout,
-                                             req.params.reasoning_tags)
+        req.constraint = self.grammars.start(
+            *req.params.constraint, self.clock(), self.compile_timeout, req.params.reasoning_tags
+        )
         self._compiling.append(req)
 
     def poll(self) -> list[RequestOutput]:
@@ -43,7 +50,9 @@ class GrammarWaits:
                 continue  # it ended (an abort) while compiling
             error = req.constraint.failure(now)
             if error is not None:
-                failed.append(self.table.finish(req, FinishReason.ABORT, error, param=req.constraint.kind))
+                failed.append(
+                    self.table.finish(req, FinishReason.ABORT, error, param=req.constraint.kind)
+                )
             elif not req.constraint.ready():
                 still.append(req)
         self._compiling = still
@@ -55,18 +64,28 @@ class GrammarWaits:
 
     def wait(self) -> None:
         """Block until a compiling grammar is compiled or the first compile deadline passes."""
-        pending = [r.constraint for r in self._compiling if r.constraint is not None]  # None: aborted
+        pending = [
+            r.constraint for r in self._compiling if r.constraint is not None
+        ]  # None: aborted
         if pending:
-            self.grammars.wait_for_any(pending, max(0.0, min(c.deadline for c in pending) - self.clock()))
+            self.grammars.wait_for_any(
+                pending, max(0.0, min(c.deadline for c in pending) - self.clock())
+            )
 
     def stats(self, mask_seconds: float, step_seconds: float) -> dict[str, Any] | None:
         """Constrained decoding's counters, with the share of step time spent building masks."""
         if self.grammars is None:
             return None
-        return {**self.grammars.stats(), "mask_seconds": mask_seconds, "step_seconds": step_seconds,
-                "mask_step_share": mask_seconds / step_seconds if step_seconds else 0.0}
+        return {
+            **self.grammars.stats(),
+            "mask_seconds": mask_seconds,
+            "step_seconds": step_seconds,
+            "mask_step_share": mask_seconds / step_seconds if step_seconds else 0.0,
+        }
 
     def check(self) -> None:
         """No grammar matcher outlives its request. Raises AssertionError otherwise."""
         if self.grammars is not None and not self.table.reqs:
-            assert self.grammars.live == 0, f"{self.grammars.live} grammar matchers outlive their requests"
+            assert self.grammars.live == 0, (
+                f"{self.grammars.live} grammar matchers outlive their requests"
+            )

@@ -5,6 +5,7 @@ Every page is free, privately held by one running request, or in the tree (locke
 requests that map it, or evictable), exactly once (check()). A request's first tree_len
 tokens are the tree's (locked through req.last_node); pages after them are its own.
 """
+
 from __future__ import annotations
 
 from relay.memory.kv_allocator import PageAllocator
@@ -18,7 +19,9 @@ LONG_ROPE_KEY = 1 << 32
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool, long_rope: LongRopeBoundary):
+    def __init__(
+        self, num_pages: int, page_size: int, disable_radix_cache: bool, long_rope: LongRopeBoundary
+    ):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = RadixCache(self.allocator, disabled=disable_radix_cache)
@@ -61,7 +64,7 @@ class KVManager:
 
     def unmatch(self, req: Req) -> None:
         """Undo match() (and any reservation after it): the request holds no KV."""
-        self.allocator.free(req.pages[req.tree_len // self.page_size:])
+        self.allocator.free(req.pages[req.tree_len // self.page_size :])
         self.cache.unlock(req.last_node)
         req.set_pages(0, [])
         req.last_node, req.kv_len, req.tree_len, req.draft_len = None, 0, 0, 0
@@ -73,13 +76,13 @@ class KVManager:
         if self.cache.disabled or n <= req.tree_len:
             return
         tokens = self._key(req, n)
-        held = self.cache.insert(tokens, req.pages[:n // ps])
+        held = self.cache.insert(tokens, req.pages[: n // ps])
         if held > req.tree_len:  # someone cached the same tokens meanwhile: use theirs
-            self.allocator.free(req.pages[req.tree_len // ps:held // ps])
+            self.allocator.free(req.pages[req.tree_len // ps : held // ps])
         pages, node = self.cache.match_prefix(tokens)
         first = req.tree_len // ps  # pages before it were the tree's already
-        if pages[first:] != req.pages[first:len(pages)]:
-            req.set_pages(first, pages[first:] + req.pages[len(pages):])
+        if pages[first:] != req.pages[first : len(pages)]:
+            req.set_pages(first, pages[first:] + req.pages[len(pages) :])
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.tree_len = node, n
@@ -118,9 +121,9 @@ class KVManager:
         tree_set = set(tree)
         private: list[int] = []
         for req in running:
-            shared = req.pages[:req.tree_len // ps]
+            shared = req.pages[: req.tree_len // ps]
             assert set(shared) <= tree_set, f"request {req.rid} maps pages the tree lacks"
-            private.extend(req.pages[req.tree_len // ps:])
+            private.extend(req.pages[req.tree_len // ps :])
         every = tree + private + self.allocator.free_pages()
         assert len(every) == len(set(every)), "a KV page is owned twice"
         assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"

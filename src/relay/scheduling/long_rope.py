@@ -3,6 +3,7 @@
 A sequence longer than `after` tokens rotates every token with the long factors, as
 transformers' Phi-3 generate does; a request that grows past it is recomputed so
 (DecodeManager.switch_to_long_rope). `after` None: any other rope, and every test is False."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,8 +17,12 @@ class LongRopeBoundary:
 
     def crosses(self, req: Req) -> bool:
         """Whether req's next decode step takes its sequence past the boundary on the short factors."""
-        return (self.after is not None and not req.long_rope and not req.in_prefill
-                and req.kv_len >= self.after)
+        return (
+            self.after is not None
+            and not req.long_rope
+            and not req.in_prefill
+            and req.kv_len >= self.after
+        )
 
     def past(self, req: Req) -> bool:
         """Whether a request starting (or restarting) now computes its sequence on the long factors."""

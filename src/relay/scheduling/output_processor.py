@@ -1,6 +1,7 @@
 """Applying a step's output: sampled tokens appended, requests that end finished (a stop
 token, the length, the grammar), accepted proposals counted, new prefixes shared, and the
 step's timing handed to the batch-size limits."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,9 +21,17 @@ if TYPE_CHECKING:
 
 
 class OutputProcessor:
-    def __init__(self, table: RequestTable, kv: KVManager, limits: StepLimits, spec_stats: SpecStats,
-                 eos_token_ids: frozenset[int], context_len: int, grammars: GrammarBackend | None,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        table: RequestTable,
+        kv: KVManager,
+        limits: StepLimits,
+        spec_stats: SpecStats,
+        eos_token_ids: frozenset[int],
+        context_len: int,
+        grammars: GrammarBackend | None,
+        clock: Callable[[], float],
+    ):
         self.table, self.kv, self.limits, self.spec_stats = table, kv, limits, spec_stats
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
@@ -32,7 +41,9 @@ class OutputProcessor:
         self.last_step_seconds = 0.0  # the runner's time for the step processed last
         self.step_seconds = 0.0  # all processed steps' runner time
 
-    def process(self, step: StepInFlight, batch: BatchInput, out: BatchOutput) -> list[RequestOutput]:
+    def process(
+        self, step: StepInFlight, batch: BatchInput, out: BatchOutput
+    ) -> list[RequestOutput]:
         """One record per request that produced a token or ended."""
         reqs = step.reqs
         for req in reqs:
@@ -42,9 +53,13 @@ class OutputProcessor:
         duration = self.last_step_seconds = now - max(step.started, self._last_output_time)
         self._last_output_time = now
         if out.error is not None:
-            return [self.table.finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished]
+            return [
+                self.table.finish(r, FinishReason.ABORT, out.error) for r in reqs if not r.finished
+            ]
         events: list[RequestOutput] = []
-        gaps: dict[float, int] = {}  # inter-token gap -> tokens with it (decodes of a step share one)
+        gaps: dict[
+            float, int
+        ] = {}  # inter-token gap -> tokens with it (decodes of a step share one)
         ttfts: list[float] = []
         j = 0
         for i, req in enumerate(reqs):
@@ -65,13 +80,25 @@ class OutputProcessor:
                 if batch.spec_lens or batch.catchup_lens:
                     self._after_speculation(req, batch, i, batch.prefix_lens[i], len(more))
             if req.status == Status.RUNNING:
-                self.kv.cache_prefix(req)  # whole new pages go to the tree: others can share them now
+                self.kv.cache_prefix(
+                    req
+                )  # whole new pages go to the tree: others can share them now
         self.step_seconds += duration
-        self.limits.on_step(now, duration, step.decode_tokens, step.prefill_cost, list(gaps.items()), ttfts,
-                            len(self.table.waiting), len(self.table.running))
+        self.limits.on_step(
+            now,
+            duration,
+            step.decode_tokens,
+            step.prefill_cost,
+            list(gaps.items()),
+            ttfts,
+            len(self.table.waiting),
+            len(self.table.running),
+        )
         return events
 
-    def _after_speculation(self, req: Req, batch: BatchInput, i: int, start: int, accepted: int) -> None:
+    def _after_speculation(
+        self, req: Req, batch: BatchInput, i: int, start: int, accepted: int
+    ) -> None:
         """Count a verified row; give back the pages of rejected proposals; advance the draft
         model's KV over what it read and what was kept."""
         k = batch.spec_lens[i] if batch.spec_lens else 0
@@ -85,15 +112,23 @@ class OutputProcessor:
         if batch.catchup_lens:
             # The draft read its catch-up tokens; proposing, also the input token and every
             # proposal but the last (through position start + k - 1), valid while kept.
-            req.draft_len = min(req.kv_len, start + k) if k else req.draft_len + batch.catchup_lens[i]
+            req.draft_len = (
+                min(req.kv_len, start + k) if k else req.draft_len + batch.catchup_lens[i]
+            )
 
-    def _append_tokens(self, req: Req, tokens: list[int], out: BatchOutput, j: int) -> RequestOutput:
+    def _append_tokens(
+        self, req: Req, tokens: list[int], out: BatchOutput, j: int
+    ) -> RequestOutput:
         """Append a step's tokens (several when proposals were accepted) up to the first that
         ends the request; one record of those appended."""
         if req.first_token_time is None:
             req.first_token_time = self.clock()
-        record = RequestOutput(req.rid, [], prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
-        if req.params.logprobs and out.logprobs is not None:  # such requests never speculate: one token
+        record = RequestOutput(
+            req.rid, [], prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens
+        )
+        if (
+            req.params.logprobs and out.logprobs is not None
+        ):  # such requests never speculate: one token
             req.logprobs.append(out.logprobs[j])
             record.logprobs = [out.logprobs[j]]
             if req.params.top_logprobs and out.top_logprobs is not None:
@@ -110,7 +145,11 @@ class OutputProcessor:
             if reason is not None:
                 req.matched_stop = stop
                 done = self.table.finish(req, reason, req.error, req.error_param)
-                record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+                record.finish_reason, record.matched_stop, record.queue_time = (
+                    reason,
+                    stop,
+                    done.queue_time,
+                )
                 record.error, record.status, record.param = done.error, done.status, done.param
                 break
         record.completion_tokens = len(req.output_ids)
@@ -124,8 +163,10 @@ class OutputProcessor:
             # The grammar led to a dead end (its mask allowed no token, so the sampler drew
             # from -inf logits): the request's own grammar is at fault, a 4xx.
             kind = req.constraint.kind
-            req.error = (f"the {kind} allows no token after {len(req.output_ids) - 1} output tokens: "
-                         "no output can complete it")
+            req.error = (
+                f"the {kind} allows no token after {len(req.output_ids) - 1} output tokens: "
+                "no output can complete it"
+            )
             req.error_param = kind
         else:
             # The sampler only draws allowed tokens; one that is not means the mask and
@@ -135,15 +176,19 @@ class OutputProcessor:
 
     def _finish_reason(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         p, n = req.params, len(req.output_ids)
-        if n >= p.min_new_tokens and (token in p.stop_token_ids
-                                      or (not p.ignore_eos and token in self.eos_token_ids)):
+        if n >= p.min_new_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
             return FinishReason.STOP, token
         # The next step needs KV for all seq_len tokens. A request that alone would outgrow
         # the pool ends here, where its record reaches the caller (schedule() has no way to
         # report a finish), and never sits retracted with more KV than the pool holds.
         seen = len(req.prompt_ids) + n  # seq_len also counts tokens later steps still owe
-        if (n >= p.max_new_tokens or seen >= self.context_len
-                or self.kv.pages_for(seen) > self.kv.allocator.capacity):
+        if (
+            n >= p.max_new_tokens
+            or seen >= self.context_len
+            or self.kv.pages_for(seen) > self.kv.allocator.capacity
+        ):
             return FinishReason.LENGTH, None
         return None, None
 

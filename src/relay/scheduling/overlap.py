@@ -9,6 +9,7 @@ whole long step (TTFT p50 +20-30 % measured, throughput unchanged: docs/benchmar
 loop overlaps only while the scheduler's work is at least `min_share` of a step, from moving
 averages of both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class OverlapPolicy:
         return 2 if self.busy_s >= self.min_share * self.step_s else 1
 
     def to_dict(self) -> dict:
-        return {"enabled": self.enabled, "min_share": self.min_share, "depth": self.depth,
-                "busy_ms": None if self.busy_s is None else round(1e3 * self.busy_s, 3),
-                "step_ms": None if self.step_s is None else round(1e3 * self.step_s, 3)}
+        return {
+            "enabled": self.enabled,
+            "min_share": self.min_share,
+            "depth": self.depth,
+            "busy_ms": None if self.busy_s is None else round(1e3 * self.busy_s, 3),
+            "step_ms": None if self.step_s is None else round(1e3 * self.step_s, 3),
+        }

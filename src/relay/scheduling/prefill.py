@@ -1,5 +1,6 @@
 """Admission: which waiting requests start, with how long a first prompt chunk, and which
 running ones give way to a higher-priority arrival; longer chunks from budget left over."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,8 +19,15 @@ Batch = list[tuple[Req, int]]  # (request, tokens it computes in the step)
 
 
 class PrefillManager:
-    def __init__(self, table: RequestTable, kv: KVManager, cost: StepCost, limits: StepLimits,
-                 clock: Callable[[], float], context_len: int):
+    def __init__(
+        self,
+        table: RequestTable,
+        kv: KVManager,
+        cost: StepCost,
+        limits: StepLimits,
+        clock: Callable[[], float],
+        context_len: int,
+    ):
         self.table, self.kv, self.cost, self.limits = table, kv, cost, limits
         self.clock = clock
         self.context_len = context_len
@@ -27,7 +35,10 @@ class PrefillManager:
         self.cached_tokens_total = 0
 
     def can_admit(self) -> bool:
-        return self.table.waiting.peek() is not None and len(self.table.running) < self.limits.max_running
+        return (
+            self.table.waiting.peek() is not None
+            and len(self.table.running) < self.limits.max_running
+        )
 
     def admit(self, batch: Batch, budget: int) -> int:
         """Start waiting requests in rank order while budget and memory last; returns the
@@ -40,7 +51,9 @@ class PrefillManager:
             if req is None:
                 break
             if req.grammar_compiling or req.inflight_steps:
-                held_back.append(req)  # compiling, or retracted from a step still out: others go first
+                held_back.append(
+                    req
+                )  # compiling, or retracted from a step still out: others go first
                 continue
             kv.match(req)
             n = self.cost.chunk(req, budget)
@@ -79,8 +92,10 @@ class PrefillManager:
             return False
         want = req.token_slice(lo, hi)
         long_rope = self.kv.long_rope.past(req)
-        return any(other.in_prefill and other.long_rope == long_rope and other.token_slice(lo, hi) == want
-                   for other in self.table.running)
+        return any(
+            other.in_prefill and other.long_rope == long_rope and other.token_slice(lo, hi) == want
+            for other in self.table.running
+        )
 
     def preempt_for_waiting(self, budget: int) -> None:
         """Retract lower-priority running requests a waiting one needs room (or a slot) from."""
@@ -110,8 +125,9 @@ class PrefillManager:
         kv.unmatch(req)
         return room
 
-    def extend_chunks(self, prompts: list[Req], batch: Batch, budget: int,
-                      may_run_ahead: Callable[[Req], bool]) -> int:
+    def extend_chunks(
+        self, prompts: list[Req], batch: Batch, budget: int, may_run_ahead: Callable[[Req], bool]
+    ) -> int:
         """Give budget that admission left unused to running prompts (longer chunks); returns
         the budget left."""
         index = {id(req): i for i, (req, _) in enumerate(batch)}
@@ -124,7 +140,9 @@ class PrefillManager:
             n = batch[i][1] if i is not None else 0
             cost = self.cost.cost(req, n)
             total = self.cost.chunk(req, cost + budget)
-            if total <= n or not self.kv.reserve(req, req.kv_len + total, self.table.decode_headroom()):
+            if total <= n or not self.kv.reserve(
+                req, req.kv_len + total, self.table.decode_headroom()
+            ):
                 continue
             if i is None:
                 batch.append((req, total))

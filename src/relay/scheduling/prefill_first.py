@@ -1,4 +1,5 @@
 """Prefill-first: when decoding requests sit a step out so a burst of prompts starts sooner."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,14 @@ from relay.scheduling.request_table import RequestTable
 
 
 class PrefillFirst:
-    def __init__(self, cfg: EngineConfig, table: RequestTable, kv: KVManager, limits: StepLimits,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        table: RequestTable,
+        kv: KVManager,
+        limits: StepLimits,
+        clock: Callable[[], float],
+    ):
         self.cfg, self.table, self.kv, self.limits, self.clock = cfg, table, kv, limits, clock
 
     def decodes_to_hold(self, decoding: list[Req], prompts: list[Req], budget: int) -> set[int]:
@@ -33,14 +40,22 @@ class PrefillFirst:
         backlog = self._backlog(prompts, budget - len(decoding))
         if backlog is None or now - backlog[1] <= limit:
             return set()
-        return {id(r) for r in decoding if r.priority <= backlog[0] and not r.has_yielded
-                and r.last_token_time is not None and (r.held_since is None or now - r.held_since < limit)}
+        return {
+            id(r)
+            for r in decoding
+            if r.priority <= backlog[0]
+            and not r.has_yielded
+            and r.last_token_time is not None
+            and (r.held_since is None or now - r.held_since < limit)
+        }
 
     def _backlog(self, prompts: list[Req], budget: int) -> tuple[int, float] | None:
         """(highest priority, earliest arrival) among prompts (the running ones given, or ones
         waiting for a free slot) when more of their tokens are still to compute than `budget`;
         None when one step can take them."""
-        prompts = [r for r in prompts if r.status == Status.RUNNING]  # not one just preempted (now waiting)
+        prompts = [
+            r for r in prompts if r.status == Status.RUNNING
+        ]  # not one just preempted (now waiting)
         tokens = sum(r.seq_len - r.kv_len for r in prompts)
         top = max((r.priority for r in prompts), default=None)
         first = min((r.arrival_time for r in prompts), default=math.inf)

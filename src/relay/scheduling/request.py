@@ -1,4 +1,5 @@
 """A request as the scheduler tracks it."""
+
 from __future__ import annotations
 
 import enum
@@ -44,7 +45,9 @@ class Req:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
-    error_param: str | None = None  # the request field an error blames (a 4xx); None: the server's (a 500)
+    error_param: str | None = (
+        None  # the request field an error blames (a 4xx); None: the server's (a 500)
+    )
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     queue_time: float | None = None  # seconds from arrival to first scheduling
@@ -77,8 +80,8 @@ class Req:
         if hi <= p:
             return self.prompt_ids[lo:hi]
         if lo >= p:
-            return self.output_ids[lo - p:hi - p]
-        return self.prompt_ids[lo:] + self.output_ids[:hi - p]
+            return self.output_ids[lo - p : hi - p]
+        return self.prompt_ids[lo:] + self.output_ids[: hi - p]
 
     def set_pages(self, start: int, pages: list[int]) -> None:
         """Replace pages[start:] (the whole table when start is 0)."""

@@ -4,6 +4,7 @@ The one place a request changes state after it is queued: start (from the admiss
 retract (back to waiting, its KV cached or freed, to be recomputed) and finish (from
 anywhere, its KV and its sid given back).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,9 @@ class RequestTable:
         self._seq = itertools.count()
         self._free_sids: list[int] = []
         self._next_sid = 0
-        self.released_sids: list[int] = []  # finished requests' sids the runner has not been told of
+        self.released_sids: list[
+            int
+        ] = []  # finished requests' sids the runner has not been told of
         self.retractions_total = 0
 
     def add(self, req: Req) -> None:
@@ -60,7 +63,9 @@ class RequestTable:
 
     def retract(self, req: Req, why: str = "KV pool full") -> None:
         """Send a running request back to the queue, to be recomputed from what the cache keeps."""
-        logger.info("%s: retracting request %s (%d tokens) for recompute", why, req.rid, req.seq_len)
+        logger.info(
+            "%s: retracting request %s (%d tokens) for recompute", why, req.rid, req.seq_len
+        )
         self.kv.release(req)
         req.unwritten = req.pending = 0  # what steps still out produce for it is dropped
         # ... and the runner's penalty counts with it: a penalised request's spec goes again,
@@ -72,8 +77,9 @@ class RequestTable:
         self.retractions_total += 1
         self.waiting.push(req)
 
-    def finish(self, req: Req, reason: FinishReason, error: str | None = None, param: str | None = None
-               ) -> RequestOutput:
+    def finish(
+        self, req: Req, reason: FinishReason, error: str | None = None, param: str | None = None
+    ) -> RequestOutput:
         """End req wherever it is; its last record. An error with a param is the request's fault
         (a 400 naming that field), one without the server's (a 500)."""
         req.finish_reason, req.error = reason, error
@@ -92,7 +98,15 @@ class RequestTable:
         del self.reqs[req.rid]
         if self.on_finish is not None:
             self.on_finish(req)
-        return RequestOutput(req.rid, finish_reason=reason, matched_stop=req.matched_stop,
-                             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                             cached_tokens=req.cached_tokens, queue_time=req.queue_time, error=error,
-                             status=400 if param is not None else 500, param=param)
+        return RequestOutput(
+            req.rid,
+            finish_reason=reason,
+            matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            queue_time=req.queue_time,
+            error=error,
+            status=400 if param is not None else 500,
+            param=param,
+        )

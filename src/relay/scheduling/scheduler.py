@@ -22,6 +22,7 @@ runner substitutes what it sampled); if that token ends the request, N+1's row i
 when it comes back and its KV freed. A step's KV counts as the request's at build time
 (kv_len), and as shareable only once the step is processed (written_len).
 """
+
 from __future__ import annotations
 
 import time
@@ -55,18 +56,29 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_pages: int, context_len: int,
-                 eos_token_ids: list[int], on_finish: Callable[[Req], None] | None = None,
-                 attention_break_even: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 grammars: GrammarBackend | None = None, long_rope_after: int | None = None):
-        self.cfg = cfg = config.for_device("cpu")  # normally the runner already resolved it for its device
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_pages: int,
+        context_len: int,
+        eos_token_ids: list[int],
+        on_finish: Callable[[Req], None] | None = None,
+        attention_break_even: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        grammars: GrammarBackend | None = None,
+        long_rope_after: int | None = None,
+    ):
+        self.cfg = cfg = config.for_device(
+            "cpu"
+        )  # normally the runner already resolved it for its device
         self.clock = clock  # time.monotonic; a simulated clock in tests of the latency policy
         clock = self.now  # the parts read the scheduler's clock, so replacing it reaches them all
         self.context_len = context_len
         self.eos_token_ids = eos = frozenset(eos_token_ids)
         self.grammars = grammars
-        self.kv = KVManager(num_pages, cfg.page_size, cfg.disable_radix_cache,
-                            LongRopeBoundary(long_rope_after))
+        self.kv = KVManager(
+            num_pages, cfg.page_size, cfg.disable_radix_cache, LongRopeBoundary(long_rope_after)
+        )
         self.table = RequestTable(self.kv, on_finish)
         self.limits = make_limits(cfg, self.kv.allocator.capacity * cfg.page_size)
         self.spec_stats = SpecStats(cfg.speculative_num_draft_tokens)
@@ -74,10 +86,12 @@ class Scheduler:
         self.prefill = PrefillManager(self.table, self.kv, cost, self.limits, clock, context_len)
         self.decode = DecodeManager(cfg, self.table, self.kv, cost, context_len)
         self.prefill_first = PrefillFirst(cfg, self.table, self.kv, self.limits, clock)
-        self.builder = BatchBuilder(self.table, self.kv, cost, self.decode.spec, eos, long_rope_after,
-                                    grammars, clock)
-        self.outputs = OutputProcessor(self.table, self.kv, self.limits, self.spec_stats, eos, context_len,
-                                       grammars, clock)
+        self.builder = BatchBuilder(
+            self.table, self.kv, cost, self.decode.spec, eos, long_rope_after, grammars, clock
+        )
+        self.outputs = OutputProcessor(
+            self.table, self.kv, self.limits, self.spec_stats, eos, context_len, grammars, clock
+        )
         self.grammar_waits = GrammarWaits(grammars, self.table, cfg.grammar_compile_timeout, clock)
 
     def now(self) -> float:
@@ -132,8 +146,11 @@ class Scheduler:
         check_prompt_length(len(req.prompt_ids), self.context_len)
         need = self.kv.pages_for(len(req.prompt_ids) + 1)
         if need > self.allocator.capacity:
-            raise InvalidParam("prompt", f"the prompt needs {need * self.page_size} KV tokens; the pool "
-                                         f"holds {self.allocator.capacity * self.page_size}")
+            raise InvalidParam(
+                "prompt",
+                f"the prompt needs {need * self.page_size} KV tokens; the pool "
+                f"holds {self.allocator.capacity * self.page_size}",
+            )
         if req.params.constraint is not None:
             self.grammar_waits.start(req)
         self.table.add(req)
@@ -172,7 +189,10 @@ class Scheduler:
             self.table.finish(req, FinishReason.STOP if matched_stop else FinishReason.ABORT)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        return [self.table.finish(req, FinishReason.ABORT, error) for req in list(self.table.reqs.values())]
+        return [
+            self.table.finish(req, FinishReason.ABORT, error)
+            for req in list(self.table.reqs.values())
+        ]
 
     # ---- the step -------------------------------------------------------------------
     def schedule(self) -> BatchInput | None:
@@ -194,14 +214,20 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         scheduled: set[int] = set()
         # In rank order, so retraction victims are never already in the batch.
-        budget -= decode.schedule_running([r for r in decoding if id(r) not in hold], batch, scheduled, budget)
+        budget -= decode.schedule_running(
+            [r for r in decoding if id(r) not in hold], batch, scheduled, budget
+        )
         decodes = list(batch)
         reserved = budget // 2 if prefill.can_admit() else 0
         budget -= decode.schedule_running(prompts, batch, scheduled, budget - reserved)
         budget = prefill.admit(batch, budget)
         budget = prefill.extend_chunks(prompts, batch, budget, decode.may_run_ahead)
-        if hold and len(batch) == len(decodes):  # no prompt could run after all: nothing to yield to
-            budget -= decode.schedule_running([r for r in decoding if id(r) in hold], batch, scheduled, budget)
+        if hold and len(batch) == len(
+            decodes
+        ):  # no prompt could run after all: nothing to yield to
+            budget -= decode.schedule_running(
+                [r for r in decoding if id(r) in hold], batch, scheduled, budget
+            )
             decodes, hold = list(batch), set()
         self.prefill_first.note_holds(decoding, hold)
         # Speculation takes only what prompts left: it never delays a first token.

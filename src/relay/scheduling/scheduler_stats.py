@@ -1,4 +1,5 @@
 """What the scheduler reports: its counters (/metrics, /get_server_info) and a line per step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,14 +31,21 @@ def step_log_line(batch: BatchInput, seconds: float, stats: SchedulerStats) -> s
     """One line about a processed step (--log-steps): what it computed and what it cost, so a slow
     step can be told apart from a long queue: prompt chunks with their tokens and the cached
     tokens they attend over, decode rows (and proposals verified), the load, KV use, the time."""
-    decode = {i for i, (n, out) in enumerate(zip(batch.extend_lens, batch.output_lens)) if n == 1 and out > 0}
+    decode = {
+        i
+        for i, (n, out) in enumerate(zip(batch.extend_lens, batch.output_lens))
+        if n == 1 and out > 0
+    }
     prompt = [i for i in range(len(batch.sids)) if i not in decode]
     tokens = sum(batch.extend_lens[i] for i in prompt)
     cached = sum(batch.prefix_lens[i] for i in prompt)
     proposed = sum(batch.spec_lens) if batch.spec_lens else 0
     # What running requests hold, as /metrics counts it: evictable cached pages are free for the taking.
     used = stats.kv_locked_tokens / max(1, stats.kv_total_tokens)
-    return (f"step {batch.step}: prompt chunks {len(prompt)} ({tokens} tokens over {cached} cached), "
-            f"decodes {len(decode)}" + (f" (+{proposed} proposed)" if proposed else "")
-            + f", running {stats.num_running}, waiting {stats.num_waiting}, KV {used:.1%} used, "
-            f"{seconds * 1000:.1f} ms")
+    return (
+        f"step {batch.step}: prompt chunks {len(prompt)} ({tokens} tokens over {cached} cached), "
+        f"decodes {len(decode)}"
+        + (f" (+{proposed} proposed)" if proposed else "")
+        + f", running {stats.num_running}, waiting {stats.num_waiting}, KV {used:.1%} used, "
+        f"{seconds * 1000:.1f} ms"
+    )

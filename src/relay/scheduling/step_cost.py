@@ -1,4 +1,5 @@
 """What a step's tokens cost against its budget, and how long a prompt chunk fits it."""
+
 from __future__ import annotations
 
 import math

@@ -7,6 +7,7 @@ decides when that pays). Where the steps go and how their outputs come back is t
 the process sends them to the runner ranks over ZeroMQ, the Engine runs its ModelRunner in its
 own thread (InProcessRunner); the records it makes go to `publish`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,13 @@ class InProcessRunner:
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, policy: OverlapPolicy,
-                 publish: Callable[[list[RequestOutput]], None]):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        policy: OverlapPolicy,
+        publish: Callable[[list[RequestOutput]], None],
+    ):
         self.sched = scheduler
         self.runner = runner
         self.policy = policy
@@ -104,5 +110,7 @@ class StepLoop:
             logger.info(step_log_line(done, self.sched.last_step_seconds, self.sched.stats()))
         self.flush()
         self.work["busy_seconds"] += time.perf_counter() - start
-        self.policy.record(self.work["busy_seconds"] - self._busy_mark, self.sched.last_step_seconds)
+        self.policy.record(
+            self.work["busy_seconds"] - self._busy_mark, self.sched.last_step_seconds
+        )
         self._busy_mark = self.work["busy_seconds"]

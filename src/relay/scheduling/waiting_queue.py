@@ -1,4 +1,5 @@
 """The queue of requests not running: highest priority first, then first come."""
+
 from __future__ import annotations
 
 import heapq

@@ -9,6 +9,7 @@ meanwhile are dropped here.
 It learns about a request from a DetokenizeSpec, which the tokenizer sends it directly; a
 record that arrives before its spec waits for it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ STRAY_SECONDS = 60.0
 @dataclass
 class DetokenizeSpec:
     """What the detokenizer needs to know about one request (tokenizer -> detokenizer)."""
+
     rid: str
     prompt_tail: list[int]
     skip_special_tokens: bool
@@ -36,14 +38,20 @@ class DetokenizeSpec:
 
     @classmethod
     def of(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> DetokenizeSpec:
-        return cls(rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], params.skip_special_tokens, list(params.stop),
-                   params.include_stop_str_in_output)
+        return cls(
+            rid,
+            prompt_ids[-PROMPT_CONTEXT_TOKENS:],
+            params.skip_special_tokens,
+            list(params.stop),
+            params.include_stop_str_in_output,
+        )
 
 
 @dataclass
 class Stopped:
     """A request whose output ended here: the scheduler must stop generating it. matched is
     the stop string, or None when detokenizing it failed."""
+
     rid: str
     matched: str | None
 
@@ -53,12 +61,17 @@ class Detokenizer:
         self.tok = tokenizer
         self.streams: dict[str, DecodeStream] = {}
         self.stopped = Tombstones(STRAY_SECONDS)  # rids ended here by a stop string
-        self.early: dict[str, tuple[float, list[RequestOutput]]] = {}  # records that came before their spec
+        self.early: dict[
+            str, tuple[float, list[RequestOutput]]
+        ] = {}  # records that came before their spec
 
     def start(self, spec: DetokenizeSpec) -> tuple[list[RequestOutput], list[Stopped]]:
         """Begin a request's stream; returns what records that waited for it produce."""
-        params = SamplingParams(stop=spec.stop, skip_special_tokens=spec.skip_special_tokens,
-                                include_stop_str_in_output=spec.include_stop_str_in_output)
+        params = SamplingParams(
+            stop=spec.stop,
+            skip_special_tokens=spec.skip_special_tokens,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+        )
         self.streams[spec.rid] = DecodeStream(self.tok, spec.prompt_tail, params)
         self.stopped.discard(spec.rid)  # a new request reusing the id
         _, waiting = self.early.pop(spec.rid, (0.0, []))
@@ -80,9 +93,14 @@ class Detokenizer:
                 self.streams.pop(r.rid, None)
                 stops.append(Stopped(r.rid, None))
                 self.stopped.add(r.rid)
-                r = RequestOutput(r.rid, finish_reason=FinishReason.ABORT, prompt_tokens=r.prompt_tokens,
-                                  completion_tokens=r.completion_tokens, cached_tokens=r.cached_tokens,
-                                  error=f"detokenization failed: {type(e).__name__}: {e}")
+                r = RequestOutput(
+                    r.rid,
+                    finish_reason=FinishReason.ABORT,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.completion_tokens,
+                    cached_tokens=r.cached_tokens,
+                    error=f"detokenization failed: {type(e).__name__}: {e}",
+                )
             out.append(r)
         return out, stops
 
@@ -91,8 +109,10 @@ class Detokenizer:
         if r.logprobs is not None:
             r.token_texts = [self.tok.decode([t], False) for t in r.token_ids]
             if r.top_logprobs is not None:
-                r.top_texts = [None if top is None else [self.tok.decode([t], False) for t in top[0]]
-                               for top in r.top_logprobs]
+                r.top_texts = [
+                    None if top is None else [self.tok.decode([t], False) for t in top[0]]
+                    for top in r.top_logprobs
+                ]
         if stream.stopped is not None and r.finish_reason in (None, FinishReason.LENGTH):
             if r.finish_reason is None:  # the scheduler is still generating it
                 stops.append(Stopped(r.rid, stream.stopped))

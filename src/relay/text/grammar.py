@@ -19,6 +19,7 @@ alone, and the tokenizer once did that on its loop, holding up every request beh
 JSON schemas compile without free whitespace (one space after ':' and ','): a small model
 given the freedom fills its token budget with newlines.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -85,8 +86,14 @@ def clean_error(e: Exception) -> str:
 class Constraint:
     """One request's grammar: compiling, then a matcher that follows the request's output."""
 
-    def __init__(self, kind: str, compiled: Future, deadline: float, timeout: float,
-                 on_release: Callable[[], None]):
+    def __init__(
+        self,
+        kind: str,
+        compiled: Future,
+        deadline: float,
+        timeout: float,
+        on_release: Callable[[], None],
+    ):
         self.kind = kind
         self._compiled = compiled
         self.deadline = deadline  # on the caller's clock: when to stop waiting for the compile
@@ -103,6 +110,7 @@ class Constraint:
             return False
         try:
             import xgrammar
+
             self.matcher = xgrammar.GrammarMatcher(self._compiled.result())
         except Exception as e:
             self.error = clean_error(e)
@@ -116,8 +124,10 @@ class Constraint:
             return None if self.error is None else f"invalid {self.kind}: {self.error}"
         if now < self.deadline:
             return None
-        return (f"{self.kind} did not compile within {self._timeout:g} s (--grammar-compile-timeout): "
-                "simplify it, or ask the operator to raise the limit")
+        return (
+            f"{self.kind} did not compile within {self._timeout:g} s (--grammar-compile-timeout): "
+            "simplify it, or ask the operator to raise the limit"
+        )
 
     def wait(self, timeout: float) -> None:
         """Block until compiled (or failed), at most timeout seconds."""
@@ -181,7 +191,9 @@ class _Compile:
 
     @property
     def failed(self) -> bool:
-        return self.future.done() and (self.future.cancelled() or self.future.exception() is not None)
+        return self.future.done() and (
+            self.future.cancelled() or self.future.exception() is not None
+        )
 
 
 class GrammarBackend:
@@ -189,15 +201,20 @@ class GrammarBackend:
     what a server reports: compiles, cache hits, compile seconds, live matchers. Its methods are
     called from one thread (the scheduler's); only _compile runs on the pool."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False):
+    def __init__(
+        self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
+    ):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.words = (vocab_size + BITS - 1) // BITS
-        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="relay-grammar",
-                                        initializer=_lower_thread_priority)
+        self._pool = ThreadPoolExecutor(
+            COMPILE_WORKERS, thread_name_prefix="relay-grammar", initializer=_lower_thread_priority
+        )
         self._compiler: Any = None  # built on a pool thread, before any compile
-        self._compiler_lock = threading.Lock()  # one thread loads the vocabulary; the others wait for it
+        self._compiler_lock = (
+            threading.Lock()
+        )  # one thread loads the vocabulary; the others wait for it
         self._cache: OrderedDict[tuple, _Compile] = OrderedDict()  # (kind, text, reasoning tags)
         self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
         self._stats_lock = threading.Lock()  # the counters below that pool threads update
@@ -223,8 +240,14 @@ class GrammarBackend:
         """Whether the vocabulary is in (constraints then only compile)."""
         return self._compiler is not None
 
-    def start(self, kind: str, text: str, now: float = 0.0, timeout: float = math.inf,
-              reasoning: tuple[str, str] | None = None) -> Constraint:
+    def start(
+        self,
+        kind: str,
+        text: str,
+        now: float = 0.0,
+        timeout: float = math.inf,
+        reasoning: tuple[str, str] | None = None,
+    ) -> Constraint:
         """The constraint for (kind, text), compiling on the pool unless its compile is cached
         or under way (a failed one is tried again); it must have compiled timeout seconds after
         now (the caller's clock). reasoning: (open, close) of a reasoning block the output may
@@ -241,15 +264,19 @@ class GrammarBackend:
             self._cache.move_to_end(key)
         entry.requesters += 1
         self.live += 1
-        return Constraint(kind, entry.future, now + timeout, timeout, lambda: self._released(key, entry))
+        return Constraint(
+            kind, entry.future, now + timeout, timeout, lambda: self._released(key, entry)
+        )
 
     def check(self, constraints: list[tuple], timeout: float) -> None:
         """Compile constraints, each (kind, text) or (kind, text, reasoning tags), together on the
         pool, and raise InvalidParam naming the field of the first that fails or does not compile
         within timeout seconds. The offline engine refuses a bad request this way before anything
         queues; the compiles stay cached for it."""
-        started = [self.start(kind, text, time.monotonic(), timeout, *reasoning)
-                   for kind, text, *reasoning in dict.fromkeys(constraints)]
+        started = [
+            self.start(kind, text, time.monotonic(), timeout, *reasoning)
+            for kind, text, *reasoning in dict.fromkeys(constraints)
+        ]
         try:
             for constraint in started:
                 constraint.wait(max(0.0, constraint.deadline - time.monotonic()))
@@ -318,8 +345,9 @@ class GrammarBackend:
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
-                info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.stop_token_ids)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
                 # No cache inside xgrammar: ours (CACHE_ENTRIES) is the one, and xgrammar's own
                 # is unbounded by default.
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -327,10 +355,15 @@ class GrammarBackend:
 
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
-            return {"compiles": self.compiles, "cache_hits": self.cache_hits, "live_matchers": self.live,
-                    "compiles_cancelled": self.cancelled, "compile_seconds_sum": self.compile_seconds,
-                    "compile_seconds_counts": list(self.compile_counts),
-                    "compile_seconds_buckets": list(COMPILE_BUCKETS)}
+            return {
+                "compiles": self.compiles,
+                "cache_hits": self.cache_hits,
+                "live_matchers": self.live,
+                "compiles_cancelled": self.cancelled,
+                "compile_seconds_sum": self.compile_seconds,
+                "compile_seconds_counts": list(self.compile_counts),
+                "compile_seconds_buckets": list(COMPILE_BUCKETS),
+            }
 
 
 # Whitespace a reasoning model puts between its reasoning's close tag and its answer (Qwen3:
@@ -355,9 +388,14 @@ def after_reasoning(kind: str, text: str, open_tag: str, close_tag: str) -> str:
     else:
         inner = xgrammar.Grammar.from_ebnf(text)
     answer = {"type": "grammar", "grammar": str(inner)}
-    reasoning = {"type": "sequence", "elements": [
-        {"type": "tag", "begin": open_tag, "content": {"type": "any_text"}, "end": close_tag},
-        {"type": "regex", "pattern": _AFTER_REASONING_SPACE}, answer]}
+    reasoning = {
+        "type": "sequence",
+        "elements": [
+            {"type": "tag", "begin": open_tag, "content": {"type": "any_text"}, "end": close_tag},
+            {"type": "regex", "pattern": _AFTER_REASONING_SPACE},
+            answer,
+        ],
+    }
     fmt = reasoning if not open_tag else {"type": "or", "elements": [reasoning, answer]}
     return json.dumps({"type": "structural_tag", "format": fmt})
 
@@ -368,13 +406,18 @@ def _lower_thread_priority() -> None:
     if sys.platform == "linux":
         try:
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS))
+            os.setpriority(
+                os.PRIO_PROCESS,
+                tid,
+                min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS),
+            )
         except OSError:  # a container may forbid it: compile at the usual priority
             pass
 
 
-def make_backend(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
-                 ) -> GrammarBackend | None:
+def make_backend(
+    tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
+) -> GrammarBackend | None:
     """The backend, or None where xgrammar is not installed (constrained requests are then
     refused with a 400). With preload, the vocabulary starts loading now on the backend's pool
     (a server: see GrammarBackend.wait_loaded); otherwise on the first constraint (an offline
@@ -390,12 +433,18 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes])
     from relay.execution.kernels import cpu as cpu_kernels
 
     blob = bytearray(b"".join(masks))
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
-            and cpu_kernels.load() is not None):
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and cpu_kernels.load() is not None
+    ):
         words = torch.frombuffer(blob, dtype=torch.int32).view(len(rows), -1)
         cpu_kernels.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
         return
-    bits = np.unpackbits(np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little")
+    bits = np.unpackbits(
+        np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little"
+    )
     allowed = torch.from_numpy(bits).to(logits.device).bool()
     vocab = logits.shape[1]
     if allowed.shape[1] < vocab:

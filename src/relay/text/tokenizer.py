@@ -4,6 +4,7 @@
 token boundaries (a character split over tokens is held until complete), stop strings
 applied, and text that might be the start of a stop string held back until it is not.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -35,7 +36,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
             self.hf.chat_template = read_chat_template(chat_template)
-        self.raw = getattr(self.hf, "backend_tokenizer", None)  # the Rust tokenizer: no Python layers
+        self.raw = getattr(
+            self.hf, "backend_tokenizer", None
+        )  # the Rust tokenizer: no Python layers
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
 
@@ -52,20 +55,31 @@ class Tokenizer:
         _ = self.max_token_chars  # a cached property: reading it builds it
         self.decode(self.encode("warm up"))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
         """The chat's token ids as its template renders it; add_special_tokens adds the tokenizer's
         own (a BOS) on top of those the template writes, as vLLM's /tokenize does."""
         if not self.hf.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions, or start "
-                             "the server with --chat-template FILE")
+            raise ValueError(
+                "this model's tokenizer has no chat template; use /v1/completions, or start "
+                "the server with --chat-template FILE"
+            )
         if add_special_tokens:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               **kwargs)
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
             return self.encode(text, add_special_tokens=True)
-        out = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          **kwargs)
-        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+        out = self.hf.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        if isinstance(out, dict) or hasattr(
+            out, "keys"
+        ):  # transformers 5 may return a BatchEncoding
             out = out["input_ids"]
         return list(out)
 
@@ -101,13 +115,17 @@ def read_chat_template(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        raise ValueError(
+            f"--chat-template {path!r} cannot be read: {getattr(e, 'strerror', None) or e}"
+        ) from None
     if not text.strip():
         raise ValueError(f"--chat-template {path!r} is empty")
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template {path!r} is not a valid Jinja template: line {e.lineno}: {e.message}") from None
+        raise ValueError(
+            f"--chat-template {path!r} is not a valid Jinja template: line {e.lineno}: {e.message}"
+        ) from None
     return text
 
 
@@ -138,7 +156,11 @@ class ByteTable:
 
 def _byte_level_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies use."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(0xA1, 0xAC + 1))
+        + list(range(0xAE, 0xFF + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -162,21 +184,34 @@ class PromptPreparer:
         # The model's vocabulary, which may be smaller than the tokenizer's.
         self.vocab_size = vocab_size or tokenizer.vocab_size
 
-    def prompt_ids(self, text: str | None = None, input_ids: list[int] | None = None,
-                   messages: list[dict[str, Any]] | None = None, chat_kwargs: dict[str, Any] | None = None
-                   ) -> list[int]:
+    def prompt_ids(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        chat_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         field = "messages" if messages is not None else "prompt"
-        ids = list(input_ids) if input_ids is not None else self.tokenize(text, messages, chat_kwargs)
+        ids = (
+            list(input_ids) if input_ids is not None else self.tokenize(text, messages, chat_kwargs)
+        )
         if not ids:
             raise InvalidParam(field, "the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise InvalidParam(field, f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
+            raise InvalidParam(
+                field, f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})"
+            )
         check_prompt_length(len(ids), self.context_len, field)
         return ids
 
-    def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                 chat_kwargs: dict[str, Any] | None = None, add_special_tokens: bool | None = None) -> list[int]:
+    def tokenize(
+        self,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        chat_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
         """A text's or a chat's token ids, under the prompt's limits: InvalidParam naming the field
         when it cannot fit the context. add_special_tokens (None: the default for the kind, as
         generation uses it) adds the tokenizer's special tokens: by default to a text and not to
@@ -186,10 +221,13 @@ class PromptPreparer:
             contents = [m.get("content") for m in messages if isinstance(m, dict)]
             self._refuse_if_too_long([c for c in contents if isinstance(c, str)], field)
             try:
-                ids = self.tok.apply_chat_template(messages, add_special_tokens=bool(add_special_tokens),
-                                                   **(chat_kwargs or {}))
+                ids = self.tok.apply_chat_template(
+                    messages, add_special_tokens=bool(add_special_tokens), **(chat_kwargs or {})
+                )
             except Exception as e:  # a template that fails on these messages is the request's fault
-                raise InvalidParam(field, f"the chat template failed on these messages: {e}") from None
+                raise InvalidParam(
+                    field, f"the chat template failed on these messages: {e}"
+                ) from None
         else:
             self._refuse_if_too_long([text or ""], field)
             ids = self.tok.encode(text or "", add_special_tokens is not False)
@@ -199,8 +237,12 @@ class PromptPreparer:
     def _refuse_if_too_long(self, texts: list[str], field: str) -> None:
         """Raise if these texts (tokenized apart, as a chat template's parts) cannot fit the
         context: first by length alone, then by tokenizing growing prefixes of the long ones."""
-        check_prompt_length(sum(len(t) for t in texts) // self.tok.max_token_chars, self.context_len, field,
-                            at_least=True)
+        check_prompt_length(
+            sum(len(t) for t in texts) // self.tok.max_token_chars,
+            self.context_len,
+            field,
+            at_least=True,
+        )
         probe = 4 * self.context_len  # characters: ~one context of ordinary text
         if all(len(t) <= probe for t in texts):
             return  # tokenizing it whole costs no more than probing would
@@ -217,7 +259,7 @@ class PromptPreparer:
         n = 0
         while probe < len(text):
             cut = text.rfind(" ", probe // 2, probe)
-            prefix = text[:cut if cut > 0 else probe]
+            prefix = text[: cut if cut > 0 else probe]
             n = max(0, len(self.tok.encode(prefix)) - _PROBE_MARGIN)
             if n >= enough:
                 return n
@@ -229,21 +271,31 @@ class PromptPreparer:
         InvalidParam if the budget does not fit the context."""
         room = self.context_len - prompt_len
         if params.max_new_tokens is not None and params.max_new_tokens > room:
-            raise InvalidParam("max_tokens", f"max_tokens {params.max_new_tokens} plus the prompt's {prompt_len} "
-                                             f"tokens exceed this model's context of {self.context_len}")
+            raise InvalidParam(
+                "max_tokens",
+                f"max_tokens {params.max_new_tokens} plus the prompt's {prompt_len} "
+                f"tokens exceed this model's context of {self.context_len}",
+            )
         budget = room if params.max_new_tokens is None else params.max_new_tokens
-        return dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
-
+        return dataclasses.replace(
+            params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget)
+        )
 
     def detokenize(self, ids: list[int]) -> str:
         """Token ids as text, special tokens included (vLLM's /detokenize): tokenize's inverse.
         InvalidParam naming `tokens` for an id outside the model's vocabulary."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidParam("tokens", f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
+            raise InvalidParam(
+                "tokens",
+                f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})",
+            )
         if len(ids) > self.context_len:  # no prompt or output is longer
-            raise InvalidParam("tokens", f"tokens allows at most {self.context_len} ids (this model's context), "
-                                         f"got {len(ids)}")
+            raise InvalidParam(
+                "tokens",
+                f"tokens allows at most {self.context_len} ids (this model's context), "
+                f"got {len(ids)}",
+            )
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
@@ -282,8 +334,12 @@ class DecodeStream:
                 self._add_bytes(token_ids, finished)
             else:
                 self._add_windowed(token_ids, finished)
-        end = len(self.text) if (finished or self.stopped is not None) else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        end = (
+            len(self.text)
+            if (finished or self.stopped is not None)
+            else max(self.sent, len(self.text) - self.hold)
+        )
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
     def _add_bytes(self, token_ids: list[int], finished: bool) -> None:
@@ -307,12 +363,12 @@ class DecodeStream:
             self._append(self._decode_tail(force=True))
 
     def _decode_tail(self, force: bool = False) -> str:
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
-        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip_special)
         if not force and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def _append(self, delta: str) -> bool:
         start = max(0, len(self.text) - self.hold)
@@ -321,7 +377,7 @@ class DecodeStream:
         if not hits:
             return False
         i, stop = min(hits)
-        self.text = self.text[:i + len(stop)] if self.include_stop else self.text[:i]
+        self.text = self.text[: i + len(stop)] if self.include_stop else self.text[:i]
         self.stopped = stop
         return True
 

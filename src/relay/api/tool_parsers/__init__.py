@@ -1,5 +1,6 @@
 """Tool-call parsers, one per model family's output format (`--tool-call-parser`), and the
 default chosen from the chat template when the flag is not given."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,5 +43,14 @@ def make_parser(name: str) -> ToolParser:
     return PARSERS[name]()
 
 
-__all__ = ["PARSERS", "DEFAULT", "NEEDS_SPECIAL_TOKENS", "CallArgs", "CallName", "Event", "ToolParser",
-           "parser_for_template", "make_parser"]
+__all__ = [
+    "PARSERS",
+    "DEFAULT",
+    "NEEDS_SPECIAL_TOKENS",
+    "CallArgs",
+    "CallName",
+    "Event",
+    "ToolParser",
+    "parser_for_template",
+    "make_parser",
+]

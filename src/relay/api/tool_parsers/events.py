@@ -5,6 +5,7 @@ A parser is fed the output in pieces and yields events as soon as they are certa
 re-reads what it already decided on. Fed the whole text at once it yields the same events
 joined differently, so a streamed response reassembles to exactly the whole one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ blocks anywhere in the text; the text outside them is the content.
 Text outside blocks comes out as soon as it cannot be the start of an open tag; a block that
 holds no call comes out as text, tags and all.
 """
+
 from __future__ import annotations
 
 from relay.api.tool_parsers.events import Event, partial_suffix
@@ -41,7 +42,7 @@ class HermesParser:
             return ""
         if start:
             out.append(self._text[:start])
-        rest, self._text = self._text[start + len(OPEN_TAG):], ""
+        rest, self._text = self._text[start + len(OPEN_TAG) :], ""
         self._call = JsonCallReader()
         return rest
 
@@ -63,9 +64,11 @@ class HermesParser:
         self._closing += text
         end = self._closing.find(CLOSE_TAG)
         if end < 0:
-            self._closing = self._closing[len(self._closing) - partial_suffix(self._closing, CLOSE_TAG):]
+            self._closing = self._closing[
+                len(self._closing) - partial_suffix(self._closing, CLOSE_TAG) :
+            ]
             return ""
-        rest, self._closing, self._skipping = self._closing[end + len(CLOSE_TAG):], "", False
+        rest, self._closing, self._skipping = self._closing[end + len(CLOSE_TAG) :], "", False
         return rest
 
     def finish(self) -> list[Event]:

@@ -6,6 +6,7 @@ An object in another order (arguments first), or arguments that are not an objec
 string holding the object, as some fine-tunes write), is held until it closes and parsed
 whole; one that is no call at all comes back as its text for the caller to treat as content.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ from relay.api.tool_parsers.events import CallArgs, CallName, Event
 
 # The head of a call object up to its arguments' value: matched on a prefix of the text, and
 # (partial=True) to tell "may still become one" from "is not one".
-_HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4}))*)"\s*,'
-                      r'\s*"(?:arguments|parameters)"\s*:')
+_HEAD = regex.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4}))*)"\s*,'
+    r'\s*"(?:arguments|parameters)"\s*:'
+)
 
 
 class JsonDepth:
@@ -78,7 +81,7 @@ class JsonCallReader:
         while text and not self.done:
             text = getattr(self, f"_on_{self._state}")(text, out)
         if self.done:
-            self.raw = self.raw[:len(self.raw) - len(text)]
+            self.raw = self.raw[: len(self.raw) - len(text)]
             self.rest = text
         return out
 
@@ -88,7 +91,7 @@ class JsonCallReader:
         if m is not None:
             out.append(CallName(json.loads(f'"{m.group(1)}"')))
             self.named, self._state = True, "before_args"
-            return self._head_text[m.end():]
+            return self._head_text[m.end() :]
         if _HEAD.match(self._head_text, partial=True) is None:
             self._state, self._depth = "whole", JsonDepth()
             held, self._head_text = self._head_text, ""
@@ -141,7 +144,7 @@ class JsonCallReader:
         if end < 0:
             return ""
         self.done = True
-        call = _call(self.raw[:len(self.raw) - len(text) + end])
+        call = _call(self.raw[: len(self.raw) - len(text) + end])
         if call is None:
             self.invalid = True
         else:

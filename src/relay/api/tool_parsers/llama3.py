@@ -2,6 +2,7 @@
 (several separated by ';'), possibly after `<|python_tag|>`. An output that does not begin with
 a call object is all content, as vLLM's llama3_json parser reads it.
 """
+
 from __future__ import annotations
 
 from relay.api.tool_parsers.events import Event
@@ -27,7 +28,7 @@ class Llama3Parser:
         self._held += text
         head = self._held.lstrip()
         if head.startswith(PYTHON_TAG):
-            head = head[len(PYTHON_TAG):].lstrip()
+            head = head[len(PYTHON_TAG) :].lstrip()
         elif PYTHON_TAG.startswith(head):
             return ""  # nothing yet, or the tag arriving
         if not head:

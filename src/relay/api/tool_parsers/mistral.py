@@ -4,6 +4,7 @@
 parser reads. `[TOOL_CALLS]` is a special token: requests parsed with this format are
 detokenized with skip_special_tokens off so that it reaches the text.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,7 +39,7 @@ class MistralParser:
             return ""
         if start:
             out.append(self._held[:start])
-        rest, self._held, self._state = self._held[start + len(BOT):], "", "after_bot"
+        rest, self._held, self._state = self._held[start + len(BOT) :], "", "after_bot"
         return rest
 
     def _on_after_bot(self, text: str, out: list[Event]) -> str:
@@ -78,11 +79,11 @@ class MistralParser:
         self._held += text
         end = self._held.find(ARGS)
         if end < 0:
-            head = self._held[:len(self._held) - partial_suffix(self._held, ARGS)]
+            head = self._held[: len(self._held) - partial_suffix(self._held, ARGS)]
             if head and not _NAME.fullmatch(head):
                 return self._no_call()
             return ""
-        name, rest = self._held[:end].strip(), self._held[end + len(ARGS):]
+        name, rest = self._held[:end].strip(), self._held[end + len(ARGS) :]
         if not _NAME.fullmatch(name):
             return self._no_call()
         out.append(CallName(name))

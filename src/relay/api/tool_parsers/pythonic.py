@@ -8,6 +8,7 @@ tuples); a call with anything else (a name, an expression, positional arguments)
 and it and the rest of the output are content. A call's name and arguments therefore arrive
 together, one call at a time.
 """
+
 from __future__ import annotations
 
 import ast
@@ -40,7 +41,7 @@ class PythonicParser:
         self._held += text
         head = self._held.lstrip()
         if head.startswith(START):
-            head = head[len(START):].lstrip()
+            head = head[len(START) :].lstrip()
         elif START.startswith(head):
             return ""
         if _OPENING.match(head):
@@ -80,7 +81,7 @@ class PythonicParser:
         if END.startswith(head):
             return ""
         self._state, self._held = "content", ""
-        return head[len(END):] if head.startswith(END) else head
+        return head[len(END) :] if head.startswith(END) else head
 
     def _on_content(self, text: str, out: list[Event]) -> str:
         out.append(text)
@@ -134,7 +135,10 @@ def _call(text: str) -> list[Event] | None:
         return None
     try:
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        return [CallName(name), CallArgs(json.dumps(arguments, ensure_ascii=False, allow_nan=False))]
+        return [
+            CallName(name),
+            CallArgs(json.dumps(arguments, ensure_ascii=False, allow_nan=False)),
+        ]
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None  # a value that is no literal, or not JSON (a set, bytes, a complex number)
 

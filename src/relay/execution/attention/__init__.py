@@ -1,4 +1,5 @@
 """Attention backends: `torch` (CPU and reference), `triton` and `flashinfer` (CUDA)."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,19 +10,25 @@ import torch
 from relay.execution.attention.base import BACKENDS, AttentionBackend, StepMeta, register_backend
 
 # Modules that register backends; imported on demand so a CPU install never imports GPU code.
-_MODULES = {"torch": "relay.execution.attention.torch_native", "triton": "relay.execution.attention.triton_backend",
-            "flashinfer": "relay.execution.attention.flashinfer_backend"}
+_MODULES = {
+    "torch": "relay.execution.attention.torch_native",
+    "triton": "relay.execution.attention.triton_backend",
+    "flashinfer": "relay.execution.attention.flashinfer_backend",
+}
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                         masked: bool = False) -> str:
+def resolve_backend_name(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, masked: bool = False
+) -> str:
     """`auto` picks flashinfer on CUDA when it is installed (and the dtype is float16 or
     bfloat16, all it runs), else triton on CUDA, else torch; torch wherever the model's
     attention is masked beyond causal (sliding windows, soft-capping: ModelConfig.masks_attention),
     which only the torch backend applies."""
     if name != "auto":
         if name not in _MODULES:
-            raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_MODULES)} or auto")
+            raise ValueError(
+                f"unknown attention backend {name!r}; choose from {sorted(_MODULES)} or auto"
+            )
         if name != "torch" and device.type != "cuda":
             raise ValueError(f"attention backend {name!r} needs a CUDA device")
         return name
@@ -32,8 +39,9 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | N
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def backend_class(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                  masked: bool = False) -> type[AttentionBackend]:
+def backend_class(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, masked: bool = False
+) -> type[AttentionBackend]:
     name = resolve_backend_name(name, device, dtype, masked)
     if name not in BACKENDS:
         importlib.import_module(_MODULES[name])
@@ -44,5 +52,11 @@ def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBacken
     return backend_class(name, device)(**kwargs)
 
 
-__all__ = ["AttentionBackend", "StepMeta", "register_backend", "backend_class", "create_backend",
-           "resolve_backend_name"]
+__all__ = [
+    "AttentionBackend",
+    "StepMeta",
+    "register_backend",
+    "backend_class",
+    "create_backend",
+    "resolve_backend_name",
+]

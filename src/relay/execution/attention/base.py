@@ -4,6 +4,7 @@ A backend is told once per step what the batch looks like (`plan`), then called 
 layer with that layer's new q/k/v (`forward`): it writes k/v into the paged KV cache and
 attends each request's new tokens over its prefix plus themselves (causally).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -18,6 +19,7 @@ from relay.memory.kv_cache import KVCache
 @dataclass
 class StepMeta:
     """Runner-side description of one forward step (host lists and device tensors)."""
+
     prefix_lens: list[int]  # per request: tokens already cached
     extend_lens: list[int]  # per request: new tokens this step
     page_tables: list[list[int]]  # per request: pages covering prefix + new tokens
@@ -42,13 +44,23 @@ class AttentionBackend(ABC):
     # (ModelConfig.masks_attention); one that does not refuses a model that needs them.
     masks_scores: bool = False
 
-    def __init__(self, kv: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: list[int | None] | None = None, softcap: float | None = None):
+    def __init__(
+        self,
+        kv: KVCache,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        windows: list[int | None] | None = None,
+        softcap: float | None = None,
+    ):
         """windows: each layer's sliding window (None: the whole context; no list: no layer has
         one); softcap: scores become softcap * tanh(scores / softcap) before the softmax."""
         if (windows or softcap is not None) and not self.masks_scores:
-            raise ValueError(f"the {self.name} attention backend applies no sliding window or attention "
-                             f"soft-capping, which this model needs: use --attention-backend torch (or auto)")
+            raise ValueError(
+                f"the {self.name} attention backend applies no sliding window or attention "
+                f"soft-capping, which this model needs: use --attention-backend torch (or auto)"
+            )
         self.kv = kv
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -74,7 +86,9 @@ class AttentionBackend(ABC):
         return None
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
 
     # ---- CUDA graphs (decode only) --------------------------------------------------------
@@ -104,4 +118,5 @@ def register_backend(name: str):
         cls.name = name
         BACKENDS[name] = cls
         return cls
+
     return wrap

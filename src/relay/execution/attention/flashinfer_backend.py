@@ -24,6 +24,7 @@ kv_indptr [B+1], kv_indices (the pages each request uses), kv_last_page_len [B] 
 Mixed batches (decode + prefill chunks) go through the prefill wrapper (a decoding request
 is a 1-token extend; flashinfer's causal mask is aligned to the end of the kv sequence).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,11 +35,14 @@ import torch
 
 from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 
-WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-kv partials), shared by all wrappers
+WORKSPACE_BYTES = (
+    256 << 20
+)  # flashinfer's float workspace (split-kv partials), shared by all wrappers
 
 
-def page_csr(page_tables: list[list[int]], seq_lens: list[int], page_size: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_csr(
+    page_tables: list[list[int]], seq_lens: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]) as int32 CPU tensors.
 
     Request i uses the first ceil(seq_lens[i] / page_size) pages of its page table."""
@@ -48,11 +52,16 @@ def page_csr(page_tables: list[list[int]], seq_lens: list[int], page_size: int
     npages = (seq + page_size - 1) // page_size
     for i, (pt, n) in enumerate(zip(page_tables, npages)):
         if len(pt) < n:
-            raise ValueError(f"request {i} has {seq[i]} tokens but only {len(pt)} pages of {page_size}")
+            raise ValueError(
+                f"request {i} has {seq[i]} tokens but only {len(pt)} pages of {page_size}"
+            )
     indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(npages, out=indptr[1:])
-    indices = np.fromiter(itertools.chain.from_iterable(pt[:n] for pt, n in zip(page_tables, npages.tolist())),
-                          dtype=np.int32, count=int(indptr[-1]))
+    indices = np.fromiter(
+        itertools.chain.from_iterable(pt[:n] for pt, n in zip(page_tables, npages.tolist())),
+        dtype=np.int32,
+        count=int(indptr[-1]),
+    )
     last = (seq - (npages - 1) * page_size).astype(np.int32)
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
 
@@ -75,18 +84,24 @@ class FlashInferBackend(AttentionBackend):
         try:
             import flashinfer
         except ImportError as e:
-            raise RuntimeError("attention backend 'flashinfer' needs the flashinfer package "
-                               "(pip install flashinfer-python); or use --attention-backend triton") from e
+            raise RuntimeError(
+                "attention backend 'flashinfer' needs the flashinfer package "
+                "(pip install flashinfer-python); or use --attention-backend triton"
+            ) from e
         self.fi = flashinfer
         self.device = kv.k[0].device
         self.dtype = kv.k[0].dtype
         if self.device.type != "cuda" and self.requires_cuda:
             raise ValueError("the flashinfer backend needs a CUDA device")
         if self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"flashinfer runs float16/bfloat16, not {self.dtype}; use --attention-backend triton")
+            raise ValueError(
+                f"flashinfer runs float16/bfloat16, not {self.dtype}; use --attention-backend triton"
+            )
         ps = kv.page_size
-        self.caches = [(k.view(-1, ps, num_kv_heads, head_dim), v.view(-1, ps, num_kv_heads, head_dim))
-                       for k, v in zip(kv.k, kv.v)]
+        self.caches = [
+            (k.view(-1, ps, num_kv_heads, head_dim), v.view(-1, ps, num_kv_heads, head_dim))
+            for k, v in zip(kv.k, kv.v)
+        ]
         # Tensor-core decode pays off for larger GQA groups (as in SGLang's heuristic).
         self.use_tensor_cores = num_heads // num_kv_heads >= 4
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -94,9 +109,12 @@ class FlashInferBackend(AttentionBackend):
         prefill_kw = {}
         if os.environ.get("RELAY_FLASHINFER_PREFILL_BACKEND"):
             prefill_kw["backend"] = os.environ["RELAY_FLASHINFER_PREFILL_BACKEND"]
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **prefill_kw)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", **prefill_kw
+        )
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
         self.active = None
         self.out_slots: torch.Tensor | None = None
         self._graph: dict | None = None
@@ -104,8 +122,19 @@ class FlashInferBackend(AttentionBackend):
     # ---- planning ----------------------------------------------------------------------
     def _plan_decode(self, wrapper, meta: StepMeta) -> None:
         indptr, indices, last = page_csr(meta.page_tables, meta.seq_lens, self.kv.page_size)
-        wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.kv.page_size,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale, non_blocking=True)
+        wrapper.plan(
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv.page_size,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=self.scale,
+            non_blocking=True,
+        )
 
     def plan(self, meta: StepMeta) -> None:
         self.out_slots = meta.out_slots
@@ -114,17 +143,30 @@ class FlashInferBackend(AttentionBackend):
             self.active = self.decode_wrapper
             return
         indptr, indices, last = page_csr(meta.page_tables, meta.seq_lens, self.kv.page_size)
-        self.prefill_wrapper.plan(qo_indptr(meta.extend_lens), indptr, indices, last, self.num_heads,
-                                  self.num_kv_heads, self.head_dim, self.kv.page_size, causal=True,
-                                  sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
-                                  non_blocking=True)
+        self.prefill_wrapper.plan(
+            qo_indptr(meta.extend_lens),
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+        )
         self.active = self.prefill_wrapper
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         self._graph = {
             "indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
-            "indices": torch.zeros(max_bs * max(1, max_pages_per_req), dtype=torch.int32, device=dev),
+            "indices": torch.zeros(
+                max_bs * max(1, max_pages_per_req), dtype=torch.int32, device=dev
+            ),
             "last_page_len": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "wrappers": {},
         }
@@ -136,16 +178,23 @@ class FlashInferBackend(AttentionBackend):
         wrapper = g["wrappers"].get(bs)
         if wrapper is None:  # one wrapper per captured batch size, all over the same buffers
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=g["indptr"][:bs + 1], paged_kv_indices_buffer=g["indices"],
-                paged_kv_last_page_len_buffer=g["last_page_len"][:bs])
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=g["indptr"][: bs + 1],
+                paged_kv_indices_buffer=g["indices"],
+                paged_kv_last_page_len_buffer=g["last_page_len"][:bs],
+            )
             g["wrappers"][bs] = wrapper
         self._plan_decode(wrapper, meta)
         self.active = wrapper
         self.out_slots = meta.out_slots
 
     # ---- the layer call ------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         self.kv.write(layer, self.out_slots, k, v)
         out = self.active.run(q.contiguous(), self.caches[layer])
         return out.view(q.shape[0], -1)

@@ -15,6 +15,7 @@ to its window and caps the scores. Relay's C attention kernels (decode, prompt c
 cascade) do neither, so such a model runs without them, and so without the one-call C decoder
 layers built on them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ class _Prefill:
     row: int  # first query row in the step's flattened tokens
     num_new: int
     keys: slice | torch.Tensor  # the request's KV slots, as a slice when consecutive
-    masks: dict[int | None, torch.Tensor | None]  # window -> [num_new, seq_len] bool, None = plain causal from 0
+    masks: dict[
+        int | None, torch.Tensor | None
+    ]  # window -> [num_new, seq_len] bool, None = plain causal from 0
 
 
 def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int) -> np.ndarray:
@@ -41,7 +44,7 @@ def page_slots(page_tables: list[list[int]], lengths: list[int], page_size: int)
     width = max(len(p) for p in page_tables)
     table = np.zeros((len(page_tables), width), dtype=np.int64)
     for i, pages in enumerate(page_tables):
-        table[i, :len(pages)] = pages
+        table[i, : len(pages)] = pages
     slots = (table[:, :, None] * page_size + np.arange(page_size)).reshape(len(page_tables), -1)
     max_len = max(lengths)
     slots = slots[:, :max_len]
@@ -63,7 +66,9 @@ def decode_mask(lens: list[int], width: int, window: int | None, device) -> torc
     return mask.to(device)[None, :, None, :]
 
 
-def prefill_mask(prefix: int, n: int, seq_len: int, window: int | None, device) -> torch.Tensor | None:
+def prefill_mask(
+    prefix: int, n: int, seq_len: int, window: int | None, device
+) -> torch.Tensor | None:
     """[n, seq_len] bool: which keys each of a chunk's n queries (positions prefix..) attends;
     None for plain causal attention from position 0."""
     if not prefix and window is None:
@@ -87,13 +92,18 @@ class TorchNativeBackend(AttentionBackend):
         self.kernel = None
         self.has_decode, self.dec_rows, self.ext_plan = False, None, None  # set by plan()
         masked = bool(self.windows) or self.softcap is not None
-        if (not masked and self.kv.k[0].device.type == "cpu" and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
-                and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP):
+        if (
+            not masked
+            and self.kv.k[0].device.type == "cpu"
+            and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
+            and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP
+        ):
             self.kernel = cpu_kernels.load()
         # Cascade attention over shared prefixes, where the kernel has it for this cache.
         kv_dtype = self.kv.k[0].dtype
-        self.share_prefixes = self.kernel is not None and cpu_kernels.tiled_attention_available(kv_dtype, kv_dtype,
-                                                                                         self.head_dim)
+        self.share_prefixes = self.kernel is not None and cpu_kernels.tiled_attention_available(
+            kv_dtype, kv_dtype, self.head_dim
+        )
 
     def plan(self, meta: StepMeta) -> None:
         device = self.kv.k[0].device
@@ -105,16 +115,24 @@ class TorchNativeBackend(AttentionBackend):
         self.has_decode = bool(dec)
         if dec:
             all_decode = len(dec) == len(meta.extend_lens)
-            self.dec_rows = None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
+            self.dec_rows = (
+                None if all_decode else torch.tensor([starts[i] for i in dec], device=device)
+            )
             lens = [seq_lens[i] for i in dec]
             if self.kernel is not None:
-                self.dec_plan = cpu_kernels.DecodePlan([meta.page_tables[i] for i in dec], lens, self.kv.page_size,
-                                                       share=self.share_prefixes)
+                self.dec_plan = cpu_kernels.DecodePlan(
+                    [meta.page_tables[i] for i in dec],
+                    lens,
+                    self.kv.page_size,
+                    share=self.share_prefixes,
+                )
                 return self._plan_prefills(meta, starts, seq_lens, device)
             slots = page_slots([meta.page_tables[i] for i in dec], lens, self.kv.page_size)
             self.dec_shape = slots.shape
             self.dec_slots = torch.from_numpy(slots.reshape(-1)).to(device)
-            self.dec_masks = {w: decode_mask(lens, slots.shape[1], w, device) for w in self._distinct_windows()}
+            self.dec_masks = {
+                w: decode_mask(lens, slots.shape[1], w, device) for w in self._distinct_windows()
+            }
         self._plan_prefills(meta, starts, seq_lens, device)
 
     def _distinct_windows(self) -> set[int | None]:
@@ -123,16 +141,23 @@ class TorchNativeBackend(AttentionBackend):
     def _window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
 
-    def _plan_prefills(self, meta: StepMeta, starts: list[int], seq_lens: list[int], device) -> None:
+    def _plan_prefills(
+        self, meta: StepMeta, starts: list[int], seq_lens: list[int], device
+    ) -> None:
         chunks = [i for i, e in enumerate(meta.extend_lens) if e > 1]
         # Prompt chunks go to Relay's C kernel where it takes them (reading the cache in place);
         # the SDPA plan below is the fallback.
         self.ext_plan = None
         if chunks and self.kernel is not None:
-            self.ext_plan = cpu_kernels.ExtendPlan([meta.page_tables[i] for i in chunks],
-                                                   [meta.prefix_lens[i] for i in chunks],
-                                                   [meta.extend_lens[i] for i in chunks], [starts[i] for i in chunks])
-        self.prefills = [self._plan_prefill(meta, i, starts[i], seq_lens[i], device) for i in chunks]
+            self.ext_plan = cpu_kernels.ExtendPlan(
+                [meta.page_tables[i] for i in chunks],
+                [meta.prefix_lens[i] for i in chunks],
+                [meta.extend_lens[i] for i in chunks],
+                [starts[i] for i in chunks],
+            )
+        self.prefills = [
+            self._plan_prefill(meta, i, starts[i], seq_lens[i], device) for i in chunks
+        ]
 
     def _plan_prefill(self, meta: StepMeta, i: int, row: int, seq_len: int, device) -> _Prefill:
         pages = meta.page_tables[i]
@@ -159,38 +184,78 @@ class TorchNativeBackend(AttentionBackend):
             return cpu_layers.PromptPlan(self.out_slots, self.ext_plan)
         return cpu_layers.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         if self.decode_kernel_plan is not None:
             # A pure decode step: the C kernel writes the new keys and values itself.
-            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer], self.kv.v[layer],
-                                                self.kv.page_size, self.scale, k, v).view(q.shape[0], -1)
+            return cpu_kernels.decode_attention(
+                self.kernel,
+                self.dec_plan,
+                q,
+                self.kv.k[layer],
+                self.kv.v[layer],
+                self.kv.page_size,
+                self.scale,
+                k,
+                v,
+            ).view(q.shape[0], -1)
         self.kv.write(layer, self.out_slots, k, v)
         if self.has_decode and self.dec_rows is None:  # a pure decode step
             return self._decode(q, layer).view(q.shape[0], -1)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.has_decode:
             out[self.dec_rows] = self._decode(q[self.dec_rows], layer)
-        if self.ext_plan is None or not cpu_kernels.extend_attention(self.kernel, self.ext_plan, q, self.kv.k[layer],
-                                                                     self.kv.v[layer], out, self.kv.page_size,
-                                                                     self.scale):
+        if self.ext_plan is None or not cpu_kernels.extend_attention(
+            self.kernel,
+            self.ext_plan,
+            q,
+            self.kv.k[layer],
+            self.kv.v[layer],
+            out,
+            self.kv.page_size,
+            self.scale,
+        ):
             for p in self.prefills:
-                out[p.row:p.row + p.num_new] = self._prefill(q[p.row:p.row + p.num_new], p, layer)
+                out[p.row : p.row + p.num_new] = self._prefill(
+                    q[p.row : p.row + p.num_new], p, layer
+                )
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kernel is not None:
             if q.dtype not in (torch.float32, torch.bfloat16):
-                return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q.float(), self.kv.k[layer],
-                                                    self.kv.v[layer], self.kv.page_size, self.scale).to(q.dtype)
-            return cpu_kernels.decode_attention(self.kernel, self.dec_plan, q, self.kv.k[layer],
-                                                self.kv.v[layer], self.kv.page_size, self.scale)
+                return cpu_kernels.decode_attention(
+                    self.kernel,
+                    self.dec_plan,
+                    q.float(),
+                    self.kv.k[layer],
+                    self.kv.v[layer],
+                    self.kv.page_size,
+                    self.scale,
+                ).to(q.dtype)
+            return cpu_kernels.decode_attention(
+                self.kernel,
+                self.dec_plan,
+                q,
+                self.kv.k[layer],
+                self.kv.v[layer],
+                self.kv.page_size,
+                self.scale,
+            )
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        keys = self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
-        values = self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        keys = (
+            self.kv.k[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        )
+        values = (
+            self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
+        )
         qg = q.view(b, hkv, group, d).transpose(0, 1).reshape(hkv * b, group, d)
-        scores = self._capped(torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale)  # [hkv * b, group, len]
+        scores = self._capped(
+            torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale
+        )  # [hkv * b, group, len]
         mask = self.dec_masks[self._window(layer)]
         if mask is not None:
             scores = (scores.view(hkv, b, group, max_len) + mask).view(hkv * b, group, max_len)
@@ -202,14 +267,23 @@ class TorchNativeBackend(AttentionBackend):
         if isinstance(p.keys, slice):
             keys, values = self.kv.k[layer][:, p.keys], self.kv.v[layer][:, p.keys]
         else:
-            keys, values = self.kv.k[layer].index_select(1, p.keys), self.kv.v[layer].index_select(1, p.keys)
+            keys, values = (
+                self.kv.k[layer].index_select(1, p.keys),
+                self.kv.v[layer].index_select(1, p.keys),
+            )
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless the KV dtype differs
         mask = p.masks[self._window(layer)]
         if self.softcap is not None:  # SDPA cannot cap scores
             return self._capped_prefill(q, keys, values, mask)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-            is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return out.squeeze(0).transpose(0, 1)
 
     def _capped(self, scores: torch.Tensor) -> torch.Tensor:
@@ -218,8 +292,9 @@ class TorchNativeBackend(AttentionBackend):
             return scores
         return torch.tanh(scores / self.softcap) * self.softcap
 
-    def _capped_prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor | None) -> torch.Tensor:
+    def _capped_prefill(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """A prompt chunk's attention with soft-capped scores, the query heads that share a kv
         head as the rows of one matrix (keys never repeated for GQA). q: [n, heads, d]; keys,
         values: [kv_heads, seq_len, d]; mask as prefill_mask's."""

@@ -21,6 +21,7 @@ K/V of the step are written into the cache with index_copy_ before attention (gr
 All kernels run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors too, which is
 how the CPU test suite checks them against the torch backend.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,27 @@ LOG2E = 1.4426950408889634
 
 # ---- kernels ----------------------------------------------------------------------------
 @triton.jit
-def _attend_paged(q, m_i, l_i, acc, K, V, table, start, end, kvh, stride_kt, stride_kh, offs_n, offs_d, mask_d,
-                  sm_scale_log2, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _attend_paged(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K,
+    V,
+    table,
+    start,
+    end,
+    kvh,
+    stride_kt,
+    stride_kh,
+    offs_n,
+    offs_d,
+    mask_d,
+    sm_scale_log2,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Online-softmax attention of the q rows over tokens [start, end) of one request's paged KV
     (shared by the decode and extend kernels); returns the updated (max, sum, accumulator)."""
     for n0 in range(start, end, BLOCK_N):
@@ -70,12 +90,33 @@ def _attend_paged(q, m_i, l_i, acc, K, V, table, start, end, kvh, stride_kt, str
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, PageTable, SeqLens, QRows, MidO, MidLse,
-    sm_scale_log2, num_splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_pt,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    PageTable,
+    SeqLens,
+    QRows,
+    MidO,
+    MidLse,
+    sm_scale_log2,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_pt,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,29 +134,69 @@ def _decode_stage1(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = PageTable + b.to(tl.int64) * stride_pt
-    m_i, l_i, acc = _attend_paged(q, m_i, l_i, acc, K, V, table, start, end, kvh, stride_kt, stride_kh,
-                                  offs_n, offs_d, mask_d, sm_scale_log2, PAGE_SIZE, BLOCK_N, IEEE)
+    m_i, l_i, acc = _attend_paged(
+        q,
+        m_i,
+        l_i,
+        acc,
+        K,
+        V,
+        table,
+        start,
+        end,
+        kvh,
+        stride_kt,
+        stride_kh,
+        offs_n,
+        offs_d,
+        mask_d,
+        sm_scale_log2,
+        PAGE_SIZE,
+        BLOCK_N,
+        IEEE,
+    )
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    mo = MidO + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
+    mo = (
+        MidO
+        + b.to(tl.int64) * stride_mo_b
+        + heads[:, None] * stride_mo_h
+        + split * stride_mo_s
+        + offs_d[None, :]
+    )
     tl.store(mo, out, mask=mask_g[:, None] & mask_d[None, :])
     tl.store(MidLse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_g)
 
 
 @triton.jit
 def _decode_stage2(
-    MidO, MidLse, QRows, Out, num_splits,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    MidO,
+    MidLse,
+    QRows,
+    Out,
+    num_splits,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,24 +205,59 @@ def _decode_stage2(
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b.to(tl.int64) * stride_ml_b + h * stride_ml_h + offs_s, mask=mask_s,
-                  other=float("-inf"))
+    lse = tl.load(
+        MidLse + b.to(tl.int64) * stride_ml_b + h * stride_ml_h + offs_s,
+        mask=mask_s,
+        other=float("-inf"),
+    )
     m = tl.max(lse, 0)
     w = tl.exp2(lse - m)  # empty splits (lse -inf) weigh 0; split 0 is never empty
-    o = tl.load(MidO + b.to(tl.int64) * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o = tl.load(
+        MidO
+        + b.to(tl.int64) * stride_mo_b
+        + h * stride_mo_h
+        + offs_s[:, None] * stride_mo_s
+        + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    tl.store(
+        Out + q_row * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
+    )
 
 
 @triton.jit
 def _extend_kernel(
-    Q, KNew, VNew, K, V, Out, PageTable, PrefixLens, ExtendLens, QStarts,
+    Q,
+    KNew,
+    VNew,
+    K,
+    V,
+    Out,
+    PageTable,
+    PrefixLens,
+    ExtendLens,
+    QStarts,
     sm_scale_log2,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_kt, stride_kh, stride_ot, stride_oh, stride_pt,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -158,8 +274,11 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < ext
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -167,8 +286,27 @@ def _extend_kernel(
 
     # Phase 1: the cached prefix, through the page table.
     table = PageTable + r.to(tl.int64) * stride_pt
-    m_i, l_i, acc = _attend_paged(q, m_i, l_i, acc, K, V, table, 0, prefix, kvh, stride_kt, stride_kh,
-                                  offs_n, offs_d, mask_d, sm_scale_log2, PAGE_SIZE, BLOCK_N, IEEE)
+    m_i, l_i, acc = _attend_paged(
+        q,
+        m_i,
+        l_i,
+        acc,
+        K,
+        V,
+        table,
+        0,
+        prefix,
+        kvh,
+        stride_kt,
+        stride_kh,
+        offs_n,
+        offs_d,
+        mask_d,
+        sm_scale_log2,
+        PAGE_SIZE,
+        BLOCK_N,
+        IEEE,
+    )
 
     # Phase 2: the new tokens themselves, causally (key j <= query i); key 0 is always
     # visible, so no row is left without a key.
@@ -177,7 +315,11 @@ def _extend_kernel(
         mask_n = tok < ext
         rows = q_start + tok
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KNew + rows[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            KNew + rows[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -188,7 +330,11 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VNew + rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(
+            VNew + rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -196,8 +342,11 @@ def _extend_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
 # ---- launch helpers ----------------------------------------------------------------------
@@ -205,8 +354,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_seq_len: int | None = None,
-                      min_tokens_per_split: int = 256) -> int:
+def decode_num_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    num_sms: int,
+    max_seq_len: int | None = None,
+    min_tokens_per_split: int = 256,
+) -> int:
     """KV splits per (request, kv head): enough programs to fill the GPU twice over, at most
     MAX_SPLITS, a power of two. Without max_seq_len (CUDA graphs) it depends on the batch only."""
     want = -(-2 * num_sms // max(1, batch_size * num_kv_heads))
@@ -223,8 +377,13 @@ def launch_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> dict:
     if not on_gpu:
         return dict(decode_block_n=16, ext_block_m=16, ext_block_n=16, num_warps=1, num_stages=1)
     big = _next_pow2(head_dim) > 128
-    return dict(decode_block_n=32 if big else 64, ext_block_m=32 if big else 64, ext_block_n=32 if big else 64,
-                num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
+    return dict(
+        decode_block_n=32 if big else 64,
+        ext_block_m=32 if big else 64,
+        ext_block_n=32 if big else 64,
+        num_warps=4,
+        num_stages=1 if dtype == torch.float32 else 2,
+    )
 
 
 @dataclass
@@ -257,10 +416,14 @@ def _table(page_tables: list[list[int]], num_pages: list[int]) -> np.ndarray:
 def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """One host->device copy for all of a step's int32 metadata; returns views shaped like the inputs."""
     flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32, copy=False)
-    dev = torch.from_numpy(flat).to(device, non_blocking=True) if device.type == "cuda" else torch.from_numpy(flat)
+    dev = (
+        torch.from_numpy(flat).to(device, non_blocking=True)
+        if device.type == "cuda"
+        else torch.from_numpy(flat)
+    )
     out, pos = [], 0
     for a in arrays:
-        out.append(dev[pos:pos + a.size].view(a.shape))
+        out.append(dev[pos : pos + a.size].view(a.shape))
         pos += a.size
     return out
 
@@ -272,7 +435,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(kv, num_heads, num_kv_heads, head_dim, scale)
         if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads} kv heads")
+            raise ValueError(
+                f"{num_heads} query heads do not group evenly over {num_kv_heads} kv heads"
+            )
         self.device = kv.k[0].device
         self.dtype = kv.k[0].dtype
         self.group = num_heads // num_kv_heads
@@ -281,10 +446,15 @@ class TritonBackend(AttentionBackend):
         self.block_d = _next_pow2(head_dim)
         self.block_g = max(16, _next_pow2(self.group))
         on_gpu = self.device.type == "cuda"
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        )
         cfg = launch_config(head_dim, self.dtype, on_gpu)
-        self.decode_block_n, self.ext_block_m, self.ext_block_n = cfg["decode_block_n"], cfg["ext_block_m"], \
-            cfg["ext_block_n"]
+        self.decode_block_n, self.ext_block_m, self.ext_block_n = (
+            cfg["decode_block_n"],
+            cfg["ext_block_m"],
+            cfg["ext_block_n"],
+        )
         self.num_warps, self.num_stages = cfg["num_warps"], cfg["num_stages"]
         # Eager decode steps give each split at least this many tokens (tests lower it).
         self.min_tokens_per_split = 256
@@ -307,36 +477,61 @@ class TritonBackend(AttentionBackend):
         arrays: list[np.ndarray] = []
         if dec:
             d_seq = np.asarray([seq_lens[i] for i in dec], dtype=np.int32)
-            arrays += [d_seq, starts[dec],
-                       _table([meta.page_tables[i] for i in dec], [-(-int(s) // ps) for s in d_seq])]
+            arrays += [
+                d_seq,
+                starts[dec],
+                _table([meta.page_tables[i] for i in dec], [-(-int(s) // ps) for s in d_seq]),
+            ]
         if ext:
             e_prefix = np.asarray([meta.prefix_lens[i] for i in ext], dtype=np.int32)
-            arrays += [e_prefix, np.asarray([ext_lens[i] for i in ext], dtype=np.int32), starts[ext],
-                       _table([meta.page_tables[i] for i in ext], [-(-int(p) // ps) for p in e_prefix])]
+            arrays += [
+                e_prefix,
+                np.asarray([ext_lens[i] for i in ext], dtype=np.int32),
+                starts[ext],
+                _table([meta.page_tables[i] for i in ext], [-(-int(p) // ps) for p in e_prefix]),
+            ]
         tensors = _to_device(arrays, self.device)
         self.decode = self.extend = None
         if dec:
             n = len(dec)
-            splits = decode_num_splits(n, self.num_kv_heads, self.num_sms, int(d_seq.max()),
-                                       self.min_tokens_per_split)
-            self.decode = _DecodePlan(tensors[0], tensors[1], tensors[2],
-                                      torch.empty(n, self.num_heads, splits, self.head_dim, dtype=torch.float32,
-                                                  device=self.device),
-                                      torch.empty(n, self.num_heads, splits, dtype=torch.float32, device=self.device),
-                                      splits)
+            splits = decode_num_splits(
+                n, self.num_kv_heads, self.num_sms, int(d_seq.max()), self.min_tokens_per_split
+            )
+            self.decode = _DecodePlan(
+                tensors[0],
+                tensors[1],
+                tensors[2],
+                torch.empty(
+                    n,
+                    self.num_heads,
+                    splits,
+                    self.head_dim,
+                    dtype=torch.float32,
+                    device=self.device,
+                ),
+                torch.empty(n, self.num_heads, splits, dtype=torch.float32, device=self.device),
+                splits,
+            )
             tensors = tensors[3:]
         if ext:
-            self.extend = _ExtendPlan(tensors[0], tensors[1], tensors[2], tensors[3],
-                                      max(ext_lens[i] for i in ext))
+            self.extend = _ExtendPlan(
+                tensors[0], tensors[1], tensors[2], tensors[3], max(ext_lens[i] for i in ext)
+            )
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         self._graph = {
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "q_rows": torch.arange(max_bs, dtype=torch.int32, device=dev),
-            "page_table": torch.zeros(max_bs, max(1, max_pages_per_req), dtype=torch.int32, device=dev),
-            "mid_o": torch.empty(max_bs, self.num_heads, MAX_SPLITS, self.head_dim, dtype=torch.float32, device=dev),
-            "mid_lse": torch.empty(max_bs, self.num_heads, MAX_SPLITS, dtype=torch.float32, device=dev),
+            "page_table": torch.zeros(
+                max_bs, max(1, max_pages_per_req), dtype=torch.int32, device=dev
+            ),
+            "mid_o": torch.empty(
+                max_bs, self.num_heads, MAX_SPLITS, self.head_dim, dtype=torch.float32, device=dev
+            ),
+            "mid_lse": torch.empty(
+                max_bs, self.num_heads, MAX_SPLITS, dtype=torch.float32, device=dev
+            ),
         }
 
     def plan_cuda_graph(self, bs: int, meta: StepMeta) -> None:
@@ -347,19 +542,28 @@ class TritonBackend(AttentionBackend):
         seq = np.asarray(meta.seq_lens, dtype=np.int32)
         table = _table(meta.page_tables, [-(-int(s) // ps) for s in seq])
         if table.shape[1] > g["page_table"].shape[1]:
-            raise ValueError(f"a request has {table.shape[1]} pages; the CUDA graph state holds "
-                             f"{g['page_table'].shape[1]}")
+            raise ValueError(
+                f"a request has {table.shape[1]} pages; the CUDA graph state holds "
+                f"{g['page_table'].shape[1]}"
+            )
         g["seq_lens"][:bs].copy_(torch.from_numpy(seq), non_blocking=True)
-        g["page_table"][:bs, :table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        g["page_table"][:bs, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
         self.out_slots = meta.out_slots
         self.num_tokens = bs
         self.extend = None
-        self.decode = _DecodePlan(g["seq_lens"][:bs], g["q_rows"][:bs], g["page_table"][:bs],
-                                  g["mid_o"][:bs], g["mid_lse"][:bs],
-                                  decode_num_splits(bs, self.num_kv_heads, self.num_sms))
+        self.decode = _DecodePlan(
+            g["seq_lens"][:bs],
+            g["q_rows"][:bs],
+            g["page_table"][:bs],
+            g["mid_o"][:bs],
+            g["mid_lse"][:bs],
+            decode_num_splits(bs, self.num_kv_heads, self.num_sms),
+        )
 
     # ---- the layer call ------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         # The kernels index the last dim with unit stride; other strides are passed in.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         self.kv.write(layer, self.out_slots, k, v)
@@ -375,18 +579,54 @@ class TritonBackend(AttentionBackend):
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         n = d.seq_lens.shape[0]
         _decode_stage1[(n, self.num_kv_heads, d.num_splits)](
-            q, kc, vc, d.page_table, d.seq_lens, d.q_rows, d.mid_o, d.mid_lse,
-            self.sm_scale_log2, d.num_splits,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), d.page_table.stride(0),
-            d.mid_o.stride(0), d.mid_o.stride(1), d.mid_o.stride(2), d.mid_lse.stride(0), d.mid_lse.stride(1),
-            PAGE_SIZE=self.kv.page_size, GROUP=self.group, BLOCK_G=self.block_g,
-            HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_N=self.decode_block_n, IEEE=self.ieee,
-            num_warps=self.num_warps, num_stages=self.num_stages)
+            q,
+            kc,
+            vc,
+            d.page_table,
+            d.seq_lens,
+            d.q_rows,
+            d.mid_o,
+            d.mid_lse,
+            self.sm_scale_log2,
+            d.num_splits,
+            q.stride(0),
+            q.stride(1),
+            kc.stride(0),
+            kc.stride(1),
+            d.page_table.stride(0),
+            d.mid_o.stride(0),
+            d.mid_o.stride(1),
+            d.mid_o.stride(2),
+            d.mid_lse.stride(0),
+            d.mid_lse.stride(1),
+            PAGE_SIZE=self.kv.page_size,
+            GROUP=self.group,
+            BLOCK_G=self.block_g,
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=self.block_d,
+            BLOCK_N=self.decode_block_n,
+            IEEE=self.ieee,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
         _decode_stage2[(n, self.num_heads)](
-            d.mid_o, d.mid_lse, d.q_rows, out, d.num_splits,
-            d.mid_o.stride(0), d.mid_o.stride(1), d.mid_o.stride(2), d.mid_lse.stride(0), d.mid_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_S=MAX_SPLITS, num_warps=self.num_warps)
+            d.mid_o,
+            d.mid_lse,
+            d.q_rows,
+            out,
+            d.num_splits,
+            d.mid_o.stride(0),
+            d.mid_o.stride(1),
+            d.mid_o.stride(2),
+            d.mid_lse.stride(0),
+            d.mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=self.block_d,
+            BLOCK_S=MAX_SPLITS,
+            num_warps=self.num_warps,
+        )
 
     def _run_extend(self, q, k, v, out, layer: int) -> None:
         e = self.extend
@@ -394,10 +634,35 @@ class TritonBackend(AttentionBackend):
         n = e.extend_lens.shape[0]
         grid = (n, self.num_heads, -(-e.max_extend // self.ext_block_m))
         _extend_kernel[grid](
-            q, k, v, kc, vc, out, e.page_table, e.prefix_lens, e.extend_lens, e.q_starts,
+            q,
+            k,
+            v,
+            kc,
+            vc,
+            out,
+            e.page_table,
+            e.prefix_lens,
+            e.extend_lens,
+            e.q_starts,
             self.sm_scale_log2,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kc.stride(0), kc.stride(1), out.stride(0), out.stride(1), e.page_table.stride(0),
-            PAGE_SIZE=self.kv.page_size, GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
-            BLOCK_M=self.ext_block_m, BLOCK_N=self.ext_block_n, IEEE=self.ieee,
-            num_warps=self.num_warps, num_stages=self.num_stages)
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            kc.stride(0),
+            kc.stride(1),
+            out.stride(0),
+            out.stride(1),
+            e.page_table.stride(0),
+            PAGE_SIZE=self.kv.page_size,
+            GROUP=self.group,
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=self.block_d,
+            BLOCK_M=self.ext_block_m,
+            BLOCK_N=self.ext_block_n,
+            IEEE=self.ieee,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )

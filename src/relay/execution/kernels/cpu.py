@@ -6,6 +6,7 @@ instruction-set level, relay.execution.kernels.isa, so a cache shared between ma
 another's binary). Without a C compiler (or with RELAY_CPU_KERNELS=0) callers keep their
 pure-torch paths. `warm_up()` builds it ahead of the first request.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -61,7 +62,9 @@ def _build(level: str | None = None) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [cc, *flags, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True
+        )
         os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"compiling {_SOURCES} failed: {e.stderr.strip()[-2000:]}") from None
@@ -83,8 +86,11 @@ def load() -> ctypes.CDLL | None:
         torch.zeros(1).sum()  # make sure torch's OpenMP runtime is the one our library binds to
         level = isa.level()
         _lib = build_level(level)
-        logger.info("CPU kernels built for %s%s", level,
-                    f" (held there by {isa.ENV})" if level != isa.detected_level() else "")
+        logger.info(
+            "CPU kernels built for %s%s",
+            level,
+            f" (held there by {isa.ENV})" if level != isa.detected_level() else "",
+        )
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels unavailable (%s); using the torch paths", e)
     return _lib
@@ -101,10 +107,57 @@ def bind(path: str) -> ctypes.CDLL:
     checkout's build; benchmarks bind another build to compare the two in one process)."""
     lib = ctypes.CDLL(path)
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64,
-                                     f32, i32, i32, i64, p, p, p]
+    lib.decode_attention.argtypes = [
+        p,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        i32,
+        i32,
+        i64,
+        p,
+        p,
+        p,
+    ]
     lib.decode_attention.restype = None
-    lib.extend_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, i32, i32]
+    lib.extend_attention.argtypes = [
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        i32,
+        i32,
+    ]
     lib.extend_attention.restype = i32
     lib.relay_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.relay_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32]
@@ -166,8 +219,11 @@ def tiled_attention_available(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_
     a multiple of 16 with AVX-512, of 8 below); bfloat16 queries over a bfloat16 cache on VDPBF16PS
     with AVX512-BF16 (head_dim a multiple of 32)."""
     lib = load()
-    return lib is not None and bool(lib.relay_tiled_attention_available(int(q_dtype == torch.bfloat16),
-                                                                int(kv_dtype == torch.bfloat16), head_dim))
+    return lib is not None and bool(
+        lib.relay_tiled_attention_available(
+            int(q_dtype == torch.bfloat16), int(kv_dtype == torch.bfloat16), head_dim
+        )
+    )
 
 
 def gemm_bf16_available() -> bool:
@@ -221,8 +277,12 @@ def pack_panels(w: torch.Tensor) -> Bf16Panels | None:
     return Bf16Panels(pairs.view(torch.int32).view(-1, k // 2, panel), n, k)
 
 
-def gemm_panels(x: torch.Tensor, w: Bf16Panels, bias: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def gemm_panels(
+    x: torch.Tensor,
+    w: Bf16Panels,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """x [M, K] bfloat16 or float32 (rounded to bfloat16) times w (+ bias, bfloat16) -> [M, N] in
     out_dtype (bfloat16 or float32)."""
     if x.stride(-1) != 1 or (x.dtype == torch.bfloat16 and x.stride(0) % 2):
@@ -232,23 +292,45 @@ def gemm_panels(x: torch.Tensor, w: Bf16Panels, bias: torch.Tensor | None = None
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=out_dtype)
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    if not _lib.relay_gemm_bf16_panels(x.data_ptr(), x.stride(0), int(x.dtype == torch.float32), w.data.data_ptr(),
-                                       0 if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                                       int(out_dtype == torch.float32), m, w.out_features, w.in_features):
+    if not _lib.relay_gemm_bf16_panels(
+        x.data_ptr(),
+        x.stride(0),
+        int(x.dtype == torch.float32),
+        w.data.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        y.stride(0),
+        int(out_dtype == torch.float32),
+        m,
+        w.out_features,
+        w.in_features,
+    ):
         raise RuntimeError(f"relay_gemm_bf16_panels refused x {tuple(x.shape)} {x.dtype}")
     return y
 
 
-def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def gemm_bf16(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """x [M, K] bf16 (M <= GEMM_BF16_MAX_ROWS), w [N, K] bf16 contiguous -> [M, N] in out_dtype
     (bfloat16 or float32). Only where gemm_bf16_available()."""
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=out_dtype)
-    _lib.relay_gemm_bf16(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                         m, n, k, int(out_dtype == torch.float32))
+    _lib.relay_gemm_bf16(
+        x.data_ptr(),
+        w.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        int(out_dtype == torch.float32),
+    )
     return y
 
 
@@ -264,20 +346,44 @@ def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         x = x.float().contiguous()
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
-    _lib.relay_gemm_blocks(w.kernel_bits, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), x.stride(0),
-                           y.data_ptr(), y.stride(0), m, w.out_features, w.in_features, int(w.round_bf16))
+    _lib.relay_gemm_blocks(
+        w.kernel_bits,
+        w.q.data_ptr(),
+        w.d.data_ptr(),
+        w.m.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        m,
+        w.out_features,
+        w.in_features,
+        int(w.round_bf16),
+    )
     return y
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
     """logits [*, vocab] float32 (rows contiguous): -inf where masks [n, words] int32 (one row of
     bits per entry of rows, int64) disallow a token. Only where load() found the library."""
-    _lib.relay_apply_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), masks.data_ptr(), rows.numel(),
-                             masks.shape[1], logits.shape[1])
+    _lib.relay_apply_bitmask(
+        logits.data_ptr(),
+        logits.stride(0),
+        rows.data_ptr(),
+        masks.data_ptr(),
+        rows.numel(),
+        masks.shape[1],
+        logits.shape[1],
+    )
 
 
-def int8_matmul(x: torch.Tensor, qt: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor,
+    qt: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) times an int8 weight qt [K, N] with float32 scales w_scale [N]
     per output: x quantized to int8 per row, multiplied in int8 (torch._int_mm, int32 sums), scaled
     back (+ bias) into out_dtype."""
@@ -288,9 +394,17 @@ def int8_matmul(x: torch.Tensor, qt: torch.Tensor, w_scale: torch.Tensor, bias: 
     _lib.relay_quantize_rows(x.data_ptr(), m, k, _bf16(x), q.data_ptr(), x_scale.data_ptr())
     acc = torch._int_mm(q, qt)
     y = torch.empty(m, qt.shape[1], dtype=out_dtype)
-    _lib.relay_dequantize_rows(acc.data_ptr(), m, qt.shape[1], x_scale.data_ptr(), w_scale.data_ptr(),
-                               0 if bias is None else bias.data_ptr(), 0 if bias is None else _bf16(bias),
-                               y.data_ptr(), _bf16(y))
+    _lib.relay_dequantize_rows(
+        acc.data_ptr(),
+        m,
+        qt.shape[1],
+        x_scale.data_ptr(),
+        w_scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        0 if bias is None else _bf16(bias),
+        y.data_ptr(),
+        _bf16(y),
+    )
     return y
 
 
@@ -298,22 +412,48 @@ def _bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """rms_norm(x) * weight, or with a residual: residual += x in place, then its rms_norm, written
     over x (which the caller no longer needs). x, residual [T, H] contiguous, float32 or bfloat16."""
     out = x if residual is not None else torch.empty_like(x)
-    _lib.relay_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                        out.data_ptr(), x.shape[0], x.shape[1], eps, _bf16(x))
+    _lib.relay_rms_norm(
+        x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        _bf16(x),
+    )
     return out
 
 
-def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, num_q: int, num_k: int,
-         head_dim: int) -> None:
+def rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_q: int,
+    num_k: int,
+    head_dim: int,
+) -> None:
     """Rotate the q and k heads at the start of each qkv row in place (neox style); cos/sin are the
     float32 [positions, head_dim] tables of RotaryEmbedding, positions int64 [T]."""
-    _lib.relay_rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0],
-                    qkv.stride(0), num_q, num_k, head_dim, _bf16(qkv))
+    _lib.relay_rope(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        qkv.shape[0],
+        qkv.stride(0),
+        num_q,
+        num_k,
+        head_dim,
+        _bf16(qkv),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -333,7 +473,7 @@ def padded_tables(page_tables: list[list[int]]) -> np.ndarray:
     read a table only up to its request's length)."""
     tables = np.zeros((len(page_tables), max(len(t) for t in page_tables)), dtype=np.int32)
     for i, t in enumerate(page_tables):
-        tables[i, :len(t)] = t
+        tables[i, : len(t)] = t
     return tables
 
 
@@ -343,7 +483,13 @@ class DecodePlan:
     share: find requests whose first pages are the same (a cached shared prefix), for the
     kernel to attend those keys once for all of them (where tiled_attention_available)."""
 
-    def __init__(self, page_tables: list[list[int]], lens: list[int], page_size: int = 16, share: bool = False):
+    def __init__(
+        self,
+        page_tables: list[list[int]],
+        lens: list[int],
+        page_size: int = 16,
+        share: bool = False,
+    ):
         tables = padded_tables(page_tables)
         self.tables = torch.from_numpy(tables)
         self.lens = torch.tensor(lens, dtype=torch.int64)
@@ -353,11 +499,16 @@ class DecodePlan:
         self.order = torch.from_numpy(order.astype(np.int64))
         groups = _shared_groups(tables[order], np.asarray(lens)[order], page_size) if share else []
         self.num_groups = len(groups)
-        self.groups = torch.tensor(groups, dtype=torch.int64).T.contiguous() if groups else torch.zeros(3, 1,
-                                                                                                      dtype=torch.int64)
+        self.groups = (
+            torch.tensor(groups, dtype=torch.int64).T.contiguous()
+            if groups
+            else torch.zeros(3, 1, dtype=torch.int64)
+        )
 
 
-def _shared_groups(tables: np.ndarray, lens: np.ndarray, page_size: int) -> list[tuple[int, int, int]]:
+def _shared_groups(
+    tables: np.ndarray, lens: np.ndarray, page_size: int
+) -> list[tuple[int, int, int]]:
     """(first rank, size, shared tokens) of each run of requests (in this order) that share at
     least MIN_SHARED_TOKENS leading tokens' pages; each keeps at least its newest token its own."""
     groups = []
@@ -369,16 +520,26 @@ def _shared_groups(tables: np.ndarray, lens: np.ndarray, page_size: int) -> list
             run = tables[start:end]
             differs = (run != run[0]).any(axis=0)
             common = int(np.argmax(differs)) if differs.any() else run.shape[1]
-            keys = min(common * page_size, (int(lens[start:end].min()) - 1) // page_size * page_size)
+            keys = min(
+                common * page_size, (int(lens[start:end].min()) - 1) // page_size * page_size
+            )
             if keys >= MIN_SHARED_TOKENS:
                 groups.append((start, end - start, keys))
         start = end
     return groups
 
 
-def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     page_size: int, scale: float, new_k: torch.Tensor | None = None,
-                     new_v: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    lib: ctypes.CDLL,
+    plan: DecodePlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_size: int,
+    scale: float,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, H, D] (rows may be strided: a view into qkv), float32 or bfloat16; k/v caches
     [HKV, S, D] float32 or bfloat16. new_k/new_v [B, HKV, D] (views into qkv, in q's dtype): the new
     token's keys and values, written into the cache at each request's last position first.
@@ -390,16 +551,40 @@ def decode_attention(lib: ctypes.CDLL, plan: DecodePlan, q: torch.Tensor, k: tor
     out = torch.empty(b, h, d, dtype=q.dtype)
     write = new_k is not None
     if write:
-        new_k, new_v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (new_k, new_v))
-    lib.decode_attention(q.data_ptr(), q.stride(0), new_k.data_ptr() if write else 0, new_k.stride(0) if write else 0,
-                         new_v.data_ptr() if write else 0, new_v.stride(0) if write else 0,
-                         k.data_ptr(), v.data_ptr(), plan.tables.data_ptr(),
-                         plan.lens.data_ptr(), plan.order.data_ptr(), out.data_ptr(), b, h, hkv, d, s,
-                         plan.tables.shape[1], page_size, DECODE_CHUNK, scale, int(q.dtype == torch.bfloat16),
-                         int(k.dtype == torch.bfloat16),
-                         plan.num_groups if plan.num_groups and tiled_attention_available(q.dtype, k.dtype, d) else 0,
-                         plan.groups[0].data_ptr(),
-                         plan.groups[1].data_ptr(), plan.groups[2].data_ptr())
+        new_k, new_v = (
+            t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (new_k, new_v)
+        )
+    lib.decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        new_k.data_ptr() if write else 0,
+        new_k.stride(0) if write else 0,
+        new_v.data_ptr() if write else 0,
+        new_v.stride(0) if write else 0,
+        k.data_ptr(),
+        v.data_ptr(),
+        plan.tables.data_ptr(),
+        plan.lens.data_ptr(),
+        plan.order.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        hkv,
+        d,
+        s,
+        plan.tables.shape[1],
+        page_size,
+        DECODE_CHUNK,
+        scale,
+        int(q.dtype == torch.bfloat16),
+        int(k.dtype == torch.bfloat16),
+        plan.num_groups
+        if plan.num_groups and tiled_attention_available(q.dtype, k.dtype, d)
+        else 0,
+        plan.groups[0].data_ptr(),
+        plan.groups[1].data_ptr(),
+        plan.groups[2].data_ptr(),
+    )
     return out
 
 
@@ -407,16 +592,29 @@ class ExtendPlan:
     """What every layer's prompt-chunk attention call of one step shares: the requests with more
     than one new token, their page tables, and where their tokens sit among the step's rows."""
 
-    def __init__(self, page_tables: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
-                 q_starts: list[int]):
+    def __init__(
+        self,
+        page_tables: list[list[int]],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        q_starts: list[int],
+    ):
         self.tables = torch.from_numpy(padded_tables(page_tables))
         self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64)
         self.extend_lens = torch.tensor(extend_lens, dtype=torch.int64)
         self.q_starts = torch.tensor(q_starts, dtype=torch.int64)
 
 
-def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, page_size: int, scale: float) -> bool:
+def extend_attention(
+    lib: ctypes.CDLL,
+    plan: ExtendPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> bool:
     """Attention of each planned request's new tokens (rows of q [T, H, D], strided rows allowed)
     over its cached prefix and themselves, written into out [T, H, D] (contiguous, q's dtype);
     their keys and values must be in the cache already. False if this shape is not supported."""
@@ -424,7 +622,26 @@ def extend_attention(lib: ctypes.CDLL, plan: ExtendPlan, q: torch.Tensor, k: tor
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     hkv, s, _ = k.shape
-    return bool(lib.extend_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), plan.tables.data_ptr(),
-                                     plan.tables.shape[1], plan.q_starts.data_ptr(), plan.prefix_lens.data_ptr(),
-                                     plan.extend_lens.data_ptr(), len(plan.q_starts), out.data_ptr(), h, hkv, d, s,
-                                     page_size, scale, int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16)))
+    return bool(
+        lib.extend_attention(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            v.data_ptr(),
+            plan.tables.data_ptr(),
+            plan.tables.shape[1],
+            plan.q_starts.data_ptr(),
+            plan.prefix_lens.data_ptr(),
+            plan.extend_lens.data_ptr(),
+            len(plan.q_starts),
+            out.data_ptr(),
+            h,
+            hkv,
+            d,
+            s,
+            page_size,
+            scale,
+            int(q.dtype == torch.bfloat16),
+            int(k.dtype == torch.bfloat16),
+        )
+    )

@@ -1,5 +1,6 @@
 """Relay's decoder layers in one C call (csrc/decode_layers.c): a whole decode step, or a step
 with prompt chunks, runs every layer's kernels without the interpreter between them."""
+
 from __future__ import annotations
 
 import ctypes
@@ -25,24 +26,58 @@ if TYPE_CHECKING:
 
 
 class _LayerGemm(ctypes.Structure):  # csrc/decode_layers.c
-    _fields_ = [("bits", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("round_bf16", ctypes.c_int64),
-                ("panels", ctypes.c_void_p), ("blocks_max_rows", ctypes.c_int64)]
+    _fields_ = [
+        ("bits", ctypes.c_int64),
+        ("q", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("round_bf16", ctypes.c_int64),
+        ("panels", ctypes.c_void_p),
+        ("blocks_max_rows", ctypes.c_int64),
+    ]
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _LayerGemm), ("o", _LayerGemm),
-                ("gate_up", _LayerGemm), ("down", _LayerGemm), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _LayerGemm),
+        ("o", _LayerGemm),
+        ("gate_up", _LayerGemm),
+        ("down", _LayerGemm),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
 
 
 class _DecodeStep(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
-                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "tables", "lens", "order")]
-                + [(name, ctypes.c_int64) for name in ("P", "S", "PS", "chunk", "kv_bf16", "n_groups")]
-                + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys", "final_norm",
-                                                         "x", "out", "qkv", "attn", "gate_up", "act", "tp")])
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in ("cos", "sin", "positions", "tables", "lens", "order")
+        ]
+        + [(name, ctypes.c_int64) for name in ("P", "S", "PS", "chunk", "kv_bf16", "n_groups")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "group_first",
+                "group_size",
+                "group_keys",
+                "final_norm",
+                "x",
+                "out",
+                "qkv",
+                "attn",
+                "gate_up",
+                "act",
+                "tp",
+            )
+        ]
+    )
 
 
 @dataclass
@@ -75,19 +110,56 @@ class DecodeLayers:
     call one by one, in their order, without the interpreter between them (bit-identical output
     for a float32 model at batch sizes whose GEMMs read the blocks in the layers too)."""
 
-    def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float,
-                 tp: int | None = None):
+    def __init__(
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        page_size: int,
+        scale: float,
+        tp: int | None = None,
+    ):
         def mat(w: LayerGemm) -> _LayerGemm:
             b = w.blocks
-            return _LayerGemm(b.kernel_bits, b.q.data_ptr(), b.d.data_ptr(), b.m.data_ptr(), b.out_features, b.in_features,
-                              int(b.round_bf16), None if w.panels is None else w.panels.data.data_ptr(), b.max_rows)
+            return _LayerGemm(
+                b.kernel_bits,
+                b.q.data_ptr(),
+                b.d.data_ptr(),
+                b.m.data_ptr(),
+                b.out_features,
+                b.in_features,
+                int(b.round_bf16),
+                None if w.panels is None else w.panels.data.data_ptr(),
+                b.max_rows,
+            )
 
-        self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these (and the fields below)
-        self.table = (_DecodeLayer * len(layers))(*[
-            _DecodeLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), mat(w.qkv), mat(w.o), mat(w.gate_up),
-                         mat(w.down), k.data_ptr(), v.data_ptr()) for w, k, v in zip(layers, k_caches, v_caches)])
+        self._keep = (
+            layers,
+            k_caches,
+            v_caches,
+        )  # the table's pointers point into these (and the fields below)
+        self.table = (_DecodeLayer * len(layers))(
+            *[
+                _DecodeLayer(
+                    w.input_norm.data_ptr(),
+                    w.post_norm.data_ptr(),
+                    mat(w.qkv),
+                    mat(w.o),
+                    mat(w.gate_up),
+                    mat(w.down),
+                    k.data_ptr(),
+                    v.data_ptr(),
+                )
+                for w, k, v in zip(layers, k_caches, v_caches)
+            ]
+        )
         first = layers[0]
         self.hidden, self.inter = first.o.blocks.out_features, first.down.blocks.in_features
         self.qkv_n = first.qkv.blocks.out_features
@@ -100,8 +172,11 @@ class DecodeLayers:
         self.page_size = page_size
         # With panels in every GEMM the call runs the layers' own kernels at every size, minus the
         # interpreter between them; without, past the blocks' rows it would not (the runner measures).
-        self.on_panels = all(w.panels is not None for layer in layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                                                 layer.down))
+        self.on_panels = all(
+            w.panels is not None
+            for layer in layers
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         self.max_rows = sys.maxsize if self.on_panels else first.qkv.blocks.max_rows
         self.tp = tp  # a tensor-parallel rank's distributed.ShmGroup.ptr: the step all-reduces as the layers do
 
@@ -110,40 +185,91 @@ class DecodeLayers:
         int64 [T] -> the final norm's output [T, hidden]. The new keys and values go into the
         cache at each request's last position (plan.lens)."""
         t = x.shape[0]
-        out, qkv, attn = torch.empty(t, self.hidden), torch.empty(t, self.qkv_n), torch.empty(t, self.nq * self.d)
+        out, qkv, attn = (
+            torch.empty(t, self.hidden),
+            torch.empty(t, self.qkv_n),
+            torch.empty(t, self.nq * self.d),
+        )
         gate_up, act = torch.empty(t, 2 * self.inter), torch.empty(t, self.inter)
         groups = plan.num_groups if self.cascade else 0
-        step = _DecodeStep(t, self.hidden, self.inter, self.nq, self.nk, self.d, self.eps, self.scale,
-                           self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), plan.tables.data_ptr(),
-                           plan.lens.data_ptr(), plan.order.data_ptr(), plan.tables.shape[1], self.slots,
-                           self.page_size, DECODE_CHUNK, self.kv_bf16, groups, plan.groups[0].data_ptr(),
-                           plan.groups[1].data_ptr(), plan.groups[2].data_ptr(), self.final_norm.data_ptr(),
-                           x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                           act.data_ptr(), self.tp)
+        step = _DecodeStep(
+            t,
+            self.hidden,
+            self.inter,
+            self.nq,
+            self.nk,
+            self.d,
+            self.eps,
+            self.scale,
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+            positions.data_ptr(),
+            plan.tables.data_ptr(),
+            plan.lens.data_ptr(),
+            plan.order.data_ptr(),
+            plan.tables.shape[1],
+            self.slots,
+            self.page_size,
+            DECODE_CHUNK,
+            self.kv_bf16,
+            groups,
+            plan.groups[0].data_ptr(),
+            plan.groups[1].data_ptr(),
+            plan.groups[2].data_ptr(),
+            self.final_norm.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            self.tp,
+        )
         if not cpu._lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
-            raise RuntimeError("relay_decode_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
-                               "timed out")
+            raise RuntimeError(
+                "relay_decode_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
+                "timed out"
+            )
         return out
 
 
 class _PromptLayer(ctypes.Structure):  # csrc/decode_layers.c
-    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down",
-                                                     "k_cache", "v_cache")]
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")
+    ]
 
 
 class _PromptStep(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
-                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "out_slots")]
-                + [(name, ctypes.c_int64) for name in ("S", "PS", "n_dec")]
-                + [(name, ctypes.c_void_p) for name in ("dec_rows", "dec_tables", "dec_lens", "dec_order")]
-                + [(name, ctypes.c_int64) for name in ("dec_P", "chunk", "n_groups")]
-                + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys")]
-                + [(name, ctypes.c_int64) for name in ("R", "ext_P")]
-                + [(name, ctypes.c_void_p) for name in ("ext_tables", "q_starts", "prefix_lens", "extend_lens",
-                                                         "final_norm", "x", "out", "qkv", "attn", "gate_up", "act",
-                                                         "dec_q", "dec_out")]
-                + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p), ("tp", ctypes.c_void_p)])
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "out_slots")]
+        + [(name, ctypes.c_int64) for name in ("S", "PS", "n_dec")]
+        + [(name, ctypes.c_void_p) for name in ("dec_rows", "dec_tables", "dec_lens", "dec_order")]
+        + [(name, ctypes.c_int64) for name in ("dec_P", "chunk", "n_groups")]
+        + [(name, ctypes.c_void_p) for name in ("group_first", "group_size", "group_keys")]
+        + [(name, ctypes.c_int64) for name in ("R", "ext_P")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "ext_tables",
+                "q_starts",
+                "prefix_lens",
+                "extend_lens",
+                "final_norm",
+                "x",
+                "out",
+                "qkv",
+                "attn",
+                "gate_up",
+                "act",
+                "dec_q",
+                "dec_out",
+            )
+        ]
+        + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p), ("tp", ctypes.c_void_p)]
+    )
 
 
 @dataclass
@@ -163,17 +289,44 @@ class PromptLayers:
     the kernels the layers call for such a step, in their order, on bfloat16 activations, so its
     output is theirs bit for bit where their GEMMs read the panels too."""
 
-    def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], page_size: int, scale: float,
-                 tp: int | None = None):
+    def __init__(
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        page_size: int,
+        scale: float,
+        tp: int | None = None,
+    ):
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these
-        self.table = (_PromptLayer * len(layers))(*[
-            _PromptLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.data.data_ptr(), w.o.data.data_ptr(),
-                         w.gate_up.data.data_ptr(), w.down.data.data_ptr(), k.data_ptr(), v.data_ptr())
-            for w, k, v in zip(layers, k_caches, v_caches)])
+        self.table = (_PromptLayer * len(layers))(
+            *[
+                _PromptLayer(
+                    w.input_norm.data_ptr(),
+                    w.post_norm.data_ptr(),
+                    w.qkv.data.data_ptr(),
+                    w.o.data.data_ptr(),
+                    w.gate_up.data.data_ptr(),
+                    w.down.data.data_ptr(),
+                    k.data_ptr(),
+                    v.data_ptr(),
+                )
+                for w, k, v in zip(layers, k_caches, v_caches)
+            ]
+        )
         first = layers[0]
-        self.hidden, self.inter, self.qkv_n = first.o.out_features, first.down.in_features, first.qkv.out_features
+        self.hidden, self.inter, self.qkv_n = (
+            first.o.out_features,
+            first.down.in_features,
+            first.qkv.out_features,
+        )
         self.final_norm, self.eps, self.scale = final_norm, eps, scale
         self.nq, self.nk, self.d = num_heads, num_kv_heads, head_dim
         self.cos, self.sin = cos, sin
@@ -182,8 +335,13 @@ class PromptLayers:
         self.page_size = page_size
         self.tp = tp  # as DecodeLayers.tp
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: PromptPlan,
-            keep: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        plan: PromptPlan,
+        keep: list[int] | None = None,
+    ) -> torch.Tensor:
         """x [T, hidden] bfloat16 (the step's embeddings; used as the residual stream), positions
         int64 [T] -> the final norm's output [T, hidden], or [len(keep), hidden] of the rows in
         keep (increasing): the last layer's o_proj and MLP then run for those rows only. Every
@@ -192,23 +350,69 @@ class PromptLayers:
         kept = None if keep is None else torch.tensor(keep, dtype=torch.int64)
         width = self.nq * self.d
         out, qkv, attn = (torch.empty(t, n, dtype=bf16) for n in (self.hidden, self.qkv_n, width))
-        gate_up, act = torch.empty(t, 2 * self.inter, dtype=bf16), torch.empty(t, self.inter, dtype=bf16)
+        gate_up, act = (
+            torch.empty(t, 2 * self.inter, dtype=bf16),
+            torch.empty(t, self.inter, dtype=bf16),
+        )
         dec, ext = plan.dec, plan.ext
         n_dec = 0 if plan.dec_rows is None else plan.dec_rows.numel()
-        dec_q, dec_out = torch.empty(max(n_dec, 1), width, dtype=bf16), torch.empty(max(n_dec, 1), width, dtype=bf16)
-        dec_plan = (0, 0, 0, 0, DECODE_CHUNK, 0, 0, 0, 0) if dec is None else (
-            dec.tables.data_ptr(), dec.lens.data_ptr(), dec.order.data_ptr(), dec.tables.shape[1], DECODE_CHUNK,
-            dec.num_groups if self.cascade else 0, *(g.data_ptr() for g in dec.groups))
+        dec_q, dec_out = (
+            torch.empty(max(n_dec, 1), width, dtype=bf16),
+            torch.empty(max(n_dec, 1), width, dtype=bf16),
+        )
+        dec_plan = (
+            (0, 0, 0, 0, DECODE_CHUNK, 0, 0, 0, 0)
+            if dec is None
+            else (
+                dec.tables.data_ptr(),
+                dec.lens.data_ptr(),
+                dec.order.data_ptr(),
+                dec.tables.shape[1],
+                DECODE_CHUNK,
+                dec.num_groups if self.cascade else 0,
+                *(g.data_ptr() for g in dec.groups),
+            )
+        )
         step = _PromptStep(
-            t, self.hidden, self.inter, self.nq, self.nk, self.d, self.eps, self.scale,
-            self.cos.data_ptr(), self.sin.data_ptr(), positions.data_ptr(), plan.out_slots.data_ptr(),
-            self.slots, self.page_size, n_dec, 0 if plan.dec_rows is None else plan.dec_rows.data_ptr(), *dec_plan,
-            len(ext.q_starts), ext.tables.shape[1], ext.tables.data_ptr(), ext.q_starts.data_ptr(),
-            ext.prefix_lens.data_ptr(), ext.extend_lens.data_ptr(), self.final_norm.data_ptr(),
-            x.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-            dec_q.data_ptr(), dec_out.data_ptr(), -1 if kept is None else kept.numel(),
-            0 if kept is None else kept.data_ptr(), self.tp)
+            t,
+            self.hidden,
+            self.inter,
+            self.nq,
+            self.nk,
+            self.d,
+            self.eps,
+            self.scale,
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+            positions.data_ptr(),
+            plan.out_slots.data_ptr(),
+            self.slots,
+            self.page_size,
+            n_dec,
+            0 if plan.dec_rows is None else plan.dec_rows.data_ptr(),
+            *dec_plan,
+            len(ext.q_starts),
+            ext.tables.shape[1],
+            ext.tables.data_ptr(),
+            ext.q_starts.data_ptr(),
+            ext.prefix_lens.data_ptr(),
+            ext.extend_lens.data_ptr(),
+            self.final_norm.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            dec_q.data_ptr(),
+            dec_out.data_ptr(),
+            -1 if kept is None else kept.numel(),
+            0 if kept is None else kept.data_ptr(),
+            self.tp,
+        )
         if not cpu._lib.relay_prompt_layers(self.table, len(self.table), ctypes.byref(step)):
-            raise RuntimeError("relay_prompt_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
-                               "timed out")
-        return out if kept is None else out[:kept.numel()]
+            raise RuntimeError(
+                "relay_prompt_layers failed: a GEMM refused its shape, or a tensor-parallel peer "
+                "timed out"
+            )
+        return out if kept is None else out[: kept.numel()]

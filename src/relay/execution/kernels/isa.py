@@ -26,13 +26,30 @@ _NEEDS = {
 _MARCH = {"generic": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 # torch's own dispatch (ATen kernels) and oneDNN's GEMMs, per level
-_ATEN = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512", "amx": "avx512"}
-_ONEDNN = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512bf16": "AVX512_CORE_BF16",
-           "amx": "AVX512_CORE_AMX"}
+_ATEN = {
+    "generic": "default",
+    "avx2": "avx2",
+    "avx512": "avx512",
+    "avx512bf16": "avx512",
+    "amx": "avx512",
+}
+_ONEDNN = {
+    "generic": "SSE41",
+    "avx2": "AVX2",
+    "avx512": "AVX512_CORE",
+    "avx512bf16": "AVX512_CORE_BF16",
+    "amx": "AVX512_CORE_AMX",
+}
 # MKL's own dispatch (torch's float32 GEMMs where oneDNN does not take them): the newest set MKL may
 # use, in MKL_ENABLE_INSTRUCTIONS' names: AVX512 is F/CD/BW/DQ/VL, AVX512_E1 adds VNNI, AVX512_E3
 # VNNI + BF16, AVX512_E4 AMX (Intel processors only: MKL ignores it on others).
-_MKL = {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512bf16": "AVX512_E3", "amx": "AVX512_E4"}
+_MKL = {
+    "generic": "SSE4_2",
+    "avx2": "AVX2",
+    "avx512": "AVX512",
+    "avx512bf16": "AVX512_E3",
+    "amx": "AVX512_E4",
+}
 
 
 def cpu_flags() -> str:
@@ -108,7 +125,9 @@ def compile_flags(current: str | None = None) -> list[str]:
     if current == "avx512bf16":
         return ["-march=native", *_NO_AMX]
     if current == "avx512" == detected_level():
-        return ["-march=native"]  # the CPU's own extras too: AVX512-VNNI's VPDPBUSD on a Cascade/Ice Lake
+        return [
+            "-march=native"
+        ]  # the CPU's own extras too: AVX512-VNNI's VPDPBUSD on a Cascade/Ice Lake
     return [f"-march={_MARCH[current]}", "-mtune=native"]
 
 
@@ -118,5 +137,8 @@ def torch_env(current: str | None = None) -> dict[str, str]:
     current = current or level()
     if current == detected_level():
         return {}
-    return {"ATEN_CPU_CAPABILITY": _ATEN[current], "ONEDNN_MAX_CPU_ISA": _ONEDNN[current],
-            "MKL_ENABLE_INSTRUCTIONS": _MKL[current]}
+    return {
+        "ATEN_CPU_CAPABILITY": _ATEN[current],
+        "ONEDNN_MAX_CPU_ISA": _ONEDNN[current],
+        "MKL_ENABLE_INSTRUCTIONS": _MKL[current],
+    }

@@ -1,4 +1,5 @@
 """Model registry: config.json's `architectures[0]` -> the class that implements it."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -26,5 +27,7 @@ def model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODELS[architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r} (config.json architectures); "
-                         f"Relay runs {', '.join(sorted(MODELS))}") from None
+        raise ValueError(
+            f"unsupported architecture {architecture!r} (config.json architectures); "
+            f"Relay runs {', '.join(sorted(MODELS))}"
+        ) from None

@@ -19,6 +19,7 @@ attn_logit_softcap: only the torch backend does, without Relay's C attention ker
 run in torch: Relay's fused CPU norm/rotary/SiLU kernels compute Llama's, so the one-call C decoder
 layers (built on them) are not used; the GEMMs take Relay's kernels as Llama's do.
 """
+
 from __future__ import annotations
 
 import re
@@ -77,8 +78,13 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GeGluMLP(mc, tp, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, rope: StepRope, attn: AttentionBackend,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: StepRope,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The residual stream after this layer; with keep (row indices), of those rows only
         (every row's keys and values still go into the cache)."""
         h = self.self_attn(self.input_layernorm(x), rope, attn, keep)
@@ -104,24 +110,36 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().__init__(mc, tp, dtype, max_positions)
         self.local_rotary = self.rotary  # the sliding layers' rope: Gemma 3's has its own base
         if mc.local_rope_theta is not None:
-            self.local_rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.local_rope_theta, None)
+            self.local_rotary = RotaryEmbedding(
+                mc.head_dim, max_positions, mc.local_rope_theta, None
+            )
         self.sliding = [w is not None for w in mc.layer_windows] or [False] * mc.num_layers
 
     def _make_layer(self, layer_id: int) -> nn.Module:
         return GemmaDecoderLayer(self.config, self.tp, self.dtype, layer_id)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                rows: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """Hidden states after the final norm, of every token or of the given rows (as Llama's)."""
         t = input_ids.shape[0]
         keep = None
         if rows is not None and len(rows) != t:
             keep = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
         ropes = {False: self.rotary.for_step(positions, self.dtype, fused=False)}
-        ropes[True] = ropes[False] if self.local_rotary is self.rotary else self.local_rotary.for_step(
-            positions, self.dtype, fused=False)
+        ropes[True] = (
+            ropes[False]
+            if self.local_rotary is self.rotary
+            else self.local_rotary.for_step(positions, self.dtype, fused=False)
+        )
         # transformers rounds sqrt(hidden) to the model's dtype before it scales the embedding
-        x = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
+        x = self.embed_tokens(input_ids) * torch.tensor(
+            self.config.hidden_size**0.5, dtype=self.dtype
+        )
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes[self.sliding[i]], attn, keep if i == last else None)

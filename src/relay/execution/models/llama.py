@@ -5,6 +5,7 @@ before the rotary embedding, Mistral's layers attend within a sliding window (Mo
 layer_windows: the attention backend masks it). q/k/v and gate/up are fused into one GEMM each. The
 mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,26 +51,38 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
         self.rotary: RotaryEmbedding | None = None  # the model's tables, for the fused CPU rotary
 
-    def forward(self, x: torch.Tensor, rope: StepRope, attn: AttentionBackend,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: StepRope,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """o_proj(attention) of every row, or of the rows in keep only (every row's keys and
         values still go into the cache)."""
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         nq, nk = self.num_heads, self.num_kv_heads
-        v = qkv[:, (nq + nk) * d:].view(t, nk, d)
+        v = qkv[:, (nq + nk) * d :].view(t, nk, d)
         if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
             cpu_kernels.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
-            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
+            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
         elif self.qk_norm:
-            q, k = qkv[:, :nq * d].view(t, nq, d), qkv[:, nq * d:(nq + nk) * d].view(t, nk, d)
-            q, k = apply_rotary(self.q_norm(q), rope.cos, rope.sin), apply_rotary(self.k_norm(k), rope.cos, rope.sin)
+            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
+            q, k = (
+                apply_rotary(self.q_norm(q), rope.cos, rope.sin),
+                apply_rotary(self.k_norm(k), rope.cos, rope.sin),
+            )
         else:  # q and k sit side by side in qkv: rotate them in one pass
-            q, k = apply_rotary(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin).split([nq, nk], dim=1)
+            q, k = apply_rotary(
+                qkv[:, : (nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin
+            ).split([nq, nk], dim=1)
         out = attn.forward(q, k, v, self.layer_id)
         if keep is not None:
             out = out[keep]
-            if not out.shape[0]:  # no row's output is read: its keys and values were all it had to give
+            if not out.shape[
+                0
+            ]:  # no row's output is read: its keys and values were all it had to give
                 return out.new_empty(0, self.o_proj.weight.shape[0])
         return self.o_proj(out)
 
@@ -79,10 +92,18 @@ class MLP(nn.Module):
     split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
     caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
 
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, intermediate_size: int | None = None,
-                 reduce: bool = True):
+    def __init__(
+        self,
+        mc: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+        reduce: bool = True,
+    ):
         super().__init__()
-        self.start, self.inter = split_evenly(intermediate_size or mc.intermediate_size, tp.size, tp.rank)
+        self.start, self.inter = split_evenly(
+            intermediate_size or mc.intermediate_size, tp.size, tp.rank
+        )
         self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
         self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp if reduce else None)
         self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
@@ -98,23 +119,31 @@ class MLP(nn.Module):
         the name of the parameter it went to."""
         start, n = self.start, self.inter
         if which == "down_proj":
-            self.down_proj.weight.copy_(w[:, start:start + n])
+            self.down_proj.weight.copy_(w[:, start : start + n])
             return "down_proj.weight"
         offset = {"gate_proj": 0, "up_proj": n}[which]
-        self.gate_up_proj.weight[offset:offset + n].copy_(w[start:start + n])
+        self.gate_up_proj.weight[offset : offset + n].copy_(w[start : start + n])
         return "gate_up_proj.weight"
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module):
+    def __init__(
+        self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.self_attn = Attention(mc, tp, dtype, layer_id)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
-                attn: AttentionBackend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRope,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next layer adds them,
         fused with its norm. With keep (row indices), both only for those rows: what the last
         layer needs where only some rows' logits are read."""
@@ -143,14 +172,29 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(mc.num_layers))
         self.norm = self.Norm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.lm_head = (self.embed_tokens if mc.tie_word_embeddings
-                        else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp))
-        self.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling,
-                                      mc.partial_rotary_factor, mc.max_position_embeddings)
+        self.lm_head = (
+            self.embed_tokens
+            if mc.tie_word_embeddings
+            else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
+        )
+        self.rotary = RotaryEmbedding(
+            mc.head_dim,
+            max_positions,
+            mc.rope_theta,
+            mc.rope_scaling,
+            mc.partial_rotary_factor,
+            mc.max_position_embeddings,
+        )
         self.fused_cpu_ops = False  # see pack_for_cpu
-        self.decode_layers: tuple[AttentionBackend, cpu_layers.DecodeLayers] | None = None  # use_decode_layers
-        self.prompt_layers: tuple[AttentionBackend, cpu_layers.PromptLayers] | None = None  # use_prompt_layers
-        self._layer_gemms: list[Linear] = []  # the decoder layers' GEMM modules, once prompt_layers is set
+        self.decode_layers: tuple[AttentionBackend, cpu_layers.DecodeLayers] | None = (
+            None  # use_decode_layers
+        )
+        self.prompt_layers: tuple[AttentionBackend, cpu_layers.PromptLayers] | None = (
+            None  # use_prompt_layers
+        )
+        self._layer_gemms: list[
+            Linear
+        ] = []  # the decoder layers' GEMM modules, once prompt_layers is set
 
     def _make_layer(self, layer_id: int) -> nn.Module:
         return DecoderLayer(self.config, self.tp, self.dtype, layer_id, self._make_mlp(layer_id))
@@ -159,8 +203,13 @@ class LlamaForCausalLM(nn.Module):
         """Layer layer_id's feed-forward block (a MoE model's sparse layers give theirs)."""
         return MLP(self.config, self.tp, self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                rows: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """Hidden states after the final norm: [num_tokens, hidden], or [len(rows), hidden] of the
         given token rows (increasing): then the last layer runs everything after its attention
         for those rows only (a prompt chunk's other tokens only leave their keys and values: its
@@ -173,17 +222,25 @@ class LlamaForCausalLM(nn.Module):
         if fast is not None and fast[0] is attn and t <= fast[1].max_rows:
             plan = attn.decode_kernel_plan
             if plan is not None:
-                hidden = fast[1].run(self.embed_tokens(input_ids).float(), positions, plan).to(self.dtype)
+                hidden = (
+                    fast[1]
+                    .run(self.embed_tokens(input_ids).float(), positions, plan)
+                    .to(self.dtype)
+                )
                 return hidden if keep is None else hidden[keep]
         chunks = self.prompt_layers
         if chunks is not None and chunks[0] is attn and t > self._rows_off_panels():
             plan = attn.prompt_kernel_plan
             if plan is not None:
                 return chunks[1].run(self.embed_tokens(input_ids), positions, plan, keep)
-        rope = self.rotary.for_step(positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head)
+        rope = self.rotary.for_step(
+            positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head
+        )
         x, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
-        index = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
+        index = (
+            None if keep is None else torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
+        )
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, attn, index if i == last else None)
         return self.norm.add_and_norm(x, residual)[0]
@@ -193,8 +250,12 @@ class LlamaForCausalLM(nn.Module):
 
     def gemm_modules(self) -> list[Linear | VocabParallelEmbedding]:
         """Every module whose weight a GEMM reads: the linear layers and the LM head."""
-        return [m for m in self.modules() if isinstance(m, Linear)
-                or (isinstance(m, VocabParallelEmbedding) and m is self.lm_head)]
+        return [
+            m
+            for m in self.modules()
+            if isinstance(m, Linear)
+            or (isinstance(m, VocabParallelEmbedding) and m is self.lm_head)
+        ]
 
     def pack_for_cpu(self) -> None:
         """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
@@ -208,12 +269,20 @@ class LlamaForCausalLM(nn.Module):
         2-core Xeon, docs/benchmarks.md, and greedy output still matches transformers token for
         token)."""
         self._use_gemm_kernels()
-        self.fused_cpu_ops = self.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available() and not self.config.qk_norm
+        self.fused_cpu_ops = (
+            self.dtype in (torch.bfloat16, torch.float32)
+            and cpu_kernels.available()
+            and not self.config.qk_norm
+        )
         if self.fused_cpu_ops:
             self.norm.fused = True
             for layer in self.layers:
-                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = layer.mlp.fused = True
-                if self.rotary.covers_head:  # the kernel rotates whole heads; a partial rotary stays in torch
+                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = (
+                    layer.mlp.fused
+                ) = True
+                if (
+                    self.rotary.covers_head
+                ):  # the kernel rotates whole heads; a partial rotary stays in torch
                     layer.self_attn.rotary = self.rotary
 
     def _use_gemm_kernels(self) -> None:
@@ -233,26 +302,58 @@ class LlamaForCausalLM(nn.Module):
         bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
         bfloat16 panels where it has them). Returns whether it does."""
         layers = self.layers
-        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
-                    and attn.kv.layout == "HND" and attn.kv.k[0].device.type == "cpu"
-                    and getattr(attn, "kernel", None) is not None  # none where attention is masked (windows)
-                    and all(m.blocks is not None and getattr(m, "bias", None) is None for m in self.gemm_modules()
-                            if m is not self.lm_head))
+        eligible = (
+            self.fused_cpu_ops
+            and self.rotary.covers_head
+            and self.tp.collectives_in_c
+            and attn.kv.layout == "HND"
+            and attn.kv.k[0].device.type == "cpu"
+            and getattr(attn, "kernel", None)
+            is not None  # none where attention is masked (windows)
+            and all(
+                m.blocks is not None and getattr(m, "bias", None) is None
+                for m in self.gemm_modules()
+                if m is not self.lm_head
+            )
+        )
         # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
         if not self.tp.all_true(eligible):
             return False
+
         def gemm(m: Linear) -> cpu_layers.LayerGemm:
             panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
             return cpu_layers.LayerGemm(m.blocks, panels)
 
-        weights = [cpu_layers.DecoderLayerWeights(
-            layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float(),
-            gemm(layer.self_attn.qkv_proj), gemm(layer.self_attn.o_proj), gemm(layer.mlp.gate_up_proj),
-            gemm(layer.mlp.down_proj)) for layer in layers]
+        weights = [
+            cpu_layers.DecoderLayerWeights(
+                layer.input_layernorm.weight.float(),
+                layer.post_attention_layernorm.weight.float(),
+                gemm(layer.self_attn.qkv_proj),
+                gemm(layer.self_attn.o_proj),
+                gemm(layer.mlp.gate_up_proj),
+                gemm(layer.mlp.down_proj),
+            )
+            for layer in layers
+        ]
         a = layers[0].self_attn
-        self.decode_layers = (attn, cpu_layers.DecodeLayers(
-            weights, self.norm.weight.float(), self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
-            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
+        self.decode_layers = (
+            attn,
+            cpu_layers.DecodeLayers(
+                weights,
+                self.norm.weight.float(),
+                self.norm.eps,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.rotary.cos,
+                self.rotary.sin,
+                attn.kv.k,
+                attn.kv.v,
+                attn.kv.page_size,
+                attn.scale,
+                self.tp.c_group,
+            ),
+        )
         return True
 
     def use_prompt_layers(self, attn: AttentionBackend) -> bool:
@@ -264,31 +365,71 @@ class LlamaForCausalLM(nn.Module):
         rows than go to other GEMM kernels (_rows_off_panels): the same output as the layers, bit
         for bit. Returns whether."""
         modules = [m for m in self.gemm_modules() if m is not self.lm_head]
-        eligible = (self.fused_cpu_ops and self.rotary.covers_head and self.tp.collectives_in_c
-                    and self.dtype == torch.bfloat16
-                    and attn.kv.layout == "HND" and attn.kv.k[0].dtype == torch.bfloat16
-                    and attn.kv.k[0].device.type == "cpu" and getattr(attn, "kernel", None) is not None
-                    and cpu_kernels.tiled_attention_available(torch.bfloat16, torch.bfloat16, self.config.head_dim)
-                    and all(isinstance(m.packed, cpu_kernels.Bf16Panels) and m.bias is None and m.int8 is None
-                            and m.int4 is None and m.w8a8 is None for m in modules))
+        eligible = (
+            self.fused_cpu_ops
+            and self.rotary.covers_head
+            and self.tp.collectives_in_c
+            and self.dtype == torch.bfloat16
+            and attn.kv.layout == "HND"
+            and attn.kv.k[0].dtype == torch.bfloat16
+            and attn.kv.k[0].device.type == "cpu"
+            and getattr(attn, "kernel", None) is not None
+            and cpu_kernels.tiled_attention_available(
+                torch.bfloat16, torch.bfloat16, self.config.head_dim
+            )
+            and all(
+                isinstance(m.packed, cpu_kernels.Bf16Panels)
+                and m.bias is None
+                and m.int8 is None
+                and m.int4 is None
+                and m.w8a8 is None
+                for m in modules
+            )
+        )
         if not self.tp.all_true(eligible):  # every rank or none, as use_decode_layers
             return False
-        weights = [cpu_layers.DecoderLayerWeights(
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.packed,
-            layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
-            for layer in self.layers]
+        weights = [
+            cpu_layers.DecoderLayerWeights(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.self_attn.qkv_proj.packed,
+                layer.self_attn.o_proj.packed,
+                layer.mlp.gate_up_proj.packed,
+                layer.mlp.down_proj.packed,
+            )
+            for layer in self.layers
+        ]
         a = self.layers[0].self_attn
-        self._layer_gemms = modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
-        self.prompt_layers = (attn, cpu_layers.PromptLayers(
-            weights, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim, self.rotary.cos,
-            self.rotary.sin, attn.kv.k, attn.kv.v, attn.kv.page_size, attn.scale, self.tp.c_group))
+        self._layer_gemms = (
+            modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
+        )
+        self.prompt_layers = (
+            attn,
+            cpu_layers.PromptLayers(
+                weights,
+                self.norm.weight,
+                self.norm.eps,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.rotary.cos,
+                self.rotary.sin,
+                attn.kv.k,
+                attn.kv.v,
+                attn.kv.page_size,
+                attn.scale,
+                self.tp.c_group,
+            ),
+        )
         return True
 
     def _rows_off_panels(self) -> int:
         """The most rows for which some decoder-layer GEMM takes another kernel than the panels
         (cpu_matmul: the blocks up to their max_rows, the bfloat16 GEMV up to GEMM_BF16_MAX_ROWS)."""
-        return max([cpu_kernels.GEMM_BF16_MAX_ROWS] + [m.blocks.max_rows for m in self._layer_gemms
-                                                        if m.blocks is not None])
+        return max(
+            [cpu_kernels.GEMM_BF16_MAX_ROWS]
+            + [m.blocks.max_rows for m in self._layer_gemms if m.blocks is not None]
+        )
 
     def use_weight_blocks(self) -> int:
         """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
@@ -354,7 +495,9 @@ class LlamaForCausalLM(nn.Module):
             target = self._load_one(name, w)
             if isinstance(target, str):
                 loaded.add(target)
-            elif target:  # a checkpoint tensor holding several parameters (all experts' weights in one)
+            elif (
+                target
+            ):  # a checkpoint tensor holding several parameters (all experts' weights in one)
                 loaded.update(target)
         expected = {n for n, _ in self.named_parameters()}
         missing = expected - loaded
@@ -370,7 +513,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             module = self.embed_tokens if name.startswith("embed") else self.lm_head
             n = module.weight.shape[0]
-            module.weight.copy_(w[module.start:module.start + n])
+            module.weight.copy_(w[module.start : module.start + n])
             return name
         if name == "norm.weight":
             self.norm.weight.copy_(w)
@@ -390,10 +533,10 @@ class LlamaForCausalLM(nn.Module):
                 "v": (sh.kv_start, sh.kv_count, attn.sizes[0] + attn.sizes[1]),
             }[which]
             dest = getattr(attn.qkv_proj, kind)
-            dest[offset:offset + count * d].copy_(w[start * d:(start + count) * d])
+            dest[offset : offset + count * d].copy_(w[start * d : (start + count) * d])
             return prefix + f"self_attn.qkv_proj.{kind}"
         if part == "self_attn.o_proj":
-            attn.o_proj.weight.copy_(w[:, sh.q_start * d:(sh.q_start + sh.q_count) * d])
+            attn.o_proj.weight.copy_(w[:, sh.q_start * d : (sh.q_start + sh.q_count) * d])
             return prefix + "self_attn.o_proj.weight"
         if part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             return prefix + "mlp." + mlp.load(part[4:], w)

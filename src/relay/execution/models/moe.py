@@ -15,6 +15,7 @@ only) are not used for it: its steps run layer by layer. On CUDA, with Triton in
 experts run as two grouped GEMMs (kernels/triton_moe.py: checked under Triton's interpreter
 only, never yet on a GPU).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,7 +36,9 @@ class Router(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,15 +49,21 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = mc.moe_renormalize
         self.float32_weights = mc.moe_float32_weights
         self.gate = Router(mc.num_experts, mc.hidden_size, dtype)
-        self.experts = nn.ModuleList(MLP(mc, tp, dtype, mc.moe_intermediate_size, reduce=False)
-                                     for _ in range(mc.num_experts))
+        self.experts = nn.ModuleList(
+            MLP(mc, tp, dtype, mc.moe_intermediate_size, reduce=False)
+            for _ in range(mc.num_experts)
+        )
         # On CUDA: the Triton grouped GEMMs over the experts' weights stacked [experts, out, in]
         # (stack_experts, on first use; the per-expert weights become views into the stacks).
-        self.use_triton = self.gate.weight.is_cuda and importlib.util.find_spec("triton") is not None
+        self.use_triton = (
+            self.gate.weight.is_cuda and importlib.util.find_spec("triton") is not None
+        )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         self.shared_expert = self.shared_expert_gate = None
         if mc.shared_expert_intermediate_size:
-            self.shared_expert = MLP(mc, tp, dtype, mc.shared_expert_intermediate_size, reduce=False)
+            self.shared_expert = MLP(
+                mc, tp, dtype, mc.shared_expert_intermediate_size, reduce=False
+            )
             self.shared_expert_gate = Router(1, mc.hidden_size, dtype)
 
     @property
@@ -73,7 +82,9 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)
         out = self.experts_output(x, weights, experts)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+            out = out + torch.sigmoid(
+                F.linear(x, self.shared_expert_gate.weight)
+            ) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +98,9 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
-    def experts_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def experts_output(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(token): this rank's partial sums.
         The (token, slot) pairs are sorted by expert, so each expert with tokens runs one GEMM over
         its tokens' rows and adds them back, scaled, into their tokens' rows; experts ascending,
@@ -101,7 +114,9 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k
         scales = weights.flatten().index_select(0, order).unsqueeze(1)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the step's one host sync
+        counts = torch.bincount(
+            flat, minlength=len(self.experts)
+        ).tolist()  # the step's one host sync
         end = 0
         for expert, n in zip(self.experts, counts):
             if not n:
@@ -112,17 +127,21 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
-    def _one_token_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _one_token_output(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         """experts_output of a single token (a batch-1 decode step): its k experts on x itself, no
         sort, gather or scatter. Summed in ascending expert order from the first term (0 + a is a
         exactly), so the bits are the grouped path's."""
         out = None
         for slot, e in sorted(enumerate(experts[0].tolist()), key=lambda pair: pair[1]):
-            y = (self.experts[e](x) * weights[:, slot:slot + 1]).to(x.dtype)
+            y = (self.experts[e](x) * weights[:, slot : slot + 1]).to(x.dtype)
             out = y if out is None else out + y
         return out
 
-    def _triton_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _triton_output(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         from relay.execution.kernels.triton_moe import fused_experts
 
         if self._stacked is None:
@@ -173,14 +192,18 @@ class MoeForCausalLM(LlamaForCausalLM):
             return prefix + part
         e = re.fullmatch(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight", part)
         if e is not None:
-            which = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(e.group(2), e.group(2))
+            which = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(
+                e.group(2), e.group(2)
+            )
             return prefix + f"experts.{e.group(1)}." + block.experts[int(e.group(1))].load(which, w)
         s = re.fullmatch(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight", part)
         if s is not None and block.shared_expert is not None:
             return prefix + "shared_expert." + block.shared_expert.load(s.group(1), w)
         if part in ("experts.gate_up_proj", "experts.down_proj"):
-            return [prefix + f"experts.{i}." + self._load_fused(expert, part, w[i])
-                    for i, expert in enumerate(block.experts)]
+            return [
+                prefix + f"experts.{i}." + self._load_fused(expert, part, w[i])
+                for i, expert in enumerate(block.experts)
+            ]
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
 
     @staticmethod

@@ -5,6 +5,7 @@ model runs inside the model runner. Either way the runner verifies the proposals
 forward pass of the target model, and the sampler decides which to keep (exact greedy
 agreement, or rejection sampling that preserves the target's distribution).
 """
+
 from relay.scheduling.speculative.ngram import NgramIndex
 from relay.scheduling.speculative.stats import SpecStats
 

@@ -1,5 +1,6 @@
 """Finding a standalone draft model and checking that it can draft for the target (no torch:
 the launcher checks before it starts any process)."""
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,17 @@ def check_draft_model(target: ModelConfig, draft_dir: str, target_dir: str) -> M
     """The draft's config; raises ValueError unless it shares the target's vocabulary."""
     draft = ModelConfig.from_dir(draft_dir)
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
-                         f"({target.vocab_size}): speculative decoding needs one tokenizer")
-    if os.path.realpath(draft_dir) != os.path.realpath(target_dir) and _vocab(draft_dir) != _vocab(target_dir):
-        raise ValueError("the draft model's tokenizer maps tokens to different ids than the target's: "
-                         "speculative decoding needs one tokenizer")
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}): speculative decoding needs one tokenizer"
+        )
+    if os.path.realpath(draft_dir) != os.path.realpath(target_dir) and _vocab(draft_dir) != _vocab(
+        target_dir
+    ):
+        raise ValueError(
+            "the draft model's tokenizer maps tokens to different ids than the target's: "
+            "speculative decoding needs one tokenizer"
+        )
     return draft
 
 

@@ -5,6 +5,7 @@ Each request keeps an index from every `min_window`-token n-gram to the position
 ends, fed incrementally as tokens arrive, so a proposal costs O(candidates x max_window)
 however long the sequence is, and a sequence with no repeat costs one dict lookup.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -17,7 +18,9 @@ MAX_CANDIDATES = 8
 class NgramIndex:
     def __init__(self, min_window: int, max_window: int):
         if not 1 <= min_window <= max_window:
-            raise ValueError(f"n-gram windows must satisfy 1 <= min ({min_window}) <= max ({max_window})")
+            raise ValueError(
+                f"n-gram windows must satisfy 1 <= min ({min_window}) <= max ({max_window})"
+            )
         self.min_window = min_window
         self.max_window = max_window
         self.tokens: list[int] = []
@@ -33,7 +36,7 @@ class NgramIndex:
             self.tokens.append(t)
             end = len(self.tokens)
             if end > w:  # index the n-gram before the newest token: it has a continuation
-                ends = self._ends[tuple(self.tokens[end - 1 - w:end - 1])]
+                ends = self._ends[tuple(self.tokens[end - 1 - w : end - 1])]
                 ends.append(end - 1)
                 if len(ends) > MAX_CANDIDATES:
                     del ends[0]
@@ -46,9 +49,13 @@ class NgramIndex:
         if k <= 0 or n <= w:
             return []
         best_len, best_end = 0, -1
-        for end in reversed(self._ends.get(tuple(toks[n - w:]), ())):
+        for end in reversed(self._ends.get(tuple(toks[n - w :]), ())):
             length = w
-            while length < self.max_window and end - length > 0 and toks[end - length - 1] == toks[n - length - 1]:
+            while (
+                length < self.max_window
+                and end - length > 0
+                and toks[end - length - 1] == toks[n - length - 1]
+            ):
                 length += 1
             if length > best_len:
                 best_len, best_end = length, end

@@ -1,4 +1,5 @@
 """Which running requests speculate in a step, and with what (pure Python, scheduler side)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from relay.scheduling.speculative.ngram import NgramIndex
 @dataclass
 class SpecRow:
     """One decoding request's speculation in a step."""
+
     k: int  # proposals to verify after its input token (0: the draft model only catches up)
     proposals: list[int]  # the n-gram proposals (a draft model makes its own in the runner)
     catchup: list[int]  # tokens the draft model reads first: its KV lags the target's
@@ -25,7 +27,10 @@ class SpecPlanner:
     def __init__(self, cfg: EngineConfig, context_len: int):
         self.algorithm = cfg.speculative_algorithm
         self.k = cfg.speculative_num_draft_tokens
-        self.windows = (cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
+        self.windows = (
+            cfg.speculative_ngram_min_match_window_size,
+            cfg.speculative_ngram_max_match_window_size,
+        )
         self.max_batch = cfg.speculative_disable_by_batch_size
         self.context_len = context_len
 
@@ -38,7 +43,12 @@ class SpecPlanner:
         p = req.params
         if p.logprobs:  # logprobs are reported for one token per step
             return None
-        k = min(self.k, p.max_new_tokens - len(req.output_ids) - 1, self.context_len - req.seq_len, budget)
+        k = min(
+            self.k,
+            p.max_new_tokens - len(req.output_ids) - 1,
+            self.context_len - req.seq_len,
+            budget,
+        )
         if k <= 0:
             return None
         if self.algorithm == "ngram":

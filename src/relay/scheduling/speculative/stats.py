@@ -1,5 +1,6 @@
 """Counters of speculative verification, kept by the scheduler and shown by /metrics and
 /get_server_info."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ class SpecStats:
         return (self.accepted_tokens + self.verify_rows) / max(1, self.verify_rows)
 
     def to_dict(self) -> dict:
-        return {"spec_verify_rows": self.verify_rows, "spec_proposed_tokens": self.proposed_tokens,
-                "spec_accepted_tokens": self.accepted_tokens, "spec_accepted_hist": list(self.accepted_hist),
-                "spec_acceptance_rate": self.acceptance_rate, "spec_accept_length": self.accept_length}
+        return {
+            "spec_verify_rows": self.verify_rows,
+            "spec_proposed_tokens": self.proposed_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accepted_hist": list(self.accepted_hist),
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_accept_length": self.accept_length,
+        }
