@@ -123,13 +123,14 @@ def test_default_model_with_int8_block_activations_is_still_the_model(
 ):
     """--block-activations int8 rounds every block GEMM's x to 8 bits per block of 32: greedy
     output is the float32 model's for its first tokens and still answers (perplexity +0.2 %,
-    top-1 agreement 96 %: scripts/quant_quality.py). The row count up to which GEMMs take the
-    blocks is held where a quiet machine measures it (decode steps on blocks, prompts on floats):
-    measured under load it moved prompts onto the blocks too and flipped a near-tie."""
-    from relay.execution import startup_timing
+    top-1 agreement 96 %: scripts/quant_quality.py). Every GEMM is held on the blocks, prompts
+    included: left to the start-up timing, the row count where the blocks stop paying moves with
+    the machine's load, and which steps round x to 8 bits moves with it."""
+    from relay.execution import layers, startup_timing
     from relay.text.tokenizer import Tokenizer
 
-    monkeypatch.setattr(startup_timing, "blocks_crossover_rows", lambda modules, reps=3: 32)
+    every_size = layers.BLOCKS_ROW_CANDIDATES[-1]
+    monkeypatch.setattr(startup_timing, "blocks_crossover_rows", lambda modules, reps=3: every_size)
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
