@@ -111,7 +111,7 @@ class SchedulerLoop:
         self.sent = {
             "runner_bytes": 0,
             "detok_bytes": 0,
-        }  # for /get_server_info and scripts/bench_scheduler.py
+        }  # for /get_server_info and `python -m scripts.bench scheduler`
         error = grammars.wait_loaded() if grammars is not None else None
         if error is not None:
             logger.error(

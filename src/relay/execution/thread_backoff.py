@@ -5,7 +5,7 @@ after every parallel loop, hundreds of times a step. Where other processes keep 
 the kernel's scheduler hands each thread its core in turns; at every barrier the threads on a
 core spin for the one that is off its core, holding the core it needs. On the 2-core box beside
 two busy loops, a server decoded 4.4 tokens/s on two threads, and a 4-token completion took up
-to 5 s; on one thread, 38 tokens/s (scripts/bench_busy_host.py). Shortening libgomp's spin for
+to 5 s; on one thread, 38 tokens/s (`python -m scripts.bench busy-host`). Shortening libgomp's spin for
 everyone (GOMP_SPINCOUNT) cost the quiet machine half its speed, so the count of threads moves
 instead, and only while the threads are starved:
 
