@@ -90,6 +90,23 @@ class Server:
         terminate([self.proc], 30, whole_group=True)  # its session: it and all it started
 
 
+def assert_served_completions_equal(model_path: str, prompts: list, want: list) -> None:
+    """A float32 server on model_path completes each prompt greedily (10 tokens, ignore_eos) with
+    exactly the text of the offline Engine's output in want."""
+    server = Server("--model-path", model_path, "--dtype", "float32", "--kv-cache-gb", "0.05")
+    try:
+        with server.client() as c:
+            for p, w in zip(prompts, want):
+                r = c.post(
+                    "/v1/completions",
+                    json={"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                )
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == w.text
+    finally:
+        server.stop()
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
     """Poll a condition the server will reach (not a sleep standing in for an event)."""
     deadline = time.monotonic() + timeout

@@ -218,7 +218,7 @@ def test_two_ranks_compute_the_logits_of_one(tmp_path, model_dir, name):
 def test_server_serves_gemma2_as_transformers_does(model_dir):
     """The server path: greedy completions of token-id prompts, past the window, are the text of
     transformers' tokens (the Engine's, which are transformers' token for token)."""
-    from tests.server_utils import Server
+    from tests.server_utils import assert_served_completions_equal
 
     path = model_dir("gemma2")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)
@@ -226,18 +226,7 @@ def test_server_serves_gemma2_as_transformers_does(model_dir):
         prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     )
     assert [w.token_ids for w in want] == reference(path, prompts, 10)
-    server = Server("--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.05")
-    try:
-        with server.client() as c:
-            for p, w in zip(prompts, want):
-                r = c.post(
-                    "/v1/completions",
-                    json={"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
-                )
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["text"] == w.text
-    finally:
-        server.stop()
+    assert_served_completions_equal(path, prompts, want)
 
 
 # ---- configs as the checkpoints write them -------------------------------------------------------

@@ -317,25 +317,14 @@ def test_two_ranks_compute_the_logits_of_one(tmp_path, tiny_model_dir, arch):
 
 @pytest.mark.slow
 def test_server_serves_a_moe_model_as_the_engine_does(tiny_model_dir):
-    from tests.server_utils import Server
+    from tests.server_utils import assert_served_completions_equal
 
     path = tiny_model_dir("qwen2_moe")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)
     want = Engine(path, dtype="float32", kv_cache_gb=0.05).generate(
         prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     )
-    server = Server("--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.05")
-    try:
-        with server.client() as c:
-            for p, w in zip(prompts, want):
-                r = c.post(
-                    "/v1/completions",
-                    json={"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
-                )
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["text"] == w.text
-    finally:
-        server.stop()
+    assert_served_completions_equal(path, prompts, want)
 
 
 # ---- the Triton grouped-GEMM path (CUDA; checked here without a GPU) ----------------------------
