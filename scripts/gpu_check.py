@@ -4,6 +4,7 @@
     python scripts/gpu_check.py build        --results R --out MODEL_DIR
     python scripts/gpu_check.py correctness  --results R --model MODEL_DIR
     python scripts/gpu_check.py decode-speed --results R --model MODEL_DIR
+    python scripts/gpu_check.py profile      --results R --model MODEL_DIR [--backends triton]
     python scripts/gpu_check.py table        --results R [--bench-json B] [--md OUT.md]
 
 The model is Qwen3-0.6B-shaped with random weights. Roofline numbers are for an H200-class
@@ -338,6 +339,79 @@ def cmd_decode_speed(args) -> None:
             )
 
 
+# ---- profile: where a graph decode step's time goes -------------------------------------------------
+def cmd_profile(args) -> None:
+    """torch.profiler over graph decode steps at each batch size: wall ms per step beside the GPU's
+    busy ms per step (the rest is host work around the graph), then the top host-side ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from relay.sampling_params import SamplingParams
+    from relay.scheduling.batch import SamplingSpec
+    from scripts.runner_steps import Sequences
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    backend = args.backends.split(",")[0]
+    runner = make_runner(
+        args.model,
+        dtype="bfloat16",
+        attention_backend=backend,
+        load_format="dummy",
+        kv_cache_gb=8.0,
+        cuda_graph_max_bs=max(sizes),
+    )
+    rng = random.Random(2)
+    for bs in sizes:
+        prompts = [[rng.randrange(100, 150000) for _ in range(args.context)] for _ in range(bs)]
+        seqs = Sequences(prompts, runner.page_size)
+        sids = list(range(bs))
+
+        def step(first=False):
+            batch = seqs.batch()
+            if first:
+                batch.new_specs = [SamplingSpec(s, greedy, []) for s in sids]
+            out = runner.forward(batch)
+            seqs.done(batch)
+            seqs.append(out.next_token_ids)
+
+        step(first=True)
+        for _ in range(args.warmup):
+            step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync()
+            wall = (time.perf_counter() - t0) / args.steps
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events) / args.steps
+        record(
+            args.results,
+            section="profile",
+            backend=backend,
+            bs=bs,
+            wall_ms=round(wall * 1e3, 3),
+            gpu_busy_ms=round(gpu_us / 1e3, 3),
+        )
+        print(
+            events.table(
+                sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60
+            )
+        )
+        print(
+            events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60)
+        )
+        # The host's Python (plans, sampling, bookkeeping) is invisible to the op table: cProfile
+        import cProfile
+        import pstats
+
+        py = cProfile.Profile()
+        py.runcall(lambda: [step() for _ in range(args.steps)])
+        pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
+        runner.sampler.update(sids, [])
+
+
 # ---- the table --------------------------------------------------------------------------------------
 def cmd_table(args) -> None:
     rows = []
@@ -394,9 +468,12 @@ def cmd_table(args) -> None:
             f"graph speed-up {r['eager_ms'] / r['graph_ms']:.1f}x | roofline {roof:.3f} ms/step "
             f"({r['bs'] / roof * 1e3:.0f} tok/s) | {100 * roof / r['graph_ms']:.0f}% of roofline |"
         )
+    bench = []
     if args.bench_json and os.path.exists(args.bench_json):
         with open(args.bench_json) as f:
-            b = [r for r in map(json.loads, filter(str.strip, f)) if r.get("engine") == "relay"][-1]
+            bench = [r for r in map(json.loads, filter(str.strip, f)) if r.get("engine") == "relay"]
+    if bench:
+        b = bench[-1]
         a = b["args"]
         roof = ""
         if mc is not None:
@@ -433,7 +510,9 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=["env", "build", "correctness", "decode-speed", "table"])
+    p.add_argument(
+        "command", choices=["env", "build", "correctness", "decode-speed", "profile", "table"]
+    )
     p.add_argument("--results", required=True)
     p.add_argument("--out")
     p.add_argument("--model")
@@ -445,6 +524,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--bench-json")
     p.add_argument("--md")
+    p.add_argument("--rows", type=int, default=25)
     args = p.parse_args()
     if args.command == "decode-speed":
         args.steps = 30 if args.steps == 32 else args.steps
@@ -453,6 +533,7 @@ def main() -> None:
         "build": cmd_build,
         "correctness": cmd_correctness,
         "decode-speed": cmd_decode_speed,
+        "profile": cmd_profile,
         "table": cmd_table,
     }[args.command](args)
 

@@ -16,6 +16,8 @@
 #                   beside the roofline (weights + KV bytes at 4.3 TB/s, FLOPs at 790 TFLOP/s)
 #   5 throughput    `python -m scripts.bench offline` on the same config (dummy weights), Relay only
 #   6 table         printed last; also written to $OUT/gpu_check.md when $OUT is set
+# Step limits: GPU_CHECK_CORRECTNESS_S (210) and GPU_CHECK_DECODE_S (120) lengthen the two steps that
+# build flashinfer's kernels on first use (its JIT); PYTHON names the interpreter (python3).
 # Work files: $GPU_CHECK_DIR (default ${TMPDIR:-/tmp}/relay_gpu_check); the model is reused.
 # Plumbing dry run on a CPU machine (tiny model, torch backend twice, no GPU numbers):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_TINY=1 GPU_CHECK_BACKENDS=torch GPU_CHECK_DECODE_BS=1,2 \
@@ -74,15 +76,16 @@ step() {
     return 0
 }
 
-PY=(python scripts/gpu_check.py --results "$RESULTS")
+PYTHON="${PYTHON:-python3}"  # GPU images often have python3 and no plain python
+PY=("$PYTHON" scripts/gpu_check.py --results "$RESULTS")
 
 step "1/6 env" 60 "${PY[@]}" env
 step "2/6 build-model" 120 "${PY[@]}" build --out "$MODEL"
 BACKENDS="${GPU_CHECK_BACKENDS:-triton,flashinfer}"  # those not installed are left out
-step "3/6 correctness" 210 "${PY[@]}" correctness --model "$MODEL" --backends "$BACKENDS"
-step "4/6 decode-speed" 120 "${PY[@]}" decode-speed --model "$MODEL" --backends "$BACKENDS" \
+step "3/6 correctness" "${GPU_CHECK_CORRECTNESS_S:-210}" "${PY[@]}" correctness --model "$MODEL" --backends "$BACKENDS"
+step "4/6 decode-speed" "${GPU_CHECK_DECODE_S:-120}" "${PY[@]}" decode-speed --model "$MODEL" --backends "$BACKENDS" \
     --batch-sizes "${GPU_CHECK_DECODE_BS:-1,16,64}" --context 256
-step "5/6 throughput" 150 python -m scripts.bench offline --no-hf --model-path "$MODEL" --load-format dummy \
+step "5/6 throughput" 150 "$PYTHON" -m scripts.bench offline --no-hf --model-path "$MODEL" --load-format dummy \
     --device "${GPU_CHECK_DEVICE:-cuda}" --dtype bfloat16 --num-seqs "${GPU_CHECK_NUM_SEQS:-256}" \
     --chunked-prefill-size 8192 --output-json "$BENCH_JSON"
 

@@ -120,6 +120,26 @@ def test_triton_backend_class_and_splits():
         assert 1 <= s <= MAX_SPLITS and s & (s - 1) == 0
 
 
+@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+def test_gpu_backends_take_the_mask_arguments_and_refuse_masks(name):
+    """kv_setup builds every backend with windows= and softcap=; the GPU kernels take them and
+    refuse a model that needs them (a clear error naming the way out), and accept a plain one."""
+    from relay.execution.attention.flashinfer_backend import FlashInferBackend
+    from relay.execution.attention.triton_backend import TritonBackend
+    from relay.memory.kv_cache import KVCache
+
+    kv = KVCache(2, 4, 4, 2, 64, torch.bfloat16, torch.device("cpu"))
+    cls = {"triton": TritonBackend, "flashinfer": FlashInferBackend}[name]
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        cls(kv=kv, num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, windows=[8, None])
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        cls(kv=kv, num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, softcap=50.0)
+    try:  # no mask: past the check (flashinfer then wants its package and a CUDA device)
+        cls(kv=kv, num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, windows=[], softcap=None)
+    except (RuntimeError, ValueError) as e:
+        assert "sliding window" not in str(e)
+
+
 # ---- CUDA graph bookkeeping -------------------------------------------------------------------
 def test_capture_batch_sizes():
     assert capture_batch_sizes(64) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
@@ -432,6 +452,9 @@ def test_kv_budget_free_bytes():
 
 # ---- the Triton kernels under the interpreter (CPU) -------------------------------------------------
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(
+    HAS_CUDA, reason="with a GPU the gpu tests compile and run the kernels for real"
+)
 def test_triton_kernels_in_interpreter(tiny_gpu_model):
     """The kernel cases of gpu_helpers.interpreter_cases, then a tiny model's runner with the
     Triton backend and an emulated CUDA-graph runner (re-run instead of replayed) against the

@@ -94,7 +94,8 @@ def claim_threads(cfg: EngineConfig, place: Placement) -> ThreadBackoff | None:
     """Set this rank's compute threads (on a GPU: its device) and return what the step loop
     calls after every step on CPU to back off from a busy host (None: the thread count stays)."""
     if not place.on_cpu:
-        torch.cuda.set_device(place.device)
+        # An index, not "cuda": set_device refuses a device with no index (torch >= 2.11).
+        torch.cuda.set_device(torch.device(place.device).index or 0)
         return None
     # Each rank gets its share of the cores: oversubscribing them is ~17x slower.
     threads = cfg.num_threads or max(1, available_cores() // place.tp.size)

@@ -79,8 +79,8 @@ class FlashInferBackend(AttentionBackend):
     kv_layout = "NHD"
     requires_cuda = True  # a CPU test with a stand-in flashinfer module clears it
 
-    def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(kv, num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, **masks):
+        super().__init__(kv, num_heads, num_kv_heads, head_dim, scale, **masks)  # refuses masks
         try:
             import flashinfer
         except ImportError as e:

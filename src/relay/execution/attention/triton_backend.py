@@ -432,8 +432,8 @@ def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Ten
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(kv, num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, **masks):
+        super().__init__(kv, num_heads, num_kv_heads, head_dim, scale, **masks)  # refuses masks
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"{num_heads} query heads do not group evenly over {num_kv_heads} kv heads"
