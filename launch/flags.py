@@ -108,8 +108,13 @@ FLAG_HELP = {
     ),
     "disable_weight_blocks": (
         "CPU: multiply by float weights even where the checkpoint's weights are exactly "
-        "GGUF Q4_1/Q8_0 blocks (by default GEMMs of up to the rows measured at start-up "
-        "read those blocks: the checkpoint's own weights, 4-7x fewer bytes than float32)"
+        "GGUF Q4_1/Q8_0 blocks (by default GEMMs of up to --weight-block-rows rows read "
+        "those blocks: the checkpoint's own weights, 4-7x fewer bytes than float32)"
+    ),
+    "weight_block_rows": (
+        "CPU: GEMMs of up to this many rows read the GGUF blocks, larger ones the float "
+        "weights (default: the rule measured per CPU level, dtype and --block-activations; "
+        "fixed, so a restart gives the same outputs; 0: none)"
     ),
     "block_activations": (
         "CPU, GEMMs on GGUF blocks: int8 rounds activations to 8 bits per block of 32 and sums "

@@ -118,24 +118,24 @@ def test_default_model_matches_transformers(default_model_dir):
 
 
 @pytest.mark.slow
-def test_default_model_with_int8_block_activations_is_still_the_model(
-    default_model_dir, monkeypatch
-):
+def test_default_model_with_int8_block_activations_is_still_the_model(default_model_dir):
     """--block-activations int8 rounds every block GEMM's x to 8 bits per block of 32: greedy
     output is the float32 model's for its first tokens and still answers (perplexity +0.2 %,
     top-1 agreement 96 %: scripts/quant_quality.py). Every GEMM is held on the blocks, prompts
-    included: left to the start-up timing, the row count where the blocks stop paying moves with
-    the machine's load, and which steps round x to 8 bits moves with it."""
-    from relay.execution import layers, startup_timing
+    included, whatever the rule for this CPU level says (block_rows.py)."""
+    from relay.execution.block_rows import ALL_ROWS
     from relay.text.tokenizer import Tokenizer
-
-    every_size = layers.BLOCKS_ROW_CANDIDATES[-1]
-    monkeypatch.setattr(startup_timing, "blocks_crossover_rows", lambda modules, reps=3: every_size)
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
     expected = reference(default_model_dir, prompts, NEW_TOKENS)
-    engine = Engine(default_model_dir, dtype="float32", block_activations="int8", kv_cache_gb=0.05)
+    engine = Engine(
+        default_model_dir,
+        dtype="float32",
+        block_activations="int8",
+        weight_block_rows=ALL_ROWS,
+        kv_cache_gb=0.05,
+    )
     assert all(m.blocks is not None and m.blocks.dot for m in engine.runner.model.gemm_modules())
     out = engine.generate(prompts, GREEDY)
     assert all(o.token_ids[:4] == e[:4] for o, e in zip(out, expected))

@@ -369,6 +369,47 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
         assert layers.blocks_crossover_rows(modules) == rows
 
 
+def test_the_block_rows_rule_takes_the_nearest_measured_level_below(monkeypatch):
+    """block_rows.MEASURED holds what scripts/measure_block_rows.py found per level; a level
+    without a measurement of its own takes the nearest one below it, and a combination never
+    measured keeps int8 activations on the blocks (their dot kernels beat float GEMMs) and
+    float ones off them."""
+    from relay.execution import block_rows as rule
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    monkeypatch.setattr(rule, "MEASURED", {("avx2", f32, True): 64, ("avx512bf16", bf16, False): 6})
+    assert rule.block_rows("avx2", f32, True) == 64
+    assert rule.block_rows("amx", f32, True) == 64  # from avx2, the nearest below
+    assert rule.block_rows("amx", bf16, False) == 6
+    assert rule.block_rows("avx512", bf16, False) == 0  # nothing at or below avx512
+    assert rule.block_rows("generic", f32, True) == rule.ALL_ROWS
+
+
+@pytest.mark.slow
+def test_which_gemms_read_the_blocks_is_a_fixed_rule_not_a_timing(default_model_dir, monkeypatch):
+    """Start-up times no GEMMs to choose between blocks and float weights (a timing moved with the
+    host's load, and the outputs with it): every block GEMM takes the rule for this level, or
+    --weight-block-rows where given, 0 keeping every GEMM off the blocks."""
+    blocks_or_skip()
+    from relay.config import EngineConfig, ModelConfig
+    from relay.execution.block_rows import block_rows
+    from relay.execution.kernels import isa
+
+    def timed(*args, **kwargs):
+        raise AssertionError("start-up timed the block GEMMs")
+
+    monkeypatch.setattr(layers, "blocks_crossover_rows", timed)
+
+    def max_rows(**kw) -> set[int]:
+        cfg = EngineConfig(dtype="float32", kv_cache_gb=0.05, **kw)
+        runner = ModelRunner(cfg, default_model_dir, ModelConfig.from_dir(default_model_dir))
+        return {m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None}
+
+    assert max_rows() == {block_rows(isa.level(), torch.float32, isa.at_least("avx2"))}
+    assert max_rows(weight_block_rows=12) == {12}
+    assert max_rows(weight_block_rows=0) <= {0}
+
+
 @pytest.mark.slow
 def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at(
     default_model_dir, monkeypatch
@@ -467,6 +508,22 @@ def test_a_dense_float32_checkpoint_in_bfloat16_is_a_plain_bfloat16_model(tiny_m
     )
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
     assert all(m.blocks is None for m in runner.model.gemm_modules())
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_block_activations_at_the_largest_sums_a_block_can_make(lib, sign):
+    """Q4_1 quants at 15 times x at +-127 in every position: a block's integer sums at their
+    largest (VPMADDUBSW's 16-bit pair sums without VNNI included) are still exact."""
+    n, k = 48, 128
+    q = torch.full((n, k), 15.0)
+    q[:, ::32] = 0.0  # each block's minimum, so the blocks are m + d * q with q up to 15
+    w = -0.5 + 0.0625 * q  # d and m exact in float16, as GGUF stores them
+    blocks = recover(w).to_dot()
+    assert blocks.bits == 4 and torch.equal(blocks.dequantize(), w)
+    x = torch.full((7, k), sign)
+    torch.testing.assert_close(
+        cpu.gemm_blocks(x, blocks).double(), int8_rounded_product(x, blocks), atol=1e-4, rtol=1e-6
+    )
 
 
 def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:

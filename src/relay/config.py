@@ -108,6 +108,9 @@ class EngineConfig:
     disable_weight_blocks: bool = (
         False  # CPU: keep GEMMs on float weights even where GGUF blocks are exact
     )
+    # CPU: GEMMs of up to this many rows read the GGUF blocks (None: the rule measured per CPU
+    # level, dtype and block activations in relay/execution/block_rows.py; 0: none do).
+    weight_block_rows: int | None = None
     # What the GEMMs on GGUF blocks multiply: int8 rounds x to 8 bits per block of 32 and sums
     # quant products in integers (csrc/gemm_dot.c, as llama.cpp does); float multiplies float32 x by
     # the exact weights. auto: int8 for a float32 model on x86 with AVX2 or more, else float.
@@ -165,6 +168,8 @@ class EngineConfig:
             <= self.speculative_ngram_max_match_window_size
         ):
             raise ValueError("speculative n-gram windows must satisfy 1 <= min <= max")
+        if self.weight_block_rows is not None and self.weight_block_rows < 0:
+            raise ValueError(f"weight_block_rows must be >= 0, got {self.weight_block_rows}")
         if self.block_activations not in BLOCK_ACTIVATIONS:
             raise ValueError(
                 f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}"

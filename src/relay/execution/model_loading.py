@@ -10,11 +10,12 @@ import numpy as np
 import torch
 
 from relay.config import EngineConfig, ModelConfig
+from relay.execution.block_rows import block_rows
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import isa
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
-from relay.execution.startup_timing import choose_weight_block_rows
+from relay.execution.startup_timing import log_weight_blocks
 
 
 class ModelLoader:
@@ -41,11 +42,19 @@ class ModelLoader:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
-        if kept or (
-            place.tp.size > 1 and place.on_cpu
-        ):  # every CPU rank: they agree on the crossover
-            choose_weight_block_rows(model, kept, place.tp, place.device)
+        if kept:
+            rows = self._weight_block_rows(model.dtype)
+            model.limit_weight_blocks(rows)
+            log_weight_blocks(model, kept, rows)
         return model
+
+    def _weight_block_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows GEMMs read the blocks: EngineConfig.weight_block_rows, else the
+        measured rule for this CPU level (relay.execution.block_rows). Every TP rank derives the
+        same number from the same config and level, so their steps take the same paths."""
+        if self.cfg.weight_block_rows is not None:
+            return self.cfg.weight_block_rows
+        return block_rows(isa.level(), dtype, self._int8_block_activations())
 
     def _new_model(self, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device(self.place.device):

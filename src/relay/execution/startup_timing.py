@@ -1,5 +1,5 @@
-"""Start-up measurements that choose a CPU runner's paths: up to which rows GEMMs read the GGUF
-weight blocks, and up to which batch size a decode step runs its layers in one C call."""
+"""Start-up measurements that choose a CPU runner's paths: up to which batch size a decode step
+runs its layers in one C call (which GEMMs read the GGUF blocks is a fixed rule: block_rows.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from relay.execution.distributed import TPGroup
-from relay.execution.layers import Linear, PathTiming, blocks_crossover_rows, crossover
+from relay.execution.layers import PathTiming, crossover
 from relay.scheduling.batch import BatchInput
 
 logger = logging.getLogger(__name__)
@@ -24,39 +23,21 @@ DECODE_LAYERS_MIN_GAIN = 0.98
 RunModel = Callable[[torch.nn.Module, object, BatchInput, list[list[int]]], object]
 
 
-def choose_weight_block_rows(
-    model: torch.nn.Module, kept: int, tp: TPGroup, device: torch.device
-) -> None:
-    """Time the first layer's GEMMs from blocks and from the float weights at growing row
-    counts and give every GEMM the measured crossover (none where the floats always win)."""
-    sample = [m for m in model.gemm_modules() if isinstance(m, Linear) and m.blocks is not None][:4]
-    rows = blocks_crossover_rows(sample) if kept else 0
-    # Tensor-parallel ranks take the leader's: each times its own shards, and ranks whose steps
-    # took different paths would call different collectives.
-    rows = tp.broadcast_ints([rows], device)[0]
-    model.limit_weight_blocks(rows)
-    if kept:
-        _log_weight_blocks(model, kept, rows, tp)
-
-
-def _log_weight_blocks(model: torch.nn.Module, kept: int, rows: int, tp: TPGroup) -> None:
-    dtype = str(model.dtype).removeprefix("torch.")
+def log_weight_blocks(model: torch.nn.Module, kept: int, rows: int) -> None:
     if rows:
         logger.info(
             "%d of %d GEMM weights are exact GGUF blocks: GEMMs of up to %d rows read those "
-            "(measured %s against %s)",
+            "(--weight-block-rows)",
             kept,
             len(model.gemm_modules()),
             rows,
-            "here" if tp.size == 1 else "by rank 0",
-            dtype,
         )
     else:
         logger.info(
-            "%d GEMM weights are exact GGUF blocks, but %s GEMMs measured faster here at every "
-            "size (a decode step in one C call may still read them)",
+            "%d GEMM weights are exact GGUF blocks; %s GEMMs on the float weights are faster "
+            "at every size here (a decode step in one C call may still read the blocks)",
             kept,
-            dtype,
+            str(model.dtype).removeprefix("torch."),
         )
 
 
