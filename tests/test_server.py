@@ -247,8 +247,8 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "input_ids": [1]}, "text and input_ids", None),
     (
         "/generate",
-        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
-        "zero tokens",
+        {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+        "negative tokens",
         "sampling_params.max_new_tokens",
     ),
     (

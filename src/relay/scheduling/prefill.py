@@ -78,7 +78,8 @@ class PrefillManager:
             req.cached_tokens = req.kv_len
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.kv_len
-            most = req.params.max_new_tokens or self.context_len
+            most = req.params.max_new_tokens
+            most = self.context_len if most is None else most
             self.limits.on_admit(now, min(self.context_len, len(req.prompt_ids) + most))
         self.table.start(req)
 
