@@ -117,6 +117,25 @@ def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(
     assert engine.scheduler.stats().kv_locked_tokens == 0
 
 
+def test_requests_scoring_the_same_prompt_run_side_by_side(engine, model_dir, prompts, monkeypatch):
+    """Two requests for one prompt's logprobs (echo with n=2) cannot share its KV: the second
+    is not held back for the first's prefill to cache it (it would wait for nothing)."""
+    prompt = prompts[1]
+    spans_per_step = []
+    forward = engine.runner.forward
+
+    def spy(batch):
+        spans_per_step.append(len(batch.prompt_logprob_spans))
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    outs = engine.generate([prompt, prompt], params(0))
+    assert max(spans_per_step) == 2
+    ref = transformers_logprobs(model_dir, prompt)
+    for out in outs:
+        assert_matches(out.prompt_logprobs, prompt, 0, ref)
+
+
 def test_prompt_logprobs_with_overlap_scheduling(model_dir, prompts):
     """With overlap a prompt's next chunk is built before its last one's output is in."""
     engine = Engine(
