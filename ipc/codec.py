@@ -11,9 +11,15 @@ import msgpack
 
 from ipc import messages as m
 from relay.config import EngineConfig
-from relay.outputs import RequestOutput
+from relay.outputs import PromptLogprobs, RequestOutput
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.scheduling.batch import (
+    BatchInput,
+    BatchOutput,
+    PromptLogprobChunk,
+    PromptLogprobSpan,
+    SamplingSpec,
+)
 from relay.text.detokenizer import DetokenizeSpec
 
 # The order fixes each type's ext code. Every process of a server runs the same code, so
@@ -37,6 +43,9 @@ WIRE_TYPES: list[type] = [
     m.Heartbeat,
     m.NodeMsg,
     m.TokenizeCall,
+    PromptLogprobSpan,
+    PromptLogprobChunk,
+    PromptLogprobs,
 ]
 
 
@@ -64,7 +73,8 @@ def _default(obj: Any) -> msgpack.ExtType:
         if any(type(r) is not RequestOutput for r in obj.outputs):
             raise TypeError("an OutputBatch holds RequestOutput records only")
         columns = list(zip(*map(_RECORD, obj.outputs)))
-        return msgpack.ExtType(code, msgpack.packb(columns, use_bin_type=True))
+        # default: a record's PromptLogprobs (only such a value calls it)
+        return msgpack.ExtType(code, msgpack.packb(columns, default=_default, use_bin_type=True))
     return msgpack.ExtType(code, msgpack.packb(values(obj), default=_default, use_bin_type=True))
 
 

@@ -82,7 +82,7 @@ class ControlCall:
 @dataclass
 class TokenizeCall:
     """http -> tokenizer: /tokenize (text or messages) or /detokenize (tokens), as
-    relay.api.tokenization.TokenizeQuery; answered by the ControlReply with the same id (data:
+    relay.api.serving.TokenizeQuery; answered by the ControlReply with the same id (data:
     {"tokens", "token_strs"?} or {"prompt"}; when not ok, {"message", "param", "status"})."""
 
     call_id: int

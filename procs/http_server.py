@@ -155,7 +155,7 @@ class ZmqEngineClient:
             )
 
     async def tokenizer_call(self, query: Any) -> dict[str, Any]:
-        """/tokenize or /detokenize, done by a tokenizer process (relay.api.tokenization.TokenizeQuery);
+        """/tokenize or /detokenize, done by a tokenizer process (relay.api.serving.TokenizeQuery);
         its answer's data, or a ProtocolError: the tokenizer's refusal (400 naming the field), 503
         when full or no tokenizer is there, 504 when none answers within the health timeout."""
         self._refuse_if_stopping()

@@ -17,9 +17,15 @@ import ipc.messages as m
 from ipc import codec
 from ipc.codec import WIRE_TYPES, decode, encode
 from relay.config import EngineConfig
-from relay.outputs import RequestOutput
+from relay.outputs import PromptLogprobs, RequestOutput
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import BatchInput, BatchOutput, SamplingSpec
+from relay.scheduling.batch import (
+    BatchInput,
+    BatchOutput,
+    PromptLogprobChunk,
+    PromptLogprobSpan,
+    SamplingSpec,
+)
 from relay.text.detokenizer import DetokenizeSpec
 
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -60,6 +66,8 @@ sampling_params = st.builds(
     include_stop_str_in_output=st.booleans(),
     logprobs=st.booleans(),
     top_logprobs=st.integers(0, 20),
+    logprob_start_len=st.integers(-1, 4096),
+    prompt_top_logprobs=st.integers(0, 20),
     logit_bias=st.dictionaries(TOKEN, st.floats(-100, 100), max_size=4),
 )
 sampling_specs = st.builds(
@@ -69,6 +77,41 @@ sampling_specs = st.builds(
     stop_token_ids=st.lists(TOKEN, max_size=3),
     prompt_ids=st.lists(TOKEN, max_size=20),
 )
+
+prompt_logprob_spans = st.builds(
+    PromptLogprobSpan,
+    row=st.integers(0, 7),
+    first=SMALL,
+    targets=st.lists(TOKEN, max_size=5),
+    top_n=st.integers(0, 20),
+)
+prompt_logprob_chunks = st.builds(
+    PromptLogprobChunk,
+    row=st.integers(0, 7),
+    logprobs=st.lists(LOGPROB, max_size=4),
+    ranks=st.lists(st.integers(1, 200_000), max_size=4),
+    top_ids=st.lists(st.lists(TOKEN, max_size=3), max_size=4),
+    top_logprobs=st.lists(st.lists(LOGPROB, max_size=3), max_size=4),
+)
+
+
+@st.composite
+def prompt_logprobs(draw) -> PromptLogprobs:
+    n = draw(st.integers(1, 4))
+    top = st.none() | st.tuples(
+        st.lists(TOKEN, min_size=2, max_size=2), st.lists(LOGPROB, min_size=2, max_size=2)
+    ).map(list)
+    return PromptLogprobs(
+        start=draw(SMALL),
+        token_ids=draw(st.lists(TOKEN, min_size=n, max_size=n)),
+        logprobs=[None] + draw(st.lists(LOGPROB, min_size=n - 1, max_size=n - 1)),
+        ranks=[None] + draw(st.lists(st.integers(1, 200_000), min_size=n - 1, max_size=n - 1)),
+        top=[None] + draw(st.lists(top, min_size=n - 1, max_size=n - 1)),
+        texts=draw(st.none() | st.lists(TEXT, min_size=n, max_size=n)),
+        top_texts=draw(
+            st.none() | st.lists(st.none() | st.lists(TEXT, max_size=2), min_size=n, max_size=n)
+        ),
+    )
 
 
 @st.composite
@@ -89,6 +132,7 @@ def batch_inputs(draw) -> BatchInput:
         output_lens=draw(st.lists(SMALL, min_size=n, max_size=n)),
         new_specs=draw(st.lists(sampling_specs, max_size=3)),
         released_sids=draw(st.lists(U31, max_size=5)),
+        prompt_logprob_spans=draw(st.lists(prompt_logprob_spans, max_size=2)),
     )
 
 
@@ -115,6 +159,7 @@ def batch_outputs(draw) -> BatchOutput:
         top_logprobs=top,
         error=draw(OPT_STR),
         row_errors=draw(st.dictionaries(st.integers(0, 7), TEXT, max_size=2)),
+        prompt_logprobs=draw(st.lists(prompt_logprob_chunks, max_size=2)),
     )
 
 
@@ -193,6 +238,7 @@ def request_outputs(draw) -> RequestOutput:
         top_texts=draw(st.lists(st.none() | st.lists(TEXT, max_size=2), min_size=n, max_size=n))
         if with_lp
         else None,
+        prompt_logprobs=draw(st.none() | prompt_logprobs()),
     )
 
 
@@ -204,6 +250,9 @@ STRATEGIES = {
     EngineConfig: engine_configs,
     RequestOutput: request_outputs(),
     DetokenizeSpec: detokenize_specs,
+    PromptLogprobSpan: prompt_logprob_spans,
+    PromptLogprobChunk: prompt_logprob_chunks,
+    PromptLogprobs: prompt_logprobs(),
     m.GenerateReq: generate_reqs,
     m.TokenizedReq: st.builds(
         m.TokenizedReq,
@@ -465,6 +514,9 @@ EXAMPLES = [
     m.Heartbeat(3, 0.5),
     m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
     m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
+    PromptLogprobSpan(0, 1, [5, 6], 2),
+    PromptLogprobChunk(0, [-0.5], [3], [[6, 9]], [[-0.2, -0.5]]),
+    PromptLogprobs(0, [5, 6], [None, -0.5], [None, 3], [None, [[6], [-0.5]]]),
 ]
 
 

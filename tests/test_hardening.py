@@ -380,7 +380,7 @@ def test_after_the_fuzzing_nothing_is_held(client):
 
 BAD_BODIES = [
     {"prompt": ""},
-    {"prompt": "x", "max_tokens": 0},
+    {"prompt": "x", "max_tokens": -1},
     {"prompt": "x", "temperature": "hot"},
     {"prompt": [1, 10**9]},
     {"prompt": "x", "stop_token_ids": [10**7], "min_tokens": 1},

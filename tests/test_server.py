@@ -247,8 +247,32 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "input_ids": [1]}, "text and input_ids", None),
     (
         "/generate",
-        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
-        "zero tokens",
+        {"text": "hi there", "return_logprob": True, "logprob_start_len": 1000},
+        "logprob_start_len past the prompt",
+        "logprob_start_len",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": 21},
+        "top_logprobs_num too large",
+        "top_logprobs_num",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21},
+        "prompt_logprobs too large",
+        "prompt_logprobs",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": -1},
+        "negative logprobs",
+        "logprobs",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+        "negative tokens",
         "sampling_params.max_new_tokens",
     ),
     (
@@ -782,3 +806,120 @@ def test_tokenize_and_detokenize_round_trip_and_equal_the_tokenizer(server, defa
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         long = c.post("/tokenize", json={"prompt": "word " * 20_000})
         assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+
+
+# ---- prompt logprobs: echo, prompt_logprobs, input_token_logprobs ------------------------------
+
+ECHO_PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+def test_echo_logprobs_max_tokens_0_as_lm_eval_reads_them(server):
+    """lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 0, temperature 0."""
+    body = {"model": MODEL, "prompt": ECHO_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+    with server.client() as c:
+        out = c.post("/v1/completions", json={**body, "temperature": 0}).json()
+        ids = c.post("/tokenize", json={"prompt": ECHO_PROMPT}).json()["tokens"]
+    choice = out["choices"][0]
+    assert choice["text"] == ECHO_PROMPT and choice["finish_reason"] == "length"
+    lps = choice["logprobs"]
+    assert len(lps["tokens"]) == len(ids) == out["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 0
+    assert "".join(lps["tokens"]) == ECHO_PROMPT
+    assert lps["text_offset"][0] == 0 and lps["text_offset"][-1] == len(ECHO_PROMPT) - len(
+        lps["tokens"][-1]
+    )
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(x <= 0 for x in lps["token_logprobs"][1:])
+    for token, lp, top in zip(
+        lps["tokens"][1:], lps["token_logprobs"][1:], lps["top_logprobs"][1:]
+    ):
+        assert len(top) == 1
+        best = max(top.values())
+        assert lp <= best + 1e-6 and (token not in top or top[token] == pytest.approx(lp))
+    # " Paris" after "The capital of France is" is the likeliest token: greedy there.
+    k = lps["tokens"].index(" Paris")
+    assert lps["top_logprobs"][k] == {" Paris": pytest.approx(lps["token_logprobs"][k])}
+
+
+def test_prompt_logprobs_agree_across_routes_and_rank_their_tokens(server):
+    """The same prompt's logprobs from echo, vLLM's prompt_logprobs and /generate's
+    input_token_logprobs (from logprob_start_len on); each top list sorted, holding the
+    prompt's token wherever its rank is within it."""
+    with server.client() as c:
+        ids = c.post("/tokenize", json={"prompt": ECHO_PROMPT}).json()["tokens"]
+        comp = c.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "echo": True,
+                "logprobs": 3,
+                "prompt_logprobs": 4,
+                "max_tokens": 1,
+                "temperature": 0,
+            },
+        ).json()["choices"][0]
+        gen = c.post(
+            "/generate",
+            json={
+                "input_ids": ids,
+                "return_logprob": True,
+                "logprob_start_len": 2,
+                "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        ).json()
+    echo = comp["logprobs"]["token_logprobs"]
+    assert comp["text"].startswith(ECHO_PROMPT) and len(echo) == len(ids) + 1
+    # max_tokens 1: the generated token last, greedy (its own top-1).
+    last_top = comp["logprobs"]["top_logprobs"][-1]
+    assert len(last_top) == 3 and max(last_top, key=last_top.get) == comp["logprobs"]["tokens"][-1]
+    vllm = comp["prompt_logprobs"]
+    assert len(vllm) == len(ids) and vllm[0] is None
+    for k in range(1, len(ids)):
+        entry = vllm[k]
+        mine = entry[str(ids[k])]
+        assert mine["logprob"] == pytest.approx(echo[k], abs=1e-5)
+        top = sorted((v for v in entry.values() if v["rank"] <= 4), key=lambda v: v["rank"])
+        assert [v["rank"] for v in top][:4] == list(range(1, min(4, len(top)) + 1))
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:]))
+        assert (mine["rank"] <= 4) == (len(entry) == 4)  # else it is the fifth entry
+    meta = gen["meta_info"]
+    inputs = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inputs] == ids[2:] and inputs[0][0] is None
+    assert [lp for lp, _, _ in inputs[1:]] == pytest.approx(echo[3 : len(ids)], abs=1e-5)
+    assert meta["input_top_logprobs"][0] is None
+    for k, top in enumerate(meta["input_top_logprobs"][1:], start=3):
+        assert len(top) == 2 and top[0][0] >= top[1][0]
+        if vllm[k][str(ids[k])]["rank"] <= 2:
+            assert ids[k] in [t for _, t, _ in top]
+    assert gen["output_ids"] == [] and meta["completion_tokens"] == 0
+
+
+def test_streamed_echo_comes_first(server):
+    with server.client() as c:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ECHO_PROMPT,
+                "echo": True,
+                "max_tokens": 3,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as r:
+            events = [
+                json.loads(line[6:])
+                for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        whole = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": ECHO_PROMPT, "max_tokens": 3, "temperature": 0},
+        ).json()
+    texts = [e["choices"][0]["text"] for e in events]
+    assert texts[0].startswith(ECHO_PROMPT)
+    assert "".join(texts) == ECHO_PROMPT + whole["choices"][0]["text"]
+    assert idle_stats(server)["kv_locked_tokens"] == 0

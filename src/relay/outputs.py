@@ -25,6 +25,32 @@ TopLogprobs = list  # [[token ids], [logprobs]] of the most likely tokens at one
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt's log-probabilities from position `start` on, one entry per position: the
+    prompt's token there, its log-probability given the tokens before it, its rank among the
+    vocabulary (1: the likeliest) and the likeliest tokens there. The first entry (position
+    start) has None for all three: nothing before it is scored. The scheduler fills it in over
+    the prompt's chunks; the detokenizer adds the texts."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[TopLogprobs | None]
+    texts: list[str] | None = None  # each token's own text
+    top_texts: list[list[str] | None] | None = None  # the texts of top's tokens
+
+    @classmethod
+    def empty(cls, prompt_ids: list[int], start: int) -> PromptLogprobs:
+        """Nothing scored yet: only the first position's entry (None)."""
+        return cls(start, list(prompt_ids[start:]), [None], [None], [None])
+
+    @property
+    def complete(self) -> bool:
+        return len(self.logprobs) == len(self.token_ids)
+
+
+@dataclass
 class RequestOutput:
     rid: str
     token_ids: list[int] = field(default_factory=list)  # new tokens
@@ -43,6 +69,9 @@ class RequestOutput:
     text: str = ""  # the new text that may be shown (a stop string's beginning is held back)
     token_texts: list[str] | None = None  # each new token's own text, when logprobs were asked
     top_texts: list[list[str] | None] | None = None  # the texts of top_logprobs' tokens
+    # The prompt's log-probabilities, when asked (SamplingParams.logprob_start_len): in the
+    # request's first record.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +86,7 @@ class RequestOutput:
             mine, theirs = getattr(self, name), getattr(later, name)
             if theirs is not None:
                 setattr(self, name, (mine or []) + theirs)
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_tokens = later.cached_tokens
         if later.finished or later.error is not None:

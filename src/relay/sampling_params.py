@@ -129,7 +129,8 @@ class Range:
 
 
 RANGES: dict[str, Range] = {
-    "max_new_tokens": Range(1, MAX_NEW_TOKENS, integer=True),
+    # 0: no output, only the prompt's log-probabilities (lm-eval's loglikelihood requests)
+    "max_new_tokens": Range(0, MAX_NEW_TOKENS, integer=True),
     "min_new_tokens": Range(0, MAX_NEW_TOKENS, integer=True),
     "temperature": Range(0, 100),  # OpenAI's routes narrow it to [0, 2]
     "top_p": Range(0, 1, lo_open=True),
@@ -140,6 +141,9 @@ RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2, 2),
     "seed": Range(-_I64, _I64 - 1, integer=True, what="a 64-bit integer"),
     "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    # -1: none; the prompt's length bounds it too (check_logprob_start, once it is known)
+    "logprob_start_len": Range(-1, MAX_NEW_TOKENS, integer=True),
+    "prompt_top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
 }
 
 
@@ -164,6 +168,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the n most likely tokens at each step
+    # The prompt's log-probabilities from this position on (RequestOutput.prompt_logprobs);
+    # -1: none. Its prefill then computes every position from here on, cached or not.
+    logprob_start_len: int = -1
+    prompt_top_logprobs: int = 0  # and the n most likely tokens at each prompt position
     # Constrained decoding (relay.text.grammar), at most one: the output matches a JSON schema
     # (JSON text; '{"type": "object"}' for any JSON object), a regex, or an EBNF grammar.
     json_schema: str | None = None
@@ -352,6 +360,16 @@ class SamplingParams:
             if key not in names:
                 raise InvalidParam(key, f"unknown sampling parameter {key!r}")
         return cls(**d)
+
+
+def check_logprob_start(params: SamplingParams, prompt_len: int) -> None:
+    """logprob_start_len must name a position of the prompt, known once it is tokenized."""
+    if params.logprob_start_len >= prompt_len:
+        raise InvalidParam(
+            "logprob_start_len",
+            f"logprob_start_len must be -1 or a position in the prompt (below its {prompt_len} "
+            f"tokens), got {params.logprob_start_len}",
+        )
 
 
 def check_prompt_length(

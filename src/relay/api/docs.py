@@ -92,6 +92,8 @@ _SAMPLING = {
     "include_stop_str_in_output": _BOOL,
     "logit_bias": _LOGIT_BIAS,
 }
+# A chat answer has at least one token (a completion may have none: max_tokens 0 with echo).
+_CHAT_MAX_TOKENS = _ranged("max_new_tokens", Range(1, RANGES["max_new_tokens"].hi, integer=True))
 _OPENAI_COMMON = {
     "model": _STR,
     "n": _int(1, MAX_N),
@@ -138,6 +140,7 @@ BODIES: dict[str, dict[str, Any]] = {
             },
             "logprobs": _ranged("top_logprobs"),
             "echo": _BOOL,
+            "prompt_logprobs": _ranged("prompt_top_logprobs"),
             "best_of": _int(1, MAX_N),
             "suffix": _STR,
             **_OPENAI_COMMON,
@@ -147,7 +150,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "chat": _object(
         {
             "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-            "max_completion_tokens": _ranged("max_new_tokens"),
+            "max_completion_tokens": _CHAT_MAX_TOKENS,
             "logprobs": _BOOL,
             "top_logprobs": _ranged("top_logprobs"),
             "chat_template_kwargs": {"type": "object"},
@@ -157,6 +160,7 @@ BODIES: dict[str, dict[str, Any]] = {
             "tool_choice": {},
             "parallel_tool_calls": _BOOL,
             **_OPENAI_COMMON,
+            "max_tokens": _CHAT_MAX_TOKENS,
         },
         ["messages"],
     ),
@@ -183,6 +187,7 @@ BODIES: dict[str, dict[str, Any]] = {
             "rid": {"type": "string", "minLength": 1, "maxLength": 256},
             "return_logprob": _BOOL,
             "top_logprobs_num": _ranged("top_logprobs"),
+            "logprob_start_len": _ranged("logprob_start_len"),
             "priority": _int(),
         },
         [],

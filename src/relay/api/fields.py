@@ -185,6 +185,8 @@ class ParsedRequest:
     param_names: dict[str, str] = field(default_factory=dict)
     tools: ToolCalling | None = None  # chat: the tools the model may call, and how
     reasoning: str | None = None  # chat: the --reasoning-parser that splits reasoning_content off
+    echo: bool = False  # completions: the prompt comes first in the answer
+    prompt_logprobs: int | None = None  # completions (vLLM's): the prompt's logprobs, top N
 
 
 # ---- typed field access --------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,11 +19,13 @@ from relay.api import tool_calls as T
 from relay.api.chat_output import ChatOutput, piece_delta, whole_message
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.prompt_output import PromptView, echo_logprobs, logprob, vllm_prompt_logprobs
 from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import (
     SSE_DONE,
     Choice,
     EngineClient,
+    TokenizeQuery,
     Usage,
     error_response,
     sse,
@@ -33,11 +34,9 @@ from relay.api.serving import (
 )
 from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
-from relay.sampling_params import MAX_TOP_LOGPROBS, Range, SamplingParams
+from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, Range, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-# JSON has no -Infinity; OpenAI documents -9999.0 as its stand-in for "very unlikely".
-_LOGPROB_FLOOR = -9999.0
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Keys of HF apply_chat_template that would collide with the tokenizer's own call or let a
 # client swap in its own template; everything else reaches the template as a variable.
@@ -60,6 +59,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 # OpenAI caps temperature at 2 (SGLang's native API does not).
 _RULES = {**F.FIELD_RULES, "temperature": F.ranged("temperature", Range(0, 2))}
+# A chat answer has at least one token; a completion may have none (echo's prompt logprobs).
+_CHAT_MAX_TOKENS = F.ranged("max_new_tokens", Range(1, MAX_NEW_TOKENS, integer=True))
 # OpenAI body key -> SamplingParams field (max_tokens and logprobs are handled apart).
 _KEYS = {
     "temperature": "temperature",
@@ -128,20 +129,44 @@ async def _serve(
             max_constraint_depth=client.max_constraint_depth,
             max_constraint_properties=client.max_constraint_properties,
         )
+        view = await _prompt_view(client, parsed) if kind == "completion" else None
         api = client.submit(parsed, kind)
     except ProtocolError as e:
         return error_response(e)
     created, model = int(time.time()), client.served_model
     if parsed.stream:
         return await streamed(
-            client, api, request, lambda outs: _events(outs, kind, api.rid, created, model, parsed)
+            client,
+            api,
+            request,
+            lambda outs: _events(outs, kind, api.rid, created, model, parsed, view),
         )
     done = await whole(client, api, request)
     if not isinstance(done, list):
         return done
     if kind == "completion":
-        return completion_response(api.rid, created, model, done)
+        return completion_response(api.rid, created, model, done, view)
     return chat_response(api.rid, created, model, done, parsed.tools, parsed.reasoning)
+
+
+async def _prompt_view(client: EngineClient, parsed: ParsedRequest) -> PromptView:
+    """What a completion shows of its prompt; a token-id prompt's text for echo comes from the
+    tokenizer process (special tokens included, as /detokenize gives it)."""
+    text = parsed.text
+    if parsed.echo and text is None:
+        try:
+            out = await client.tokenizer_call(TokenizeQuery("detokenize", tokens=parsed.input_ids))
+        except ProtocolError as e:
+            # The parser checked the ids; a refusal now is about their number: the prompt's.
+            raise ProtocolError(e.status, e.message, e.param and "prompt", e.type) from None
+        text = out["prompt"]
+    return PromptView(
+        echo_text=text if parsed.echo else None,
+        echo_logprobs=parsed.params.top_logprobs
+        if parsed.echo and parsed.params.logprobs
+        else None,
+        prompt_logprobs=parsed.prompt_logprobs,
+    )
 
 
 async def _events(
@@ -151,6 +176,7 @@ async def _events(
     created: int,
     model: str,
     parsed: ParsedRequest,
+    view: PromptView | None = None,
 ) -> AsyncIterator[bytes]:
     started = [False] * parsed.n
     offsets = [0] * parsed.n  # text_offset of each choice's next chunk (completions logprobs)
@@ -164,8 +190,10 @@ async def _events(
             yield sse(F.error_body(r.status, r.error, r.param))
             return
         if kind == "completion":
-            yield sse(completion_chunk(rid, created, model, index, r, offsets[index]))
-            offsets[index] += len(r.text)
+            prompt = None if started[index] else view  # the prompt comes in the first chunk
+            chunk = completion_chunk(rid, created, model, index, r, offsets[index], prompt)
+            yield sse(chunk)
+            offsets[index] += len(chunk["choices"][0]["text"])
         elif outputs is None:
             yield sse(chat_chunk(rid, created, model, index, r, first=not started[index]))
         else:
@@ -213,10 +241,6 @@ def _refused(value: Any) -> bool:
     return False
 
 
-# Unsupported on both routes (see _reject_unsupported).
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {"echo": lambda v: v is False}
-
-
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = F.opt(body, "stream", False, F.as_bool)
     options = body.get("stream_options")
@@ -244,11 +268,11 @@ def _common(body: dict[str, Any], served_model: str, max_n: int) -> dict[str, An
     }
 
 
-def _max_tokens(body: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int | None]:
-    """The first of `keys` that is set, and its value; every set key is type-checked."""
-    given = [
-        (k, F.FIELD_RULES["max_new_tokens"](body[k], k)) for k in keys if body.get(k) is not None
-    ]
+def _max_tokens(
+    body: dict[str, Any], keys: tuple[str, ...], rule: Callable[[Any, str], Any]
+) -> tuple[str, int | None]:
+    """The first of `keys` that is set, and its value; every set key is checked by rule."""
+    given = [(k, rule(body[k], k)) for k in keys if body.get(k) is not None]
     return given[0] if given else (keys[0], None)
 
 
@@ -268,21 +292,25 @@ def _prompt(value: Any, vocab_size: int | None) -> tuple[str | None, list[int] |
     raise bad("prompt", f"'prompt' must be a string or a list of token ids, got {show(value)}")
 
 
-def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
-    k = body.get("logprobs")
-    if k is None:
-        return {}
-    return {"logprobs": True, "top_logprobs": F.as_int(k, "logprobs", 0, MAX_TOP_LOGPROBS)}
+def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
+    """logprobs N: the output tokens' (and with echo the prompt's) with the N likeliest;
+    vLLM's prompt_logprobs M: the prompt's with the M likeliest. The prompt's are computed
+    once, with the larger top list."""
+    k = F.opt(body, "logprobs", None, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    m = F.opt(body, "prompt_logprobs", None, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    out: dict[str, Any] = {} if k is None else {"logprobs": True, "top_logprobs": k}
+    prompt_tops = [n for n in (k if echo else None, m) if n is not None]
+    if prompt_tops:
+        out.update(logprob_start_len=0, prompt_top_logprobs=max(prompt_tops))
+    return out
 
 
-_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **_UNSUPPORTED,
-    "suffix": lambda v: v == "",
-}
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {"suffix": lambda v: v == ""}
 _COMPLETION_NAMES = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
     "top_logprobs": "logprobs",
+    "prompt_top_logprobs": "prompt_logprobs",
 }
 
 
@@ -304,10 +332,11 @@ def parse_completion(
     if body.get("prompt") is None:
         raise bad("prompt", "'prompt' is required")
     text, input_ids = _prompt(body["prompt"], vocab_size)
-    _, max_tokens = _max_tokens(body, ("max_tokens",))
+    _, max_tokens = _max_tokens(body, ("max_tokens",), F.FIELD_RULES["max_new_tokens"])
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    kwargs.update(_completion_logprobs(body))
+    echo = F.opt(body, "echo", False, F.as_bool)
+    kwargs.update(_completion_logprobs(body, echo))
     grammar, param_names = F.constraint(body, response_format=True)
     params = F.validated(
         SamplingParams(**kwargs, **grammar),
@@ -318,7 +347,13 @@ def parse_completion(
         max_constraint_properties,
     )
     return ParsedRequest(
-        params=params, text=text, input_ids=input_ids, param_names=param_names, **common
+        params=params,
+        text=text,
+        input_ids=input_ids,
+        param_names=param_names,
+        echo=echo,
+        prompt_logprobs=body.get("prompt_logprobs"),
+        **common,
     )
 
 
@@ -400,7 +435,7 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
 # The legacy `functions` / `function_call` pair is refused in any form, "none" and [] too (docs/api.md): a
 # client that sends it expects its calls back in `function_call`, which this server never answers; use tools.
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **_UNSUPPORTED,
+    "echo": lambda v: v is False,
     "functions": _refused,
     "function_call": _refused,
 }
@@ -424,7 +459,9 @@ def parse_chat(
     common = _common(body, served_model, max_n)
     _reject_unsupported(body, _CHAT_UNSUPPORTED)
     messages = parse_messages(body.get("messages"))
-    budget_key, max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    budget_key, max_tokens = _max_tokens(
+        body, ("max_completion_tokens", "max_tokens"), _CHAT_MAX_TOKENS
+    )
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
@@ -493,10 +530,6 @@ def _tool_constraint(
 # ---- responses -------------------------------------------------------------------------------
 
 
-def logprob(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else _LOGPROB_FLOOR
-
-
 def _tops(r: RequestOutput, k: int) -> list[tuple[int, str, float]]:
     """The k-th token's alternatives as (id, text, logprob)."""
     if r.top_logprobs is None or r.top_logprobs[k] is None:
@@ -505,59 +538,90 @@ def _tops(r: RequestOutput, k: int) -> list[tuple[int, str, float]]:
     return list(zip(ids, r.top_texts[k], lps))
 
 
-def _completion_logprobs_body(r: RequestOutput, offset: int) -> dict[str, Any] | None:
-    if r.logprobs is None:
+def _completion_logprobs_body(
+    r: RequestOutput, offset: int, view: PromptView | None
+) -> dict[str, Any] | None:
+    """Legacy completions' logprobs: the output tokens', after the prompt's with echo."""
+    echoed = view is not None and view.echo_logprobs is not None
+    if r.logprobs is None and not echoed:
         return None
     texts = r.token_texts or []
-    offsets, pos = [], offset
-    for text in texts:
-        offsets.append(pos)
-        pos += len(text)
     tops = None
     if r.top_logprobs is not None and any(t is not None for t in r.top_logprobs):
         # Legacy completions key alternatives by text; keep the likelier one on a text clash.
         tops = [{t: logprob(lp) for _, t, lp in reversed(_tops(r, k))} for k in range(len(texts))]
-    return {
+    body = {
         "tokens": texts,
-        "token_logprobs": [logprob(x) for x in r.logprobs],
+        "token_logprobs": [logprob(x) for x in r.logprobs or []],
         "top_logprobs": tops,
-        "text_offset": offsets,
     }
+    if echoed:
+        prompt = echo_logprobs(r.prompt_logprobs, view.echo_logprobs)
+        body = {
+            "tokens": prompt["tokens"] + body["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + body["token_logprobs"],
+            "top_logprobs": prompt["top_logprobs"] + (tops or [None] * len(texts))
+            if view.echo_logprobs
+            else None,
+        }
+    offsets, pos = [], offset
+    for text in body["tokens"]:
+        offsets.append(pos)
+        pos += len(text)
+    return {**body, "text_offset": offsets}
 
 
-def _completion_choice(index: int, r: RequestOutput, offset: int = 0) -> dict[str, Any]:
-    return {
+def _completion_choice(
+    index: int, r: RequestOutput, offset: int = 0, view: PromptView | None = None
+) -> dict[str, Any]:
+    """A choice; with a view (a request's first record only) the prompt as it asked."""
+    echo = view.echo_text if view is not None and view.echo_text is not None else ""
+    choice = {
         "index": index,
-        "text": r.text,
-        "logprobs": _completion_logprobs_body(r, offset),
+        "text": echo + r.text,
+        "logprobs": _completion_logprobs_body(r, offset, view),
         "finish_reason": r.finish_reason,
     }
+    if view is not None and view.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, view.prompt_logprobs)
+    return choice
 
 
 def completion_response(
-    rid: str, created: int, model: str, choices: list[RequestOutput]
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[RequestOutput],
+    view: PromptView | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(i, c) for i, c in enumerate(choices)],
+        "choices": [_completion_choice(i, c, 0, view) for i, c in enumerate(choices)],
         "usage": Usage.of(choices).to_openai(),
     }
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, index: int, delta: RequestOutput, text_offset: int = 0
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: RequestOutput,
+    text_offset: int = 0,
+    view: PromptView | None = None,
 ) -> dict[str, Any]:
     """A streamed completions delta; text_offset is how many characters this choice already
-    streamed, so logprobs' text_offset keeps counting across chunks."""
+    streamed, so logprobs' text_offset keeps counting across chunks. A choice's first chunk
+    has the view: the prompt comes first in it."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(index, delta, text_offset)],
+        "choices": [_completion_choice(index, delta, text_offset, view)],
     }
 
 

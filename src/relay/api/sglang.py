@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from relay.api import fields as F
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
-from relay.api.openai import logprob
+from relay.api.prompt_output import logprob, sglang_input_logprobs
 from relay.api.serving import (
     SSE_DONE,
     Choice,
@@ -22,7 +22,7 @@ from relay.api.serving import (
     whole,
 )
 from relay.outputs import RequestOutput
-from relay.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
 GENERATE_DEFAULT_MAX_TOKENS = 128  # SGLang's default
 # SGLang sampling_params key -> SamplingParams field ("n" is handled apart).
@@ -123,10 +123,16 @@ def _sampling(raw: Any, max_n: int) -> tuple[dict[str, Any], int, dict[str, Any]
 
 
 def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """return_logprob: the output tokens' logprobs, with the top_logprobs_num likeliest; and
+    from logprob_start_len on (-1: not) the prompt's (within the prompt: the tokenizer checks)."""
     want = F.opt(body, "return_logprob", False, F.as_bool)
     top = F.opt(body, "top_logprobs_num", 0, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
-    # SGLang ignores top_logprobs_num unless return_logprob is set; do the same.
-    return {"logprobs": True, "top_logprobs": top} if want else {}
+    start = F.opt(body, "logprob_start_len", -1, lambda v, p: F.as_int(v, p, -1, MAX_NEW_TOKENS))
+    # SGLang ignores top_logprobs_num and logprob_start_len unless return_logprob is set.
+    if not want:
+        return {}
+    prompt = {"logprob_start_len": start, "prompt_top_logprobs": top} if start >= 0 else {}
+    return {"logprobs": True, "top_logprobs": top, **prompt}
 
 
 def _rid(body: dict[str, Any]) -> str | None:
@@ -154,7 +160,7 @@ def parse_generate(
     grammar, param_names = F.constraint(sp, "sampling_params.")
     names = (
         {f: f"sampling_params.{f}" for f in F.FIELD_RULES}
-        | {"top_logprobs": "top_logprobs_num"}
+        | {"top_logprobs": "top_logprobs_num", "prompt_top_logprobs": "top_logprobs_num"}
         | param_names
     )
     params = F.validated(
@@ -224,4 +230,9 @@ def generate_response(rid: str, r: RequestOutput) -> dict[str, Any]:
                 else []
                 for top, names in zip(r.top_logprobs, r.top_texts or [None] * len(r.top_logprobs))
             ]
+    if r.prompt_logprobs is not None:
+        tokens, tops = sglang_input_logprobs(r.prompt_logprobs)
+        meta["input_token_logprobs"] = tokens
+        if any(top for top in tops):
+            meta["input_top_logprobs"] = tops
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}

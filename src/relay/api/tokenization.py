@@ -12,7 +12,6 @@ POST /detokenize {model?, tokens} -> {prompt}
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,20 +21,7 @@ from relay.api import tool_calls as T
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ProtocolError, bad
 from relay.api.openai import chat_template_kwargs, check_model, parse_messages
-from relay.api.serving import EngineClient, error_response
-
-
-@dataclass
-class TokenizeQuery:
-    """What the tokenizer process is asked: kind "tokenize" (text or messages) or "detokenize" (tokens)."""
-
-    kind: str
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-    tokens: list[int] | None = None
+from relay.api.serving import EngineClient, TokenizeQuery, error_response
 
 
 def add_routes(app: FastAPI, client: EngineClient) -> None:

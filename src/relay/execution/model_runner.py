@@ -10,6 +10,7 @@ step_sampling (logits to a BatchOutput).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,13 +22,14 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kv_setup import agree_on_pages, free_bytes_after_warmup, kv_and_attention
 from relay.execution.model_loading import ModelLoader
 from relay.execution.placement import Placement, claim_threads, pick_device
+from relay.execution.prompt_logprobs import score, span_rows
 from relay.execution.request_state import RequestTables
 from relay.execution.sampler import Sampler
 from relay.execution.startup_timing import choose_decode_layers
 from relay.execution.step_inputs import last_rows, prepare_step, with_proposals
 from relay.execution.step_sampling import sample_step
 from relay.execution.warm_up import warm_up_steps
-from relay.scheduling.batch import BatchInput, BatchOutput
+from relay.scheduling.batch import BatchInput, BatchOutput, PromptLogprobChunk
 from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
 from relay.scheduling.speculative.draft_model import Drafter
 
@@ -136,15 +138,19 @@ class ModelRunner:
         tables = self.requests.apply(run)
         speculative = bool(run.spec_lens or run.catchup_lens)
         proposals, dists = self._proposals(run, tables) if speculative else (None, None)
-        logits = None
+        logits, scored = None, []
         if run.sids and speculative:
             verify, rows = with_proposals(run, proposals)
-            logits = self.step_logits(verify, tables, rows)
+            logits, scored = self.step_scores(verify, tables, rows)
         elif run.sids:
-            logits = self.step_logits(run, tables)
+            logits, scored = self.step_scores(run, tables)
         if self.sampler is None:
             return BatchOutput(batch.step, [], row_errors=row_errors)
+        kept = [
+            i for i in range(len(batch.sids)) if i not in row_errors
+        ]  # batch row of each run row
         out = sample_step(self.sampler, batch, run, row_errors, logits, proposals, dists)
+        out.prompt_logprobs = [dataclasses.replace(c, row=kept[c.row]) for c in scored]
         self.requests.remember(batch, out)
         return out
 
@@ -161,6 +167,24 @@ class ModelRunner:
         if self.drafter is not None:
             return self.drafter.propose(batch, tables, self.sampler)
         return batch.row_runs(batch.proposed_ids, batch.spec_lens), [None] * len(batch.sids)
+
+    def step_scores(
+        self, batch: BatchInput, tables: list[list[int]], rows: list[int] | None = None
+    ) -> tuple[torch.Tensor | None, list[PromptLogprobChunk]]:
+        """step_logits, and the prompt log-probabilities of the batch's PromptLogprobSpans
+        (relay.execution.prompt_logprobs): the forward keeps their rows' hidden states too."""
+        if not batch.prompt_logprob_spans:
+            return self.step_logits(batch, tables, rows), []
+        rows = last_rows(batch) if rows is None else rows
+        scored = span_rows(batch)
+        keep = sorted(set(rows) | set(scored))
+        at = {r: k for k, r in enumerate(keep)}
+        hidden = self.run_hidden(self.model, self.attn, batch, tables, keep)
+        logits = self.model.compute_logits(hidden[[at[r] for r in rows]]) if rows else None
+        chunks = score(
+            hidden[[at[r] for r in scored]], self.model.compute_logits, batch.prompt_logprob_spans
+        )
+        return logits, chunks
 
     @torch.inference_mode()
     def step_logits(
@@ -190,14 +214,26 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """An eager forward of model over its KV pool (attn's) and these page tables; float32
         logits of the given token rows (default: each sampling request's last token)."""
-        meta, input_ids = self.prepare(batch, tables, model)
         rows = last_rows(batch) if rows is None else rows
-        attn.plan(meta)
         ordered = all(a < b for a, b in zip(rows, rows[1:]))
-        hidden = model(input_ids, meta.positions, attn, rows if ordered else None)
+        hidden = self.run_hidden(model, attn, batch, tables, rows if ordered else None)
         if not rows:
             return None
         return model.compute_logits(hidden if ordered else hidden[rows])
+
+    def run_hidden(
+        self,
+        model: torch.nn.Module,
+        attn,
+        batch: BatchInput,
+        tables: list[list[int]],
+        rows: list[int] | None,
+    ) -> torch.Tensor:
+        """An eager forward's final hidden states of the given token rows (increasing; None:
+        every row)."""
+        meta, input_ids = self.prepare(batch, tables, model)
+        attn.plan(meta)
+        return model(input_ids, meta.positions, attn, rows)
 
     def prepare(
         self, batch: BatchInput, tables: list[list[int]], model: torch.nn.Module | None = None

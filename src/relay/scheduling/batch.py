@@ -9,6 +9,7 @@ released_sids when it ends. They hold plain ints, floats and lists for the msgpa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from relay.sampling_params import SamplingParams
@@ -30,6 +31,30 @@ class SamplingSpec:
     # runner's counts then match the output the request restarts from, not the tokens its
     # steps sampled (one the scheduler dropped, in flight when it was retracted, included).
     output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Prompt positions of one row whose log-softmax the step returns (the prompt's
+    log-probabilities): its tokens first .. first + len(targets) - 1, counted within the row's
+    new tokens, each scored at the prompt token after it (targets), with the top_n likeliest."""
+
+    row: int
+    first: int
+    targets: list[int]
+    top_n: int
+
+
+@dataclass
+class PromptLogprobChunk:
+    """What a step scored of one PromptLogprobSpan: per position the target's log-probability
+    and rank (1: the likeliest), and the top_n likeliest tokens' ids and log-probabilities."""
+
+    row: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass
@@ -64,6 +89,7 @@ class BatchInput:
     # LongRoPE models: per row, whether its tokens rotate with the long factors everywhere (its
     # sequence is longer than original_max_position_embeddings: relay.execution.rope); empty: no row does.
     rope_long: list[bool] = field(default_factory=list)
+    prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +136,11 @@ class BatchInput:
                 if old in self.token_masks
             },
             rope_long=pick(self.rope_long) if self.rope_long else [],
+            prompt_logprob_spans=[
+                dataclasses.replace(span, row=keep.index(span.row))
+                for span in self.prompt_logprob_spans
+                if span.row not in rows
+            ],
         )
 
     def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
@@ -143,3 +174,5 @@ class BatchOutput:
     # Speculative decoding: per sampling row, the tokens verified after next_token_ids' one,
     # in order (accepted proposals, then the target's own next token); None: no row speculated.
     spec_token_ids: list[list[int]] | None = None
+    # The prompt log-probabilities of the step's PromptLogprobSpans (rows that ran), by row.
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)

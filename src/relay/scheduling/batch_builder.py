@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from relay.scheduling.batch import BatchInput, SamplingSpec
+from relay.scheduling import prompt_logprobs
+from relay.scheduling.batch import BatchInput, PromptLogprobSpan, SamplingSpec
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req
 from relay.scheduling.request_table import RequestTable
@@ -87,10 +88,20 @@ class BatchBuilder:
             rope_long=[req.long_rope for req, _ in batch]
             if self.long_rope_after is not None
             else [],
+            prompt_logprob_spans=self._prompt_logprob_spans(batch),
             **self._spec_fields(batch, spec_rows),
         )
         self._count_in(batch, out.sample)
         return out
+
+    @staticmethod
+    def _prompt_logprob_spans(batch: Batch) -> list[PromptLogprobSpan]:
+        spans = (
+            prompt_logprobs.span(req, row, n)
+            for row, (req, n) in enumerate(batch)
+            if req.prompt_logprobs is not None
+        )
+        return [s for s in spans if s is not None]
 
     def _count_in(self, batch: Batch, sample: list[bool]) -> None:
         """The step's KV counts as its requests' from now; what it samples is pending."""

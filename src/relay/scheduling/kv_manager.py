@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from relay.memory.kv_allocator import PageAllocator
 from relay.memory.radix_cache import RadixCache
+from relay.scheduling import prompt_logprobs
 from relay.scheduling.long_rope import LongRopeBoundary
 from relay.scheduling.request import Req
 
@@ -53,8 +54,10 @@ class KVManager:
         """Lock the longest cached prefix of a waiting request and adopt its pages."""
         req.long_rope = self.long_rope.past(req)
         # Match at most seq_len - 1 tokens: the last one is always computed, since its
-        # logits give the next token.
-        pages, node = self.cache.match_prefix(self._key(req, req.seq_len - 1))
+        # logits give the next token; nor prompt positions still to score (prompt_logprobs).
+        pages, node = self.cache.match_prefix(
+            self._key(req, prompt_logprobs.cache_limit(req, req.seq_len - 1))
+        )
         self.cache.lock(node)
         req.set_pages(0, pages)
         req.last_node = node

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relay.outputs import FinishReason, RequestOutput
+from relay.scheduling import prompt_logprobs
 from relay.scheduling.adaptive_batching import StepLimits
 from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.batch_builder import StepInFlight
@@ -61,6 +62,8 @@ class OutputProcessor:
             float, int
         ] = {}  # inter-token gap -> tokens with it (decodes of a step share one)
         ttfts: list[float] = []
+        scored = {chunk.row: chunk for chunk in out.prompt_logprobs}
+        spans = {span.row: span for span in batch.prompt_logprob_spans}
         j = 0
         for i, req in enumerate(reqs):
             token = None
@@ -72,6 +75,8 @@ class OutputProcessor:
                 events.append(self.table.finish(req, FinishReason.ABORT, out.row_errors[i]))
                 continue
             req.unwritten -= batch.extend_lens[i]
+            if i in scored and i in spans:
+                prompt_logprobs.collect(req, spans[i], scored[i], batch.prefix_lens[i])
             if token is not None:
                 req.pending -= 1
                 more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
@@ -126,6 +131,11 @@ class OutputProcessor:
         record = RequestOutput(
             req.rid, [], prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens
         )
+        if not req.output_ids:  # the first record
+            record.prompt_logprobs = req.prompt_logprobs
+        if req.params.max_new_tokens == 0:  # only the prompt's log-probabilities were asked for
+            self._finish_record(record, req, FinishReason.LENGTH, None)
+            return record
         if (
             req.params.logprobs and out.logprobs is not None
         ):  # such requests never speculate: one token
@@ -143,17 +153,19 @@ class OutputProcessor:
             if req.constraint is not None and reason is None:
                 reason, stop = self._grammar_finish(req, token)
             if reason is not None:
-                req.matched_stop = stop
-                done = self.table.finish(req, reason, req.error, req.error_param)
-                record.finish_reason, record.matched_stop, record.queue_time = (
-                    reason,
-                    stop,
-                    done.queue_time,
-                )
-                record.error, record.status, record.param = done.error, done.status, done.param
+                self._finish_record(record, req, reason, stop)
                 break
         record.completion_tokens = len(req.output_ids)
         return record
+
+    def _finish_record(
+        self, record: RequestOutput, req: Req, reason: FinishReason, stop: int | str | None
+    ) -> None:
+        """Finish req, its record saying so."""
+        req.matched_stop = stop
+        done = self.table.finish(req, reason, req.error, req.error_param)
+        record.finish_reason, record.matched_stop, record.queue_time = reason, stop, done.queue_time
+        record.error, record.status, record.param = done.error, done.status, done.param
 
     def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, int | None]:
         """Advance req's matcher over token: STOP once the grammar is complete."""

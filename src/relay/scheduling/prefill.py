@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from relay.scheduling import prompt_logprobs
 from relay.scheduling.adaptive_batching import StepLimits
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req, Status
@@ -78,7 +79,8 @@ class PrefillManager:
             req.cached_tokens = req.kv_len
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.kv_len
-            most = req.params.max_new_tokens or self.context_len
+            most = req.params.max_new_tokens
+            most = self.context_len if most is None else most
             self.limits.on_admit(now, min(self.context_len, len(req.prompt_ids) + most))
         self.table.start(req)
 
@@ -88,8 +90,8 @@ class PrefillManager:
             return False
         lo = req.kv_len
         hi = lo + SHARED_PREFIX_DEFER_TOKENS
-        if req.seq_len - 1 < hi:
-            return False
+        if req.seq_len - 1 < hi or prompt_logprobs.cache_limit(req, hi) < hi:
+            return False  # too short to share, or it must compute those tokens to score them
         want = req.token_slice(lo, hi)
         long_rope = self.kv.long_rope.past(req)
         return any(

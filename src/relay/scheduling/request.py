@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from relay.memory.radix_cache import RadixNode
+from relay.outputs import PromptLogprobs
 from relay.sampling_params import SamplingParams
 from relay.scheduling.batch import PENDING_TOKEN
 
@@ -50,6 +51,9 @@ class Req:
     )
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # The prompt's log-probabilities, collected over its prefill chunks when asked
+    # (relay.scheduling.prompt_logprobs); the first record carries them.
+    prompt_logprobs: PromptLogprobs | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     last_token_time: float | None = None  # when the scheduler last appended tokens (ITL)
@@ -73,6 +77,11 @@ class Req:
     unwritten: int = 0
     pending: int = 0
     chainable: bool = False
+
+    def __post_init__(self) -> None:
+        start = self.params.logprob_start_len
+        if start >= 0 and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs.empty(self.prompt_ids, start)
 
     def token_slice(self, lo: int, hi: int) -> list[int]:
         """(prompt + output)[lo:hi] without building the concatenation."""

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from relay.lifecycle import Tombstones
-from relay.outputs import FinishReason, RequestOutput
+from relay.outputs import FinishReason, PromptLogprobs, RequestOutput
 from relay.sampling_params import SamplingParams
 from relay.text.tokenizer import PROMPT_CONTEXT_TOKENS, DecodeStream, Tokenizer
 
@@ -113,6 +113,8 @@ class Detokenizer:
                     None if top is None else [self.tok.decode([t], False) for t in top[0]]
                     for top in r.top_logprobs
                 ]
+        if r.prompt_logprobs is not None:
+            self._fill_prompt(r.prompt_logprobs)
         if stream.stopped is not None and r.finish_reason in (None, FinishReason.LENGTH):
             if r.finish_reason is None:  # the scheduler is still generating it
                 stops.append(Stopped(r.rid, stream.stopped))
@@ -120,6 +122,13 @@ class Detokenizer:
             r.finish_reason, r.matched_stop = FinishReason.STOP, stream.stopped
         if r.finished:
             del self.streams[r.rid]
+
+    def _fill_prompt(self, lp: PromptLogprobs) -> None:
+        """Each prompt token's own text and its top tokens' (as for output tokens)."""
+        lp.texts = [self.tok.decode([t], False) for t in lp.token_ids]
+        lp.top_texts = [
+            None if top is None else [self.tok.decode([t], False) for t in top[0]] for top in lp.top
+        ]
 
     def _stray(self, r: RequestOutput) -> None:
         """A record with no stream: late tokens of a stopped request (dropped), or early

@@ -15,7 +15,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relay.sampling_params import InvalidParam, SamplingParams, check_prompt_length
+from relay.sampling_params import (
+    InvalidParam,
+    SamplingParams,
+    check_logprob_start,
+    check_prompt_length,
+)
 
 if TYPE_CHECKING:
     from relay.config import ModelConfig
@@ -268,7 +273,8 @@ class PromptPreparer:
 
     def fit_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """The params with max_new_tokens resolved (None: the room the prompt leaves);
-        InvalidParam if the budget does not fit the context."""
+        InvalidParam if the budget does not fit the context, or logprob_start_len the prompt."""
+        check_logprob_start(params, prompt_len)
         room = self.context_len - prompt_len
         if params.max_new_tokens is not None and params.max_new_tokens > room:
             raise InvalidParam(
