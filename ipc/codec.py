@@ -21,6 +21,7 @@ from relay.scheduling.batch import (
     SamplingSpec,
 )
 from relay.text.detokenizer import DetokenizeSpec
+from relay.text.tokenize_query import TokenizeQuery
 
 # The order fixes each type's ext code. Every process of a server runs the same code, so
 # codes only have to agree within one version.
@@ -42,6 +43,7 @@ WIRE_TYPES: list[type] = [
     m.Ready,
     m.Heartbeat,
     m.NodeMsg,
+    TokenizeQuery,
     m.TokenizeCall,
     PromptLogprobSpan,
     PromptLogprobChunk,

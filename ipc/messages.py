@@ -19,6 +19,7 @@ from typing import Any
 
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
+from relay.text.tokenize_query import TokenizeQuery
 
 
 @dataclass
@@ -81,18 +82,11 @@ class ControlCall:
 
 @dataclass
 class TokenizeCall:
-    """http -> tokenizer: /tokenize (text or messages) or /detokenize (tokens), as
-    relay.api.serving.TokenizeQuery; answered by the ControlReply with the same id (data:
-    {"tokens", "token_strs"?} or {"prompt"}; when not ok, {"message", "param", "status"})."""
+    """http -> tokenizer: /tokenize or /detokenize; answered by the ControlReply with the same id
+    (data: {"tokens", "token_strs"?} or {"prompt"}; when not ok, {"message", "param", "status"})."""
 
     call_id: int
-    kind: str
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-    tokens: list[int] | None = None
+    query: TokenizeQuery
 
 
 @dataclass

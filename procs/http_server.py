@@ -8,7 +8,6 @@ the waiting routes. The routes themselves live in relay.api, one module per API.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -155,13 +154,13 @@ class ZmqEngineClient:
             )
 
     async def tokenizer_call(self, query: Any) -> dict[str, Any]:
-        """/tokenize or /detokenize, done by a tokenizer process (relay.api.serving.TokenizeQuery);
+        """/tokenize or /detokenize, done by a tokenizer process (relay.text.tokenize_query.TokenizeQuery);
         its answer's data, or a ProtocolError: the tokenizer's refusal (400 naming the field), 503
         when full or no tokenizer is there, 504 when none answers within the health timeout."""
         self._refuse_if_stopping()
         self._refuse_if_full()
         call_id = next(self._call_ids)
-        data = encode(TokenizeCall(call_id, **dataclasses.asdict(query)))
+        data = encode(TokenizeCall(call_id, query))
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
         self.tokenizer_calls += 1

@@ -65,23 +65,24 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
 
 def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:
     """/tokenize or /detokenize: the answer's data, or why not (a refusal names the field)."""
+    q = call.query
     try:
-        if call.kind == "detokenize":
-            return ControlReply(call.call_id, True, {"prompt": prep.detokenize(call.tokens or [])})
-        ids = prep.tokenize(call.text, call.messages, call.chat_kwargs, call.add_special_tokens)
-        strs = {"token_strs": prep.tok.token_strs(ids)} if call.return_token_strs else {}
+        if q.kind == "detokenize":
+            return ControlReply(call.call_id, True, {"prompt": prep.detokenize(q.tokens or [])})
+        ids = prep.tokenize(q.text, q.messages, q.chat_kwargs, q.add_special_tokens)
+        strs = {"token_strs": prep.tok.token_strs(ids)} if q.return_token_strs else {}
         return ControlReply(call.call_id, True, {"tokens": ids, **strs})
     except InvalidParam as e:
         return ControlReply(
             call.call_id, False, {"message": str(e), "param": e.field, "status": 400}
         )
     except Exception as e:  # this call's failure, never the worker's
-        logger.exception("%s failed", call.kind)
+        logger.exception("%s failed", q.kind)
         return ControlReply(
             call.call_id,
             False,
             {
-                "message": f"{call.kind} failed: {type(e).__name__}: {e}",
+                "message": f"{q.kind} failed: {type(e).__name__}: {e}",
                 "param": None,
                 "status": 500,
             },

@@ -270,6 +270,18 @@ def roofline_step_s(mc, bs: int, context: int) -> float:
     return max(byts / HBM_BYTES_S, flops / BF16_FLOP_S)
 
 
+def decode_runner(model: str, backend: str, max_bs: int, kv_cache_gb: float):
+    """A bf16 runner on dummy weights with CUDA graphs up to max_bs: what decode timings run on."""
+    return make_runner(
+        model,
+        dtype="bfloat16",
+        attention_backend=backend,
+        load_format="dummy",
+        kv_cache_gb=kv_cache_gb,
+        cuda_graph_max_bs=max_bs,
+    )
+
+
 def cmd_decode_speed(args) -> None:
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
@@ -282,14 +294,7 @@ def cmd_decode_speed(args) -> None:
     for name in wanted(args.backends):
         try:
             t0 = time.perf_counter()
-            runner = make_runner(
-                args.model,
-                dtype="bfloat16",
-                attention_backend=name,
-                load_format="dummy",
-                kv_cache_gb=16.0,
-                cuda_graph_max_bs=max(sizes),
-            )
+            runner = decode_runner(args.model, name, max(sizes), kv_cache_gb=16.0)
             setup = time.perf_counter() - t0
             graphs = runner.cuda_graphs
             rng = random.Random(1)
@@ -352,14 +357,7 @@ def cmd_profile(args) -> None:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     backend = args.backends.split(",")[0]
-    runner = make_runner(
-        args.model,
-        dtype="bfloat16",
-        attention_backend=backend,
-        load_format="dummy",
-        kv_cache_gb=8.0,
-        cuda_graph_max_bs=max(sizes),
-    )
+    runner = decode_runner(args.model, backend, max(sizes), kv_cache_gb=8.0)
     rng = random.Random(2)
     for bs in sizes:
         prompts = [[rng.randrange(100, 150000) for _ in range(args.context)] for _ in range(bs)]

@@ -27,6 +27,7 @@ from relay.scheduling.batch import (
     SamplingSpec,
 )
 from relay.text.detokenizer import DetokenizeSpec
+from relay.text.tokenize_query import TokenizeQuery
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 U31 = st.integers(0, 2**31 - 1)
@@ -242,6 +243,17 @@ def request_outputs(draw) -> RequestOutput:
     )
 
 
+TOKENIZE_QUERY = st.builds(
+    TokenizeQuery,
+    kind=st.sampled_from(["tokenize", "detokenize"]),
+    text=OPT_STR,
+    messages=st.none() | st.lists(STR_DICT, max_size=2),
+    chat_kwargs=STR_DICT,
+    add_special_tokens=st.booleans(),
+    return_token_strs=st.booleans(),
+    tokens=st.none() | st.lists(TOKEN, max_size=8),
+)
+
 STRATEGIES = {
     SamplingParams: sampling_params,
     SamplingSpec: sampling_specs,
@@ -278,17 +290,8 @@ STRATEGIES = {
         detail=TEXT,
         info=STR_DICT,
     ),
-    m.TokenizeCall: st.builds(
-        m.TokenizeCall,
-        call_id=I64,
-        kind=st.sampled_from(["tokenize", "detokenize"]),
-        text=OPT_STR,
-        messages=st.none() | st.lists(STR_DICT, max_size=2),
-        chat_kwargs=STR_DICT,
-        add_special_tokens=st.booleans(),
-        return_token_strs=st.booleans(),
-        tokens=st.none() | st.lists(TOKEN, max_size=8),
-    ),
+    TokenizeQuery: TOKENIZE_QUERY,
+    m.TokenizeCall: st.builds(m.TokenizeCall, call_id=I64, query=TOKENIZE_QUERY),
 }
 
 
@@ -513,7 +516,8 @@ EXAMPLES = [
     m.Ready("sched", info={"max_total_tokens": 1000}),
     m.Heartbeat(3, 0.5),
     m.NodeMsg(1, "ready", info={"tp1": {"num_pages": 10}}),
-    m.TokenizeCall(2, "detokenize", tokens=[1, 2]),
+    m.TokenizeCall(2, TokenizeQuery("detokenize", tokens=[1, 2])),
+    TokenizeQuery("tokenize", text="hi", return_token_strs=True),
     PromptLogprobSpan(0, 1, [5, 6], 2),
     PromptLogprobChunk(0, [-0.5], [3], [[6, 9]], [[-0.2, -0.5]]),
     PromptLogprobs(0, [5, 6], [None, -0.5], [None, 3], [None, [[6], [-0.5]]]),

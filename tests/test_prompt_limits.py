@@ -132,16 +132,17 @@ def test_tokenize_and_detokenize_refuse_naming_the_field(tok):
 def test_the_tokenizer_process_answers_tokenize_calls(tok):
     from ipc.messages import TokenizeCall
     from procs.tokenizer import answer
+    from relay.text.tokenize_query import TokenizeQuery as Q
 
     prep = PromptPreparer(tok, context_len=64)
-    ok = answer(prep, TokenizeCall(3, "tokenize", text="Hi there", return_token_strs=True))
+    ok = answer(prep, TokenizeCall(3, Q("tokenize", text="Hi there", return_token_strs=True)))
     assert (ok.call_id, ok.ok, ok.data) == (
         3,
         True,
         {"tokens": tok.encode("Hi there"), "token_strs": tok.token_strs(tok.encode("Hi there"))},
     )
-    assert answer(prep, TokenizeCall(4, "detokenize", tokens=ok.data["tokens"])).data == {
+    assert answer(prep, TokenizeCall(4, Q("detokenize", tokens=ok.data["tokens"]))).data == {
         "prompt": "Hi there"
     }
-    refused = answer(prep, TokenizeCall(5, "detokenize", tokens=[10**6]))
+    refused = answer(prep, TokenizeCall(5, Q("detokenize", tokens=[10**6])))
     assert not refused.ok and refused.data["param"] == "tokens" and refused.data["status"] == 400

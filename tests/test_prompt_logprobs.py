@@ -81,18 +81,24 @@ def engine(model_dir):
     )
 
 
-def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(
-    engine, model_dir, prompts, monkeypatch
-):
-    refs = [transformers_logprobs(model_dir, p) for p in prompts]
-    spans_per_step = []
+@pytest.fixture
+def spans_per_step(engine, monkeypatch) -> list[int]:
+    """How many requests each step of the engine scores prompt positions for, step by step."""
+    counts: list[int] = []
     forward = engine.runner.forward
 
     def spy(batch):
-        spans_per_step.append(len(batch.prompt_logprob_spans))
+        counts.append(len(batch.prompt_logprob_spans))
         return forward(batch)
 
     monkeypatch.setattr(engine.runner, "forward", spy)
+    return counts
+
+
+def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(
+    engine, model_dir, prompts, spans_per_step
+):
+    refs = [transformers_logprobs(model_dir, p) for p in prompts]
     starts = [0, 3, 0]
     first = engine.generate(prompts, [params(s) for s in starts])
     assert sum(n > 0 for n in spans_per_step) >= 4, "the prompts must span several chunks"
@@ -117,18 +123,12 @@ def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(
     assert engine.scheduler.stats().kv_locked_tokens == 0
 
 
-def test_requests_scoring_the_same_prompt_run_side_by_side(engine, model_dir, prompts, monkeypatch):
+def test_requests_scoring_the_same_prompt_run_side_by_side(
+    engine, model_dir, prompts, spans_per_step
+):
     """Two requests for one prompt's logprobs (echo with n=2) cannot share its KV: the second
     is not held back for the first's prefill to cache it (it would wait for nothing)."""
     prompt = prompts[1]
-    spans_per_step = []
-    forward = engine.runner.forward
-
-    def spy(batch):
-        spans_per_step.append(len(batch.prompt_logprob_spans))
-        return forward(batch)
-
-    monkeypatch.setattr(engine.runner, "forward", spy)
     outs = engine.generate([prompt, prompt], params(0))
     assert max(spans_per_step) == 2
     ref = transformers_logprobs(model_dir, prompt)

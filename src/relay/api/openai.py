@@ -25,7 +25,6 @@ from relay.api.serving import (
     SSE_DONE,
     Choice,
     EngineClient,
-    TokenizeQuery,
     Usage,
     error_response,
     sse,
@@ -35,6 +34,7 @@ from relay.api.serving import (
 from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, Range, SamplingParams
+from relay.text.tokenize_query import TokenizeQuery
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

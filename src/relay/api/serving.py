@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -49,20 +49,6 @@ class ApiRequest:
         self.event.clear()
         out, self.pending = self.pending, []
         return out
-
-
-@dataclass
-class TokenizeQuery:
-    """What the tokenizer process is asked (EngineClient.tokenizer_call): kind "tokenize" (text
-    or messages) or "detokenize" (tokens)."""
-
-    kind: str
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-    tokens: list[int] | None = None
 
 
 class EngineClient(Protocol):

@@ -21,7 +21,8 @@ from relay.api import tool_calls as T
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ProtocolError, bad
 from relay.api.openai import chat_template_kwargs, check_model, parse_messages
-from relay.api.serving import EngineClient, TokenizeQuery, error_response
+from relay.api.serving import EngineClient, error_response
+from relay.text.tokenize_query import TokenizeQuery
 
 
 def add_routes(app: FastAPI, client: EngineClient) -> None:
