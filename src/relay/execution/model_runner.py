@@ -146,11 +146,11 @@ class ModelRunner:
             logits, scored = self.step_scores(run, tables)
         if self.sampler is None:
             return BatchOutput(batch.step, [], row_errors=row_errors)
-        kept = [
-            i for i in range(len(batch.sids)) if i not in row_errors
-        ]  # batch row of each run row
+        if scored and row_errors:  # chunks name run rows; the output's rows are the batch's
+            kept = [i for i in range(len(batch.sids)) if i not in row_errors]
+            scored = [dataclasses.replace(c, row=kept[c.row]) for c in scored]
         out = sample_step(self.sampler, batch, run, row_errors, logits, proposals, dists)
-        out.prompt_logprobs = [dataclasses.replace(c, row=kept[c.row]) for c in scored]
+        out.prompt_logprobs = scored
         self.requests.remember(batch, out)
         return out
 
