@@ -120,7 +120,7 @@ FLAG_HELP = {
         "CPU, GEMMs on GGUF blocks: int8 rounds activations to 8 bits per block of 32 and sums "
         "quant products in integers (as llama.cpp; 2-5x faster single-stream GEMMs, outputs "
         "change slightly); float multiplies float32 activations by the exact weights; auto: "
-        "int8 for a float32 model on x86 with AVX2 or more, else float"
+        "int8 on x86 with AVX2 or more (float32 and bfloat16 models), else float"
     ),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",

@@ -98,6 +98,20 @@ def main() -> None:
             for hook in hooks:
                 hook.remove()
 
+        for name, param in model.named_parameters():
+            if name in original:
+                param.data = original[name]
+        results += [
+            (label, bfloat16_logits(model, ids, rounding))
+            for label, rounding in (
+                ("bfloat16 model, blocks x bfloat16 activations (--block-activations float)", None),
+                (
+                    "bfloat16 model, int8 block activations (the default from AVX2 up)",
+                    round_blocks_int8,
+                ),
+            )
+        ]
+
     log_ref = torch.log_softmax(ref, -1)
     target = ids[0, 1:]
     ppl = lambda lp: torch.nn.functional.nll_loss(lp[:-1], target).exp().item()  # noqa: E731
@@ -112,6 +126,30 @@ def main() -> None:
         agreement = (ref.argmax(-1) == logits.argmax(-1)).float().mean().item()
         kl = (log_ref.exp() * (log_ref - log_q)).sum(-1).mean().item()
         print(f"| {label} | {agreement:.2%} | {kl:.4f} | {ppl(log_q):.3f} |")
+
+
+def bfloat16_logits(model, ids, rounding) -> torch.Tensor:
+    """The model run in bfloat16 as Relay runs a bfloat16 model on GGUF blocks: every linear layer
+    multiplies its (bfloat16) input, rounded to 8 bits per block of 32 where `rounding` is given, by
+    the checkpoint's exact float32 weights, summing in float32 and rounding the output to bfloat16."""
+    exact = {
+        m: m.weight.data.float().clone() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    }
+
+    def on_exact_weights(m, args, out):
+        x = args[0].float()
+        return torch.nn.functional.linear(rounding(x) if rounding else x, exact[m]).to(out.dtype)
+
+    model.to(torch.bfloat16)
+    hooks = [m.register_forward_hook(on_exact_weights) for m in exact]
+    try:
+        return model(ids).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.to(torch.float32)
+        for m, w in exact.items():
+            m.weight.data = w
 
 
 if __name__ == "__main__":

@@ -117,12 +117,30 @@ def test_default_model_matches_transformers(default_model_dir):
     )
 
 
+def teacher_forced_agreement(model_dir, dtype, prompts, outs) -> tuple[int, int]:
+    """How many of the outputs' tokens transformers (in dtype) predicts as its next token on the
+    same sequence, and of how many."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    agree = total = 0
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs):
+            seq = torch.tensor([p + o.token_ids[:-1]])
+            predicted = model(seq).logits[0, len(p) - 1 :].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(predicted, o.token_ids))
+            total += len(o.token_ids)
+    return agree, total
+
+
 @pytest.mark.slow
 def test_default_model_with_int8_block_activations_is_still_the_model(default_model_dir):
     """--block-activations int8 rounds every block GEMM's x to 8 bits per block of 32: greedy
-    output is the float32 model's for its first tokens and still answers (perplexity +0.2 %,
-    top-1 agreement 96 %: scripts/quant_quality.py). Every GEMM is held on the blocks, prompts
-    included, whatever the rule for this CPU level says (block_rows.py)."""
+    output starts as the float32 model's, its next-token predictions agree with transformers'
+    float32 ones on its own output (teacher-forced: a near-tie flipped by the rounding changes the
+    rest of a greedy continuation, not the model) and it still answers (perplexity +0.4 %, top-1
+    agreement 96 %: scripts/quant_quality.py). Every GEMM is held on the blocks, prompts included,
+    whatever the rule for this CPU level says (block_rows.py)."""
     from relay.execution.block_rows import ALL_ROWS
     from relay.text.tokenizer import Tokenizer
 
@@ -138,7 +156,9 @@ def test_default_model_with_int8_block_activations_is_still_the_model(default_mo
     )
     assert all(m.blocks is not None and m.blocks.dot for m in engine.runner.model.gemm_modules())
     out = engine.generate(prompts, GREEDY)
-    assert all(o.token_ids[:4] == e[:4] for o, e in zip(out, expected))
+    assert all(o.token_ids[0] == e[0] for o, e in zip(out, expected))
+    agree, total = teacher_forced_agreement(default_model_dir, torch.float32, prompts, out)
+    assert agree / total >= 0.9, f"{agree}/{total} next-token predictions agree with transformers"
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     answer = engine.generate([chat], SamplingParams(max_new_tokens=12, temperature=0))[0].text
     assert "Paris" in answer
@@ -150,7 +170,6 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
     (fused norms, rotary, small-batch GEMM, prompt and decode attention). Exactness is checked in
     float32; here: teacher-forced next-token predictions agree with transformers in bfloat16
     (which rounds differently: near-ties may flip), batched and alone, and the answers are sensible."""
-    from transformers import AutoModelForCausalLM
 
     from relay.text.tokenizer import Tokenizer
 
@@ -163,14 +182,7 @@ def test_default_model_in_bfloat16_predicts_what_transformers_does(default_model
     assert [o.token_ids for o in alone] == [o.token_ids for o in outs[:3]] or sum(
         a.token_ids[:4] == o.token_ids[:4] for a, o in zip(alone, outs)
     ) >= 2
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16)
-    agree = total = 0
-    with torch.inference_mode():
-        for p, o in zip(prompts, outs):
-            seq = torch.tensor([p + o.token_ids[:-1]])
-            predicted = model(seq).logits[0, len(p) - 1 :].argmax(-1).tolist()
-            agree += sum(a == b for a, b in zip(predicted, o.token_ids))
-            total += len(o.token_ids)
+    agree, total = teacher_forced_agreement(default_model_dir, torch.bfloat16, prompts, outs)
     assert agree / total >= 0.9, (
         f"{agree}/{total} next-token predictions agree with transformers (bf16)"
     )

@@ -13,7 +13,12 @@ from relay.execution.kernels import cpu, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
-from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
+from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+    cpu_kernels_or_skip,
+    held_at,
+    kernel_level,
+    levels_here,
+)
 
 
 def gguf_q4_1(w: np.ndarray) -> np.ndarray:
@@ -541,6 +546,22 @@ def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
     n, w = blocks.out_features, blocks.dequantize().double()
     m = blocks.m.permute(0, 2, 1).reshape(-1, k // 32)[:n].double().repeat_interleave(32, dim=1)
     return xq @ w.T + (x.double() - xq) @ m.T
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_block_activations_give_the_same_bits_at_every_level(kind):
+    """A server's outputs do not depend on which CPU level (or RELAY_CPU_ISA) it runs at: the
+    integer sums are exact and x's scale and block sum are taken in one order at every width."""
+    w = weight(64, 576, kind, seed=3)
+    blocks = recover(w).to_dot()
+    x = torch.randn(40, 576) * torch.linspace(0.1, 10.0, 576)
+    outputs = {}
+    for level in levels_here():
+        with held_at(level):
+            outputs[level] = cpu.gemm_blocks(x, blocks)
+    first = next(iter(outputs.values()))
+    for level, y in outputs.items():
+        assert torch.equal(y, first), f"{level} differs from {levels_here()[0]}"
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -113,7 +113,7 @@ class EngineConfig:
     weight_block_rows: int | None = None
     # What the GEMMs on GGUF blocks multiply: int8 rounds x to 8 bits per block of 32 and sums
     # quant products in integers (csrc/gemm_dot.c, as llama.cpp does); float multiplies float32 x by
-    # the exact weights. auto: int8 for a float32 model on x86 with AVX2 or more, else float.
+    # the exact weights. auto: int8 on x86 with AVX2 or more (float32 and bfloat16 models), else float.
     block_activations: str = "auto"
     cuda_graph_max_bs: int = 64
     log_requests: bool = False

@@ -16,22 +16,25 @@ from relay.execution.kernels.isa import LEVELS
 ALL_ROWS = 256
 
 # (level, model dtype, int8 block activations) -> rows: the medians of three runs of
-# scripts/measure_block_rows.py on a quiet 2-core Xeon with AMX, each level held with RELAY_CPU_ISA
-# (2026-12-04; the runs agreed exactly where int8, within 64-192 rows where float). Blocks times int8
-# activations beat the float GEMMs at every size tried where VNNI or AVX2's products carry them, to
-# 48 rows against AVX-512 float32 GEMMs without VNNI; bfloat16 blocks beat oneDNN's bfloat16 and
-# AMX GEMMs at one row only; plain C blocks (generic) never beat the float path.
+# scripts/measure_block_rows.py (the first decoder layer's four GEMMs) on a quiet 2-core Xeon with
+# AMX, each level held with RELAY_CPU_ISA (2026-12-04, after the int8 kernel's quantizer was
+# vectorised and parallel). Blocks times int8 activations beat every float GEMM at every size tried,
+# to 256 rows, at every level but AMX's, whose bfloat16 tiles win from 6 rows; with float
+# activations the blocks win to 160-192 rows in float32 and at 1-2 rows in bfloat16; plain C blocks
+# (generic) never beat the float path.
 MEASURED: dict[tuple[str, torch.dtype, bool], int] = {
     ("generic", torch.float32, False): 0,
     ("avx2", torch.float32, True): ALL_ROWS,
-    ("avx2", torch.float32, False): 96,
-    ("avx512", torch.float32, True): 48,
-    ("avx512", torch.float32, False): 128,
+    ("avx2", torch.float32, False): 160,
+    ("avx512", torch.float32, True): ALL_ROWS,
+    ("avx512", torch.float32, False): 192,
     ("avx512bf16", torch.float32, True): ALL_ROWS,
-    ("avx512bf16", torch.float32, False): 128,
-    ("avx512bf16", torch.bfloat16, False): 1,
+    ("avx512bf16", torch.float32, False): 192,
+    ("avx512bf16", torch.bfloat16, True): ALL_ROWS,
+    ("avx512bf16", torch.bfloat16, False): 2,
     ("amx", torch.float32, True): ALL_ROWS,
-    ("amx", torch.bfloat16, False): 1,
+    ("amx", torch.bfloat16, True): 4,
+    ("amx", torch.bfloat16, False): 2,
 }
 
 

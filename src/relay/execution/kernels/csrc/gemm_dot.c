@@ -25,21 +25,32 @@
 #define FG 8  // features per group (one 8 x int32 accumulator)
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the block's float sum
-// (Q4_1's m term uses it exactly, as gemm_blocks.c does).
+// (Q4_1's m term uses it exactly, as gemm_blocks.c does). Called inside the GEMM's parallel region:
+// a prompt's rows split over the threads (single-threaded scalar code here was a third of a
+// 256-token chunk's GEMM time at AVX2).
+// The sum of a block of 32 in one fixed order whatever the level's vector width (8 lanes of 4,
+// then pairs), so that every level gives the same output bit for bit.
+static inline float block_sum(const float* xb) {
+    float part[8];
+    for (int j = 0; j < 8; j++) part[j] = xb[j] + xb[8 + j] + xb[16 + j] + xb[24 + j];
+    return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
 static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* qx, float* dx, float* xs) {
     const int64_t nb = K / 32;
+    _Pragma("omp for schedule(static)")
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
             const float* xb = x + i * x_stride + b * 32;
-            float amax = 0.f, sum = 0.f;
-            for (int64_t k = 0; k < 32; k++) {
-                amax = fmaxf(amax, fabsf(xb[k]));
-                sum += xb[k];
+            vf amax = vf_zero();
+            for (int64_t k = 0; k < 32; k += VL) {
+                const vf v = vf_load(xb + k);
+                amax = vf_max(amax, vf_max(v, vf_sub(vf_zero(), v)));
             }
-            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int64_t k = 0; k < 32; k++) qx[i * K + b * 32 + k] = (int8_t)lrintf(xb[k] * inv);
-            dx[i * nb + b] = d;
-            xs[i * nb + b] = sum;
+            const float top = vf_hmax(amax), inv = top > 0.f ? 127.f / top : 0.f;
+            for (int64_t k = 0; k < 32; k += VL) vf_store_i8(qx + i * K + b * 32 + k, vf_mul(vf_load(xb + k), vf_set1(inv)));
+            dx[i * nb + b] = top / 127.f;
+            xs[i * nb + b] = block_sum(xb);
         }
 }
 
@@ -76,6 +87,8 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
+static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, x)); }
+static inline vi widen16(vi acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 #elif defined(__AVX2__)
 #define FEATS 8
 #define DOT_ROWS 6  // 16 registers: 6 int32 + 6 float accumulators + temporaries
@@ -99,9 +112,19 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
+static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
+static inline vi widen16(vi acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
 #endif
 
 #if defined(__AVX2__)
+// Without VNNI a Q4 block's 8 VPMADDUBSW outputs per row add up in 16 bits (each at most
+// 2 * 15 * 127 = 3,810 in magnitude, 8 of them 30,480 < 2^15: never saturating) and widen to 32 bits
+// once per block: one VPMADDWD instead of eight, on the same two ports as the multiplies.
+#if defined(__AVX512VNNI__)
+#define SUM16 0
+#else
+#define SUM16 1
+#endif
 // y[0 .. R, features n0 .. n0 + FEATS] = x . W^T for R <= DOT_ROWS rows, from the units wq (and, at
 // AVX-512, the next group's at wq + group_bytes).
 static inline __attribute__((always_inline)) void dot_features(const int64_t R, int bits, const uint8_t* wq,
@@ -123,8 +146,13 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
                 const vi lo = vi_low4(raw), hi = vi_high4(raw);
                 for (int64_t i = 0; i < R; i++) {
                     const int8_t* xr = qx + i * K + b * 32 + 8 * o;
+#if SUM16
+                    isum[i] = add_u4s8_16(isum[i], lo, vi_set1(load4(xr)));
+                    isum[i] = add_u4s8_16(isum[i], hi, vi_set1(load4(xr + 4)));
+#else
                     isum[i] = dot_u8s8(isum[i], lo, vi_set1(load4(xr)));
                     isum[i] = dot_u8s8(isum[i], hi, vi_set1(load4(xr + 4)));
+#endif
                 }
             } else {  // signed weights: |w| times x with w's sign (q8 is never -128)
                 const vi aw = vi_abs8(raw);
@@ -133,6 +161,10 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
             }
         }
         const vf dv = vf_load(d + b * NS);
+#if SUM16
+        if (bits == 4)
+            for (int64_t i = 0; i < R; i++) isum[i] = widen16(isum[i]);
+#endif
         for (int64_t i = 0; i < R; i++) {
             acc[i] = vf_fma(vf_mul(dv, vf_set1(dx[i * nb + b])), vi_to_vf(isum[i]), acc[i]);
             if (bits == 4) acc[i] = vf_fma(vf_load(m + b * NS), vf_set1(xs[i * nb + b]), acc[i]);
@@ -195,10 +227,12 @@ int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, c
     int8_t* qx = (int8_t*)malloc((size_t)(M * K));
     float* dx = (float*)malloc(sizeof(float) * (size_t)(M * nb));
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M * nb));
-    quantize_rows(x, x_stride, M, K, qx, dx, xs);
     const int64_t row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;  // as even as they come
     const int64_t per_strip = NS / FEATS;
-    _Pragma("omp parallel for schedule(static)")
+    _Pragma("omp parallel")
+    {
+    quantize_rows(x, x_stride, M, K, qx, dx, xs);  // (its omp for ends in a barrier)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < strips * per_strip; u++) {
         const int64_t s = u / per_strip, n0 = s * NS + (u % per_strip) * FEATS;
         const int64_t live = N - n0 >= FEATS ? FEATS : N - n0 > 0 ? N - n0 : 0;
@@ -216,6 +250,7 @@ int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, c
             }
             r0 += rows;
         }
+    }
     }
     free(xs);
     free(dx);

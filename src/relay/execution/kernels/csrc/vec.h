@@ -55,6 +55,8 @@ static inline vf vf_from_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 static inline void vf_store_bf16(uint16_t* p, vf v) { _mm256_storeu_si256((__m256i*)p, vcvt_bf16(v)); }
+// VL floats rounded to the nearest integer (ties to even, as lrintf), stored as int8 (|v| <= 127)
+static inline void vf_store_i8(int8_t* p, vf v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 // the first n < VL lanes (the rest read as 0 / left alone)
 static inline vf vf_load_n(const float* p, int64_t n) {
     return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
@@ -120,6 +122,11 @@ static inline void vf_store_bf16(uint16_t* p, vf v) {  // round to nearest even 
     bits = _mm256_srli_epi32(bits, 16);  // 8 values in the low halves of 32-bit lanes
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
     _mm_storeu_si128((__m128i*)p, packed);
+}
+static inline void vf_store_i8(int8_t* p, vf v) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
 }
 static inline __m256i vf_lanes_below(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -226,6 +233,9 @@ static inline vf vf_from_i8(const int8_t* p) {
     vi8_ b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, vf);
+}
+static inline void vf_store_i8(int8_t* p, vf v) {
+    for (int i = 0; i < VL; i++) p[i] = (int8_t)lrintf(v[i]);
 }
 static inline void vf_from_nibbles(const uint8_t* p, vf* lo, vf* hi) {
     vu8_ b;
