@@ -16,6 +16,8 @@ from relay.sampling_params import SamplingParams
 from relay.scheduling.batch import (
     BatchInput,
     BatchOutput,
+    EmbedChunk,
+    EmbedSpan,
     PromptLogprobChunk,
     PromptLogprobSpan,
     SamplingSpec,
@@ -48,6 +50,8 @@ WIRE_TYPES: list[type] = [
     PromptLogprobSpan,
     PromptLogprobChunk,
     PromptLogprobs,
+    EmbedSpan,
+    EmbedChunk,
 ]
 
 

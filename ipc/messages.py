@@ -24,7 +24,8 @@ from relay.text.tokenize_query import TokenizeQuery
 
 @dataclass
 class GenerateReq:
-    """http -> tokenizer: one API request; `rids` holds one id per choice (OpenAI `n`)."""
+    """http -> tokenizer: one API request; `rids` holds one id per choice (OpenAI `n`), or per
+    input of an embeddings request (`inputs`: a text or token ids each, in rids' order)."""
 
     rids: list[str]
     params: SamplingParams
@@ -34,6 +35,7 @@ class GenerateReq:
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     arrival_time: float = 0.0  # time.time() at the http server
+    inputs: list[str | list[int]] | None = None
 
 
 @dataclass

@@ -147,6 +147,12 @@ FLAG_HELP = {
     "target_ttft_ms": "adaptive batching: the p99 time to first token (ms) to aim for; while it is exceeded and "
     "ITL has room, the limits grow",
     "adaptive_window_s": "adaptive batching: seconds of latency samples each decision looks at",
+    "is_embedding": (
+        "serve an embedding model: /v1/embeddings pools the final hidden states as the model "
+        "directory's sentence-transformers config says (modules.json, 1_Pooling: mean, cls or "
+        "lasttoken; Normalize), else the last token's, L2-normalized; /v1/completions, "
+        "/v1/chat/completions and /generate are refused"
+    ),
 }
 FLAG_ALIASES = {"tp_size": ["--tp"]}
 FLAG_CHOICES = {
@@ -278,13 +284,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_model_config(cfg: EngineConfig, model_dir: str) -> ModelConfig:
     """The model's config, read and checked before any process starts: ValueError, naming what to
-    fix, for an unreadable config.json, a rope type or architecture Relay does not implement, or a
-    --chat-template file that is missing or not Jinja."""
+    fix, for an unreadable config.json, a rope type or architecture Relay does not implement, a
+    --chat-template file that is missing or not Jinja, or (--is-embedding) a sentence-transformers
+    pooling Relay does not implement."""
     from relay.execution.models import model_class
+    from relay.scheduling.pooling import Pooling
     from relay.text.tokenizer import read_chat_template
 
     mc = ModelConfig.from_dir(model_dir)
     model_class(mc.architecture)
+    if cfg.is_embedding:
+        Pooling.from_dir(model_dir)
     if cfg.chat_template is not None:
         read_chat_template(cfg.chat_template)
     return mc

@@ -94,6 +94,7 @@ def serve_http(
         "model_dir": launcher.model_dir,
         "max_total_tokens": tp0.get("max_total_tokens"),
         "context_len": tp0.get("context_len"),
+        "hidden_size": mc.hidden_size,  # an embedding's length (/v1/embeddings' dimensions)
         "tokenizer_workers": ns.tokenizer_workers,
         "replica": ns.replica_name,
         "version": __version__,

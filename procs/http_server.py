@@ -29,7 +29,7 @@ from ipc.messages import (
     TokenizeCall,
 )
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
-from relay.api import admin, openai, sglang, tokenization
+from relay.api import admin, embeddings, openai, sglang, tokenization
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
 from relay.api.request_id import RequestIdMiddleware, request_id, submitted
@@ -122,6 +122,7 @@ class ZmqEngineClient:
                 chat_kwargs=parsed.chat_kwargs,
                 priority=parsed.priority,
                 arrival_time=time.time(),
+                inputs=parsed.inputs,
             )
         )
         for i, r in enumerate(api.rids):
@@ -352,6 +353,6 @@ def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> Fast
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(ProtocolError(500, f"internal error: {type(e).__name__}", None))
 
-    for api in (openai, sglang, tokenization, admin):
+    for api in (openai, embeddings, sglang, tokenization, admin):
         api.add_routes(app, client)
     return app

@@ -46,6 +46,7 @@ from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.sampling_params import InvalidParam
 from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.overlap import OverlapPolicy
+from relay.scheduling.pooling import Pooling
 from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import StepLoop
@@ -99,6 +100,7 @@ class SchedulerLoop:
             attention_break_even=mc.attention_break_even(),
             grammars=grammars,
             long_rope_after=mc.long_rope_after,
+            pooling=Pooling.from_dir(args.model_dir) if cfg.is_embedding else None,
         )
         self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(

@@ -46,7 +46,15 @@ logger = logging.getLogger(__name__)
 
 
 def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
-    """One TokenizedReq per choice; choice i > 0 of a seeded request gets seed + i."""
+    """One TokenizedReq per choice (or per input of an embeddings request); choice i > 0 of a
+    seeded request gets seed + i."""
+    if req.inputs is not None:
+        return [
+            TokenizedReq(
+                rid, ids, prep.fit_context(req.params, len(ids)), req.priority, req.arrival_time
+            )
+            for rid, ids in zip(req.rids, input_ids(prep, req.inputs))
+        ]
     ids = prep.prompt_ids(req.text, req.input_ids, req.messages, req.chat_kwargs)
     params = prep.fit_context(req.params, len(ids))
     return [
@@ -61,6 +69,17 @@ def tokenize(prep: PromptPreparer, req: GenerateReq) -> list[TokenizedReq]:
         )
         for i, rid in enumerate(req.rids)
     ]
+
+
+def input_ids(prep: PromptPreparer, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Each input's token ids; InvalidParam saying which input (item i) is refused."""
+    out = []
+    for i, x in enumerate(inputs):
+        try:
+            out.append(prep.prompt_ids(x, None) if isinstance(x, str) else prep.prompt_ids(None, x))
+        except InvalidParam as e:
+            raise InvalidParam(e.field, f"item {i}: {e}" if len(inputs) > 1 else str(e)) from None
+    return out
 
 
 def answer(prep: PromptPreparer, call: TokenizeCall) -> ControlReply:

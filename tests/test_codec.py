@@ -22,6 +22,8 @@ from relay.sampling_params import SamplingParams
 from relay.scheduling.batch import (
     BatchInput,
     BatchOutput,
+    EmbedChunk,
+    EmbedSpan,
     PromptLogprobChunk,
     PromptLogprobSpan,
     SamplingSpec,
@@ -69,6 +71,7 @@ sampling_params = st.builds(
     top_logprobs=st.integers(0, 20),
     logprob_start_len=st.integers(-1, 4096),
     prompt_top_logprobs=st.integers(0, 20),
+    embed=st.booleans(),
     logit_bias=st.dictionaries(TOKEN, st.floats(-100, 100), max_size=4),
 )
 sampling_specs = st.builds(
@@ -94,6 +97,9 @@ prompt_logprob_chunks = st.builds(
     top_ids=st.lists(st.lists(TOKEN, max_size=3), max_size=4),
     top_logprobs=st.lists(st.lists(LOGPROB, max_size=3), max_size=4),
 )
+
+embed_spans = st.builds(EmbedSpan, row=st.integers(0, 7), first=SMALL, count=st.integers(1, 64))
+embed_chunks = st.builds(EmbedChunk, row=st.integers(0, 7), hidden_sum=st.binary(max_size=64))
 
 
 @st.composite
@@ -134,6 +140,7 @@ def batch_inputs(draw) -> BatchInput:
         new_specs=draw(st.lists(sampling_specs, max_size=3)),
         released_sids=draw(st.lists(U31, max_size=5)),
         prompt_logprob_spans=draw(st.lists(prompt_logprob_spans, max_size=2)),
+        embed_spans=draw(st.lists(embed_spans, max_size=2)),
     )
 
 
@@ -161,6 +168,7 @@ def batch_outputs(draw) -> BatchOutput:
         error=draw(OPT_STR),
         row_errors=draw(st.dictionaries(st.integers(0, 7), TEXT, max_size=2)),
         prompt_logprobs=draw(st.lists(prompt_logprob_chunks, max_size=2)),
+        embed_chunks=draw(st.lists(embed_chunks, max_size=2)),
     )
 
 
@@ -201,6 +209,7 @@ generate_reqs = st.builds(
     chat_kwargs=STR_DICT,
     priority=I64,
     arrival_time=st.floats(0, 2e9),
+    inputs=st.none() | st.lists(TEXT | st.lists(TOKEN, min_size=1, max_size=8), max_size=3),
 )
 detokenize_specs = st.builds(
     DetokenizeSpec,
@@ -240,6 +249,7 @@ def request_outputs(draw) -> RequestOutput:
         if with_lp
         else None,
         prompt_logprobs=draw(st.none() | prompt_logprobs()),
+        embedding=draw(st.none() | st.binary(max_size=64)),
     )
 
 
@@ -265,6 +275,8 @@ STRATEGIES = {
     PromptLogprobSpan: prompt_logprob_spans,
     PromptLogprobChunk: prompt_logprob_chunks,
     PromptLogprobs: prompt_logprobs(),
+    EmbedSpan: embed_spans,
+    EmbedChunk: embed_chunks,
     m.GenerateReq: generate_reqs,
     m.TokenizedReq: st.builds(
         m.TokenizedReq,
@@ -521,6 +533,8 @@ EXAMPLES = [
     PromptLogprobSpan(0, 1, [5, 6], 2),
     PromptLogprobChunk(0, [-0.5], [3], [[6, 9]], [[-0.2, -0.5]]),
     PromptLogprobs(0, [5, 6], [None, -0.5], [None, 3], [None, [[6], [-0.5]]]),
+    EmbedSpan(0, 3, 2),
+    EmbedChunk(0, b"\x00\x00\x80\x3f"),
 ]
 
 

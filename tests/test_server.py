@@ -51,6 +51,14 @@ def test_models_and_health(server, oai):
         assert c.get("/health_generate").status_code == 200
 
 
+def test_a_generating_server_refuses_embeddings(server):
+    with server.client() as c:
+        r = c.post("/v1/embeddings", json={"input": "Hello"})
+        assert c.get("/model_info").json()["is_generation"] is True
+    assert r.status_code == 400
+    assert "--is-embedding" in r.json()["error"]["message"]
+
+
 def test_completion_greedy_is_sensible_and_matches_generate(server, oai):
     out = oai.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0

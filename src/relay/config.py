@@ -138,6 +138,10 @@ class EngineConfig:
     target_itl_ms: float | None = None
     target_ttft_ms: float | None = None
     adaptive_window_s: float = 5.0
+    # Serve embeddings (/v1/embeddings) instead of generation: a prompt's final hidden states
+    # pooled as the model directory's sentence-transformers config says (last token, L2
+    # normalized, without one: relay.scheduling.pooling); generating routes are refused.
+    is_embedding: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_cache_dtype"):

@@ -21,6 +21,7 @@ from relay.execution.model_runner import ModelRunner
 from relay.outputs import RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduling.overlap import OverlapPolicy
+from relay.scheduling.pooling import Pooling
 from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import InProcessRunner, StepLoop
@@ -59,6 +60,7 @@ class Engine:
             attention_break_even=mc.attention_break_even(),
             grammars=grammars,
             long_rope_after=mc.long_rope_after,
+            pooling=Pooling.from_dir(model_dir) if self.config.is_embedding else None,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

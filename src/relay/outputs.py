@@ -72,6 +72,9 @@ class RequestOutput:
     # The prompt's log-probabilities, when asked (SamplingParams.logprob_start_len): in the
     # request's first record.
     prompt_logprobs: PromptLogprobs | None = None
+    # An embedding request's vector (SamplingParams.embed), float32 little-endian bytes: in its
+    # last record.
+    embedding: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +90,7 @@ class RequestOutput:
             if theirs is not None:
                 setattr(self, name, (mine or []) + theirs)
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.embedding = later.embedding if later.embedding is not None else self.embedding
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_tokens = later.cached_tokens
         if later.finished or later.error is not None:

@@ -172,6 +172,9 @@ class SamplingParams:
     # -1: none. Its prefill then computes every position from here on, cached or not.
     logprob_start_len: int = -1
     prompt_top_logprobs: int = 0  # and the n most likely tokens at each prompt position
+    # The prompt's pooled final hidden state (RequestOutput.embedding) and no output: a request
+    # to an embedding server (EngineConfig.is_embedding), with max_new_tokens 0.
+    embed: bool = False
     # Constrained decoding (relay.text.grammar), at most one: the output matches a JSON schema
     # (JSON text; '{"type": "object"}' for any JSON object), a regex, or an EBNF grammar.
     json_schema: str | None = None
@@ -225,6 +228,11 @@ class SamplingParams:
                 value
             ):
                 raise InvalidParam(name, f"{name} must be {rule.describe()}, got {value!r}")
+        if self.embed and self.max_new_tokens != 0:
+            raise InvalidParam(
+                "max_new_tokens",
+                f"an embedding has no output: max_new_tokens must be 0, got {self.max_new_tokens!r}",
+            )
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise InvalidParam(
                 "min_new_tokens",

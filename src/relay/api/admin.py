@@ -76,7 +76,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
             "model_path": info.get("model_dir") or info.get("model_path"),
             "tokenizer_path": info.get("tokenizer_path") or info.get("model_dir"),
             "served_model_name": client.served_model,
-            "is_generation": True,
+            "is_generation": not info.get("is_embedding"),
             "context_len": client.context_len,
             "vocab_size": client.vocab_size,
             "replica": info.get("replica"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.api.fields import MAX_N
+from relay.api.fields import MAX_INPUTS, MAX_N
 from relay.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
@@ -210,6 +210,34 @@ BODIES: dict[str, dict[str, Any]] = {
         [],
     ),
     "detokenize": _object({"model": _STR, "tokens": _TOKEN_IDS}, ["tokens"]),
+    # OpenAI's: a text, texts, token ids, or lists of token ids (an --is-embedding server).
+    "embeddings": _object(
+        {
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "minItems": 1,
+                        "maxItems": MAX_INPUTS,
+                    },
+                    {**_TOKEN_IDS, "minItems": 1},
+                    {
+                        "type": "array",
+                        "items": {**_TOKEN_IDS, "minItems": 1},
+                        "minItems": 1,
+                        "maxItems": MAX_INPUTS,
+                    },
+                ]
+            },
+            "model": _STR,
+            "encoding_format": {"enum": ["float", "base64"]},
+            "dimensions": _int(1),
+            "user": _STR,
+        },
+        ["input"],
+    ),
 }
 
 

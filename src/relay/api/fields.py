@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from relay.api.tool_calls import ToolCalling
 
 MAX_N = 16  # choices per request
+MAX_INPUTS = 2048  # embeddings: inputs per request (OpenAI's limit)
 _I32 = 2**31
 # Real bodies nest a few levels (a JSON schema a dozen); deeper ones are attacks on parsers.
 MAX_JSON_DEPTH = 64
@@ -187,6 +188,7 @@ class ParsedRequest:
     reasoning: str | None = None  # chat: the --reasoning-parser that splits reasoning_content off
     echo: bool = False  # completions: the prompt comes first in the answer
     prompt_logprobs: int | None = None  # completions (vLLM's): the prompt's logprobs, top N
+    inputs: list[str | list[int]] | None = None  # embeddings: one text or token ids per choice
 
 
 # ---- typed field access --------------------------------------------------------------------

@@ -27,6 +27,7 @@ from relay.api.serving import (
     EngineClient,
     Usage,
     error_response,
+    refuse_if_embedding,
     sse,
     streamed,
     whole,
@@ -121,6 +122,7 @@ async def _serve(
     request: Request, client: EngineClient, parse: Callable[..., ParsedRequest], kind: str
 ):
     try:
+        refuse_if_embedding(client)
         parsed = parse(
             F.decode_json_body(await request.body()),
             client.served_model,

@@ -74,6 +74,16 @@ class EngineClient(Protocol):
     def health_problem(self) -> str | None: ...
 
 
+def refuse_if_embedding(client: EngineClient) -> None:
+    """An embedding server (--is-embedding) generates nothing: its generating routes refuse."""
+    if client.server_info.get("is_embedding"):
+        raise ProtocolError(
+            400,
+            "this server was started with --is-embedding: it serves /v1/embeddings and "
+            "generates no text",
+        )
+
+
 # ---- records -------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from relay.api.serving import (
     EngineClient,
     Usage,
     error_response,
+    refuse_if_embedding,
     sse,
     streamed,
     whole,
@@ -51,6 +52,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
     @app.post("/generate", openapi_extra=request_body("generate"), responses=ERROR_RESPONSES)
     async def generate(request: Request):
         try:
+            refuse_if_embedding(client)
             parsed = parse_generate(
                 F.decode_json_body(await request.body()),
                 vocab_size=client.vocab_size,

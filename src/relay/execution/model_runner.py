@@ -16,6 +16,7 @@ import logging
 import torch
 
 from relay.config import EngineConfig, ModelConfig
+from relay.execution import hidden_sums
 from relay.execution.batch_checks import BatchChecker
 from relay.execution.cuda_graph import decode_graphs
 from relay.execution.distributed import TPGroup
@@ -29,7 +30,7 @@ from relay.execution.startup_timing import choose_decode_layers
 from relay.execution.step_inputs import last_rows, prepare_step, with_proposals
 from relay.execution.step_sampling import sample_step
 from relay.execution.warm_up import warm_up_steps
-from relay.scheduling.batch import BatchInput, BatchOutput, PromptLogprobChunk
+from relay.scheduling.batch import BatchInput, BatchOutput, EmbedChunk, PromptLogprobChunk
 from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
 from relay.scheduling.speculative.draft_model import Drafter
 
@@ -138,19 +139,17 @@ class ModelRunner:
         tables = self.requests.apply(run)
         speculative = bool(run.spec_lens or run.catchup_lens)
         proposals, dists = self._proposals(run, tables) if speculative else (None, None)
-        logits, scored = None, []
+        logits, scored, pooled = None, [], []
         if run.sids and speculative:
             verify, rows = with_proposals(run, proposals)
-            logits, scored = self.step_scores(verify, tables, rows)
+            logits, scored, pooled = self.step_scores(verify, tables, rows)
         elif run.sids:
-            logits, scored = self.step_scores(run, tables)
+            logits, scored, pooled = self.step_scores(run, tables)
         if self.sampler is None:
             return BatchOutput(batch.step, [], row_errors=row_errors)
-        if scored and row_errors:  # chunks name run rows; the output's rows are the batch's
-            kept = [i for i in range(len(batch.sids)) if i not in row_errors]
-            scored = [dataclasses.replace(c, row=kept[c.row]) for c in scored]
         out = sample_step(self.sampler, batch, run, row_errors, logits, proposals, dists)
-        out.prompt_logprobs = scored
+        out.prompt_logprobs = _batch_rows(scored, batch, row_errors)
+        out.embed_chunks = _batch_rows(pooled, batch, row_errors)
         self.requests.remember(batch, out)
         return out
 
@@ -170,21 +169,26 @@ class ModelRunner:
 
     def step_scores(
         self, batch: BatchInput, tables: list[list[int]], rows: list[int] | None = None
-    ) -> tuple[torch.Tensor | None, list[PromptLogprobChunk]]:
-        """step_logits, and the prompt log-probabilities of the batch's PromptLogprobSpans
-        (relay.execution.prompt_logprobs): the forward keeps their rows' hidden states too."""
-        if not batch.prompt_logprob_spans:
-            return self.step_logits(batch, tables, rows), []
+    ) -> tuple[torch.Tensor | None, list[PromptLogprobChunk], list[EmbedChunk]]:
+        """step_logits, the prompt log-probabilities of the batch's PromptLogprobSpans
+        (relay.execution.prompt_logprobs) and the hidden-state sums of its EmbedSpans
+        (relay.execution.hidden_sums): the forward keeps their rows' hidden states too."""
+        if not batch.prompt_logprob_spans and not batch.embed_spans:
+            return self.step_logits(batch, tables, rows), [], []
         rows = last_rows(batch) if rows is None else rows
-        scored = span_rows(batch)
-        keep = sorted(set(rows) | set(scored))
+        scored, pooled = span_rows(batch), hidden_sums.span_rows(batch)
+        keep = sorted(set(rows) | set(scored) | set(pooled))
         at = {r: k for k, r in enumerate(keep)}
         hidden = self.run_hidden(self.model, self.attn, batch, tables, keep)
-        logits = self.model.compute_logits(hidden[[at[r] for r in rows]]) if rows else None
-        chunks = score(
-            hidden[[at[r] for r in scored]], self.model.compute_logits, batch.prompt_logprob_spans
-        )
-        return logits, chunks
+        pick = lambda wanted: hidden[[at[r] for r in wanted]]  # noqa: E731
+        logits = self.model.compute_logits(pick(rows)) if rows else None
+        chunks = []
+        if batch.prompt_logprob_spans:  # every TP rank: the logits gather across them
+            chunks = score(pick(scored), self.model.compute_logits, batch.prompt_logprob_spans)
+        sums = []
+        if batch.embed_spans and self.tp.is_leader:  # only the leader answers the scheduler
+            sums = hidden_sums.sums(pick(pooled), batch.embed_spans)
+        return logits, chunks, sums
 
     @torch.inference_mode()
     def step_logits(
@@ -243,3 +247,11 @@ class ModelRunner:
         return prepare_step(
             batch, tables, self.page_size, self.device, model if model is not None else self.model
         )
+
+
+def _batch_rows(chunks: list, batch: BatchInput, row_errors: dict[int, str]) -> list:
+    """A step's chunks renumbered from the rows that ran to the batch's rows."""
+    if not chunks or not row_errors:
+        return chunks
+    kept = [i for i in range(len(batch.sids)) if i not in row_errors]
+    return [dataclasses.replace(c, row=kept[c.row]) for c in chunks]

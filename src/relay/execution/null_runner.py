@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from relay.config import EngineConfig, ModelConfig
 from relay.memory.kv_cache import num_pages_for_budget
-from relay.scheduling.batch import BatchInput, BatchOutput
+from relay.scheduling.batch import BatchInput, BatchOutput, EmbedChunk
 
 # Made-up tokens cycle through ordinary vocabulary ids, clear of the special tokens at
 # the bottom of most vocabularies, so the detokenizer does real work.
@@ -32,6 +32,7 @@ class NullModelRunner:
             torch.device("cpu"),
         )
         self.span = min(_SPAN, mc.vocab_size - _FIRST_TOKEN)
+        self.zeros = bytes(4 * mc.hidden_size)  # an embedding span's hidden-state sum
 
     def forward(self, batch: BatchInput) -> BatchOutput:
         tokens = [
@@ -39,4 +40,5 @@ class NullModelRunner:
             for sid, n, s in zip(batch.sids, batch.output_lens, batch.sample)
             if s
         ]
-        return BatchOutput(batch.step, tokens)
+        pooled = [EmbedChunk(span.row, self.zeros) for span in batch.embed_spans]
+        return BatchOutput(batch.step, tokens, embed_chunks=pooled)

@@ -58,6 +58,26 @@ class PromptLogprobChunk:
 
 
 @dataclass
+class EmbedSpan:
+    """Prompt positions of one row whose final hidden states an embedding pools: its tokens
+    first .. first + count - 1, counted within the row's new tokens (relay.scheduling.pooling)."""
+
+    row: int
+    first: int
+    count: int
+
+
+@dataclass
+class EmbedChunk:
+    """What a step returns of one EmbedSpan: the sum of its positions' final hidden states
+    (after the final norm), float32 little-endian bytes; a blob, not a list of floats, so that
+    msgpack copies it in one piece."""
+
+    row: int
+    hidden_sum: bytes
+
+
+@dataclass
 class BatchInput:
     step: int
     sids: list[int]  # request handles, one per request in the batch
@@ -90,6 +110,7 @@ class BatchInput:
     # sequence is longer than original_max_position_embeddings: relay.execution.rope); empty: no row does.
     rope_long: list[bool] = field(default_factory=list)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    embed_spans: list[EmbedSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -136,16 +157,18 @@ class BatchInput:
                 if old in self.token_masks
             },
             rope_long=pick(self.rope_long) if self.rope_long else [],
-            prompt_logprob_spans=[
-                dataclasses.replace(span, row=keep.index(span.row))
-                for span in self.prompt_logprob_spans
-                if span.row not in rows
-            ],
+            prompt_logprob_spans=_renumber(self.prompt_logprob_spans, rows, keep),
+            embed_spans=_renumber(self.embed_spans, rows, keep),
         )
 
     def row_runs(self, values: list[int], lens: list[int]) -> list[list[int]]:
         """values split into one run per row by lens (e.g. proposed_ids by spec_lens)."""
         return _split(values, lens or [0] * len(self.sids))
+
+
+def _renumber(spans: list, rows: set[int], keep: list[int]) -> list:
+    """The spans of the kept rows, their row numbers those rows' after `without`."""
+    return [dataclasses.replace(s, row=keep.index(s.row)) for s in spans if s.row not in rows]
 
 
 def _split(values: list[int], lens: list[int]) -> list[list[int]]:
@@ -176,3 +199,5 @@ class BatchOutput:
     spec_token_ids: list[list[int]] | None = None
     # The prompt log-probabilities of the step's PromptLogprobSpans (rows that ran), by row.
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
+    # The hidden-state sums of the step's EmbedSpans (rows that ran), by row.
+    embed_chunks: list[EmbedChunk] = field(default_factory=list)

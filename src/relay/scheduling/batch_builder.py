@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from relay.scheduling import prompt_logprobs
-from relay.scheduling.batch import BatchInput, PromptLogprobSpan, SamplingSpec
+from relay.scheduling import pooling, prompt_logprobs
+from relay.scheduling.batch import BatchInput, EmbedSpan, PromptLogprobSpan, SamplingSpec
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req
 from relay.scheduling.request_table import RequestTable
@@ -89,6 +89,7 @@ class BatchBuilder:
             if self.long_rope_after is not None
             else [],
             prompt_logprob_spans=self._prompt_logprob_spans(batch),
+            embed_spans=self._embed_spans(batch),
             **self._spec_fields(batch, spec_rows),
         )
         self._count_in(batch, out.sample)
@@ -100,6 +101,15 @@ class BatchBuilder:
             prompt_logprobs.span(req, row, n)
             for row, (req, n) in enumerate(batch)
             if req.prompt_logprobs is not None
+        )
+        return [s for s in spans if s is not None]
+
+    @staticmethod
+    def _embed_spans(batch: Batch) -> list[EmbedSpan]:
+        spans = (
+            pooling.span(req, row, n)
+            for row, (req, n) in enumerate(batch)
+            if req.pooled is not None
         )
         return [s for s in spans if s is not None]
 

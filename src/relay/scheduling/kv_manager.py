@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from relay.memory.kv_allocator import PageAllocator
 from relay.memory.radix_cache import RadixCache
-from relay.scheduling import prompt_logprobs
+from relay.scheduling import pooling, prompt_logprobs
 from relay.scheduling.long_rope import LongRopeBoundary
 from relay.scheduling.request import Req
 
@@ -54,10 +54,9 @@ class KVManager:
         """Lock the longest cached prefix of a waiting request and adopt its pages."""
         req.long_rope = self.long_rope.past(req)
         # Match at most seq_len - 1 tokens: the last one is always computed, since its
-        # logits give the next token; nor prompt positions still to score (prompt_logprobs).
-        pages, node = self.cache.match_prefix(
-            self._key(req, prompt_logprobs.cache_limit(req, req.seq_len - 1))
-        )
+        # logits give the next token; nor prompt positions still to score (prompt_logprobs)
+        # or to pool (pooling).
+        pages, node = self.cache.match_prefix(self._key(req, cache_limit(req, req.seq_len - 1)))
         self.cache.lock(node)
         req.set_pages(0, pages)
         req.last_node = node
@@ -132,3 +131,9 @@ class KVManager:
         assert sorted(every) == list(range(1, self.allocator.num_pages)), "a KV page is lost"
         if not running:
             assert self.cache.locked_pages == 0, "locked pages with no running request"
+
+
+def cache_limit(req: Req, limit: int) -> int:
+    """How many leading tokens of req the prefix cache may serve, at most limit: not the
+    positions it must still compute to score (prompt logprobs) or pool (an embedding)."""
+    return pooling.cache_limit(req, prompt_logprobs.cache_limit(req, limit))

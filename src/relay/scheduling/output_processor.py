@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relay.outputs import FinishReason, RequestOutput
-from relay.scheduling import prompt_logprobs
+from relay.scheduling import pooling, prompt_logprobs
 from relay.scheduling.adaptive_batching import StepLimits
 from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.batch_builder import StepInFlight
@@ -64,6 +64,8 @@ class OutputProcessor:
         ttfts: list[float] = []
         scored = {chunk.row: chunk for chunk in out.prompt_logprobs}
         spans = {span.row: span for span in batch.prompt_logprob_spans}
+        sums = {chunk.row: chunk for chunk in out.embed_chunks}
+        pool_spans = {span.row: span for span in batch.embed_spans}
         j = 0
         for i, req in enumerate(reqs):
             token = None
@@ -77,6 +79,8 @@ class OutputProcessor:
             req.unwritten -= batch.extend_lens[i]
             if i in scored and i in spans:
                 prompt_logprobs.collect(req, spans[i], scored[i], batch.prefix_lens[i])
+            if i in sums and i in pool_spans:
+                pooling.collect(req, pool_spans[i], sums[i], batch.prefix_lens[i])
             if token is not None:
                 req.pending -= 1
                 more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
@@ -133,8 +137,8 @@ class OutputProcessor:
         )
         if not req.output_ids:  # the first record
             record.prompt_logprobs = req.prompt_logprobs
-        if req.params.max_new_tokens == 0:  # only the prompt's log-probabilities were asked for
-            self._finish_record(record, req, FinishReason.LENGTH, None)
+        if req.params.max_new_tokens == 0:  # only the prompt's log-probabilities or embedding
+            self._finish_prompt_only(record, req)
             return record
         if (
             req.params.logprobs and out.logprobs is not None
@@ -157,6 +161,16 @@ class OutputProcessor:
                 break
         record.completion_tokens = len(req.output_ids)
         return record
+
+    def _finish_prompt_only(self, record: RequestOutput, req: Req) -> None:
+        """Finish a request that asked nothing of the output, with its embedding if it is one."""
+        reason = FinishReason.LENGTH
+        if req.pooled is not None:
+            record.embedding = pooling.finish(req)
+            if record.embedding is None:
+                req.error = "the embedding lacks the hidden states of some prompt positions"
+                reason = FinishReason.ABORT
+        self._finish_record(record, req, reason, None)
 
     def _finish_record(
         self, record: RequestOutput, req: Req, reason: FinishReason, stop: int | str | None

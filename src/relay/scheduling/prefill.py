@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from relay.scheduling import prompt_logprobs
 from relay.scheduling.adaptive_batching import StepLimits
-from relay.scheduling.kv_manager import KVManager
+from relay.scheduling.kv_manager import KVManager, cache_limit
 from relay.scheduling.request import Req, Status
 from relay.scheduling.request_table import RequestTable
 from relay.scheduling.step_cost import StepCost
@@ -90,8 +89,8 @@ class PrefillManager:
             return False
         lo = req.kv_len
         hi = lo + SHARED_PREFIX_DEFER_TOKENS
-        if req.seq_len - 1 < hi or prompt_logprobs.cache_limit(req, hi) < hi:
-            return False  # too short to share, or it must compute those tokens to score them
+        if req.seq_len - 1 < hi or cache_limit(req, hi) < hi:
+            return False  # too short to share, or it must compute those tokens (to score, pool)
         want = req.token_slice(lo, hi)
         long_rope = self.kv.long_rope.past(req)
         return any(

@@ -13,6 +13,7 @@ from relay.sampling_params import SamplingParams
 from relay.scheduling.batch import PENDING_TOKEN
 
 if TYPE_CHECKING:
+    from relay.scheduling.pooling import PoolState
     from relay.scheduling.speculative.ngram import NgramIndex
     from relay.text.grammar import Constraint
 
@@ -54,6 +55,9 @@ class Req:
     # The prompt's log-probabilities, collected over its prefill chunks when asked
     # (relay.scheduling.prompt_logprobs); the first record carries them.
     prompt_logprobs: PromptLogprobs | None = None
+    # An embedding request's pooled hidden states, collected over its prefill chunks
+    # (relay.scheduling.pooling); its last record carries the embedding.
+    pooled: PoolState | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
     first_token_time: float | None = None  # time.monotonic() when the first token came out
     last_token_time: float | None = None  # when the scheduler last appended tokens (ITL)

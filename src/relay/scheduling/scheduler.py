@@ -40,6 +40,7 @@ from relay.scheduling.grammar_waits import GrammarWaits
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.long_rope import LongRopeBoundary
 from relay.scheduling.output_processor import OutputProcessor
+from relay.scheduling.pooling import Pooling
 from relay.scheduling.prefill import PrefillManager
 from relay.scheduling.prefill_first import PrefillFirst
 from relay.scheduling.request import Req
@@ -67,6 +68,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         grammars: GrammarBackend | None = None,
         long_rope_after: int | None = None,
+        pooling: Pooling | None = None,
     ):
         self.cfg = cfg = config.for_device(
             "cpu"
@@ -76,6 +78,7 @@ class Scheduler:
         self.context_len = context_len
         self.eos_token_ids = eos = frozenset(eos_token_ids)
         self.grammars = grammars
+        self.pooling = pooling  # an embedding server's (EngineConfig.is_embedding); else None
         self.kv = KVManager(
             num_pages, cfg.page_size, cfg.disable_radix_cache, LongRopeBoundary(long_rope_after)
         )
@@ -151,6 +154,12 @@ class Scheduler:
                 f"the prompt needs {need * self.page_size} KV tokens; the pool "
                 f"holds {self.allocator.capacity * self.page_size}",
             )
+        if req.params.embed:
+            if self.pooling is None:
+                raise InvalidParam(
+                    "embed", "this server does not serve embeddings: start it with --is-embedding"
+                )
+            req.pooled = self.pooling.start(len(req.prompt_ids))
         if req.params.constraint is not None:
             self.grammar_waits.start(req)
         self.table.add(req)
