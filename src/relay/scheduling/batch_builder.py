@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relay.scheduling import pooling, prompt_logprobs
-from relay.scheduling.batch import BatchInput, EmbedSpan, PromptLogprobSpan, SamplingSpec
+from relay.scheduling.batch import BatchInput, SamplingSpec
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req
 from relay.scheduling.request_table import RequestTable
@@ -88,29 +88,20 @@ class BatchBuilder:
             rope_long=[req.long_rope for req, _ in batch]
             if self.long_rope_after is not None
             else [],
-            prompt_logprob_spans=self._prompt_logprob_spans(batch),
-            embed_spans=self._embed_spans(batch),
+            prompt_logprob_spans=self._spans(
+                batch, lambda r: r.prompt_logprobs is not None, prompt_logprobs.span
+            ),
+            embed_spans=self._spans(batch, lambda r: r.pooled is not None, pooling.span),
             **self._spec_fields(batch, spec_rows),
         )
         self._count_in(batch, out.sample)
         return out
 
     @staticmethod
-    def _prompt_logprob_spans(batch: Batch) -> list[PromptLogprobSpan]:
-        spans = (
-            prompt_logprobs.span(req, row, n)
-            for row, (req, n) in enumerate(batch)
-            if req.prompt_logprobs is not None
-        )
-        return [s for s in spans if s is not None]
-
-    @staticmethod
-    def _embed_spans(batch: Batch) -> list[EmbedSpan]:
-        spans = (
-            pooling.span(req, row, n)
-            for row, (req, n) in enumerate(batch)
-            if req.pooled is not None
-        )
+    def _spans(batch: Batch, wants, span) -> list:
+        """span(req, row, n) for the requests that want(req) (their prompt's logprobs, their
+        pooling), where this step's chunk has positions to give them."""
+        spans = (span(req, row, n) for row, (req, n) in enumerate(batch) if wants(req))
         return [s for s in spans if s is not None]
 
     def _count_in(self, batch: Batch, sample: list[bool]) -> None:
