@@ -107,6 +107,15 @@ def test_completion_stream_n_seed_stop_logprobs(oai):
     assert len({c.text for c in a.choices}) > 1, "choices of one seeded request differ"
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    # Sampled tokens outside the top 2 come as a third entry (OpenAI's logprobs + 1).
+    sizes = []
+    for choice in a.choices:
+        for token, x, top in zip(
+            choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+        ):
+            assert token in top and len(top) in (2, 3) and top[token] == pytest.approx(x)
+            sizes.append(len(top))
+    assert 3 in sizes
     stopped = oai.completions.create(
         model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"]
     )
@@ -833,9 +842,13 @@ def test_echo_logprobs_max_tokens_0_as_lm_eval_reads_them(server):
     for token, lp, top in zip(
         lps["tokens"][1:], lps["token_logprobs"][1:], lps["top_logprobs"][1:]
     ):
-        assert len(top) == 1
-        best = max(top.values())
-        assert lp <= best + 1e-6 and (token not in top or top[token] == pytest.approx(lp))
+        # The likeliest token, then the prompt's own where it is not that one (OpenAI's and
+        # vLLM's logprobs + 1 entries).
+        assert token in top and len(top) == (1 if max(top, key=top.get) == token else 2)
+        assert lp <= max(top.values()) + 1e-6
+        if len(top) == 2:
+            assert top[token] == pytest.approx(lp)
+    assert any(len(top) == 2 for top in lps["top_logprobs"][1:])
     # " Paris" after "The capital of France is" is the likeliest token: greedy there.
     k = lps["tokens"].index(" Paris")
     assert lps["top_logprobs"][k] == {" Paris": pytest.approx(lps["token_logprobs"][k])}

@@ -19,7 +19,13 @@ from relay.api import tool_calls as T
 from relay.api.chat_output import ChatOutput, piece_delta, whole_message
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
-from relay.api.prompt_output import PromptView, echo_logprobs, logprob, vllm_prompt_logprobs
+from relay.api.prompt_output import (
+    PromptView,
+    echo_logprobs,
+    legacy_top,
+    logprob,
+    vllm_prompt_logprobs,
+)
 from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import (
     SSE_DONE,
@@ -546,24 +552,17 @@ def _completion_logprobs_body(
     if r.logprobs is None and not echoed:
         return None
     texts = r.token_texts or []
-    tops = None
-    if r.top_logprobs is not None and any(t is not None for t in r.top_logprobs):
-        # Legacy completions key alternatives by text; keep the likelier one on a text clash.
-        tops = [{t: logprob(lp) for _, t, lp in reversed(_tops(r, k))} for k in range(len(texts))]
+    lps = r.logprobs or []
     body = {
         "tokens": texts,
-        "token_logprobs": [logprob(x) for x in r.logprobs or []],
-        "top_logprobs": tops,
+        "token_logprobs": [logprob(x) for x in lps],
+        "top_logprobs": [
+            legacy_top(_tops(r, k), r.token_ids[k], texts[k], lps[k]) for k in range(len(texts))
+        ],
     }
     if echoed:
         prompt = echo_logprobs(r.prompt_logprobs, view.echo_logprobs)
-        body = {
-            "tokens": prompt["tokens"] + body["tokens"],
-            "token_logprobs": prompt["token_logprobs"] + body["token_logprobs"],
-            "top_logprobs": prompt["top_logprobs"] + (tops or [None] * len(texts))
-            if view.echo_logprobs
-            else None,
-        }
+        body = {key: prompt[key] + body[key] for key in body}
     offsets, pos = [], offset
     for text in body["tokens"]:
         offsets.append(pos)
