@@ -107,7 +107,7 @@ class ZmqEngineClient:
     def submit(self, parsed: ParsedRequest, kind: str) -> ApiRequest:
         self._refuse_if_stopping()
         self._refuse_if_full()
-        api = ApiRequest(parsed.rid or request_id(kind, self.routes), parsed.n, parsed.param_names)
+        api = ApiRequest(parsed.rid or self.request_id(kind), parsed.n, parsed.param_names)
         if any(r in self.routes for r in api.rids):
             raise ProtocolError(400, f"request id {api.rid!r} is already in use", "rid")
         # Encoded before anything is registered: a request that cannot cross the wire leaves
@@ -135,6 +135,10 @@ class ZmqEngineClient:
             )
         submitted(api.rid)
         return api
+
+    def request_id(self, kind: str) -> str:
+        """A new id for a request of `kind`, not in flight here (relay.api.request_id)."""
+        return request_id(kind, self.routes)
 
     def _refuse_if_stopping(self) -> None:
         if self.dead:

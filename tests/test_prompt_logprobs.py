@@ -196,10 +196,12 @@ def test_echo_with_logprobs_reads_as_lm_eval_reads_it():
     lps = choice["logprobs"]
     assert lps["tokens"] == ["a", "b", "c", "d"]
     assert lps["token_logprobs"] == [None, -0.5, -2.0, -0.1]
+    # "c" is the prompt's token but third likeliest: it comes after the top 2 (OpenAI's and
+    # vLLM's logprobs + 1 entries).
     assert lps["top_logprobs"] == [
         None,
         {"b": -0.5, "x": -1.5},
-        {"x": -0.25, "y": -1.0},
+        {"x": -0.25, "y": -1.0, "c": -2.0},
         {"d": -0.1, "z": -3.0},
     ]
     assert lps["text_offset"] == [0, 1, 2, 3]
@@ -221,7 +223,8 @@ def test_max_tokens_zero_with_echo_is_the_prompt_alone():
     assert choice["text"] == "abc"
     assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
     assert choice["logprobs"]["token_logprobs"] == [None, -0.5, -2.0]
-    assert choice["logprobs"]["top_logprobs"] is None
+    # logprobs 0: each position's own token alone, as vLLM answers it.
+    assert choice["logprobs"]["top_logprobs"] == [None, {"b": -0.5}, {"c": -2.0}]
     # Without echo: nothing at all.
     plain = completion_response("id", 0, MODEL, [record], PromptView())["choices"][0]
     assert plain["text"] == "" and plain["logprobs"] is None
@@ -234,6 +237,33 @@ def test_streamed_echo_comes_in_the_first_chunk():
     later = RequestOutput("r", [9], logprobs=[-1.0], text="e", token_texts=["e"])
     second = completion_chunk("id", 0, MODEL, 0, later, 4)["choices"][0]
     assert second["text"] == "e" and second["logprobs"]["text_offset"] == [4]
+
+
+@pytest.mark.parametrize(
+    "top, texts, want",
+    [
+        ([[2], [-0.3]], ["z"], {"z": -0.3, "d": -2.5}),  # not among the top 1: one more entry
+        ([[8, 2], [-2.5, -2.6]], ["d", "z"], {"d": -2.5, "z": -2.6}),  # among them: no more
+        ([[2], [-0.3]], ["d"], {"d": -0.3}),  # another token with its text: the likelier stays
+        (None, None, {"d": -2.5}),  # logprobs 0: the chosen token alone
+    ],
+)
+def test_output_top_logprobs_hold_the_chosen_token(top, texts, want):
+    """OpenAI's legacy logprobs N: the N likeliest and the chosen token, up to N + 1 entries."""
+    record = RequestOutput(
+        "r",
+        [8],
+        logprobs=[-2.5],
+        top_logprobs=None if top is None else [top],
+        finish_reason="length",
+        text="d",
+        token_texts=["d"],
+        top_texts=None if texts is None else [texts],
+    )
+    whole = completion_response("id", 0, MODEL, [record])["choices"][0]["logprobs"]
+    chunk = completion_chunk("id", 0, MODEL, 0, record)["choices"][0]["logprobs"]
+    assert whole["top_logprobs"] == chunk["top_logprobs"] == [want]
+    assert whole["token_logprobs"] == [-2.5]
 
 
 def test_vllm_prompt_logprobs_field():

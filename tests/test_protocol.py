@@ -77,10 +77,15 @@ BAD_REQUESTS = [
     ("completion", comp(top_p=1.5), 400, "top_p"),
     ("completion", comp(prompt=""), 400, "prompt"),
     ("completion", comp(prompt=[]), 400, "prompt"),
-    ("completion", comp(prompt=[""]), 400, "prompt"),
-    ("completion", comp(prompt=[[]]), 400, "prompt"),
-    ("completion", comp(prompt=["a", "b"]), 400, "prompt"),
-    ("completion", comp(prompt=[[1, 2], [3]]), 400, "prompt"),
+    ("completion", comp(prompt=[""]), 400, "prompt[0]"),
+    ("completion", comp(prompt=[[]]), 400, "prompt[0]"),
+    # a list of prompts: the bad one is named
+    ("completion", comp(prompt=["a", "b", ""]), 400, "prompt[2]"),
+    ("completion", comp(prompt=["a", 5]), 400, "prompt[1]"),
+    ("completion", comp(prompt=["a", ["b"]]), 400, "prompt[1]"),
+    ("completion", comp(prompt=[[1, 2], [3, -1]]), 400, "prompt[1]"),
+    ("completion", comp(prompt=[[1, 2], []]), 400, "prompt[1]"),
+    ("completion", comp(prompt=["a"] * 257), 400, "prompt"),
     ("completion", comp(prompt=[1, -2, 3]), 400, "prompt"),
     ("completion", comp(prompt=[1, True]), 400, "prompt"),
     ("completion", comp(prompt=12), 400, "prompt"),
@@ -488,7 +493,15 @@ def test_completion_nulls_mean_defaults():
 )
 def test_completion_prompt_forms(prompt, text, ids):
     req = parse_completion(comp(prompt=prompt), MODEL)
-    assert (req.text, req.input_ids) == (text, ids)
+    assert (req.text, req.input_ids, req.prompts) == (text, ids, None)
+
+
+def test_completion_prompt_lists_keep_every_prompt_in_order():
+    """Strings and token-id lists, mixed as OpenAI's schema allows each element; up to 256."""
+    req = parse_completion(comp(prompt=["a", [5, 6], "b"], n=2), MODEL)
+    assert req.prompts == [("a", None), (None, [5, 6]), ("b", None)]
+    assert (req.text, req.input_ids, req.n) == ("a", None, 2)
+    assert len(parse_completion(comp(prompt=[[1]] * 256), MODEL).prompts) == 256
 
 
 def test_completion_fields_and_extras():

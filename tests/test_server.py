@@ -115,6 +115,15 @@ def test_completion_stream_n_seed_stop_logprobs(oai):
     assert len({c.text for c in a.choices}) > 1, "choices of one seeded request differ"
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    # Sampled tokens outside the top 2 come as a third entry (OpenAI's logprobs + 1).
+    sizes = []
+    for choice in a.choices:
+        for token, x, top in zip(
+            choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+        ):
+            assert token in top and len(top) in (2, 3) and top[token] == pytest.approx(x)
+            sizes.append(len(top))
+    assert 3 in sizes
     stopped = oai.completions.create(
         model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"]
     )
@@ -245,6 +254,24 @@ BAD_INPUTS = [
         "prompt",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, "negative token id", "prompt"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["hi", [1, 10**7]]},
+        "a prompt list's token id past the vocabulary",
+        "prompt[1]",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["hi"] * 257},
+        "more prompts than allowed",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["hi", "there", LONG]},
+        "a prompt list's prompt too long",
+        "prompt[2]",
+    ),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "no messages", "messages"),
     (
         "/v1/chat/completions",
@@ -841,9 +868,13 @@ def test_echo_logprobs_max_tokens_0_as_lm_eval_reads_them(server):
     for token, lp, top in zip(
         lps["tokens"][1:], lps["token_logprobs"][1:], lps["top_logprobs"][1:]
     ):
-        assert len(top) == 1
-        best = max(top.values())
-        assert lp <= best + 1e-6 and (token not in top or top[token] == pytest.approx(lp))
+        # The likeliest token, then the prompt's own where it is not that one (OpenAI's and
+        # vLLM's logprobs + 1 entries).
+        assert token in top and len(top) == (1 if max(top, key=top.get) == token else 2)
+        assert lp <= max(top.values()) + 1e-6
+        if len(top) == 2:
+            assert top[token] == pytest.approx(lp)
+    assert any(len(top) == 2 for top in lps["top_logprobs"][1:])
     # " Paris" after "The capital of France is" is the likeliest token: greedy there.
     k = lps["tokens"].index(" Paris")
     assert lps["top_logprobs"][k] == {" Paris": pytest.approx(lps["token_logprobs"][k])}
@@ -931,3 +962,109 @@ def test_streamed_echo_comes_first(server):
     assert texts[0].startswith(ECHO_PROMPT)
     assert "".join(texts) == ECHO_PROMPT + whole["choices"][0]["text"]
     assert idle_stats(server)["kv_locked_tokens"] == 0
+
+
+# ---- a list of prompts in one /v1/completions request ---------------------------------------
+
+
+def _streamed_choices(c: httpx.Client, body: dict) -> tuple[dict[int, str], list[dict]]:
+    """Each choice's streamed text by index, and the events."""
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts, events
+
+
+def test_a_prompt_list_answers_as_its_prompts_alone_do_whole_and_streamed(server):
+    """Choice i * n + j is prompt i's choice j (a seeded choice j samples alike alone and in
+    the list); text and token-id prompts mix; echo and logprobs are each prompt's own; usage
+    adds up over the prompts, each prompt counted once."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": 11,
+        "n": 2,
+        "echo": True,
+        "logprobs": 1,
+    }
+    with server.client() as c:
+        ids = c.post("/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+        prompts = [PROMPTS[0], ids, PROMPTS[2]]
+        alone = [c.post("/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
+        r = c.post("/v1/completions", json={**body, "prompt": prompts})
+        streamed, events = _streamed_choices(
+            c, {**body, "prompt": prompts, "stream_options": {"include_usage": True}}
+        )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert r.headers["x-request-id"] == out["id"]
+    want = [choice for a in alone for choice in a["choices"]]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in want]
+    assert out["choices"][2]["text"].startswith(PROMPTS[1])  # the token ids decoded, echoed
+    assert len({c["text"] for c in out["choices"]}) == 6  # seeds differ across j, prompts across i
+    for got, alone_choice in zip(out["choices"], want):
+        lps, alone_lps = got["logprobs"], alone_choice["logprobs"]
+        assert lps["tokens"] == alone_lps["tokens"]
+        assert lps["token_logprobs"][1:] == pytest.approx(alone_lps["token_logprobs"][1:], abs=1e-4)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(a["usage"][key] for a in alone)
+    assert out["usage"]["completion_tokens"] == 3 * 2 * 6
+    assert streamed == {c["index"]: c["text"] for c in out["choices"]}
+    assert len({e["id"] for e in events}) == 1  # one response
+    assert events[-1]["choices"] == []
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert events[-1]["usage"][key] == out["usage"][key]
+
+
+def test_a_refused_prompt_in_a_list_answers_with_its_index_and_ends_the_others(server):
+    """The tokenizer refuses the last prompt (too long); the others, submitted with it and
+    asking for thousands of tokens, are ended: the 4xx comes whole or streamed, nothing runs."""
+    body = {
+        "model": MODEL,
+        "prompt": [*PROMPTS, "hello " * 30_000],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with server.client() as c:
+        whole = c.post("/v1/completions", json=body)
+        stream = c.post("/v1/completions", json={**body, "stream": True})
+    for r in (whole, stream):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"prompt[{len(PROMPTS)}]"
+    stats = wait_until(
+        lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "the others ended"
+    )
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+
+def test_a_streamed_prompt_list_whose_client_leaves_frees_every_prompt(server):
+    body = {
+        "model": MODEL,
+        "prompt": ["Tell me a long story.", "Write an essay."],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen: set[int] = set()
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection
+        for line in lines:
+            if line.startswith("data: {"):
+                seen.update(choice["index"] for choice in json.loads(line[6:])["choices"])
+            if seen == {0, 1}:
+                break
+        assert idle_stats(server)["num_running"] == 2
+    stats = wait_until(
+        lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "the abort of both"
+    )
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.api.fields import MAX_INPUTS, MAX_N
+from relay.api.fields import MAX_INPUTS, MAX_N, MAX_PROMPTS
 from relay.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
@@ -47,6 +47,8 @@ def _ranged(name: str, rule: Range | None = None) -> dict[str, Any]:
 _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
 _TOKEN_IDS = {"type": "array", "items": _int(0)}
+_PROMPT_TEXT = {"type": "string", "minLength": 1}
+_PROMPT_IDS = {**_TOKEN_IDS, "minItems": 1}
 _STOP = {
     "anyOf": [
         {"type": "string", "minLength": 1},
@@ -136,7 +138,16 @@ BODIES: dict[str, dict[str, Any]] = {
     "completion": _object(
         {
             "prompt": {
-                "anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]
+                "anyOf": [
+                    _PROMPT_TEXT,
+                    _PROMPT_IDS,
+                    {
+                        "type": "array",
+                        "items": {"anyOf": [_PROMPT_TEXT, _PROMPT_IDS]},
+                        "minItems": 1,
+                        "maxItems": MAX_PROMPTS,
+                    },
+                ]
             },
             "logprobs": _ranged("top_logprobs"),
             "echo": _BOOL,

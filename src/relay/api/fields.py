@@ -30,10 +30,13 @@ from relay.sampling_params import (
 )
 
 if TYPE_CHECKING:
+    from relay.api.batched_prompts import Prompt
     from relay.api.tool_calls import ToolCalling
 
 MAX_N = 16  # choices per request
 MAX_INPUTS = 2048  # embeddings: inputs per request (OpenAI's limit)
+# prompts in one completion request; each is a request in flight (--max-queued-requests)
+MAX_PROMPTS = 256
 _I32 = 2**31
 # Real bodies nest a few levels (a JSON schema a dozen); deeper ones are attacks on parsers.
 MAX_JSON_DEPTH = 64
@@ -180,7 +183,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
-    rid: str | None = None  # /generate only: a client-chosen request id
+    rid: str | None = None  # /generate's client-chosen id; a batched completion's id per prompt
     # SamplingParams field -> the API field it came from, for errors found past the http
     # process (a grammar that does not parse is found by the tokenizer).
     param_names: dict[str, str] = field(default_factory=dict)
@@ -189,6 +192,9 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt comes first in the answer
     prompt_logprobs: int | None = None  # completions (vLLM's): the prompt's logprobs, top N
     inputs: list[str | list[int]] | None = None  # embeddings: one text or token ids per choice
+    # completions: a list of several prompts, each its own request (relay.api.batched_prompts);
+    # text and input_ids are the first's
+    prompts: list[Prompt] | None = None
 
 
 # ---- typed field access --------------------------------------------------------------------

@@ -14,12 +14,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from relay.api import batched_prompts
 from relay.api import fields as F
 from relay.api import tool_calls as T
 from relay.api.chat_output import ChatOutput, piece_delta, whole_message
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
-from relay.api.prompt_output import PromptView, echo_logprobs, logprob, vllm_prompt_logprobs
+from relay.api.prompt_output import (
+    PromptView,
+    echo_logprobs,
+    legacy_top,
+    logprob,
+    vllm_prompt_logprobs,
+)
 from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import (
     SSE_DONE,
@@ -131,7 +138,9 @@ async def _serve(
             max_constraint_depth=client.max_constraint_depth,
             max_constraint_properties=client.max_constraint_properties,
         )
-        view = await _prompt_view(client, parsed) if kind == "completion" else None
+        if parsed.prompts is not None:  # several prompts: relay.api.batched_prompts
+            return await batched_prompts.serve(request, client, parsed)
+        view = await prompt_view(client, parsed) if kind == "completion" else None
         api = client.submit(parsed, kind)
     except ProtocolError as e:
         return error_response(e)
@@ -151,7 +160,7 @@ async def _serve(
     return chat_response(api.rid, created, model, done, parsed.tools, parsed.reasoning)
 
 
-async def _prompt_view(client: EngineClient, parsed: ParsedRequest) -> PromptView:
+async def prompt_view(client: EngineClient, parsed: ParsedRequest) -> PromptView:
     """What a completion shows of its prompt; a token-id prompt's text for echo comes from the
     tokenizer process (special tokens included, as /detokenize gives it)."""
     text = parsed.text
@@ -278,22 +287,6 @@ def _max_tokens(
     return given[0] if given else (keys[0], None)
 
 
-def _prompt(value: Any, vocab_size: int | None) -> tuple[str | None, list[int] | None]:
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) > 1:
-            raise bad(
-                "prompt", "batched prompts are not supported; use 'n' or send separate requests"
-            )
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise bad("prompt", "'prompt' must not be empty")
-        return value, None
-    if isinstance(value, list):
-        return None, F.as_token_ids(value, "prompt", allow_empty=False, vocab_size=vocab_size)
-    raise bad("prompt", f"'prompt' must be a string or a list of token ids, got {show(value)}")
-
-
 def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
     """logprobs N: the output tokens' (and with echo the prompt's) with the N likeliest;
     vLLM's prompt_logprobs M: the prompt's with the M likeliest. The prompt's are computed
@@ -333,7 +326,7 @@ def parse_completion(
     _reject_unsupported(body, {**_COMPLETION_UNSUPPORTED, "best_of": lambda v: v == common["n"]})
     if body.get("prompt") is None:
         raise bad("prompt", "'prompt' is required")
-    text, input_ids = _prompt(body["prompt"], vocab_size)
+    prompts = batched_prompts.parse_prompts(body["prompt"], vocab_size)
     _, max_tokens = _max_tokens(body, ("max_tokens",), F.FIELD_RULES["max_new_tokens"])
     kwargs = F.sampling_kwargs(body, _KEYS, _RULES)
     kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -350,8 +343,9 @@ def parse_completion(
     )
     return ParsedRequest(
         params=params,
-        text=text,
-        input_ids=input_ids,
+        text=prompts[0].text,
+        input_ids=prompts[0].input_ids,
+        prompts=prompts if len(prompts) > 1 else None,
         param_names=param_names,
         echo=echo,
         prompt_logprobs=body.get("prompt_logprobs"),
@@ -548,24 +542,17 @@ def _completion_logprobs_body(
     if r.logprobs is None and not echoed:
         return None
     texts = r.token_texts or []
-    tops = None
-    if r.top_logprobs is not None and any(t is not None for t in r.top_logprobs):
-        # Legacy completions key alternatives by text; keep the likelier one on a text clash.
-        tops = [{t: logprob(lp) for _, t, lp in reversed(_tops(r, k))} for k in range(len(texts))]
+    lps = r.logprobs or []
     body = {
         "tokens": texts,
-        "token_logprobs": [logprob(x) for x in r.logprobs or []],
-        "top_logprobs": tops,
+        "token_logprobs": [logprob(x) for x in lps],
+        "top_logprobs": [
+            legacy_top(_tops(r, k), r.token_ids[k], texts[k], lps[k]) for k in range(len(texts))
+        ],
     }
     if echoed:
         prompt = echo_logprobs(r.prompt_logprobs, view.echo_logprobs)
-        body = {
-            "tokens": prompt["tokens"] + body["tokens"],
-            "token_logprobs": prompt["token_logprobs"] + body["token_logprobs"],
-            "top_logprobs": prompt["top_logprobs"] + (tops or [None] * len(texts))
-            if view.echo_logprobs
-            else None,
-        }
+        body = {key: prompt[key] + body[key] for key in body}
     offsets, pos = [], offset
     for text in body["tokens"]:
         offsets.append(pos)

@@ -63,18 +63,34 @@ def _texts(lp: PromptLogprobs) -> list[str]:
     return lp.texts if lp.texts is not None else [""] * len(lp.token_ids)
 
 
+def legacy_top(
+    top: list[tuple[int, str, float]], token: int, text: str, lp: float | None
+) -> dict[str, float]:
+    """A legacy completion's `top_logprobs` entry for a position whose token is (token, text,
+    lp): its likeliest tokens `top`, then the token itself when it is not among them, as OpenAI
+    and vLLM answer (up to logprobs + 1 entries). Keyed by text: of two tokens with one text,
+    the likelier stays."""
+    out: dict[str, float] = {}
+    for _, t, x in top:
+        out.setdefault(t, logprob(x))
+    if all(token != t for t, _, _ in top):
+        out.setdefault(text, logprob(lp))
+    return out
+
+
 def echo_logprobs(lp: PromptLogprobs | None, n: int) -> dict[str, list]:
     """The prompt's part of a legacy completion's `logprobs`: tokens, token_logprobs and
-    (n > 0) top_logprobs, keyed by text; the likelier of two tokens with one text is kept."""
+    top_logprobs (legacy_top's, the n likeliest; null where nothing was scored)."""
     if lp is None:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": []}
     lp = _padded(lp)
+    texts = _texts(lp)
     tops = [
-        None if k == 0 else {t: logprob(x) for _, t, x in reversed(_top(lp, k, n))}
-        for k in range(len(lp.token_ids))
+        None if x is None else legacy_top(_top(lp, k, n), lp.token_ids[k], texts[k], x)
+        for k, x in enumerate(lp.logprobs)
     ]
     return {
-        "tokens": list(_texts(lp)),
+        "tokens": list(texts),
         "token_logprobs": [_nullable(x) for x in lp.logprobs],
         "top_logprobs": tops,
     }

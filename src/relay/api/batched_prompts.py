@@ -1,0 +1,222 @@
+"""/v1/completions' `prompt` as a list of several prompts, answered as OpenAI and vLLM do.
+
+Each prompt becomes its own request (its n choices as usual), all submitted at once under ids
+`<id>-<i>` (so /abort_request with the response's id ends them all), and read back as one
+request of len(prompts) * n choices: choice i * n + j is prompt i's choice j, OpenAI's order.
+Usage adds up over the prompts. Every prompt is checked before any is submitted (a 400 naming
+`prompt[i]`); a prompt refused later (too long for the context) answers with its 4xx before a
+stream starts, and a failure ends the prompts still running: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from relay.api import fields as F
+from relay.api import openai
+from relay.api.fields import MAX_PROMPTS, ParsedRequest, ProtocolError, bad, show
+from relay.api.prompt_output import PromptView
+from relay.api.request_id import submitted
+from relay.api.serving import (
+    SSE_DONE,
+    ApiRequest,
+    Choice,
+    EngineClient,
+    Usage,
+    sse,
+    streamed,
+    whole,
+)
+from relay.outputs import RequestOutput
+
+
+class Prompt(NamedTuple):
+    text: str | None
+    input_ids: list[int] | None
+
+
+def parse_prompts(value: Any, vocab_size: int | None) -> list[Prompt]:
+    """`prompt`: a string or a list of token ids, or a list of up to MAX_PROMPTS of them; a bad
+    one is a 400 naming it (`prompt[2]`)."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > MAX_PROMPTS:
+            raise bad(
+                "prompt", f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(value)}"
+            )
+        return [_prompt(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value)]
+    return [_prompt(value, "prompt", vocab_size)]
+
+
+def _prompt(value: Any, param: str, vocab_size: int | None) -> Prompt:
+    if isinstance(value, str):
+        if not value:
+            raise bad(param, f"'{param}' must not be empty")
+        return Prompt(value, None)
+    if isinstance(value, list):
+        return Prompt(None, F.as_token_ids(value, param, allow_empty=False, vocab_size=vocab_size))
+    raise bad(param, f"'{param}' must be a string or a list of token ids, got {show(value)}")
+
+
+async def serve(request: Request, client: EngineClient, parsed: ParsedRequest) -> Response:
+    """Answer a completion whose parsed.prompts holds several prompts, whole or streamed."""
+    singles = [_single(parsed, i, p) for i, p in enumerate(parsed.prompts or [])]
+    views = await asyncio.gather(*(_view(client, p, i) for i, p in enumerate(singles)))
+    batch = _submit(client, singles)
+    created, model = int(time.time()), client.served_model
+    parts = _PartsReleased(client)
+    if parsed.stream:
+        return await streamed(
+            parts,
+            batch,
+            request,
+            lambda outs: _events(outs, batch.rid, created, model, parsed, views),
+        )
+    done = await whole(parts, batch, request)
+    if not isinstance(done, list):
+        return done
+    return _response(batch.rid, created, model, done, views, parsed.n)
+
+
+def _single(parsed: ParsedRequest, i: int, prompt: Prompt) -> ParsedRequest:
+    """Prompt i's request; a refusal of its prompt past this process names prompt[i]."""
+    return dataclasses.replace(
+        parsed,
+        text=prompt.text,
+        input_ids=prompt.input_ids,
+        prompts=None,
+        param_names={**parsed.param_names, "prompt": f"prompt[{i}]"},
+    )
+
+
+async def _view(client: EngineClient, single: ParsedRequest, i: int) -> PromptView:
+    try:
+        return await openai.prompt_view(client, single)
+    except ProtocolError as e:
+        param = f"prompt[{i}]" if e.param == "prompt" else e.param
+        raise ProtocolError(e.status, e.message, param, e.type) from None
+
+
+def _submit(client: EngineClient, singles: list[ParsedRequest]) -> PromptBatch:
+    """Every prompt's request, or none: one refused (the server is full) takes back the rest."""
+    rid = client.request_id("completion")
+    parts: list[ApiRequest] = []
+    try:
+        for i, single in enumerate(singles):
+            parts.append(client.submit(dataclasses.replace(single, rid=f"{rid}-{i}"), "completion"))
+    except BaseException:
+        for part in parts:
+            client.release(part, abort=True, reason="rejected")
+        raise
+    submitted(rid)  # the response's X-Request-Id: the batch's, not its last prompt's
+    return PromptBatch(rid, parts)
+
+
+class PromptBatch:
+    """The prompts' requests read as one (what relay.api.serving reads of an ApiRequest): their
+    records numbered across the batch."""
+
+    def __init__(self, rid: str, parts: list[ApiRequest]):
+        self.rid = rid
+        self.parts = parts
+        self.rids = [r for part in parts for r in part.rids]
+        self.event = asyncio.Event()
+        self._heard = [False] * len(parts)
+        for part in parts:
+            part.event = self.event  # a record for any prompt wakes the batch's reader
+            if part.pending:
+                self.event.set()
+
+    async def take(self) -> list[Choice]:
+        """The records that arrived. The first take waits until every prompt was heard from
+        (or one failed), so that a prompt the tokenizer refuses answers a stream with its 4xx."""
+        out: list[Choice] = []
+        while not out or not (all(self._heard) or any(r.error is not None for _, r in out)):
+            await self.event.wait()
+            self.event.clear()
+            out += self._drain()
+        return out
+
+    def _drain(self) -> list[Choice]:
+        out: list[Choice] = []
+        first = 0  # the batch's index of this prompt's choice 0
+        for i, part in enumerate(self.parts):
+            if part.pending:
+                self._heard[i] = True
+                out += [(first + index, r) for index, r in part.pending]
+                part.pending = []
+            first += len(part.rids)
+        return out
+
+
+class _PartsReleased:
+    """The client as relay.api.serving releases a PromptBatch through it: each prompt's request.
+    A batch that ended, however, ends its prompts still running (one failed: the others)."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def release(self, batch: PromptBatch, abort: bool, reason: str = "client_disconnect") -> None:
+        for part in batch.parts:
+            self.client.release(part, abort=True, reason=reason if abort else "error")
+
+
+def _usage(outputs: list[RequestOutput | None], n: int) -> Usage:
+    """Each prompt's usage (its prompt counted once), added up."""
+    each = [Usage.of(outputs[i : i + n]) for i in range(0, len(outputs), n)]
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in each),
+        completion_tokens=sum(u.completion_tokens for u in each),
+        cached_tokens=sum(u.cached_tokens for u in each),
+    )
+
+
+def _response(
+    rid: str,
+    created: int,
+    model: str,
+    done: list[RequestOutput],
+    views: list[PromptView],
+    n: int,
+) -> dict[str, Any]:
+    answers = [
+        openai.completion_response(rid, created, model, done[i * n : (i + 1) * n], view)
+        for i, view in enumerate(views)
+    ]
+    choices = [
+        {**choice, "index": i * n + choice["index"]}
+        for i, answer in enumerate(answers)
+        for choice in answer["choices"]
+    ]
+    return {**answers[0], "choices": choices, "usage": _usage(done, n).to_openai()}
+
+
+async def _events(
+    outs: AsyncIterator[Choice],
+    rid: str,
+    created: int,
+    model: str,
+    parsed: ParsedRequest,
+    views: list[PromptView],
+) -> AsyncIterator[bytes]:
+    total = len(views) * parsed.n
+    offsets = [0] * total  # text_offset of each choice's next chunk (logprobs)
+    last: list[RequestOutput | None] = [None] * total
+    async for index, r in outs:
+        if r.error is not None:
+            yield sse(F.error_body(r.status, r.error, r.param))
+            return
+        view = views[index // parsed.n] if last[index] is None else None  # the prompt first
+        chunk = openai.completion_chunk(rid, created, model, index, r, offsets[index], view)
+        yield sse(chunk)
+        offsets[index] += len(chunk["choices"][0]["text"])
+        last[index] = r
+    if parsed.include_usage:
+        yield sse(openai.usage_chunk("completion", rid, created, model, _usage(last, parsed.n)))
+    yield SSE_DONE
