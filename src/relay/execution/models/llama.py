@@ -19,7 +19,7 @@ from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup, head_partition, split_evenly
 from relay.execution.kernels import cpu as cpu_kernels
-from relay.execution.kernels import cpu_layers
+from relay.execution.kernels import cpu_attention, cpu_gemm, cpu_layers, cpu_ops
 from relay.execution.layers import (
     Linear,
     RMSNorm,
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         nq, nk = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nk) * d :].view(t, nk, d)
         if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
-            cpu_kernels.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
+            cpu_ops.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
             q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
         elif self.qk_norm:
             q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
@@ -110,7 +110,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_gemm_kernels(self) -> None:
         """Relay's small-batch bfloat16 GEMM for every GEMM it takes."""
-        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
+        gemv = self.dtype == torch.bfloat16 and cpu_gemm.gemm_bf16_available()
         for module in self.gemm_modules():
             module.gemv = gemv and module.int8 is None and module.int4 is None
 
@@ -321,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
             return False
 
         def gemm(m: Linear) -> cpu_layers.LayerGemm:
-            panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
+            panels = m.packed if isinstance(m.packed, cpu_gemm.Bf16Panels) else None
             return cpu_layers.LayerGemm(m.blocks, panels)
 
         weights = [
@@ -374,11 +374,11 @@ class LlamaForCausalLM(nn.Module):
             and attn.kv.k[0].dtype == torch.bfloat16
             and attn.kv.k[0].device.type == "cpu"
             and getattr(attn, "kernel", None) is not None
-            and cpu_kernels.tiled_attention_available(
+            and cpu_attention.tiled_attention_available(
                 torch.bfloat16, torch.bfloat16, self.config.head_dim
             )
             and all(
-                isinstance(m.packed, cpu_kernels.Bf16Panels)
+                isinstance(m.packed, cpu_gemm.Bf16Panels)
                 and m.bias is None
                 and m.int8 is None
                 and m.int4 is None
@@ -427,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
         """The most rows for which some decoder-layer GEMM takes another kernel than the panels
         (cpu_matmul: the blocks up to their max_rows, the bfloat16 GEMV up to GEMM_BF16_MAX_ROWS)."""
         return max(
-            [cpu_kernels.GEMM_BF16_MAX_ROWS]
+            [cpu_gemm.GEMM_BF16_MAX_ROWS]
             + [m.blocks.max_rows for m in self._layer_gemms if m.blocks is not None]
         )
 
