@@ -422,7 +422,7 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
     from relay.execution import startup_timing
-    from relay.execution.models import llama
+    from relay.execution.models import llama_layers
 
     def runner() -> ModelRunner:
         return ModelRunner(
@@ -435,14 +435,14 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     monkeypatch.setattr(
         layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001)
     )  # GEMMs: blocks win
-    run, forward = cpu_layers.DecodeLayers.run, llama.DecoderLayer.forward
+    run, forward = cpu_layers.DecodeLayers.run, llama_layers.DecoderLayer.forward
     monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 1.0))
-    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
+    monkeypatch.setattr(llama_layers.DecoderLayer, "forward", clock.costing(forward, 0.001))
     slow_call = runner()
     assert slow_call.model.decode_layers is None
     assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
     monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 0.001))
-    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
+    monkeypatch.setattr(llama_layers.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
     per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
     held = [
