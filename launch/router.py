@@ -7,7 +7,7 @@ import sys
 
 
 def main() -> int:
-    from launch.dp import replica_setup
+    from launch.dp_replicas import replica_setup
 
     replica_setup()
     try:

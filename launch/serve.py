@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.dp import serve_dp
 
         return serve_dp(parser, ns)
-    from launch.dp import replica_setup
+    from launch.dp_replicas import replica_setup
 
     replica_setup()  # as a --dp replica: die with the supervisor, keep to its share of the cores
     set_title(f"relay::{proc_label('http', ns.replica_name)}")

@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from relay.execution.kernels import cpu  # noqa: E402
+from relay.execution.kernels import cpu, cpu_attention  # noqa: E402
 
 PS = 32
 
@@ -46,15 +46,15 @@ def main() -> None:
         tables = [pages[owner(b) * pages_each : (owner(b) + 1) * pages_each] for b in range(B)]
         k = torch.randn(HKV, (1 + B * pages_each) * PS, D).to(getattr(torch, kv_name))
         v = torch.randn_like(k)
-        plan = cpu.DecodePlan(tables, [L] * B, PS)
+        plan = cpu_attention.DecodePlan(tables, [L] * B, PS)
         q = torch.randn(B, H, D)
-        outs = [cpu.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for lib in libs]
+        outs = [cpu_attention.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for lib in libs]
         diff = (outs[0].float() - outs[1].float()).abs().max().item()
         times = [[], []]
         for r in range(reps):
             for i in (0, 1) if r % 2 == 0 else (1, 0):
                 t0 = time.thread_time()
-                cpu.decode_attention(libs[i], plan, q, k, v, PS, D**-0.5)
+                cpu_attention.decode_attention(libs[i], plan, q, k, v, PS, D**-0.5)
                 times[i].append(time.thread_time() - t0)
         a, b = (statistics.median(t) * 1e3 for t in times)
         print(

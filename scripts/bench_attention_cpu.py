@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from relay.execution.kernels import cpu  # noqa: E402
+from relay.execution.kernels import cpu, cpu_attention  # noqa: E402
 
 H, HKV, D, PS, LAYERS = 9, 3, 64, 32, 30
 
@@ -55,9 +55,12 @@ def decode(
     random.Random(0).shuffle(pages)
     tables = [pages[b * pages_each : (b + 1) * pages_each] for b in range(batch)]
     kv = _caches(1 + batch * pages_each, kv_dtype)
-    plan = cpu.DecodePlan(tables, [length] * batch, PS)
+    plan = cpu_attention.DecodePlan(tables, [length] * batch, PS)
     q = torch.randn(batch, H, D, dtype=dtype)
-    s = _best(lambda: [cpu.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for k, v in kv], reps)
+    s = _best(
+        lambda: [cpu_attention.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for k, v in kv],
+        reps,
+    )
     return s * 1e3, batch * H * length * D * 4 * LAYERS / s / 1e9
 
 
@@ -84,9 +87,12 @@ def cascade(
         for b in range(batch)
     ]
     kv = _caches(first_own + batch * own_pages, kv_dtype)
-    plan = cpu.DecodePlan(tables, [shared + own] * batch, PS, share=True)
+    plan = cpu_attention.DecodePlan(tables, [shared + own] * batch, PS, share=True)
     q = torch.randn(batch, H, D, dtype=dtype)
-    s = _best(lambda: [cpu.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for k, v in kv], reps)
+    s = _best(
+        lambda: [cpu_attention.decode_attention(lib, plan, q, k, v, PS, D**-0.5) for k, v in kv],
+        reps,
+    )
     return s * 1e3, batch * H * (shared + own) * D * 4 * LAYERS / s / 1e9
 
 
@@ -96,13 +102,16 @@ def extend(
     pages = -(-(prefix + new) // PS)
     kv = _caches(1 + requests * pages, kv_dtype)
     tables = [list(range(1 + r * pages, 1 + (r + 1) * pages)) for r in range(requests)]
-    plan = cpu.ExtendPlan(
+    plan = cpu_attention.ExtendPlan(
         tables, [prefix] * requests, [new] * requests, [r * new for r in range(requests)]
     )
     q = torch.randn(requests * new, H, D, dtype=dtype)
     out = torch.empty_like(q)
     s = _best(
-        lambda: [cpu.extend_attention(lib, plan, q, k, v, out, PS, D**-0.5) for k, v in kv], reps
+        lambda: [
+            cpu_attention.extend_attention(lib, plan, q, k, v, out, PS, D**-0.5) for k, v in kv
+        ],
+        reps,
     )
     return s * 1e3, requests * new * H * (prefix + new / 2) * D * 4 * LAYERS / s / 1e9
 

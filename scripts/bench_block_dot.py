@@ -20,7 +20,7 @@ import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
 
-from relay.execution.kernels import cpu  # noqa: E402
+from relay.execution.kernels import cpu, cpu_gemm  # noqa: E402
 from relay.execution.weight_blocks import recover  # noqa: E402
 
 SHAPES = [("q4_1", 960, 576), ("q4_1", 3072, 576), ("q8_0", 49152, 576)]
@@ -73,8 +73,8 @@ def main() -> None:
         dot = exact.to_dot()
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k)
-            f = median_ms(lambda: cpu.gemm_blocks(x, exact), args.reps)
-            d = median_ms(lambda: cpu.gemm_blocks(x, dot), args.reps)
+            f = median_ms(lambda: cpu_gemm.gemm_blocks(x, exact), args.reps)
+            d = median_ms(lambda: cpu_gemm.gemm_blocks(x, dot), args.reps)
             print(f"| {kind} {n} x {k} | {rows} | {f:.3f} | {d:.3f} | {f / d:.2f}x |")
 
 

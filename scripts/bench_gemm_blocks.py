@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from relay.execution.kernels import cpu as cpu_kernels  # noqa: E402
+from relay.execution.kernels import cpu_gemm  # noqa: E402
 from relay.execution.model_files import resolve_model_dir  # noqa: E402
 from relay.execution.weight_blocks import recover  # noqa: E402
 
@@ -69,7 +70,7 @@ def medians_ms(fns, repeats: int) -> list[float]:
 
 
 def blocks_with(lib, x: torch.Tensor, w) -> torch.Tensor:
-    """cpu_kernels.gemm_blocks through another build of the library."""
+    """cpu_gemm.gemm_blocks through another build of the library."""
     y = torch.empty(x.shape[0], w.out_features)
     lib.relay_gemm_blocks(
         w.bits,
@@ -102,7 +103,7 @@ def main() -> None:
         "library (another checkout's), alternating with this one's",
     )
     args = ap.parse_args()
-    if not cpu_kernels.gemm_blocks_available():
+    if not cpu_gemm.gemm_blocks_available():
         sys.exit("the block GEMM needs AVX-512 and a C compiler")
     dtype = getattr(torch, args.dtype)
     exact = step_weights()
@@ -115,9 +116,7 @@ def main() -> None:
     del exact
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     paths = {
-        "blocks": lambda xs: [
-            cpu_kernels.gemm_blocks(xs[b.in_features].float(), b) for b in blocks
-        ],
+        "blocks": lambda xs: [cpu_gemm.gemm_blocks(xs[b.in_features].float(), b) for b in blocks],
         "linear": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
         "packed": lambda xs: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
@@ -129,9 +128,9 @@ def main() -> None:
         paths["blocks (--ab)"] = lambda xs: [
             blocks_with(other, xs[b.in_features].float(), b) for b in blocks
         ]
-    if dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available():
-        panels = [cpu_kernels.pack_panels(w) for w in weights]
-        paths["panels"] = lambda xs: [cpu_kernels.gemm_panels(xs[p.in_features], p) for p in panels]
+    if dtype == torch.bfloat16 and cpu_gemm.gemm_bf16_available():
+        panels = [cpu_gemm.pack_panels(w) for w in weights]
+        paths["panels"] = lambda xs: [cpu_gemm.gemm_panels(xs[p.in_features], p) for p in panels]
     flags = cpu_kernels.cpu_flags().split()
     print(
         f"{args.dtype}, threads {torch.get_num_threads()}, "

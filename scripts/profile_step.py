@@ -234,20 +234,20 @@ def prefill_chunk(runner: ModelRunner, n: int, prefix: int = 0):
 
 def label_c_kernels() -> None:
     """Relay's C kernels are called through ctypes, out of the profiler's sight: label them."""
-    from relay.execution.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu_attention, cpu_gemm, cpu_ops
 
     labels = {
-        "decode_attention": "relay::attn_decode",
-        "extend_attention": "relay::attn_extend",
-        "gemm_bf16": "relay::gemm_bf16",
-        "gemm_panels": "relay::gemm_panels",
-        "gemm_blocks": "relay::gemm_blocks",
-        "rms_norm": "relay::rms_norm",
-        "rope": "relay::rope",
-        "silu_mul": "relay::silu_mul",
+        (cpu_attention, "decode_attention"): "relay::attn_decode",
+        (cpu_attention, "extend_attention"): "relay::attn_extend",
+        (cpu_gemm, "gemm_bf16"): "relay::gemm_bf16",
+        (cpu_gemm, "gemm_panels"): "relay::gemm_panels",
+        (cpu_gemm, "gemm_blocks"): "relay::gemm_blocks",
+        (cpu_ops, "rms_norm"): "relay::rms_norm",
+        (cpu_ops, "rope"): "relay::rope",
+        (cpu_ops, "silu_mul"): "relay::silu_mul",
     }
-    for name, label in labels.items():
-        plain = getattr(cpu_kernels, name, None)
+    for (module, name), label in labels.items():
+        plain = getattr(module, name, None)
         if plain is None:  # an older checkout, for A/B runs
             continue
 
@@ -255,7 +255,7 @@ def label_c_kernels() -> None:
             with torch.profiler.record_function(_label):
                 return _plain(*args, **kwargs)
 
-        setattr(cpu_kernels, name, labelled)
+        setattr(module, name, labelled)
 
 
 @contextlib.contextmanager

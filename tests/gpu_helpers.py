@@ -256,6 +256,7 @@ def aot_compile_triton_kernels(
     from triton.compiler import ASTSource
 
     from relay.execution.attention import triton_backend as tb
+    from relay.execution.attention import triton_kernels as tk
 
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     cfg = tb.launch_config(head_dim, dtype, on_gpu=True)
@@ -265,7 +266,7 @@ def aot_compile_triton_kernels(
     )
     kernels = {
         "decode_stage1": (
-            tb._decode_stage1,
+            tk.decode_stage1,
             dict(
                 common,
                 GROUP=group,
@@ -274,11 +275,11 @@ def aot_compile_triton_kernels(
             ),
         ),
         "decode_stage2": (
-            tb._decode_stage2,
+            tk.decode_stage2,
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=tb.MAX_SPLITS),
         ),
         "extend": (
-            tb._extend_kernel,
+            tk.extend_kernel,
             dict(common, GROUP=group, BLOCK_M=cfg["ext_block_m"], BLOCK_N=cfg["ext_block_n"]),
         ),
     }

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from relay.api.chat import parse_chat
 from relay.api.chat_output import ChatOutput, whole_message
 from relay.api.fields import ProtocolError
-from relay.api.openai import parse_chat
 from relay.api.reasoning import REASONING_PARSERS, Reasoning
 from relay.api.tool_calls import AUTO, Tool, ToolCalling
 from relay.api.tool_output import assemble

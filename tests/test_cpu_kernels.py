@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay.execution.kernels import cpu, isa
+from relay.execution.kernels import cpu, cpu_attention, cpu_gemm, cpu_ops, isa
 from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 PS = 16
@@ -77,10 +77,10 @@ def test_decode_attention_matches_dense(level_lib, kernel_level, d, group, io, k
     k = torch.randn(hkv, 400 * PS, d).to(kv)
     v = torch.randn(hkv, 400 * PS, d).to(kv)
     q = torch.randn(b, hkv * group, d).to(io)
-    if group > cpu.MAX_GROUP:
+    if group > cpu_attention.MAX_GROUP:
         pytest.skip("beyond the kernel's group limit (the backend uses torch there)")
-    plan = cpu.DecodePlan(tables, lens)
-    out = cpu.decode_attention(level_lib, plan, q, k, v, PS, d**-0.5)
+    plan = cpu_attention.DecodePlan(tables, lens)
+    out = cpu_attention.decode_attention(level_lib, plan, q, k, v, PS, d**-0.5)
     assert out.dtype == io and out.shape == q.shape
     # the VDPBF16PS kernel (AVX512-BF16; head_dim 64 or 128, at most 8 query heads per kv head)
     # takes a bfloat16 cache's queries in bfloat16, as a bfloat16 model has them: float ones rounded
@@ -100,7 +100,7 @@ def test_decode_attention_matches_dense(level_lib, kernel_level, d, group, io, k
 
 
 def test_decode_plan_puts_requests_that_share_a_prefix_side_by_side():
-    plan = cpu.DecodePlan([[7, 1], [3], [7, 2], [3, 9], [5]], [20, 5, 18, 30, 1])
+    plan = cpu_attention.DecodePlan([[7, 1], [3], [7, 2], [3, 9], [5]], [20, 5, 18, 30, 1])
     order = plan.order.tolist()
     assert sorted(order) == [0, 1, 2, 3, 4]
     firsts = [[7, 3, 7, 3, 5][i] for i in order]
@@ -116,11 +116,11 @@ def test_rms_norm_with_and_without_residual(level_lib, dtype):
     )
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-6)
-    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6).float(), ref, **tol)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6).float(), ref, **tol)
     total = (x.float() + res.float()).to(dtype)
     ref = torch.nn.functional.rms_norm(total.float(), (96,), w.float(), 1e-6)
     r = res.clone()
-    out = cpu.rms_norm(x.clone(), w, 1e-6, r)
+    out = cpu_ops.rms_norm(x.clone(), w, 1e-6, r)
     torch.testing.assert_close(r, total)  # the residual stream, updated in place
     torch.testing.assert_close(out.float(), ref, **tol)
 
@@ -136,7 +136,7 @@ def test_rope_rotates_q_and_k_in_place_like_the_torch_path(level_lib, dtype):
     cos, sin = rot.cos_sin(positions, torch.float32)
     ref = apply_rotary(qkv[:, : (nq + nk) * d].float().view(t, nq + nk, d), cos, sin).view(t, -1)
     out = qkv.clone()
-    cpu.rope(out, rot.cos, rot.sin, positions, nq, nk, d)
+    cpu_ops.rope(out, rot.cos, rot.sin, positions, nq, nk, d)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out[:, : (nq + nk) * d].float(), ref, **tol)
     assert torch.equal(out[:, (nq + nk) * d :], qkv[:, (nq + nk) * d :]), "v is left alone"
@@ -148,20 +148,22 @@ def test_silu_mul(level_lib, dtype):
     g, u = gate_up.float().split(40, dim=-1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(
-        cpu.silu_mul(gate_up).float(), torch.nn.functional.silu(g) * u, **tol
+        cpu_ops.silu_mul(gate_up).float(), torch.nn.functional.silu(g) * u, **tol
     )
 
 
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 50), (200, 576)])
 def test_small_batch_bf16_gemm(lib, m, n, k):
-    if not cpu.gemm_bf16_available():
+    if not cpu_gemm.gemm_bf16_available():
         pytest.skip("this CPU has no AVX512-BF16")
     x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     ref = x.float() @ w.float().T + b.float()
-    torch.testing.assert_close(cpu.gemm_bf16(x, w, b, torch.float32), ref, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(
-        cpu.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2
+        cpu_gemm.gemm_bf16(x, w, b, torch.float32), ref, atol=1e-3, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        cpu_gemm.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2
     )
 
 
@@ -189,21 +191,21 @@ def test_bf16_gemm_on_panels(bf16_level, m, n, k):
     """relay_gemm_bf16_panels against float32 math on bfloat16-rounded inputs: bias or none,
     float32 or bfloat16 in and out, and rows of x that are not contiguous."""
     w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
-    panels = cpu.pack_panels(w)
+    panels = cpu_gemm.pack_panels(w)
     wide = torch.randn(m, k + 6)
     for x in (wide[:, 2 : k + 2], wide[:, :k].bfloat16()):
         ref = x.bfloat16().float() @ w.float().T
         torch.testing.assert_close(
-            cpu.gemm_panels(x, panels, b, torch.float32), ref + b.float(), atol=1e-3, rtol=1e-4
+            cpu_gemm.gemm_panels(x, panels, b, torch.float32), ref + b.float(), atol=1e-3, rtol=1e-4
         )
         torch.testing.assert_close(
-            cpu.gemm_panels(x, panels, out_dtype=torch.bfloat16), ref.bfloat16()
+            cpu_gemm.gemm_panels(x, panels, out_dtype=torch.bfloat16), ref.bfloat16()
         )
 
 
 def test_a_weight_with_an_odd_input_count_keeps_onednn(lib):
     w = torch.randn(64, 51).bfloat16()
-    assert cpu.pack_panels(w) is None
+    assert cpu_gemm.pack_panels(w) is None
     x = torch.randn(5, 51).bfloat16()
     from relay.execution.layers import cpu_matmul, pack_for_cpu
 
@@ -241,14 +243,14 @@ def check_extend_attention(lib, level, d, group, io, kv):
     qkv = torch.randn(total, hkv * group * d + 7).to(io)  # q as a strided view into a wider row
     q = qkv[:, : hkv * group * d].view(total, hkv * group, d)
     starts = np.concatenate([[0], np.cumsum(extend_lens)[:-1]]).tolist()
-    plan = cpu.ExtendPlan(tables, prefix_lens, extend_lens, starts)
+    plan = cpu_attention.ExtendPlan(tables, prefix_lens, extend_lens, starts)
     out = torch.zeros(total, hkv * group, d, dtype=io)
     # float32 (a bfloat16 cache widened) at every level, head_dim whole vectors of 8 (16 with
     # AVX-512); bfloat16 x bfloat16 on VDPBF16PS with AVX512-BF16 where head_dim is pairs of 16
     # (an odd number of 16s takes the float tiles there), so every head_dim of whole vectors is taken
     supported = d % (16 if isa.at_least("avx512", level) else 8) == 0
-    assert cpu.tiled_attention_available(io, kv, d) == supported
-    assert cpu.extend_attention(lib, plan, q, k, v, out, PS, d**-0.5) == supported
+    assert cpu_attention.tiled_attention_available(io, kv, d) == supported
+    assert cpu_attention.extend_attention(lib, plan, q, k, v, out, PS, d**-0.5) == supported
     if not supported:
         return
     tol = (
@@ -278,7 +280,7 @@ def test_float32_extend_attention_matches_dense_at_every_level(
 def check_shared_prefixes(lib, level, d, group, io, kv):
     """Requests that share a cached prefix's pages attend it in one pass (cascade): the same result
     as dense attention, and as each request alone."""
-    assert cpu.tiled_attention_available(
+    assert cpu_attention.tiled_attention_available(
         io, kv, d
     )  # (head_dim 64 and 128: at every level, in every dtype)
     rng = np.random.default_rng(d)
@@ -295,15 +297,17 @@ def check_shared_prefixes(lib, level, d, group, io, kv):
     k = torch.randn(hkv, 500 * PS, d).to(kv)
     v = torch.randn(hkv, 500 * PS, d).to(kv)
     q = torch.randn(len(lens), hkv * group, d).to(io)
-    plan = cpu.DecodePlan(tables, lens, PS, share=True)
+    plan = cpu_attention.DecodePlan(tables, lens, PS, share=True)
     assert plan.num_groups == 2  # system_a's four (one only partly) and system_b's two
-    out = cpu.decode_attention(lib, plan, q, k, v, PS, d**-0.5)
+    out = cpu_attention.decode_attention(lib, plan, q, k, v, PS, d**-0.5)
     # float queries over a bfloat16 cache go to VDPBF16PS rounded to bfloat16 with AVX512-BF16
     rounded = io == torch.float32 and kv == torch.bfloat16 and isa.at_least("avx512bf16", level)
     tol = 2e-2 if io == torch.bfloat16 else 5e-3 if rounded else 1e-4
     expect = reference(q.to(torch.bfloat16) if rounded else q, k, v, tables, lens, d**-0.5)
     torch.testing.assert_close(out.float(), expect, atol=tol, rtol=tol)
-    alone = cpu.decode_attention(lib, cpu.DecodePlan(tables, lens, PS), q, k, v, PS, d**-0.5)
+    alone = cpu_attention.decode_attention(
+        lib, cpu_attention.DecodePlan(tables, lens, PS), q, k, v, PS, d**-0.5
+    )
     torch.testing.assert_close(out.float(), alone.float(), atol=tol, rtol=tol)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from relay import Engine, SamplingParams
+from relay.api.completions import completion_chunk, completion_response, parse_completion
 from relay.api.fields import ProtocolError
-from relay.api.openai import completion_chunk, completion_response, parse_completion
 from relay.api.prompt_output import PromptView
 from relay.api.sglang import generate_response, parse_generate
 from relay.outputs import PromptLogprobs, RequestOutput

@@ -14,7 +14,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from relay.api.chat import chat_chunk, chat_response, parse_chat, parsed_chat_chunks
 from relay.api.chat_output import ChatOutput
+from relay.api.completions import completion_chunk, completion_response, parse_completion
 from relay.api.fields import (
     MAX_JSON_DEPTH,
     ParsedRequest,
@@ -22,16 +24,7 @@ from relay.api.fields import (
     decode_json_body,
     error_body,
 )
-from relay.api.openai import (
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
-    parse_chat,
-    parse_completion,
-    parsed_chat_chunks,
-    usage_chunk,
-)
+from relay.api.openai_common import usage_chunk
 from relay.api.serving import SSE_DONE, Usage, sse
 from relay.api.sglang import generate_response, parse_abort, parse_generate
 from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output

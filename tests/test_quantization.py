@@ -15,7 +15,7 @@ import torch
 
 from relay import Engine
 from relay.execution.kernels import cpu as cpu_kernels
-from relay.execution.kernels import isa
+from relay.execution.kernels import cpu_gemm, isa
 from relay.execution.layers import (
     INT4_MAX_ROWS,
     INT8_MAX_ROWS,
@@ -200,9 +200,9 @@ def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
     """16 requests at once: prompts and decode steps take the int8 x int8 GEMMs, and the answers
     stay the model's."""
     calls = []
-    real = cpu_kernels.int8_matmul
+    real = cpu_gemm.int8_matmul
     monkeypatch.setattr(
-        cpu_kernels, "int8_matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
+        cpu_gemm, "int8_matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
     )
     engine = Engine(default_model_dir, quantization="w8a8", kv_cache_gb=0.2)
     prompts = ["The capital of France is"] + [

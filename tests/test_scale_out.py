@@ -28,7 +28,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch import dp
+from launch import dp, dp_replicas
 from launch.flags import build_parser
 from launch.front import Front, RequestParser
 from relay.api import request_id as rid_mod
@@ -358,19 +358,19 @@ def test_a_dead_replica_leaves_the_server_answering_and_sigterm_stops_everything
 
 
 def test_core_shares():
-    assert dp.share_cores([0, 1], 2) == [[0], [1]]
-    assert dp.share_cores(list(range(8)), 3) == [[0, 1], [2, 3], [4, 5]]
-    assert dp.share_cores([0, 1], 3) == [[0], [1], [0]]
+    assert dp_replicas.share_cores([0, 1], 2) == [[0], [1]]
+    assert dp_replicas.share_cores(list(range(8)), 3) == [[0, 1], [2, 3], [4, 5]]
+    assert dp_replicas.share_cores([0, 1], 3) == [[0], [1], [0]]
 
 
 def test_gpu_plan(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    plan = dp.plan_replicas(2, 2, "auto", [1, 2])
+    plan = dp_replicas.plan_replicas(2, 2, "auto", [1, 2])
     assert [r.gpus for r in plan] == [["0", "1"], ["2", "3"]] and all(r.cores is None for r in plan)
     with pytest.raises(ValueError, match="needs 6 GPUs"):
-        dp.plan_replicas(3, 2, "cuda", [1, 2, 3])
+        dp_replicas.plan_replicas(3, 2, "cuda", [1, 2, 3])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert all(r.cores for r in dp.plan_replicas(2, 1, "auto", [1, 2]))
+    assert all(r.cores for r in dp_replicas.plan_replicas(2, 1, "auto", [1, 2]))
 
 
 def test_replica_and_router_flags():
@@ -398,7 +398,7 @@ def test_replica_and_router_flags():
             "--cache-threshold 0.5",
         ]
     )
-    argv = dp.replica_argv(parser, ns, dp.Replica("dp1", 4242))
+    argv = dp_replicas.replica_argv(parser, ns, dp_replicas.Replica("dp1", 4242))
     again = parser.parse_args(argv)
     assert (
         again.port,
@@ -411,7 +411,9 @@ def test_replica_and_router_flags():
         again.allowed_hosts,
         again.host,
     ) == (4242, "dp1", 2, True, 0.5, "k", 1, None, "127.0.0.1")
-    router = dp.router_argv(ns, [dp.Replica("dp0", 1), dp.Replica("dp1", 2)], 4343)
+    router = dp_replicas.router_argv(
+        ns, [dp_replicas.Replica("dp0", 1), dp_replicas.Replica("dp1", 2)], 4343
+    )
     assert router[:4] == ["--host", "127.0.0.1", "--port", "4343"], (
         "behind the front door, on loopback"
     )
@@ -428,7 +430,7 @@ def test_replica_and_router_flags():
     )  # CORS: the names it answers to
     assert router[-2:] == ["--cache-threshold", "0.5"]
     anywhere = parser.parse_args(["--dp", "2", "--host", "0.0.0.0"])
-    assert "--cors-allowed-origins" not in dp.router_argv(anywhere, [], 4343)
+    assert "--cors-allowed-origins" not in dp_replicas.router_argv(anywhere, [], 4343)
 
 
 def test_request_ids():
@@ -590,7 +592,7 @@ def test_supervision_policy_on_stand_in_processes():
     ns = _Args(host="127.0.0.1", port=free_port())  # no router there: removal is best effort
 
     def supervised(kill: list[int]) -> tuple[int, float]:
-        reps = [dp.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
+        reps = [dp_replicas.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
         sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps, free_port())
         sup.router = sleeper()
         everyone = [sup.router] + [r.proc for r in reps]
@@ -606,7 +608,7 @@ def test_supervision_policy_on_stand_in_processes():
     assert supervised([1, 2])[0] == 1  # both replicas: nothing left
     assert supervised([0])[0] == 1  # the router
 
-    reps = [dp.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
+    reps = [dp_replicas.Replica(f"dp{i}", 1, proc=sleeper()) for i in range(2)]
     sup = dp.Supervisor(argparse.ArgumentParser(), ns, reps, free_port())
     sup.router = sleeper()
     reps[0].proc.kill()
@@ -619,7 +621,9 @@ def test_supervision_policy_on_stand_in_processes():
 
 def test_a_stop_after_a_death_names_it():
     """SIGTERM after a replica (or the router) died must exit non-zero: died() names who."""
-    reps = [dp.Replica(f"dp{i}", 1, proc=subprocess.Popen(["sleep", "60"])) for i in range(2)]
+    reps = [
+        dp_replicas.Replica(f"dp{i}", 1, proc=subprocess.Popen(["sleep", "60"])) for i in range(2)
+    ]
     sup = dp.Supervisor(
         argparse.ArgumentParser(), _Args(host="127.0.0.1", port=free_port()), reps, free_port()
     )

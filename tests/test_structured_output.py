@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from relay import Engine, SamplingParams
+from relay.api.chat import parse_chat
+from relay.api.completions import parse_completion
 from relay.api.fields import ProtocolError
-from relay.api.openai import parse_chat, parse_completion
 from relay.api.sglang import parse_generate
 from relay.config import EngineConfig, ModelConfig
 from relay.sampling_params import InvalidParam, json_depth, widest_object

@@ -159,9 +159,9 @@ def test_one_call_steps_of_two_ranks_equal_their_layer_by_layer_path(tmp_path, d
     all-reducing its row-parallel GEMMs' outputs where the layers do: a prompt step's logits and
     keys and values are the layers' bit for bit on both ranks, a decode step's (float32
     activations against bfloat16 ones) close."""
-    from relay.execution.kernels import cpu
+    from relay.execution.kernels import cpu_gemm
 
-    if not (cpu.gemm_blocks_available() and cpu.panels_preferred()):
+    if not (cpu_gemm.gemm_blocks_available() and cpu_gemm.panels_preferred()):
         pytest.skip(
             "the one-call prompt step runs on Relay's bfloat16 panels (AVX512-BF16, no AMX)"
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relay.execution import layers, weight_blocks
-from relay.execution.kernels import cpu, cpu_layers, isa
+from relay.execution.kernels import cpu, cpu_gemm, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
@@ -69,7 +69,7 @@ def test_weights_that_are_not_blocks_stay_float(monkeypatch):
 
 def blocks_or_skip() -> None:
     cpu_kernels_or_skip()
-    assert cpu.gemm_blocks_available(), "the block GEMM runs at every instruction-set level"
+    assert cpu_gemm.gemm_blocks_available(), "the block GEMM runs at every instruction-set level"
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_gemm_on_blocks_matches_the_float_weights(lib, kind, m, n, k):
     w = weight(n, k, kind, seed=m)
     blocks = recover(w)
     x = torch.randn(m, k + 5)[:, :k]  # strided rows
-    y = cpu.gemm_blocks(x, blocks)
+    y = cpu_gemm.gemm_blocks(x, blocks)
     torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)
 
 
@@ -105,7 +105,9 @@ def test_a_bfloat16_models_blocks_multiply_rounded_activations_by_exact_weights(
     x = torch.randn(m, k + 5)[:, :k]
     rounded = (m > 1 or kind == "q4_1") and isa.at_least("avx512bf16", kernel_level)
     expect = (x.bfloat16() if rounded else x).double() @ w.double().T
-    torch.testing.assert_close(cpu.gemm_blocks(x, blocks).double(), expect, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        cpu_gemm.gemm_blocks(x, blocks).double(), expect, atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -123,9 +125,9 @@ def test_a_bfloat16_models_row_comes_out_the_same_whatever_rows_come_with_it(
     blocks.round_bf16 = True
     x = torch.randn(40, 96)
     first_batched = 2 if kind == "q8_0" else 1
-    alone = cpu.gemm_blocks(x[:first_batched], blocks)
+    alone = cpu_gemm.gemm_blocks(x[:first_batched], blocks)
     for rows in (3, 6, 7, 13, 40):
-        assert torch.equal(cpu.gemm_blocks(x[:rows], blocks)[:first_batched], alone), rows
+        assert torch.equal(cpu_gemm.gemm_blocks(x[:rows], blocks)[:first_batched], alone), rows
 
 
 @pytest.mark.slow
@@ -219,7 +221,7 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     and its logits match the layers called one by one (float32 activations against bfloat16
     ones: close, not equal)."""
     blocks_or_skip()
-    if not cpu.panels_preferred():
+    if not cpu_gemm.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
@@ -245,7 +247,7 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     (call, _), (layered, _) = step_each_way(runner, step, tables, (fast, None))
     assert (call - layered).abs().max() < 0.05 * layered.abs().max()
     for m in runner.model.gemm_modules():  # what the C call read were the panels
-        if isinstance(m.packed, cpu.Bf16Panels):
+        if isinstance(m.packed, cpu_gemm.Bf16Panels):
             m.packed.data.zero_()
     ((zeroed, _),) = step_each_way(runner, step, tables, (fast,))
     assert (zeroed - call).abs().max() > 0.5 * call.abs().max()
@@ -260,7 +262,7 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(
     prefix: cascade attention) with a chunk over a cached prefix and a new prompt give the logits
     of every row and the keys and values of the layers called one by one, bit for bit."""
     blocks_or_skip()
-    if not cpu.panels_preferred():
+    if not cpu_gemm.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
     from relay.config import EngineConfig, ModelConfig
     from relay.scheduling.batch import BatchInput
@@ -363,13 +365,13 @@ def test_the_measured_crossover_follows_the_faster_path(lib, monkeypatch):
     the blocks up to where they stop winning: nowhere when the block kernel is the slow one, at
     every size tried when the float path is."""
     modules = [linear_on_blocks(64, 96, seed) for seed in range(2)]
-    gemm_blocks, cpu_matmul = cpu.gemm_blocks, layers.cpu_matmul
+    gemm_blocks, cpu_matmul = cpu_gemm.gemm_blocks, layers.cpu_matmul
     for blocks_cost, floats_cost, rows in (
         (1.0, 0.1, 0),
         (0.1, 1.0, layers.BLOCKS_ROW_CANDIDATES[-1]),
     ):
         clock = VirtualClock(monkeypatch)
-        monkeypatch.setattr(cpu, "gemm_blocks", clock.costing(gemm_blocks, blocks_cost))
+        monkeypatch.setattr(cpu_gemm, "gemm_blocks", clock.costing(gemm_blocks, blocks_cost))
         monkeypatch.setattr(layers, "cpu_matmul", clock.costing(cpu_matmul, floats_cost))
         assert layers.blocks_crossover_rows(modules) == rows
 
@@ -425,7 +427,7 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
     from relay.execution import startup_timing
-    from relay.execution.models import llama
+    from relay.execution.models import llama_layers
 
     def runner() -> ModelRunner:
         return ModelRunner(
@@ -438,14 +440,14 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     monkeypatch.setattr(
         layers, "cpu_matmul", clock.costing(layers.cpu_matmul, 0.001)
     )  # GEMMs: blocks win
-    run, forward = cpu_layers.DecodeLayers.run, llama.DecoderLayer.forward
+    run, forward = cpu_layers.DecodeLayers.run, llama_layers.DecoderLayer.forward
     monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 1.0))
-    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 0.001))
+    monkeypatch.setattr(llama_layers.DecoderLayer, "forward", clock.costing(forward, 0.001))
     slow_call = runner()
     assert slow_call.model.decode_layers is None
     assert all(m.blocks is None or m.blocks.max_rows for m in slow_call.model.gemm_modules())
     monkeypatch.setattr(cpu_layers.DecodeLayers, "run", clock.costing(run, 0.001))
-    monkeypatch.setattr(llama.DecoderLayer, "forward", clock.costing(forward, 1.0))
+    monkeypatch.setattr(llama_layers.DecoderLayer, "forward", clock.costing(forward, 1.0))
     slow_layers = runner()
     per_request = -(-(startup_timing.DECODE_LAYERS_CONTEXT + 1) // slow_layers.page_size)
     held = [
@@ -527,7 +529,10 @@ def test_int8_block_activations_at_the_largest_sums_a_block_can_make(lib, sign):
     assert blocks.bits == 4 and torch.equal(blocks.dequantize(), w)
     x = torch.full((7, k), sign)
     torch.testing.assert_close(
-        cpu.gemm_blocks(x, blocks).double(), int8_rounded_product(x, blocks), atol=1e-4, rtol=1e-6
+        cpu_gemm.gemm_blocks(x, blocks).double(),
+        int8_rounded_product(x, blocks),
+        atol=1e-4,
+        rtol=1e-6,
     )
 
 
@@ -576,7 +581,7 @@ def test_int8_block_activations_are_x_rounded_to_8_bits_times_the_exact_weights(
     assert torch.equal(blocks.dequantize(), w)
     x = torch.randn(m, k + 5)[:, :k]
     x[0, :32] = 0.0  # an all-zero block of x (scale 0)
-    y = cpu.gemm_blocks(x, blocks)
+    y = cpu_gemm.gemm_blocks(x, blocks)
     torch.testing.assert_close(y.double(), int8_rounded_product(x, blocks), atol=1e-5, rtol=1e-5)
-    alone = cpu.gemm_blocks(x[-1:], blocks)
+    alone = cpu_gemm.gemm_blocks(x[-1:], blocks)
     assert torch.equal(y[-1:], alone), "a row's output does not depend on the rows beside it"

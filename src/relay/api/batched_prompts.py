@@ -14,14 +14,15 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from relay.api import completions, openai_common
 from relay.api import fields as F
-from relay.api import openai
-from relay.api.fields import MAX_PROMPTS, ParsedRequest, ProtocolError, bad, show
+from relay.api.completions import Prompt
+from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.prompt_output import PromptView
 from relay.api.request_id import submitted
 from relay.api.serving import (
@@ -35,33 +36,6 @@ from relay.api.serving import (
     whole,
 )
 from relay.outputs import RequestOutput
-
-
-class Prompt(NamedTuple):
-    text: str | None
-    input_ids: list[int] | None
-
-
-def parse_prompts(value: Any, vocab_size: int | None) -> list[Prompt]:
-    """`prompt`: a string or a list of token ids, or a list of up to MAX_PROMPTS of them; a bad
-    one is a 400 naming it (`prompt[2]`)."""
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) > MAX_PROMPTS:
-            raise bad(
-                "prompt", f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(value)}"
-            )
-        return [_prompt(v, f"prompt[{i}]", vocab_size) for i, v in enumerate(value)]
-    return [_prompt(value, "prompt", vocab_size)]
-
-
-def _prompt(value: Any, param: str, vocab_size: int | None) -> Prompt:
-    if isinstance(value, str):
-        if not value:
-            raise bad(param, f"'{param}' must not be empty")
-        return Prompt(value, None)
-    if isinstance(value, list):
-        return Prompt(None, F.as_token_ids(value, param, allow_empty=False, vocab_size=vocab_size))
-    raise bad(param, f"'{param}' must be a string or a list of token ids, got {show(value)}")
 
 
 async def serve(request: Request, client: EngineClient, parsed: ParsedRequest) -> Response:
@@ -97,7 +71,7 @@ def _single(parsed: ParsedRequest, i: int, prompt: Prompt) -> ParsedRequest:
 
 async def _view(client: EngineClient, single: ParsedRequest, i: int) -> PromptView:
     try:
-        return await openai.prompt_view(client, single)
+        return await completions.prompt_view(client, single)
     except ProtocolError as e:
         param = f"prompt[{i}]" if e.param == "prompt" else e.param
         raise ProtocolError(e.status, e.message, param, e.type) from None
@@ -186,7 +160,7 @@ def _response(
     n: int,
 ) -> dict[str, Any]:
     answers = [
-        openai.completion_response(rid, created, model, done[i * n : (i + 1) * n], view)
+        completions.completion_response(rid, created, model, done[i * n : (i + 1) * n], view)
         for i, view in enumerate(views)
     ]
     choices = [
@@ -213,10 +187,12 @@ async def _events(
             yield sse(F.error_body(r.status, r.error, r.param))
             return
         view = views[index // parsed.n] if last[index] is None else None  # the prompt first
-        chunk = openai.completion_chunk(rid, created, model, index, r, offsets[index], view)
+        chunk = completions.completion_chunk(rid, created, model, index, r, offsets[index], view)
         yield sse(chunk)
         offsets[index] += len(chunk["choices"][0]["text"])
         last[index] = r
     if parsed.include_usage:
-        yield sse(openai.usage_chunk("completion", rid, created, model, _usage(last, parsed.n)))
+        yield sse(
+            openai_common.usage_chunk("completion", rid, created, model, _usage(last, parsed.n))
+        )
     yield SSE_DONE

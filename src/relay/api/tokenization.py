@@ -18,9 +18,10 @@ from fastapi import FastAPI, Request
 
 from relay.api import fields as F
 from relay.api import tool_calls as T
+from relay.api.chat_messages import chat_template_kwargs, parse_messages
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import ProtocolError, bad
-from relay.api.openai import chat_template_kwargs, check_model, parse_messages
+from relay.api.openai_common import check_model
 from relay.api.serving import EngineClient, error_response
 from relay.text.tokenize_query import TokenizeQuery
 

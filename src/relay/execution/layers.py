@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relay.execution.distributed import TPGroup, split_evenly
-from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import cpu_gemm, cpu_ops
 from relay.execution.rope import long_rope_rows, rotary_tables
 from relay.execution.weight_blocks import BlockWeight
 
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         # One fused op (float32 accumulation inside); in float32 it is bit-identical to the
         # reference formula w * x * rsqrt(mean(x^2) + eps).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual stream's next value and its norm. The
         CPU kernel adds in place (residual and x are the caller's to give up)."""
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
         residual = x + residual
         return self.forward(residual), residual
 
@@ -106,7 +106,7 @@ class Int4Weight:
 def cpu_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: torch.Tensor | cpu_kernels.Bf16Panels | None,
+    packed: torch.Tensor | cpu_gemm.Bf16Panels | None,
     bias: torch.Tensor | None = None,
     int8: Int8Weight | None = None,
     gemv: bool = False,
@@ -118,22 +118,22 @@ def cpu_matmul(
     """x @ weight.T (+ bias) by the fastest path for this many rows; out_dtype float32 lets the
     LM head write its logits in float32 directly."""
     if blocks is not None and x.shape[0] <= blocks.max_rows:
-        y = cpu_kernels.gemm_blocks(x, blocks).to(out_dtype or x.dtype)
+        y = cpu_gemm.gemm_blocks(x, blocks).to(out_dtype or x.dtype)
         return y if bias is None else y + bias
     if w8a8 is not None and x.shape[0] >= W8A8_MIN_ROWS:
-        return cpu_kernels.int8_matmul(x, w8a8.qt, w8a8.scale, bias, out_dtype or x.dtype)
+        return cpu_gemm.int8_matmul(x, w8a8.qt, w8a8.scale, bias, out_dtype or x.dtype)
     if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), int4.packed, int4.group, int4.scales_and_zeros
         ).to(x.dtype)
         return y if bias is None else y + bias
-    if gemv and x.shape[0] <= cpu_kernels.GEMM_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
-        return cpu_kernels.gemm_bf16(x, weight, bias, out_dtype or torch.bfloat16)
+    if gemv and x.shape[0] <= cpu_gemm.GEMM_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
+        return cpu_gemm.gemm_bf16(x, weight, bias, out_dtype or torch.bfloat16)
     if int8 is not None and x.shape[0] < INT8_MAX_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *int8).to(x.dtype)
         return y if bias is None else y + bias
-    if isinstance(packed, cpu_kernels.Bf16Panels):
-        return cpu_kernels.gemm_panels(x, packed, bias, out_dtype or x.dtype)
+    if isinstance(packed, cpu_gemm.Bf16Panels):
+        return cpu_gemm.gemm_panels(x, packed, bias, out_dtype or x.dtype)
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS.get(x.dtype, 8):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -152,7 +152,7 @@ def blocks_crossover_rows(modules: list[Linear], reps: int = 3) -> int:
 
         def from_blocks() -> None:
             for x, m in zip(xs, modules):
-                cpu_kernels.gemm_blocks(x, m.blocks).to(dtype)
+                cpu_gemm.gemm_blocks(x, m.blocks).to(dtype)
 
         def from_floats() -> None:
             for x, m in zip(xs, modules):
@@ -235,14 +235,14 @@ class PathTiming:
         return self.fastest[0] < min_gain * self.fastest[1]
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_kernels.Bf16Panels | None:
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_gemm.Bf16Panels | None:
     """A copy of a [out, in] weight laid out for batched GEMMs: Relay's bfloat16 panels where
-    those are the faster kernel (cpu_kernels.panels_preferred), else oneDNN's blocked layout;
+    those are the faster kernel (cpu_gemm.panels_preferred), else oneDNN's blocked layout;
     None where neither is available."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.bfloat16 and cpu_kernels.panels_preferred():
-        panels = cpu_kernels.pack_panels(weight)
+    if weight.dtype == torch.bfloat16 and cpu_gemm.panels_preferred():
+        panels = cpu_gemm.pack_panels(weight)
         if panels is not None:
             return panels
     if not torch.backends.mkldnn.is_available():
@@ -323,9 +323,7 @@ class Linear(nn.Module):
             else None
         )
         self.tp = tp  # set for row-parallel layers only
-        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = (
-            None  # pack_for_cpu's, once loaded
-        )
+        self.packed: torch.Tensor | cpu_gemm.Bf16Panels | None = None  # pack_for_cpu's, once loaded
         self.int8: Int8Weight | None = None  # see quantize_int8; --quantization int8 only
         self.int4: Int4Weight | None = None  # see quantize_int4; --quantization int4 only
         self.w8a8: W8A8Weight | None = None  # see w8a8_weight; --quantization w8a8 only
@@ -356,7 +354,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
-        self.packed: torch.Tensor | cpu_kernels.Bf16Panels | None = (
+        self.packed: torch.Tensor | cpu_gemm.Bf16Panels | None = (
             None  # for the LM head, like Linear.packed
         )
         self.int8: Int8Weight | None = None  # for the LM head, like Linear.int8

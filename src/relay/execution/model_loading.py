@@ -11,8 +11,7 @@ import torch
 
 from relay.config import EngineConfig, ModelConfig
 from relay.execution.block_rows import block_rows
-from relay.execution.kernels import cpu as cpu_kernels
-from relay.execution.kernels import isa
+from relay.execution.kernels import cpu_gemm, isa
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
 from relay.execution.startup_timing import log_weight_blocks
@@ -83,7 +82,7 @@ class ModelLoader:
             or quantization is not None
             or self.cfg.disable_weight_blocks
             or self.cfg.load_format == "dummy"
-            or not cpu_kernels.gemm_blocks_available()
+            or not cpu_gemm.gemm_blocks_available()
         ):
             return False
         if self.place.dtype == torch.float32:

@@ -431,6 +431,7 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes])
     """Set logits[rows[i], t] to -inf for every token t that masks[i] (xgrammar's bitmask:
     bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed."""
     from relay.execution.kernels import cpu as cpu_kernels
+    from relay.execution.kernels import cpu_ops
 
     blob = bytearray(b"".join(masks))
     if (
@@ -440,7 +441,7 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes])
         and cpu_kernels.load() is not None
     ):
         words = torch.frombuffer(blob, dtype=torch.int32).view(len(rows), -1)
-        cpu_kernels.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
+        cpu_ops.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
         return
     bits = np.unpackbits(
         np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little"

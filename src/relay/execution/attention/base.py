@@ -75,7 +75,7 @@ class AttentionBackend(ABC):
 
     @property
     def decode_kernel_plan(self):
-        """The planned step's cpu_kernels.DecodePlan where it is a pure decode step that Relay's
+        """The planned step's cpu_attention.DecodePlan where it is a pure decode step that Relay's
         C decode kernel attends over this backend's ("HND") cache; None otherwise."""
         return None
 

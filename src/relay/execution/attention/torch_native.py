@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 from relay.execution.kernels import cpu as cpu_kernels
-from relay.execution.kernels import cpu_layers
+from relay.execution.kernels import cpu_attention, cpu_layers
 
 
 @dataclass
@@ -96,12 +96,12 @@ class TorchNativeBackend(AttentionBackend):
             not masked
             and self.kv.k[0].device.type == "cpu"
             and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
-            and self.num_heads // self.num_kv_heads <= cpu_kernels.MAX_GROUP
+            and self.num_heads // self.num_kv_heads <= cpu_attention.MAX_GROUP
         ):
             self.kernel = cpu_kernels.load()
         # Cascade attention over shared prefixes, where the kernel has it for this cache.
         kv_dtype = self.kv.k[0].dtype
-        self.share_prefixes = self.kernel is not None and cpu_kernels.tiled_attention_available(
+        self.share_prefixes = self.kernel is not None and cpu_attention.tiled_attention_available(
             kv_dtype, kv_dtype, self.head_dim
         )
 
@@ -120,7 +120,7 @@ class TorchNativeBackend(AttentionBackend):
             )
             lens = [seq_lens[i] for i in dec]
             if self.kernel is not None:
-                self.dec_plan = cpu_kernels.DecodePlan(
+                self.dec_plan = cpu_attention.DecodePlan(
                     [meta.page_tables[i] for i in dec],
                     lens,
                     self.kv.page_size,
@@ -149,7 +149,7 @@ class TorchNativeBackend(AttentionBackend):
         # the SDPA plan below is the fallback.
         self.ext_plan = None
         if chunks and self.kernel is not None:
-            self.ext_plan = cpu_kernels.ExtendPlan(
+            self.ext_plan = cpu_attention.ExtendPlan(
                 [meta.page_tables[i] for i in chunks],
                 [meta.prefix_lens[i] for i in chunks],
                 [meta.extend_lens[i] for i in chunks],
@@ -171,7 +171,7 @@ class TorchNativeBackend(AttentionBackend):
         return _Prefill(row, n, keys, masks)
 
     @property
-    def decode_kernel_plan(self) -> cpu_kernels.DecodePlan | None:
+    def decode_kernel_plan(self) -> cpu_attention.DecodePlan | None:
         if self.has_decode and self.dec_rows is None and self.kernel is not None:
             return self.dec_plan
         return None
@@ -189,7 +189,7 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self.decode_kernel_plan is not None:
             # A pure decode step: the C kernel writes the new keys and values itself.
-            return cpu_kernels.decode_attention(
+            return cpu_attention.decode_attention(
                 self.kernel,
                 self.dec_plan,
                 q,
@@ -206,7 +206,7 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.has_decode:
             out[self.dec_rows] = self._decode(q[self.dec_rows], layer)
-        if self.ext_plan is None or not cpu_kernels.extend_attention(
+        if self.ext_plan is None or not cpu_attention.extend_attention(
             self.kernel,
             self.ext_plan,
             q,
@@ -225,7 +225,7 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kernel is not None:
             if q.dtype not in (torch.float32, torch.bfloat16):
-                return cpu_kernels.decode_attention(
+                return cpu_attention.decode_attention(
                     self.kernel,
                     self.dec_plan,
                     q.float(),
@@ -234,7 +234,7 @@ class TorchNativeBackend(AttentionBackend):
                     self.kv.page_size,
                     self.scale,
                 ).to(q.dtype)
-            return cpu_kernels.decode_attention(
+            return cpu_attention.decode_attention(
                 self.kernel,
                 self.dec_plan,
                 q,

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from relay.execution.kernels import cpu
-from relay.execution.kernels.cpu import (
+from relay.execution.kernels.cpu_attention import (
     DECODE_CHUNK,
-    Bf16Panels,
     DecodePlan,
     ExtendPlan,
     tiled_attention_available,
 )
+from relay.execution.kernels.cpu_gemm import Bf16Panels
 
 if TYPE_CHECKING:
     from relay.execution.weight_blocks import BlockWeight

@@ -32,7 +32,8 @@ from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup
 from relay.execution.layers import RotaryEmbedding, StepRope
-from relay.execution.models.llama import MLP, Attention, LlamaForCausalLM
+from relay.execution.models.llama import LlamaForCausalLM
+from relay.execution.models.llama_layers import MLP, Attention
 
 
 class GemmaRMSNorm(nn.Module):

@@ -4,6 +4,10 @@ The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and
 before the rotary embedding, Mistral's layers attend within a sliding window (ModelConfig.
 layer_windows: the attention backend masks it). q/k/v and gate/up are fused into one GEMM each. The
 mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
+
+This module holds the model: its forward pass, its weights' forms (packed, quantized, GGUF
+blocks) and checkpoint loading. Its layers are in models/llama_layers.py; running them as one
+C call per step is decided and set up in models/one_call_layers.py.
 """
 
 from __future__ import annotations
@@ -12,152 +16,26 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
-from relay.execution.distributed import TPGroup, head_partition, split_evenly
+from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu as cpu_kernels
-from relay.execution.kernels import cpu_layers
+from relay.execution.kernels import cpu_gemm, cpu_layers
 from relay.execution.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    StepRope,
     VocabParallelEmbedding,
-    apply_rotary,
     pack_for_cpu,
     quantize_int4,
     quantize_int8,
     w8a8_weight,
 )
+from relay.execution.models import one_call_layers
+from relay.execution.models.llama_layers import MLP, DecoderLayer
 from relay.execution.weight_blocks import recover
-
-
-class Attention(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
-        super().__init__()
-        self.shard = head_partition(mc.num_heads, mc.num_kv_heads, tp.size, tp.rank)
-        self.layer_id = layer_id
-        self.head_dim = d = mc.head_dim
-        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
-        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
-        self.qkv_proj = Linear(mc.hidden_size, sum(self.sizes), mc.attention_bias, dtype)
-        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, False, dtype, tp)
-        self.qk_norm = mc.qk_norm
-        if mc.qk_norm:
-            self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
-        self.rotary: RotaryEmbedding | None = None  # the model's tables, for the fused CPU rotary
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: StepRope,
-        attn: AttentionBackend,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """o_proj(attention) of every row, or of the rows in keep only (every row's keys and
-        values still go into the cache)."""
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
-        nq, nk = self.num_heads, self.num_kv_heads
-        v = qkv[:, (nq + nk) * d :].view(t, nk, d)
-        if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
-            cpu_kernels.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
-            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
-        elif self.qk_norm:
-            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
-            q, k = (
-                apply_rotary(self.q_norm(q), rope.cos, rope.sin),
-                apply_rotary(self.k_norm(k), rope.cos, rope.sin),
-            )
-        else:  # q and k sit side by side in qkv: rotate them in one pass
-            q, k = apply_rotary(
-                qkv[:, : (nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin
-            ).split([nq, nk], dim=1)
-        out = attn.forward(q, k, v, self.layer_id)
-        if keep is not None:
-            out = out[keep]
-            if not out.shape[
-                0
-            ]:  # no row's output is read: its keys and values were all it had to give
-                return out.new_empty(0, self.o_proj.weight.shape[0])
-        return self.o_proj(out)
-
-
-class MLP(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down, gate/up fused into one GEMM; the intermediate features
-    split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
-    caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
-
-    def __init__(
-        self,
-        mc: ModelConfig,
-        tp: TPGroup,
-        dtype: torch.dtype,
-        intermediate_size: int | None = None,
-        reduce: bool = True,
-    ):
-        super().__init__()
-        self.start, self.inter = split_evenly(
-            intermediate_size or mc.intermediate_size, tp.size, tp.rank
-        )
-        self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
-        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp if reduce else None)
-        self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-    def load(self, which: str, w: torch.Tensor) -> str:
-        """Copy this rank's slice of a checkpoint's full gate_proj, up_proj or down_proj weight in;
-        the name of the parameter it went to."""
-        start, n = self.start, self.inter
-        if which == "down_proj":
-            self.down_proj.weight.copy_(w[:, start : start + n])
-            return "down_proj.weight"
-        offset = {"gate_proj": 0, "up_proj": n}[which]
-        self.gate_up_proj.weight[offset : offset + n].copy_(w[start : start + n])
-        return "gate_up_proj.weight"
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module
-    ):
-        super().__init__()
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.self_attn = Attention(mc, tp, dtype, layer_id)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: StepRope,
-        attn: AttentionBackend,
-        keep: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next layer adds them,
-        fused with its norm. With keep (row indices), both only for those rows: what the last
-        layer needs where only some rows' logits are read."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rope, attn, keep)
-        if keep is not None:
-            residual = residual[keep]
-            if not h.shape[0]:
-                return h, residual
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -287,147 +165,38 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_gemm_kernels(self) -> None:
         """Relay's small-batch bfloat16 GEMM for every GEMM it takes."""
-        gemv = self.dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_available()
+        gemv = self.dtype == torch.bfloat16 and cpu_gemm.gemm_bf16_available()
         for module in self.gemm_modules():
             module.gemv = gemv and module.int8 is None and module.int4 is None
 
     def use_decode_layers(self, attn: AttentionBackend) -> bool:
-        """Run pure decode steps over attn's KV cache as one C call (cpu_layers.DecodeLayers)
-        where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
-        biases or q/k norms, one rank or CPU ranks on shared memory (TPGroup.shm: the call then
-        all-reduces as the layers do), and steps whose attention the backend gives to the C decode
-        kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
-        rows the blocks are used for; the runner measures it). It keeps float32 activations (a
-        bfloat16 model's too: its blocks are the checkpoint's exact weights; their GEMMs round to
-        bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
-        bfloat16 panels where it has them). Returns whether it does."""
-        layers = self.layers
-        eligible = (
-            self.fused_cpu_ops
-            and self.rotary.covers_head
-            and self.tp.collectives_in_c
-            and attn.kv.layout == "HND"
-            and attn.kv.k[0].device.type == "cpu"
-            and getattr(attn, "kernel", None)
-            is not None  # none where attention is masked (windows)
-            and all(
-                m.blocks is not None and getattr(m, "bias", None) is None
-                for m in self.gemm_modules()
-                if m is not self.lm_head
-            )
-        )
-        # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
-        if not self.tp.all_true(eligible):
+        """Run pure decode steps over attn's KV cache as one C call where everything a layer does
+        is a Relay CPU kernel (one_call_layers.decode_layers says where). Returns whether it does."""
+        layers = one_call_layers.decode_layers(self, attn)
+        if layers is None:
             return False
-
-        def gemm(m: Linear) -> cpu_layers.LayerGemm:
-            panels = m.packed if isinstance(m.packed, cpu_kernels.Bf16Panels) else None
-            return cpu_layers.LayerGemm(m.blocks, panels)
-
-        weights = [
-            cpu_layers.DecoderLayerWeights(
-                layer.input_layernorm.weight.float(),
-                layer.post_attention_layernorm.weight.float(),
-                gemm(layer.self_attn.qkv_proj),
-                gemm(layer.self_attn.o_proj),
-                gemm(layer.mlp.gate_up_proj),
-                gemm(layer.mlp.down_proj),
-            )
-            for layer in layers
-        ]
-        a = layers[0].self_attn
-        self.decode_layers = (
-            attn,
-            cpu_layers.DecodeLayers(
-                weights,
-                self.norm.weight.float(),
-                self.norm.eps,
-                a.num_heads,
-                a.num_kv_heads,
-                a.head_dim,
-                self.rotary.cos,
-                self.rotary.sin,
-                attn.kv.k,
-                attn.kv.v,
-                attn.kv.page_size,
-                attn.scale,
-                self.tp.c_group,
-            ),
-        )
+        self.decode_layers = (attn, layers)
         return True
 
     def use_prompt_layers(self, attn: AttentionBackend) -> bool:
-        """Run steps with prompt chunks over attn's KV cache as one C call (cpu_layers.PromptLayers)
-        where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
-        model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
-        q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose
-        prompt chunks the backend gives to the C kernels (prompt_kernel_plan), and steps of more
-        rows than go to other GEMM kernels (_rows_off_panels): the same output as the layers, bit
-        for bit. Returns whether."""
+        """Run steps with prompt chunks over attn's KV cache as one C call where everything a layer
+        does is a Relay CPU kernel on bfloat16 activations (one_call_layers.prompt_layers says
+        where), for steps of more rows than go to other GEMM kernels (_rows_off_panels). Returns
+        whether."""
         modules = [m for m in self.gemm_modules() if m is not self.lm_head]
-        eligible = (
-            self.fused_cpu_ops
-            and self.rotary.covers_head
-            and self.tp.collectives_in_c
-            and self.dtype == torch.bfloat16
-            and attn.kv.layout == "HND"
-            and attn.kv.k[0].dtype == torch.bfloat16
-            and attn.kv.k[0].device.type == "cpu"
-            and getattr(attn, "kernel", None) is not None
-            and cpu_kernels.tiled_attention_available(
-                torch.bfloat16, torch.bfloat16, self.config.head_dim
-            )
-            and all(
-                isinstance(m.packed, cpu_kernels.Bf16Panels)
-                and m.bias is None
-                and m.int8 is None
-                and m.int4 is None
-                and m.w8a8 is None
-                for m in modules
-            )
-        )
-        if not self.tp.all_true(eligible):  # every rank or none, as use_decode_layers
+        layers = one_call_layers.prompt_layers(self, attn, modules)
+        if layers is None:
             return False
-        weights = [
-            cpu_layers.DecoderLayerWeights(
-                layer.input_layernorm.weight,
-                layer.post_attention_layernorm.weight,
-                layer.self_attn.qkv_proj.packed,
-                layer.self_attn.o_proj.packed,
-                layer.mlp.gate_up_proj.packed,
-                layer.mlp.down_proj.packed,
-            )
-            for layer in self.layers
-        ]
-        a = self.layers[0].self_attn
-        self._layer_gemms = (
-            modules  # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
-        )
-        self.prompt_layers = (
-            attn,
-            cpu_layers.PromptLayers(
-                weights,
-                self.norm.weight,
-                self.norm.eps,
-                a.num_heads,
-                a.num_kv_heads,
-                a.head_dim,
-                self.rotary.cos,
-                self.rotary.sin,
-                attn.kv.k,
-                attn.kv.v,
-                attn.kv.page_size,
-                attn.scale,
-                self.tp.c_group,
-            ),
-        )
+        # _rows_off_panels reads them each step: walking the submodules took 0.35 ms
+        self._layer_gemms = modules
+        self.prompt_layers = (attn, layers)
         return True
 
     def _rows_off_panels(self) -> int:
         """The most rows for which some decoder-layer GEMM takes another kernel than the panels
         (cpu_matmul: the blocks up to their max_rows, the bfloat16 GEMV up to GEMM_BF16_MAX_ROWS)."""
         return max(
-            [cpu_kernels.GEMM_BF16_MAX_ROWS]
+            [cpu_gemm.GEMM_BF16_MAX_ROWS]
             + [m.blocks.max_rows for m in self._layer_gemms if m.blocks is not None]
         )
 

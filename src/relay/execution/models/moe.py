@@ -28,7 +28,8 @@ from torch import nn
 from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup
-from relay.execution.models.llama import MLP, LlamaForCausalLM
+from relay.execution.models.llama import LlamaForCausalLM
+from relay.execution.models.llama_layers import MLP
 
 
 class Router(nn.Module):

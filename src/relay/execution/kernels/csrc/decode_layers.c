@@ -28,7 +28,7 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                       int64_t n_groups, const int64_t* group_first, const int64_t* group_size,
                       const int64_t* group_keys);
 
-typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 panels (cpu.LayerGemm)
+typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 panels (cpu_layers.LayerGemm)
     int64_t bits;
     const uint8_t* q;
     const float* d;
@@ -53,7 +53,7 @@ typedef struct {  // one step: T requests, one new token each
     const float* cos;  // RotaryEmbedding tables, [positions, D]
     const float* sin;
     const int64_t* positions;  // [T]
-    // decode_attention's plan (cpu.DecodePlan) and cache geometry
+    // decode_attention's plan (cpu_attention.DecodePlan) and cache geometry
     const int32_t* tables;
     const int64_t* lens;
     const int64_t* order;

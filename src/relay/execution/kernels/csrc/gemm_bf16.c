@@ -6,7 +6,7 @@
 // memory's bandwidth where torch/oneDNN reach a third to a half of it (docs/benchmarks.md).
 //
 // relay_gemm_bf16_panels, any rows: compute-bound GEMMs on a weight repacked once into panels
-// (relay/execution/kernels/cpu.py pack_panels): see the comment above it.
+// (relay/execution/kernels/cpu_gemm.py pack_panels): see the comment above it.
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU);
 // relay_gemm_bf16_available() tells the caller.

@@ -1,0 +1,141 @@
+"""The Llama decoder layer and its parts: attention (q/k/v fused into one GEMM, Qwen3's q/k
+norms, rotary through torch or Relay's fused CPU kernel) and the SiLU-gated MLP (gate/up fused),
+each split over the tensor-parallel ranks. Gemma's and the MoE models' layers build on them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relay.config import ModelConfig
+from relay.execution.attention.base import AttentionBackend
+from relay.execution.distributed import TPGroup, head_partition, split_evenly
+from relay.execution.kernels import cpu_ops
+from relay.execution.layers import Linear, RMSNorm, RotaryEmbedding, StepRope, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        self.shard = head_partition(mc.num_heads, mc.num_kv_heads, tp.size, tp.rank)
+        self.layer_id = layer_id
+        self.head_dim = d = mc.head_dim
+        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = Linear(mc.hidden_size, sum(self.sizes), mc.attention_bias, dtype)
+        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, False, dtype, tp)
+        self.qk_norm = mc.qk_norm
+        if mc.qk_norm:
+            self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
+        self.rotary: RotaryEmbedding | None = None  # the model's tables, for the fused CPU rotary
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: StepRope,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """o_proj(attention) of every row, or of the rows in keep only (every row's keys and
+        values still go into the cache)."""
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        nq, nk = self.num_heads, self.num_kv_heads
+        v = qkv[:, (nq + nk) * d :].view(t, nk, d)
+        if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
+            cpu_ops.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
+            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
+        elif self.qk_norm:
+            q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
+            q, k = (
+                apply_rotary(self.q_norm(q), rope.cos, rope.sin),
+                apply_rotary(self.k_norm(k), rope.cos, rope.sin),
+            )
+        else:  # q and k sit side by side in qkv: rotate them in one pass
+            q, k = apply_rotary(
+                qkv[:, : (nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin
+            ).split([nq, nk], dim=1)
+        out = attn.forward(q, k, v, self.layer_id)
+        if keep is not None:
+            out = out[keep]
+            if not out.shape[
+                0
+            ]:  # no row's output is read: its keys and values were all it had to give
+                return out.new_empty(0, self.o_proj.weight.shape[0])
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """silu(x W_gate) * (x W_up) W_down, gate/up fused into one GEMM; the intermediate features
+    split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
+    caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
+
+    def __init__(
+        self,
+        mc: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+        reduce: bool = True,
+    ):
+        super().__init__()
+        self.start, self.inter = split_evenly(
+            intermediate_size or mc.intermediate_size, tp.size, tp.rank
+        )
+        self.gate_up_proj = Linear(mc.hidden_size, 2 * self.inter, False, dtype)
+        self.down_proj = Linear(self.inter, mc.hidden_size, False, dtype, tp if reduce else None)
+        self.fused = False  # Relay's CPU silu-and-mul kernel (set by the model where it runs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def load(self, which: str, w: torch.Tensor) -> str:
+        """Copy this rank's slice of a checkpoint's full gate_proj, up_proj or down_proj weight in;
+        the name of the parameter it went to."""
+        start, n = self.start, self.inter
+        if which == "down_proj":
+            self.down_proj.weight.copy_(w[:, start : start + n])
+            return "down_proj.weight"
+        offset = {"gate_proj": 0, "up_proj": n}[which]
+        self.gate_up_proj.weight[offset : offset + n].copy_(w[start : start + n])
+        return "gate_up_proj.weight"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module
+    ):
+        super().__init__()
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.self_attn = Attention(mc, tp, dtype, layer_id)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRope,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer adds them,
+        fused with its norm. With keep (row indices), both only for those rows: what the last
+        layer needs where only some rows' logits are read."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, attn, keep)
+        if keep is not None:
+            residual = residual[keep]
+            if not h.shape[0]:
+                return h, residual
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual

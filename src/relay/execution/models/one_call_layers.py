@@ -1,0 +1,144 @@
+"""A Llama-family model's decoder layers run as one C call per step (relay.execution.kernels.
+cpu_layers): whether the model, its weights and the attention backend qualify (on every rank or
+on none), and the layers' weights as the C structs take them. LlamaForCausalLM.use_decode_layers
+and use_prompt_layers install what these build.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from relay.execution.attention.base import AttentionBackend
+from relay.execution.kernels import cpu_attention, cpu_gemm, cpu_layers
+from relay.execution.layers import Linear
+
+if TYPE_CHECKING:
+    from relay.execution.models.llama import LlamaForCausalLM
+
+
+def decode_layers(
+    model: LlamaForCausalLM, attn: AttentionBackend
+) -> cpu_layers.DecodeLayers | None:
+    """Pure decode steps over attn's KV cache as one C call (cpu_layers.DecodeLayers),
+    where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
+    biases or q/k norms, one rank or CPU ranks on shared memory (TPGroup.shm: the call then
+    all-reduces as the layers do), and steps whose attention the backend gives to the C decode
+    kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
+    rows the blocks are used for; the runner measures it). It keeps float32 activations (a
+    bfloat16 model's too: its blocks are the checkpoint's exact weights; their GEMMs round to
+    bfloat16 where BlockWeight.round_bf16 says, and past the blocks' rows read the model's
+    bfloat16 panels where it has them). None where the model does not qualify."""
+    layers = model.layers
+    eligible = (
+        model.fused_cpu_ops
+        and model.rotary.covers_head
+        and model.tp.collectives_in_c
+        and attn.kv.layout == "HND"
+        and attn.kv.k[0].device.type == "cpu"
+        and getattr(attn, "kernel", None) is not None  # none where attention is masked (windows)
+        and all(
+            m.blocks is not None and getattr(m, "bias", None) is None
+            for m in model.gemm_modules()
+            if m is not model.lm_head
+        )
+    )
+    # every rank or none: the call all-reduces float32 rows where a bfloat16 model's layers all-reduce bf16
+    if not model.tp.all_true(eligible):
+        return None
+
+    def gemm(m: Linear) -> cpu_layers.LayerGemm:
+        panels = m.packed if isinstance(m.packed, cpu_gemm.Bf16Panels) else None
+        return cpu_layers.LayerGemm(m.blocks, panels)
+
+    weights = [
+        cpu_layers.DecoderLayerWeights(
+            layer.input_layernorm.weight.float(),
+            layer.post_attention_layernorm.weight.float(),
+            gemm(layer.self_attn.qkv_proj),
+            gemm(layer.self_attn.o_proj),
+            gemm(layer.mlp.gate_up_proj),
+            gemm(layer.mlp.down_proj),
+        )
+        for layer in layers
+    ]
+    a = layers[0].self_attn
+    return cpu_layers.DecodeLayers(
+        weights,
+        model.norm.weight.float(),
+        model.norm.eps,
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        model.rotary.cos,
+        model.rotary.sin,
+        attn.kv.k,
+        attn.kv.v,
+        attn.kv.page_size,
+        attn.scale,
+        model.tp.c_group,
+    )
+
+
+def prompt_layers(
+    model: LlamaForCausalLM, attn: AttentionBackend, modules: list[Linear]
+) -> cpu_layers.PromptLayers | None:
+    """Steps with prompt chunks over attn's KV cache as one C call (cpu_layers.PromptLayers),
+    where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16
+    model whose GEMM weights are all Bf16Panels (this CPU prefers them to oneDNN), no biases,
+    q/k norms or quantization, one rank or CPU ranks on shared memory, a bfloat16 cache whose
+    prompt chunks the backend gives to the C kernels (prompt_kernel_plan), and steps of more
+    rows than go to other GEMM kernels (LlamaForCausalLM._rows_off_panels): the same output as
+    the layers, bit for bit. modules: the decoder layers' GEMM modules. None where the model
+    does not qualify."""
+    eligible = (
+        model.fused_cpu_ops
+        and model.rotary.covers_head
+        and model.tp.collectives_in_c
+        and model.dtype == torch.bfloat16
+        and attn.kv.layout == "HND"
+        and attn.kv.k[0].dtype == torch.bfloat16
+        and attn.kv.k[0].device.type == "cpu"
+        and getattr(attn, "kernel", None) is not None
+        and cpu_attention.tiled_attention_available(
+            torch.bfloat16, torch.bfloat16, model.config.head_dim
+        )
+        and all(
+            isinstance(m.packed, cpu_gemm.Bf16Panels)
+            and m.bias is None
+            and m.int8 is None
+            and m.int4 is None
+            and m.w8a8 is None
+            for m in modules
+        )
+    )
+    if not model.tp.all_true(eligible):  # every rank or none, as decode_layers
+        return None
+    weights = [
+        cpu_layers.DecoderLayerWeights(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            layer.self_attn.qkv_proj.packed,
+            layer.self_attn.o_proj.packed,
+            layer.mlp.gate_up_proj.packed,
+            layer.mlp.down_proj.packed,
+        )
+        for layer in model.layers
+    ]
+    a = model.layers[0].self_attn
+    return cpu_layers.PromptLayers(
+        weights,
+        model.norm.weight,
+        model.norm.eps,
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        model.rotary.cos,
+        model.rotary.sin,
+        attn.kv.k,
+        attn.kv.v,
+        attn.kv.page_size,
+        attn.scale,
+        model.tp.c_group,
+    )
