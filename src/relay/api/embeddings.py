@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from relay.api import fields as F
 from relay.api.docs import ERROR_RESPONSES, request_body
 from relay.api.fields import MAX_INPUTS, ParsedRequest, ProtocolError, bad, show
-from relay.api.openai import check_model
+from relay.api.openai_common import check_model
 from relay.api.serving import EngineClient, error_response, whole
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
