@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -14,6 +15,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from relay.api.batched_prompts import PromptBatch
 from relay.api.chat import chat_chunk, chat_response, parse_chat, parsed_chat_chunks
 from relay.api.chat_output import ChatOutput
 from relay.api.completions import completion_chunk, completion_response, parse_completion
@@ -25,7 +27,7 @@ from relay.api.fields import (
     error_body,
 )
 from relay.api.openai_common import usage_chunk
-from relay.api.serving import SSE_DONE, Usage, sse
+from relay.api.serving import SSE_DONE, ApiRequest, Usage, sse
 from relay.api.sglang import generate_response, parse_abort, parse_generate
 from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output
 from relay.outputs import RequestOutput
@@ -495,6 +497,46 @@ def test_completion_prompt_lists_keep_every_prompt_in_order():
     assert req.prompts == [("a", None), (None, [5, 6]), ("b", None)]
     assert (req.text, req.input_ids, req.n) == ("a", None, 2)
     assert len(parse_completion(comp(prompt=[[1]] * 256), MODEL).prompts) == 256
+
+
+def soon(awaitable):
+    """A take that must return now (a failing one must not hang the run)."""
+    return asyncio.wait_for(awaitable, 10)
+
+
+async def _blocked(task: asyncio.Future) -> bool:
+    """Whether the task is still waiting once the loop has run everything that was ready."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+    return not task.done()
+
+
+def test_a_prompt_batch_numbers_choices_across_prompts_and_starts_once_all_are_heard():
+    """Choice j of prompt i is i * n + j; the first take waits until every prompt has a record,
+    or one failed (so a refused prompt answers a stream with its status); later takes return
+    whatever came."""
+
+    async def run():
+        parts = [ApiRequest("b-0", 2), ApiRequest("b-1", 2)]
+        batch = PromptBatch("b", parts)
+        assert batch.rids == ["b-0-0", "b-0-1", "b-1-0", "b-1-1"]
+        parts[0].put(1, RequestOutput("b-0-1", [5]))
+        first = asyncio.ensure_future(batch.take())
+        assert await _blocked(first)
+        parts[1].put(0, RequestOutput("b-1-0", [6]))
+        assert [(i, r.token_ids) for i, r in await soon(first)] == [(1, [5]), (2, [6])]
+        parts[1].put(1, RequestOutput("b-1-1", [7]))
+        assert [(i, r.token_ids) for i, r in await soon(batch.take())] == [(3, [7])]
+
+        refused = [ApiRequest("c-0", 1), ApiRequest("c-1", 1), ApiRequest("c-2", 1)]
+        batch = PromptBatch("c", refused)
+        refused[0].put(0, RequestOutput("c-0", [5]))
+        first = asyncio.ensure_future(batch.take())
+        assert await _blocked(first)
+        refused[2].put(0, RequestOutput("c-2", error="too long", status=400, param="prompt[2]"))
+        assert [(i, r.error) for i, r in await soon(first)] == [(0, None), (2, "too long")]
+
+    asyncio.run(run())
 
 
 def test_completion_fields_and_extras():
