@@ -90,9 +90,9 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> 
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def _rope_theta(cfg) -> float:
-    params = cfg.rope_parameters
-    return (params.get("full_attention") or params)["rope_theta"]
+def _rope(cfg) -> dict:
+    """The rope of the (global) attention layers: llama.cpp writes only theirs."""
+    return cfg.rope_parameters.get("full_attention") or cfg.rope_parameters
 
 
 def _write_config(writer: gguf.GGUFWriter, cfg, arch, qtype) -> None:
@@ -104,7 +104,10 @@ def _write_config(writer: gguf.GGUFWriter, cfg, arch, qtype) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(_rope_theta(cfg))
+    writer.add_rope_freq_base(_rope(cfg)["rope_theta"])
+    if _rope(cfg).get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(_rope(cfg)["factor"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

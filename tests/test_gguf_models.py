@@ -6,9 +6,9 @@ tokens) written as a GGUF file the way llama.cpp writes it (tests/gguf_files.py)
 checked to hold the model it was written from: transformers reads it back to the same logits. Relay
 converts it once (relay/execution/model_files.py) and its greedy float32 output equals transformers'
 own from_pretrained(gguf_file=...) on the file, token for token. What a file states but
-transformers' reader drops (the MoE expert widths, Qwen3's head_dim, Gemma 2's soft-caps: kept at
-values other than its config classes' defaults here) Relay passes on to it, and the reference is
-told the same. The converted directories are removed from the cache after each test.
+transformers' reader drops (the MoE expert widths, Qwen3's head_dim, Gemma 2's soft-caps, Gemma 3's
+rope scaling: kept at values other than its config classes' defaults here) Relay passes on to it,
+and the reference is told the same. The converted directories are removed from the cache after each test.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ COMMON = dict(
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # Gemma: tied embeddings (llama.cpp writes no output tensor for it), a window of 8 tokens that the
-# prompts run past; Gemma 3 with 6 layers, where its fixed pattern makes the 6th global.
+# prompts run past; Gemma 3 with 6 layers, where its fixed pattern makes the 6th global, and that
+# layer's rope scaled (as Gemma 3 4B to 27B's: linear).
 GEMMA = {**COMMON, "tie_word_embeddings": True, "sliding_window": 8}
 
 
@@ -67,7 +68,13 @@ def config(name: str):
         "gemma2": lambda: t.Gemma2Config(
             **GEMMA, attn_logit_softcapping=4.0, final_logit_softcapping=3.0
         ),
-        "gemma3": lambda: t.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 6}),
+        "gemma3": lambda: t.Gemma3TextConfig(
+            **{**GEMMA, "num_hidden_layers": 6},
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
     }[name]()
 
 
@@ -77,6 +84,7 @@ TOLD = {
     "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
     "qwen3_moe": ("moe_intermediate_size",),
     "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
+    "gemma3": ("rope_parameters",),
 }
 CASES = [
     "llama",

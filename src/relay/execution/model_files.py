@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,9 @@ GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", 
 
 # What such a file states that transformers' GGUF reader drops, leaving its config class's default
 # there (Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's expert widths, Qwen3's head_dim of 128, Gemma 2's
-# soft-caps): given to it, so that a file of other widths converts too rather than failing on its
-# weights' shapes, and one of other caps is capped as it says.
+# soft-caps; and Gemma 3's rope scaling: _stated_fields): given to it, so that a file of other
+# widths converts too rather than failing on its weights' shapes, and one of other caps or
+# scaling computes as it says.
 _UNREAD_GGUF_FIELDS = {
     "qwen2moe": {
         "expert_feed_forward_length": "moe_intermediate_size",
@@ -252,10 +254,28 @@ def check_gguf(path: str) -> dict[str, Any]:
             "(llama.cpp writes Mixtral so), which transformers' GGUF reader reads as a Llama "
             "without its experts: pass the model's HF directory (MixtralForCausalLM)"
         )
-    stated = _UNREAD_GGUF_FIELDS.get(arch, {}).items()
-    return {
-        name: field(f"{arch}.{key}") for key, name in stated if f"{arch}.{key}" in reader.fields
+    return _stated_fields(arch, field)
+
+
+def _stated_fields(arch: str, field: Callable[[str], Any]) -> dict[str, Any]:
+    """The config fields a GGUF file of arch states that transformers' GGUF reader drops."""
+    stated = {
+        name: field(f"{arch}.{key}")
+        for key, name in _UNREAD_GGUF_FIELDS.get(arch, {}).items()
+        if field(f"{arch}.{key}") is not None
     }
+    if arch == "gemma3" and field("gemma3.rope.scaling.type") == "linear":
+        # the global layers' rope scaling (Gemma 3 4B to 27B: linear, 8x); the sliding layers'
+        # base is llama.cpp's fixed one, transformers' default
+        stated["rope_parameters"] = {
+            "full_attention": {
+                "rope_type": "linear",
+                "factor": field("gemma3.rope.scaling.factor"),
+                "rope_theta": field("gemma3.rope.freq_base") or 1_000_000.0,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+    return stated
 
 
 def _write_hf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
