@@ -8,7 +8,8 @@ converts it once (relay/execution/model_files.py) and its greedy float32 output 
 own from_pretrained(gguf_file=...) on the file, token for token. What a file states but
 transformers' reader drops (the MoE expert widths, Qwen3's head_dim, Gemma 2's soft-caps, Gemma 3's
 rope scaling: kept at values other than its config classes' defaults here) Relay passes on to it,
-and the reference is told the same. The converted directories are removed from the cache after each test.
+and the reference is told the same. The converted directories are removed from the cache after
+each test.
 """
 
 from __future__ import annotations
