@@ -109,7 +109,7 @@ def test_a_failed_conversion_leaves_no_lock_or_partial_files(tmp_path, monkeypat
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(model_files, "check_gguf", lambda path: None)
 
-    def fail(gguf_path: str, out: str) -> None:
+    def fail(gguf_path: str, out: str, stated: dict) -> None:
         open(os.path.join(out, "model.safetensors"), "w").close()
         raise ValueError("GGUF model with architecture x is not supported yet")
 
@@ -121,7 +121,9 @@ def test_a_failed_conversion_leaves_no_lock_or_partial_files(tmp_path, monkeypat
     monkeypatch.setattr(
         model_files,
         "_write_hf_dir",
-        lambda gguf_path, out: open(os.path.join(out, model_files.CONVERTED_MARKER), "w").close(),
+        lambda gguf_path, out, stated: open(
+            os.path.join(out, model_files.CONVERTED_MARKER), "w"
+        ).close(),
     )
     done = resolve_model_dir(src)
     assert os.listdir(tmp_path / "cache" / "gguf") == [os.path.basename(done)], (

@@ -2,7 +2,9 @@
 
 GGUF files are converted once with transformers' GGUF reader into an HF directory
 (config.json, model.safetensors, tokenizer files) under the cache folder
-($RELAY_CACHE_DIR, default ~/.cache/relay), so later starts read safetensors directly.
+($RELAY_CACHE_DIR, default ~/.cache/relay), so later starts read safetensors directly: files of
+the architectures in GGUF_ARCHITECTURES (Llama, Mistral, Qwen2/3, Qwen2/3-MoE, Phi-3, Gemma 2/3),
+others refused before converting.
 
 Every problem found here is a ModelFileError whose message names the path: the server reports
 it in one line at start-up, before any model loads.
@@ -20,6 +22,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +166,18 @@ def _gguf_key(path: str) -> str:
     return f"{os.path.basename(path)[:-5]}-{digest[:12]}"
 
 
+def converted_dir(path: str) -> str:
+    """Where the GGUF file at path is (or will be) converted: a directory of the cache."""
+    return os.path.join(cache_dir(), "gguf", _gguf_key(path))
+
+
 def convert_gguf(path: str) -> str:
     """Dequantize a GGUF checkpoint once into a cached safetensors directory; return it."""
-    out = os.path.join(check_cache_dir(), "gguf", _gguf_key(path))
+    check_cache_dir()
+    out = converted_dir(path)
     if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
         return out
-    check_gguf(path)
+    stated = check_gguf(path)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with _file_lock(out + ".lock"):
         if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
@@ -175,25 +185,53 @@ def convert_gguf(path: str) -> str:
         logger.warning("converting %s to safetensors (once) into %s", path, out)
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
         try:
-            _write_hf_dir(path, tmp)
+            _write_hf_dir(path, tmp, stated)
             if os.path.exists(out):
                 shutil.rmtree(out)
             os.replace(tmp, out)
-        except (ValueError, OSError) as e:  # an architecture transformers cannot read, a full disk
+        # transformers' refusals (ValueError; RuntimeError: weights of other shapes than the
+        # config it read says), a full disk
+        except (ValueError, RuntimeError, OSError) as e:
             raise ModelFileError(f"converting {path} failed: {e}") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def check_gguf(path: str) -> None:
+# The GGUF architectures Relay serves: those transformers' GGUF reader converts into one of Relay's
+# architectures (llama.cpp writes Mistral as "llama", Gemma 3's text tower as "gemma3").
+GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+
+# What such a file states that transformers' GGUF reader drops, leaving its config class's default
+# there (Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's expert widths, Qwen3's head_dim of 128, Gemma 2's
+# soft-caps; and Gemma 3's rope scaling: _stated_fields): given to it, so that a file of other
+# widths converts too rather than failing on its weights' shapes, and one of other caps or
+# scaling computes as it says.
+_UNREAD_GGUF_FIELDS = {
+    "qwen2moe": {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen3": {"attention.key_length": "head_dim"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
+}
+
+
+def check_gguf(path: str) -> dict[str, Any]:
     """Refuse a file that is not a whole GGUF checkpoint (not GGUF at all, a download cut short)
-    before converting it: transformers fails on one deep in a long traceback. The gguf package's
-    reader maps every tensor, so a truncated file fails here (~2 s for the default model, once)."""
+    or not of an architecture Relay serves from GGUF, before converting it: transformers fails on
+    the first deep in a long traceback, and reads a Mixtral file as a Llama without its experts.
+    The gguf package's reader maps every tensor, so a truncated file fails here (~2 s for the
+    default model, once). Returns the config fields the file states that transformers' reader
+    drops (_UNREAD_GGUF_FIELDS), by their transformers names."""
     from gguf import GGUFReader
 
     try:
-        GGUFReader(path)
+        reader = GGUFReader(path)
     except (
         Exception
     ) as e:  # whatever a parser of damaged bytes raises (ValueError, IndexError, ...)
@@ -201,8 +239,46 @@ def check_gguf(path: str) -> None:
             f"{path} is not a whole GGUF file (truncated or damaged?): {e}"
         ) from None
 
+    def field(key: str) -> Any:
+        return reader.fields[key].contents() if key in reader.fields else None
 
-def _write_hf_dir(gguf_path: str, out: str) -> None:
+    arch = field("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelFileError(
+            f"{path} is a GGUF file of architecture {arch!r}, which Relay does not serve from "
+            f"GGUF (it converts {', '.join(GGUF_ARCHITECTURES)}): pass the model's HF directory"
+        )
+    if arch == "llama" and field("llama.expert_count"):
+        raise ModelFileError(
+            f"{path} is a GGUF 'llama' file with {field('llama.expert_count')} experts "
+            "(llama.cpp writes Mixtral so), which transformers' GGUF reader reads as a Llama "
+            "without its experts: pass the model's HF directory (MixtralForCausalLM)"
+        )
+    return _stated_fields(arch, field)
+
+
+def _stated_fields(arch: str, field: Callable[[str], Any]) -> dict[str, Any]:
+    """The config fields a GGUF file of arch states that transformers' GGUF reader drops."""
+    stated = {
+        name: field(f"{arch}.{key}")
+        for key, name in _UNREAD_GGUF_FIELDS.get(arch, {}).items()
+        if field(f"{arch}.{key}") is not None
+    }
+    if arch == "gemma3" and field("gemma3.rope.scaling.type") == "linear":
+        # the global layers' rope scaling (Gemma 3 4B to 27B: linear, 8x); the sliding layers'
+        # base is llama.cpp's fixed one, transformers' default
+        stated["rope_parameters"] = {
+            "full_attention": {
+                "rope_type": "linear",
+                "factor": field("gemma3.rope.scaling.factor"),
+                "rope_theta": field("gemma3.rope.freq_base") or 1_000_000.0,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+    return stated
+
+
+def _write_hf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -210,7 +286,9 @@ def _write_hf_dir(gguf_path: str, out: str) -> None:
 
     folder, name = os.path.split(gguf_path)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, **stated
+    )
     # transformers refuses save_pretrained on a GGUF-loaded model: write the tensors ourselves.
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = {}

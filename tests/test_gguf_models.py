@@ -1,0 +1,242 @@
+"""GGUF files of each Relay architecture that transformers' GGUF reader reads, served as
+transformers runs them; a Mixtral file (which it cannot read) refused in one line.
+
+Each case is a tiny seeded random-weight model (hidden 64, a byte-level BPE vocabulary of ~300
+tokens) written as a GGUF file the way llama.cpp writes it (tests/gguf_files.py). The file is first
+checked to hold the model it was written from: transformers reads it back to the same logits. Relay
+converts it once (relay/execution/model_files.py) and its greedy float32 output equals transformers'
+own from_pretrained(gguf_file=...) on the file, token for token. What a file states but
+transformers' reader drops (the MoE expert widths, Qwen3's head_dim, Gemma 2's soft-caps, Gemma 3's
+rope scaling: kept at values other than its config classes' defaults here) Relay passes on to it,
+and the reference is told the same. The converted directories are removed from the cache after
+each test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+
+from relay import Engine, SamplingParams
+from relay.execution import model_files
+from relay.execution.block_rows import ALL_ROWS
+from relay.execution.model_files import ModelFileError, resolve_model_dir
+from tests.gguf_files import VOCAB_SIZE, write_gguf
+from tests.test_engine import random_prompts
+from tests.test_startup_checks import assert_one_line_error, serve
+
+F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    pad_token_id=VOCAB_SIZE - 1,  # (Phi-3's default, 32000, is past this vocabulary)
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# Gemma: tied embeddings (llama.cpp writes no output tensor for it), a window of 8 tokens that the
+# prompts run past; Gemma 3 with 6 layers, where its fixed pattern makes the 6th global, and that
+# layer's rope scaled (as Gemma 3 4B to 27B's: linear).
+GEMMA = {**COMMON, "tie_word_embeddings": True, "sliding_window": 8}
+
+
+def config(name: str):
+    import transformers as t
+
+    return {
+        "llama": lambda: t.LlamaConfig(**COMMON),
+        "llama-q8_0": lambda: t.LlamaConfig(**COMMON),
+        # llama.cpp writes Mistral as "llama": transformers reads it back as a Llama, no window
+        "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=None),
+        "qwen2": lambda: t.Qwen2Config(**COMMON),
+        "qwen3": lambda: t.Qwen3Config(**{**COMMON, "head_dim": 32}),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=48),
+        # norm_topk_prob: as the released models (transformers' reader sets it: llama.cpp's rule)
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, **MOE, norm_topk_prob=True),
+        "phi3": lambda: t.Phi3Config(**COMMON),
+        "gemma2": lambda: t.Gemma2Config(
+            **GEMMA, attn_logit_softcapping=4.0, final_logit_softcapping=3.0
+        ),
+        "gemma3": lambda: t.Gemma3TextConfig(
+            **{**GEMMA, "num_hidden_layers": 6},
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    }[name]()
+
+
+# What each file states that transformers' GGUF reader drops (model_files._UNREAD_GGUF_FIELDS).
+TOLD = {
+    "qwen3": ("head_dim",),
+    "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
+    "qwen3_moe": ("moe_intermediate_size",),
+    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
+    "gemma3": ("rope_parameters",),
+}
+CASES = [
+    "llama",
+    "llama-q8_0",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3",
+]
+
+
+def random_model(name: str) -> torch.nn.Module:
+    """Seeded random weights; Gemma's norms randomised too (a fresh model's are 0, where 1 + w and
+    llama.cpp's stored w + 1 would not differ) and its embedding scaled down by sqrt(hidden), which
+    it multiplies by."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32)
+    if name.startswith("gemma"):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0.0, 0.3)
+            model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
+    return model
+
+
+def transformers_on(path: str, name: str):
+    """transformers' own model from the GGUF file, told what the file states that it drops."""
+    from transformers import AutoModelForCausalLM
+
+    told = {k: getattr(config(name), k) for k in TOLD.get(name, ())}
+    folder, file = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=file, dtype=torch.float32, **told
+    ).eval()
+
+
+def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    model.generation_config.eos_token_id = None  # compare full-length outputs
+    with torch.inference_mode():
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    """A factory: case name -> a GGUF file of its model (checked to read back as that model);
+    each file's converted directory is removed from Relay's cache afterwards."""
+    made = []
+
+    def make(name: str) -> str:
+        model = random_model(name)
+        path = str(tmp_path / name / f"{name}.gguf")
+        os.makedirs(os.path.dirname(path))
+        write_gguf(path, model, qtype=Q8_0 if name.endswith("q8_0") else F32)
+        made.append(path)
+        if not name.endswith("q8_0"):  # quantized: not the same logits, by design
+            x = torch.tensor([random_prompts(VOCAB_SIZE, [16])[0]])
+            with torch.inference_mode():
+                want, got = model(x).logits, transformers_on(path, name)(x).logits
+            torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+        return path
+
+    yield make
+    for path in made:
+        shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_output_equals_transformers_on_the_gguf_file(gguf_file, name):
+    """Prompts of 3 to 40 tokens (past Gemma's window of 8), 12 new tokens each. The Q8_0 file's
+    GEMM weights are found again as exact Q8_0 blocks (weight_blocks) and every GEMM reads them,
+    multiplying float32 activations (the checkpoint's exact products)."""
+    path = gguf_file(name)
+    prompts = random_prompts(VOCAB_SIZE, [3, 11, 26, 40])
+    expected = greedy(transformers_on(path, name), prompts)
+    engine = Engine(
+        path,
+        dtype="float32",
+        kv_cache_gb=0.01,
+        block_activations="float",
+        weight_block_rows=ALL_ROWS,
+    )
+    if name.endswith("q8_0"):
+        gemms = engine.runner.model.gemm_modules()
+        assert all(m.blocks is not None for m in gemms), "every GEMM weight is in Q8_0 blocks"
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+
+
+def mixtral_file(path: str) -> str:
+    """A Mixtral as llama.cpp writes it: a "llama" file with llama.expert_count and each layer's
+    experts stacked."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    return write_gguf(path, AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+
+
+def test_a_mixtral_gguf_file_is_refused_in_one_line_before_converting(tmp_path):
+    """transformers' GGUF reader would read it as a Llama without its experts (their MLPs random):
+    the server stops in one line naming the file and what it is, and converts nothing."""
+    path = mixtral_file(str(tmp_path / "mixtral.gguf"))
+    cache = tmp_path / "cache"
+    out = serve("--port", "0", "--model-path", path, cache_dir=str(cache))
+    assert_one_line_error(out, path, "'llama' file with 4 experts", "MixtralForCausalLM")
+    assert not list((cache / "gguf").rglob("*"))
+
+
+def test_a_gguf_architecture_relay_does_not_serve_is_named(tmp_path, monkeypatch):
+    """One transformers reads but Relay does not serve (Falcon): refused before converting."""
+    path = str(tmp_path / "falcon.gguf")
+    writer = gguf.GGUFWriter(path, "falcon")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelFileError, match="architecture 'falcon', which Relay does not serve"):
+        resolve_model_dir(path)
+    assert not list((tmp_path / "cache" / "gguf").rglob("*"))
+
+
+@pytest.mark.slow
+def test_server_serves_a_gguf_file_as_transformers_runs_it(gguf_file):
+    """Text prompts through the server on a Qwen2 GGUF file: tokenized by the file's own
+    vocabulary as transformers' GGUF tokenizer does, completed greedily with its tokens' text."""
+    from transformers import AutoTokenizer
+
+    from tests.server_utils import assert_served_completions_equal
+
+    path = gguf_file("qwen2")
+    texts = ["The capital of France is", "Once upon a time, hello world and"]
+    folder, file = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    ids = [tok.encode(t) for t in texts]
+    engine = Engine(path, dtype="float32", kv_cache_gb=0.01)
+    want = engine.generate(
+        texts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    )
+    assert [engine.tokenizer.encode(t) for t in texts] == ids
+    assert [w.token_ids for w in want] == [
+        g[:10] for g in greedy(transformers_on(path, "qwen2"), ids)
+    ]
+    assert_served_completions_equal(path, texts, want)
