@@ -26,9 +26,10 @@ from relay.api.fields import (
     decode_json_body,
     error_body,
 )
+from relay.api.generate import generate_response, parse_abort, parse_generate
+from relay.api.generate_batch import is_batch, parse_batch
 from relay.api.openai_common import usage_chunk
 from relay.api.serving import SSE_DONE, ApiRequest, Usage, sse
-from relay.api.sglang import generate_response, parse_abort, parse_generate
 from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output
 from relay.outputs import RequestOutput
 
@@ -50,8 +51,16 @@ def gen(**kw):
 PARSERS = {
     "completion": lambda body: parse_completion(body, MODEL, max_n=8),
     "chat": lambda body: parse_chat(body, MODEL, max_n=8),
-    "generate": lambda body: parse_generate(body, max_n=8),
+    "generate": lambda body: parse_generate_body(body, max_n=8),
 }
+
+
+def parse_generate_body(body, **limits):
+    """A /generate body as the route reads it: a batch (a list of prompts) or one prompt."""
+    if isinstance(body, dict) and is_batch(body):
+        return parse_batch(body, **limits)
+    return parse_generate(body, **limits)
+
 
 BAD_REQUESTS = [
     # (parser, body, status, param)
@@ -351,10 +360,9 @@ BAD_REQUESTS = [
     ("generate", {"text": "a", "input_ids": [1, 2]}, 400, "text"),
     ("generate", {"sampling_params": {}}, 400, "text"),
     ("generate", {"text": ""}, 400, "text"),
-    ("generate", {"text": ["a", "b"]}, 400, "text"),
     ("generate", {"input_ids": []}, 400, "input_ids"),
-    ("generate", {"input_ids": [[1], [2]]}, 400, "input_ids"),
     ("generate", {"input_ids": [1, -1]}, 400, "input_ids"),
+    ("generate", {"input_ids": [1, [2]]}, 400, "input_ids"),
     ("generate", gen(sampling_params={"max_tokens": 5}), 400, "sampling_params.max_tokens"),
     ("generate", gen(sampling_params={"temprature": 0.5}), 400, "sampling_params.temprature"),
     ("generate", gen(sampling_params=[1]), 400, "sampling_params"),
@@ -382,6 +390,59 @@ BAD_REQUESTS = [
     ("generate", gen(return_logprob="yes"), 400, "return_logprob"),
     ("generate", gen(return_logprob=True, top_logprobs_num=50), 400, "top_logprobs_num"),
     ("generate", gen(rid=5), 400, "rid"),
+    ("generate", gen(rid=["a"]), 400, "rid"),
+    ("generate", gen(return_logprob=[True]), 400, "return_logprob"),
+    # a batch (SGLang's): each bad prompt or per-prompt value named by its index
+    ("generate", {"text": []}, 400, "text"),
+    ("generate", {"text": ["a"] * 257}, 400, "text"),
+    ("generate", {"text": ["a", ""]}, 400, "text[1]"),
+    ("generate", {"text": ["a", 5]}, 400, "text[1]"),
+    ("generate", {"text": ["a"], "input_ids": [[1]]}, 400, "text"),
+    ("generate", {"input_ids": [[1], []]}, 400, "input_ids[1]"),
+    ("generate", {"input_ids": [[1], [2, -1]]}, 400, "input_ids[1]"),
+    ("generate", {"input_ids": [[1], 2]}, 400, "input_ids[1]"),
+    ("generate", gen(text=["a", "b"], stream="yes"), 400, "stream"),
+    ("generate", gen(text=["a", "b"], sampling_params=[{}]), 400, "sampling_params"),
+    ("generate", gen(text=["a", "b"], sampling_params=[{}, 5]), 400, "sampling_params[1]"),
+    (
+        "generate",
+        gen(text=["a", "b"], sampling_params=[{}, {"temperature": -1}]),
+        400,
+        "sampling_params[1].temperature",
+    ),
+    (
+        "generate",
+        gen(text=["a", "b"], sampling_params=[{}, {"temprature": 1}]),
+        400,
+        "sampling_params[1].temprature",
+    ),
+    (
+        "generate",
+        gen(text=["a", "b"], sampling_params=[{}, {"regex": 5}]),
+        400,
+        "sampling_params[1].regex",
+    ),
+    (
+        "generate",
+        gen(text=["a", "b"], sampling_params={"temperature": -1}),
+        400,
+        "sampling_params.temperature",
+    ),
+    ("generate", gen(text=["a", "b"], sampling_params=[{}, {"n": 2}]), 400, "sampling_params[1].n"),
+    ("generate", gen(text=["a", "b"], rid=["x"]), 400, "rid"),
+    ("generate", gen(text=["a", "b"], rid=["x", "x"]), 400, "rid[1]"),
+    ("generate", gen(text=["a", "b"], rid=["x", ""]), 400, "rid[1]"),
+    ("generate", gen(text=["a", "b"], rid=["x", None]), 400, "rid[1]"),
+    ("generate", gen(text=["a", "b"], return_logprob=[True, "no"]), 400, "return_logprob[1]"),
+    ("generate", gen(text=["a", "b"], top_logprobs_num=[1, 2, 3]), 400, "top_logprobs_num"),
+    ("generate", gen(text=["a", "b"], top_logprobs_num=[1, 21]), 400, "top_logprobs_num[1]"),
+    ("generate", gen(text=["a", "b"], logprob_start_len=[0, -2]), 400, "logprob_start_len[1]"),
+    (
+        "generate",
+        gen(text=["a", "b"], return_logprob=[True, False], sampling_params={"n": 2}),
+        400,
+        "return_logprob",
+    ),
 ]
 
 
@@ -687,7 +748,7 @@ def test_output_constraints():
     )
     req = parse_generate(gen(sampling_params={"json_schema": schema}))
     assert json.loads(req.params.json_schema) == schema
-    assert req.param_names == {"json_schema": "sampling_params.json_schema"}
+    assert req.param_names["json_schema"] == "sampling_params.json_schema"
     assert parse_chat(chat(response_format={"type": "text"}), MODEL).params.constraint is None
 
 
@@ -789,6 +850,56 @@ def test_generate():
     assert (
         parse_generate(gen(top_logprobs_num=3)).params.top_logprobs == 0
     )  # ignored without return_logprob
+
+
+def test_generate_batch_gives_each_prompt_its_values_and_names():
+    """A list-valued field is one value per prompt, a single value every prompt's; each prompt's
+    pipeline refusals (the tokenizer's `prompt`, a grammar's field) name its own item."""
+    batch = parse_generate_body(
+        {
+            "text": ["a", "b"],
+            "sampling_params": [{"temperature": 0, "regex": "x+"}, {"max_new_tokens": 3}],
+            "return_logprob": [True, False],
+            "top_logprobs_num": 2,
+            "rid": ["r0", "r1"],
+            "priority": 4,
+            "stream": True,
+        }
+    )
+    first, second = batch.prompts
+    assert (first.text, second.text) == ("a", "b")
+    assert (first.params.temperature, second.params.temperature) == (0.0, 1.0)
+    assert (first.params.max_new_tokens, second.params.max_new_tokens) == (128, 3)
+    assert (first.params.top_logprobs, first.params.logprobs, second.params.logprobs) == (
+        2,
+        True,
+        False,
+    )
+    assert (first.rid, second.rid, batch.own_rids, batch.rid, batch.stream) == (
+        "r0",
+        "r1",
+        True,
+        None,
+        True,
+    )
+    assert first.priority == second.priority == 4
+    assert first.param_names["regex"] == "sampling_params[0].regex"
+    assert (second.param_names["prompt"], second.param_names["rid"]) == ("text[1]", "rid[1]")
+    assert second.param_names["max_tokens"] == "sampling_params[1].max_new_tokens"
+
+    shared = parse_generate_body(
+        {"input_ids": [[1, 2], [3]], "sampling_params": {"n": 2, "top_k": 1}, "rid": "b"}
+    )
+    assert [p.input_ids for p in shared.prompts] == [[1, 2], [3]]
+    assert [(p.n, p.params.top_k, p.rid) for p in shared.prompts] == [(2, 1, None)] * 2
+    assert (shared.rid, shared.own_rids) == ("b", False)
+    assert shared.prompts[1].param_names["prompt"] == "input_ids[1]"
+    assert shared.prompts[1].param_names["max_tokens"] == "sampling_params.max_new_tokens"
+    alone = parse_generate_body({"text": "a"})
+    assert (alone.param_names["prompt"], alone.param_names["max_tokens"]) == (
+        "text",
+        "sampling_params.max_new_tokens",
+    )
 
 
 # ---------------------------------------------------------------- responses --------------

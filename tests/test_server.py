@@ -1068,3 +1068,173 @@ def test_a_streamed_prompt_list_whose_client_leaves_frees_every_prompt(server):
         lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "the abort of both"
     )
     assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+
+# ---- a batch on /generate (SGLang's: text or input_ids a list) ----------------------------------
+
+
+def _generate_stream(c: httpx.Client, body: dict) -> list[dict]:
+    """A streamed /generate's events, checked to end with SGLang's `data: [DONE]`."""
+    with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_a_generate_batch_answers_as_its_prompts_alone_do(server):
+    """Texts and token-id lists, each prompt with its own sampling_params: the answer is the
+    list of what each prompt alone answers, token for token, in order; a rid names prompt i
+    `<rid>-<i>`."""
+    params = [
+        {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True},
+    ]
+    texts = PROMPTS[:3]
+    with server.client() as c:
+        ids = [c.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+        alone = [
+            c.post("/generate", json={"text": t, "sampling_params": p}).json()
+            for t, p in zip(texts, params)
+        ]
+        by_text = c.post("/generate", json={"text": texts, "sampling_params": params, "rid": "gb"})
+        by_ids = c.post("/generate", json={"input_ids": ids, "sampling_params": params})
+        ids_alone = [
+            c.post("/generate", json={"input_ids": i, "sampling_params": p}).json()
+            for i, p in zip(ids, params)
+        ]
+    assert by_text.status_code == 200, by_text.text
+    assert by_text.headers["x-request-id"] == "gb"
+    out = by_text.json()
+    assert [o["output_ids"] for o in out] == [a["output_ids"] for a in alone]
+    assert [o["text"] for o in out] == [a["text"] for a in alone]
+    assert [len(o["output_ids"]) for o in out] == [5, 3, 7]  # each prompt's own budget
+    assert [o["meta_info"]["id"] for o in out] == ["gb-0", "gb-1", "gb-2"]
+    assert [o["output_ids"] for o in by_ids.json()] == [a["output_ids"] for a in ids_alone]
+
+
+def test_a_generate_batch_with_n_orders_choices_by_prompt_and_streams_with_indices(server):
+    """n > 1 with a batch: prompt i's choice j at i * n + j, each as prompt i alone samples it
+    (seeded); streamed, every event one choice's output so far with that `index`."""
+    sampling = {
+        "max_new_tokens": 6,
+        "temperature": 0.8,
+        "sampling_seed": 11,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    texts = PROMPTS[3:5]
+    with server.client() as c:
+        alone = [
+            c.post("/generate", json={"text": t, "sampling_params": sampling}).json() for t in texts
+        ]
+        whole = c.post("/generate", json={"text": texts, "sampling_params": sampling}).json()
+        events = _generate_stream(c, {"text": texts, "sampling_params": sampling})
+    want = [choice["output_ids"] for a in alone for choice in a]
+    assert [o["output_ids"] for o in whole] == want
+    assert len({tuple(w) for w in want}) == 4  # seeds differ across j, prompts across i
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[k]["output_ids"] for k in range(4)] == want
+    assert [last[k]["text"] for k in range(4)] == [o["text"] for o in whole]
+    assert all(last[k]["meta_info"]["finish_reason"]["type"] == "length" for k in range(4))
+    assert idle_stats(server)["kv_locked_tokens"] == 0
+
+
+GENERATE_BATCH_BAD_INPUTS = [
+    ({"text": []}, "text"),
+    ({"text": ["hi", ""]}, "text[1]"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
+    ({"text": ["hi", "there"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": ["hi", "there"], "rid": ["a", "b", "c"]}, "rid"),
+    ({"text": ["hi", "there"], "sampling_params": [{}, {"top_p": 0}]}, "sampling_params[1].top_p"),
+    # found by the tokenizer, past the parser: the prompt's own field all the same
+    ({"text": ["hi", LONG]}, "text[1]"),
+    (
+        {"text": ["hi", "there"], "sampling_params": [{}, {"max_new_tokens": 9000}]},
+        "sampling_params[1].max_new_tokens",
+    ),
+    (
+        {"text": ["hi", "there"], "return_logprob": True, "logprob_start_len": [0, 50]},
+        "logprob_start_len[1]",
+    ),
+    (
+        {"text": ["hi", "there"], "sampling_params": [{}, {"regex": "(a"}]},
+        "sampling_params[1].regex",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,param", GENERATE_BATCH_BAD_INPUTS)
+def test_a_bad_prompt_of_a_generate_batch_gets_a_400_naming_it(server, body, param):
+    with server.client() as c:
+        whole = c.post("/generate", json=body)
+        stream = c.post("/generate", json={**body, "stream": True})
+    for r in (whole, stream):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def _long_batch(**extra) -> dict:
+    return {
+        "text": ["Tell me a long story.", "Write an essay."],
+        "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }
+
+
+def _both_heard(lines) -> None:
+    """Read a streamed batch until each of its two prompts has sent an event."""
+    seen: set[int] = set()
+    for line in lines:
+        if line.startswith("data: {"):
+            seen.add(json.loads(line[6:])["index"])
+        if seen == {0, 1}:
+            return
+
+
+def test_a_generate_batch_ends_whole_when_its_client_leaves_or_its_rid_is_aborted(server):
+    with server.client() as c, c.stream("POST", "/generate", json=_long_batch(stream=True)) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection
+        _both_heard(lines)
+        assert idle_stats(server)["num_running"] == 2
+    stats = wait_until(
+        lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "the abort of both"
+    )
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+    body = _long_batch(stream=True, rid="gen-batch-abort")
+    with server.client() as c, c.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        _both_heard(lines)
+        assert c.post("/abort_request", json={"rid": "gen-batch-abort"}).json()["found"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    last = {e["index"]: e for e in (json.loads(line[6:]) for line in rest[:-1])}
+    assert [last[k]["meta_info"]["finish_reason"]["type"] for k in (0, 1)] == ["abort"] * 2
+    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "idle")
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0
+
+
+def test_a_generate_batch_whose_rid_is_in_use_runs_none_of_its_prompts(server):
+    """Prompt 1's rid is already running: a 400 naming rid[1], and prompt 0, submitted before
+    it, is ended; prompt 2 never starts."""
+    busy = {
+        "text": "Write an essay.",
+        "rid": "gen-batch-busy",
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+        "stream": True,
+    }
+    with server.client() as c, c.stream("POST", "/generate", json=busy) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection
+        next(line for line in lines if line.startswith("data: {"))
+        refused = c.post(
+            "/generate", json=_long_batch(text=PROMPTS[:3], rid=["gen-free", busy["rid"], "x"])
+        )
+        assert c.post("/abort_request", json={"rid": busy["rid"]}).json()["found"]
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "rid[1]"
+    stats = wait_until(lambda: (s := idle_stats(server))["num_running"] == 0 and s, 15, "idle")
+    assert stats["num_waiting"] == 0 and stats["kv_locked_tokens"] == 0

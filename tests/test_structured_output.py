@@ -18,7 +18,7 @@ from relay import Engine, SamplingParams
 from relay.api.chat import parse_chat
 from relay.api.completions import parse_completion
 from relay.api.fields import ProtocolError
-from relay.api.sglang import parse_generate
+from relay.api.generate import parse_generate
 from relay.config import EngineConfig, ModelConfig
 from relay.sampling_params import InvalidParam, json_depth, widest_object
 from relay.scheduling.request import Req

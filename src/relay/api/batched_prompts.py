@@ -1,11 +1,15 @@
-"""/v1/completions' `prompt` as a list of several prompts, answered as OpenAI and vLLM do.
+"""A request of several prompts, each its own request, read back as one: /v1/completions'
+`prompt` list (answered here, as OpenAI and vLLM do) and /generate's batch
+(relay.api.generate_batch) share submit_all, PromptBatch and answer.
 
-Each prompt becomes its own request (its n choices as usual), all submitted at once under ids
-`<id>-<i>` (so /abort_request with the response's id ends them all), and read back as one
-request of len(prompts) * n choices: choice i * n + j is prompt i's choice j, OpenAI's order.
-Usage adds up over the prompts. Every prompt is checked before any is submitted (a 400 naming
-`prompt[i]`); a prompt refused later (too long for the context) answers with its 4xx before a
-stream starts, and a failure ends the prompts still running: nothing is left behind.
+Each prompt's request is submitted at once, under its own id or `<id>-<i>` (so /abort_request
+with the batch's id ends them all), and read back as one request whose choices are numbered
+across the prompts: choice i * n + j is prompt i's choice j, OpenAI's order (and SGLang's).
+Every prompt is checked before any is submitted (a 400 naming it: `prompt[i]`, `text[i]`);
+one refused later (too long for the context) answers with its 4xx before a stream starts, and
+a failure or a client leaving ends the prompts still running: nothing is left behind.
+
+For completions, usage adds up over the prompts.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +34,7 @@ from relay.api.serving import (
     ApiRequest,
     Choice,
     EngineClient,
+    SseEvents,
     Usage,
     sse,
     streamed,
@@ -41,21 +46,35 @@ from relay.outputs import RequestOutput
 async def serve(request: Request, client: EngineClient, parsed: ParsedRequest) -> Response:
     """Answer a completion whose parsed.prompts holds several prompts, whole or streamed."""
     singles = [_single(parsed, i, p) for i, p in enumerate(parsed.prompts or [])]
-    views = await asyncio.gather(*(_view(client, p, i) for i, p in enumerate(singles)))
-    batch = _submit(client, singles)
+    views = await asyncio.gather(*(_view(client, p) for p in singles))
+    rid = client.request_id("completion")
+    batch = submit_all(client, singles, rid, "completion")
     created, model = int(time.time()), client.served_model
+    return await answer(
+        request,
+        client,
+        batch,
+        parsed.stream,
+        lambda outs: _events(outs, rid, created, model, parsed, views),
+        lambda done: _response(rid, created, model, done, views, parsed.n),
+    )
+
+
+async def answer(
+    request: Request,
+    client: EngineClient,
+    batch: PromptBatch,
+    stream: bool,
+    events: SseEvents,
+    respond: Callable[[list[RequestOutput]], Any],
+) -> Any:
+    """A batch's answer: its events streamed, or respond() on every choice's whole output
+    (choice i * n + j prompt i's choice j); an error or a client that left ends every prompt."""
     parts = _PartsReleased(client)
-    if parsed.stream:
-        return await streamed(
-            parts,
-            batch,
-            request,
-            lambda outs: _events(outs, batch.rid, created, model, parsed, views),
-        )
+    if stream:
+        return await streamed(parts, batch, request, events)
     done = await whole(parts, batch, request)
-    if not isinstance(done, list):
-        return done
-    return _response(batch.rid, created, model, done, views, parsed.n)
+    return respond(done) if isinstance(done, list) else done
 
 
 def _single(parsed: ParsedRequest, i: int, prompt: Prompt) -> ParsedRequest:
@@ -69,26 +88,33 @@ def _single(parsed: ParsedRequest, i: int, prompt: Prompt) -> ParsedRequest:
     )
 
 
-async def _view(client: EngineClient, single: ParsedRequest, i: int) -> PromptView:
+async def _view(client: EngineClient, single: ParsedRequest) -> PromptView:
     try:
         return await completions.prompt_view(client, single)
     except ProtocolError as e:
-        param = f"prompt[{i}]" if e.param == "prompt" else e.param
-        raise ProtocolError(e.status, e.message, param, e.type) from None
+        raise e.renamed(single.param_names) from None
 
 
-def _submit(client: EngineClient, singles: list[ParsedRequest]) -> PromptBatch:
-    """Every prompt's request, or none: one refused (the server is full) takes back the rest."""
-    rid = client.request_id("completion")
+def submit_all(
+    client: EngineClient, singles: list[ParsedRequest], rid: str | None, kind: str
+) -> PromptBatch:
+    """Every prompt's request, or none: one refused (the server is full, its id in use) takes
+    back the rest, its error naming that prompt's field. Prompt i runs under its own rid if it
+    has one (/generate's list of rids), else as `<rid>-<i>`."""
     parts: list[ApiRequest] = []
     try:
         for i, single in enumerate(singles):
-            parts.append(client.submit(dataclasses.replace(single, rid=f"{rid}-{i}"), "completion"))
+            own = dataclasses.replace(single, rid=single.rid or f"{rid}-{i}")
+            try:
+                parts.append(client.submit(own, kind))
+            except ProtocolError as e:
+                raise e.renamed(single.param_names) from None
     except BaseException:
         for part in parts:
             client.release(part, abort=True, reason="rejected")
         raise
-    submitted(rid)  # the response's X-Request-Id: the batch's, not its last prompt's
+    # The response's X-Request-Id: the batch's, not its last prompt's; none for a list of rids.
+    submitted(rid)
     return PromptBatch(rid, parts)
 
 
@@ -96,7 +122,7 @@ class PromptBatch:
     """The prompts' requests read as one (what relay.api.serving reads of an ApiRequest): their
     records numbered across the batch."""
 
-    def __init__(self, rid: str, parts: list[ApiRequest]):
+    def __init__(self, rid: str | None, parts: list[ApiRequest]):
         self.rid = rid
         self.parts = parts
         self.rids = [r for part in parts for r in part.rids]

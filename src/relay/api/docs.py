@@ -117,6 +117,33 @@ def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     }
 
 
+_GENERATE_SAMPLING = {
+    "type": "object",
+    "properties": {
+        "max_new_tokens": _ranged("max_new_tokens"),
+        "min_new_tokens": _ranged("min_new_tokens"),
+        "n": _int(1, MAX_N),
+        "no_stop_trim": _BOOL,
+        "sampling_seed": _ranged("seed"),
+        **{
+            k: v
+            for k, v in _SAMPLING.items()
+            if k not in ("min_tokens", "include_stop_str_in_output")
+        },
+    },
+}
+
+
+def _per_prompt(schema: dict[str, Any]) -> dict[str, Any]:
+    """A /generate field: one value, or (a batch) a list of one per prompt."""
+    return {
+        "anyOf": [
+            schema,
+            {"type": "array", "items": schema, "minItems": 1, "maxItems": MAX_PROMPTS},
+        ]
+    }
+
+
 _TEXT_PART = {
     "type": "object",
     "required": ["type", "text"],
@@ -175,30 +202,18 @@ BODIES: dict[str, dict[str, Any]] = {
         },
         ["messages"],
     ),
+    # One prompt, or a batch (SGLang's): a list of prompts, and each per-prompt field one value
+    # for all or a list of one per prompt.
     "generate": _object(
         {
-            "text": {"type": "string", "minLength": 1},
-            "input_ids": {**_TOKEN_IDS, "minItems": 1},
-            "sampling_params": {
-                "type": "object",
-                "properties": {
-                    "max_new_tokens": _ranged("max_new_tokens"),
-                    "min_new_tokens": _ranged("min_new_tokens"),
-                    "n": _int(1, MAX_N),
-                    "no_stop_trim": _BOOL,
-                    "sampling_seed": _ranged("seed"),
-                    **{
-                        k: v
-                        for k, v in _SAMPLING.items()
-                        if k not in ("min_tokens", "include_stop_str_in_output")
-                    },
-                },
-            },
+            "text": _per_prompt(_PROMPT_TEXT),
+            "input_ids": _per_prompt(_PROMPT_IDS),
+            "sampling_params": _per_prompt(_GENERATE_SAMPLING),
             "stream": _BOOL,
-            "rid": {"type": "string", "minLength": 1, "maxLength": 256},
-            "return_logprob": _BOOL,
-            "top_logprobs_num": _ranged("top_logprobs"),
-            "logprob_start_len": _ranged("logprob_start_len"),
+            "rid": _per_prompt({"type": "string", "minLength": 1, "maxLength": 256}),
+            "return_logprob": _per_prompt(_BOOL),
+            "top_logprobs_num": _per_prompt(_ranged("top_logprobs")),
+            "logprob_start_len": _per_prompt(_ranged("logprob_start_len")),
             "priority": _int(),
         },
         [],

@@ -67,6 +67,13 @@ class ProtocolError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.type)
 
+    def renamed(self, names: dict[str, str]) -> ProtocolError:
+        """This error naming its field as `names` maps it: one prompt's of a batch (`prompt`
+        as `prompt[2]`) or a pipeline stage's name as the route's (`prompt` as `text`)."""
+        return ProtocolError(
+            self.status, self.message, names.get(self.param, self.param), self.type
+        )
+
 
 def _default_error_type(status: int) -> str:
     if status >= 500:

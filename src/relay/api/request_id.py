@@ -54,8 +54,9 @@ def request_id(kind: str, in_use: Container[str]) -> str:
     return rid
 
 
-def submitted(rid: str) -> None:
-    """Record the id a request runs under, for the response header."""
+def submitted(rid: str | None) -> None:
+    """Record the id a request runs under, for the response header (None: no one id names it,
+    as a /generate batch with a list of rids; the header echoes the client's, if any)."""
     ids = _current.get()
     if ids is not None:
         ids.used = rid
