@@ -299,6 +299,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument(
+        "--model-path", default=None, help="as the server's (default: the default model)"
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
@@ -336,7 +339,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.ab:
         label_c_kernels()
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_model_dir(args.model_path)
     cfg = EngineConfig(
         dtype=args.dtype,
         quantization=args.quantization,

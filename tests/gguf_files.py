@@ -62,7 +62,9 @@ VOCAB_SIZE = len(byte_level_vocab()[0])
 
 def write_gguf(path: str, model: torch.nn.Module, *, name: str = "tiny", qtype=F32) -> str:
     """Write model (its config's vocab_size must be VOCAB_SIZE) as a GGUF file of qtype (F32, F16,
-    Q8_0 or Q4_1 weight matrices; vectors and routers stay F32) at path."""
+    or a quantized type of gguf.quants or Q4_K for weight matrices; vectors and routers stay F32)
+    at path. qtype may also be a dict from tensor name parts ("attn_q", "ffn_down", "token_embd",
+    ...) to types, as a mixed file (Q4_K_M) has them; a matrix it does not name stays F32."""
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
     if cfg.vocab_size != VOCAB_SIZE:
@@ -81,13 +83,52 @@ def write_gguf(path: str, model: torch.nn.Module, *, name: str = "tiny", qtype=F
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> None:
+    if isinstance(qtype, dict):
+        qtype = next((t for part, t in qtype.items() if f"{part}." in name), F32)
     keep_float = data.ndim < 2 or any(f"{part}." in name for part in _FLOAT_TENSORS)
     if qtype == F32 or keep_float:
         writer.add_tensor(name, data.astype(np.float32))
     elif qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, data.astype(np.float16))
+    elif qtype == gguf.GGMLQuantizationType.Q4_K:  # (gguf.quants cannot quantize to it)
+        writer.add_tensor(name, quantize_q4_k(data), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """w [rows, k] (k a multiple of 256) as Q4_K super-blocks [rows, k / 256 * 144]: per 32
+    weights a scale and a minimum, 6-bit multiples of the super-block's float16 d and dmin, and
+    4-bit quants (plain rounding, not llama.cpp's search for the best scales: a valid file)."""
+    rows = w.shape[0]
+    b = w.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(b.min(-1), 0), b.max(-1)
+    scale, low = (hi - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (low.max(-1) / 63).astype(np.float16)
+    sc = _sixbit(scale, d)
+    mn = _sixbit(low, dmin)
+    step = d.astype(np.float32)[:, None] * sc
+    off = dmin.astype(np.float32)[:, None] * mn
+    safe = np.where(step > 0, step, 1)[..., None]
+    q = np.clip(np.rint((b + off[..., None]) / safe), 0, 15).astype(np.uint8)
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    scales = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=1,
+    )
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # group g: sub-blocks 2g, 2g + 1
+    heads = np.stack([d, dmin], axis=1).view(np.uint8)
+    return np.concatenate([heads, scales, qs], axis=1).reshape(rows, -1)
+
+
+def _sixbit(x: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    u = unit.astype(np.float32)[:, None]
+    return np.clip(np.rint(x / np.where(u > 0, u, 1)), 0, 63).astype(np.float32)
 
 
 def _rope(cfg) -> dict:
@@ -111,7 +152,8 @@ def _write_config(writer: gguf.GGUFWriter, cfg, arch, qtype) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_file_type(_FILE_TYPES[qtype])
+    mixed = isinstance(qtype, dict)
+    writer.add_file_type(gguf.LlamaFileType.GUESSED if mixed else _FILE_TYPES[qtype])
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if experts:
         writer.add_expert_count(experts)

@@ -304,8 +304,45 @@ def _write_hf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
         json.dump(cfg, f, indent=2)
     model.generation_config.to_json_file(os.path.join(out, "generation_config.json"))
     tok.save_pretrained(out)
+    _write_gguf_index(gguf_path, out)
     with open(os.path.join(out, CONVERTED_MARKER), "w") as f:
         json.dump({"source": os.path.realpath(gguf_path)}, f)
+
+
+def gguf_rows(model_dir: str):
+    """The GGUF file a converted checkpoint came from, as gguf_blocks.GgufRows (its blocks for
+    the weights that value-fitting cannot recover), or None: not a converted GGUF, or the file is
+    gone or changed. A checkpoint converted before the index existed gets it now (once)."""
+    import numpy as np
+
+    from relay.execution.gguf_blocks import INDEX_FILE, GgufRows
+
+    marker = os.path.join(model_dir, CONVERTED_MARKER)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        source = json.load(f).get("source", "")
+    if not os.path.exists(os.path.join(model_dir, INDEX_FILE)):
+        if not os.path.exists(source):
+            return None
+        try:
+            _write_gguf_index(source, model_dir)
+        except OSError as e:  # a read-only cache: the weights these blocks would cover stay float
+            logger.warning("could not index %s's blocks in %s: %s", source, model_dir, e)
+            return None
+    with np.load(os.path.join(model_dir, INDEX_FILE)) as index:
+        return GgufRows.load(source, dict(index))
+
+
+def _write_gguf_index(gguf_path: str, out: str) -> None:
+    import numpy as np
+
+    from relay.execution.gguf_blocks import INDEX_FILE, GgufRows
+
+    _, index = GgufRows.build(gguf_path)
+    tmp = os.path.join(out, f".{INDEX_FILE}.{os.getpid()}.npz")
+    np.savez(tmp, **index)
+    os.replace(tmp, os.path.join(out, INDEX_FILE))  # TP ranks may write it at once
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import torch
 from relay.config import EngineConfig, ModelConfig
 from relay.execution.block_rows import block_rows
 from relay.execution.kernels import cpu_gemm, isa
+from relay.execution.model_files import gguf_rows
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
 from relay.execution.startup_timing import log_weight_blocks
@@ -31,7 +32,7 @@ class ModelLoader:
         # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
         # they are rounded: loaded into a float32 twin first.
         model = self._build_model(model_dir, mc, torch.float32 if blocks else dtype)
-        kept = model.use_weight_blocks() if blocks else 0
+        kept = model.use_weight_blocks(gguf_rows(model_dir)) if blocks else 0
         if model.dtype != dtype:
             model = self._cast_keeping_blocks(model, mc)
         if kept and self._int8_block_activations():

@@ -129,7 +129,7 @@ def recover(weight: torch.Tensor) -> BlockWeight | None:
             parts.append((d, m, q.to(torch.int8)))
         else:
             d, m, q = (torch.cat(t) for t in zip(*parts))
-            return _pack(bits, d, m, q, weight.shape[0], weight.shape[1])
+            return pack(bits, d, m, q, weight.shape[0], weight.shape[1])
     return None
 
 
@@ -187,7 +187,7 @@ def _fit_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return None if chosen is None else (chosen[0], torch.zeros_like(amax), chosen[1])
 
 
-def _pack(
+def pack(
     bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, k: int
 ) -> BlockWeight:
     strips = -(-n // STRIP)

@@ -21,6 +21,7 @@ from torch import nn
 from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup
+from relay.execution.gguf_blocks import GgufRows
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_gemm, cpu_layers
 from relay.execution.layers import (
@@ -200,12 +201,15 @@ class LlamaForCausalLM(nn.Module):
             + [m.blocks.max_rows for m in self._layer_gemms if m.blocks is not None]
         )
 
-    def use_weight_blocks(self) -> int:
-        """Keep each float32 GEMM weight that is exactly GGUF Q4_1/Q8_0 blocks (a GGUF checkpoint's
-        dequantized floats) also as those blocks, for small-batch GEMMs; returns how many are."""
+    def use_weight_blocks(self, source: GgufRows | None = None) -> int:
+        """Keep each float32 GEMM weight that is exactly GGUF blocks (a GGUF checkpoint's
+        dequantized floats) also as those blocks, for small-batch GEMMs: Q4_1/Q8_0 found from the
+        values alone, others from the file they were converted from (source); returns how many."""
         kept = 0
         for module in self.gemm_modules():
             module.blocks = recover(module.weight)
+            if module.blocks is None and source is not None:
+                module.blocks = source.blocks_for(module.weight)
             kept += module.blocks is not None
         return kept
 
