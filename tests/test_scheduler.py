@@ -223,12 +223,14 @@ class Harness:
             for q, tok in zip(range(p, p + n), fill(sid, batch.input_ids[pos : pos + n])):
                 self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
             pos += n
+        ps = self.ps
         for i, sid in enumerate(batch.sids):
             p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
             # What the row's queries attend: everything, or from the first one's window on.
             lo = 0 if self.window is None else max(0, p - self.window + 1)
             if batch.sample[i] or lo:
-                seen = [self.kv[table[q // self.ps]][q % self.ps] for q in range(lo, p + n)]
+                unwritten = [None] * self.ps
+                seen = [self.kv.get(table[q // ps], unwritten)[q % ps] for q in range(lo, p + n)]
                 history = fill(sid, reqs[i].input_slice(0, p + n))
                 assert seen == history[lo:], "the KV cache holds the wrong tokens"
             if batch.sample[i]:
