@@ -18,6 +18,7 @@ import torch
 from relay import Engine, SamplingParams
 from relay.config import ModelConfig
 from relay.execution.batch_checks import BatchChecker
+from relay.execution.kernels.cpu_attention import DecodePlan
 from relay.memory.kv_allocator import FREED_PAGE
 from relay.outputs import FinishReason
 from relay.scheduling.batch import BatchInput
@@ -194,6 +195,17 @@ def test_the_runner_takes_a_freed_entry_only_behind_the_rows_window():
     assert not invalid([1, 2, FREED_PAGE, 3, 4, 5] + live, WINDOW)
     assert invalid([FREED_PAGE] * 7 + live[1:], WINDOW)
     assert invalid([FREED_PAGE] * 6 + live, None)
+
+
+def test_freed_entries_are_no_prefix_two_requests_share():
+    """Two requests past their windows both map their first pages to FREED_PAGE: no prefix they
+    share, which the C decode kernel's cascade would attend once for both (unmasked)."""
+    live_a, live_b, cached = [list(range(n, n + 10)) for n in (10, 20, 40)]
+    freed = [FREED_PAGE] * 20
+    plan = DecodePlan([freed + live_a, freed + live_b], [480, 480], 16, share=True)
+    assert plan.num_groups == 0
+    plan = DecodePlan([cached + live_a, cached + live_b], [320, 320], 16, share=True)
+    assert plan.num_groups == 1  # (a cached prefix is)
 
 
 # ---- the engine, on real models ----------------------------------------------------------------
