@@ -290,12 +290,15 @@ def engine(path: str, **kw) -> Engine:
     return Engine(path, dtype="float32", page_size=PS, **{"kv_cache_gb": 0.01, **kw})
 
 
-def test_a_long_generation_equals_transformers_and_holds_one_window(model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_generation_equals_transformers_and_holds_one_window(model_dir, overlap):
     """150 tokens after a 7-token prompt, 16-token window: transformers' tokens, with the
-    request holding the window's pages, not the sequence's 40."""
+    request holding the window's pages, not the sequence's 40; in lockstep, and with each step
+    built while the one before runs (pages dropped behind the one in flight)."""
     path = model_dir("mistral")
     prompts = random_prompts(TINY_VOCAB, [7], seed=11)
-    outs, held, mapped_freed = generate_watching(engine(path), prompts, 150)
+    eng = engine(path, overlap_min_share=0.0 if overlap else 0.1)
+    outs, held, mapped_freed = generate_watching(eng, prompts, 150)
     assert [o.token_ids for o in outs] == reference(path, prompts, 150)
     assert mapped_freed, "attention ran over page tables with FREED_PAGE entries"
     assert max(held[3 * WINDOW :]) <= WINDOW // PS + 1
