@@ -79,6 +79,7 @@ def main(args: ProcArgs) -> None:
         "context_len": runner.context_len,
         "page_size": runner.page_size,
         "chunked_prefill_size": runner.cfg.chunked_prefill_size,
+        "kv_window": runner.kv_window,
     }
     if leader:
         info["max_total_tokens"] = (runner.num_pages - 1) * runner.page_size

@@ -101,6 +101,7 @@ class SchedulerLoop:
             grammars=grammars,
             long_rope_after=mc.long_rope_after,
             pooling=Pooling.from_dir(args.model_dir) if cfg.is_embedding else None,
+            kv_window=info["kv_window"],
         )
         self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(

@@ -58,8 +58,16 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=T
 
 
 def check_three_ways(
-    model_dir: str, prompts: list[list[int]], small_kv_gb: float, **engine_kw
+    model_dir: str,
+    prompts: list[list[int]],
+    small_kv_gb: float,
+    retracts: bool = True,
+    **engine_kw,
 ) -> None:
+    """Greedy output equals transformers' (prompt chunks), again from the prefix cache, and in a
+    small pool, which must force retraction unless `retracts` is False (requests that give back
+    pages behind a sliding window wait for room instead: tests/test_sliding_window_kv.py forces
+    it there)."""
     expected = reference(model_dir, prompts, NEW_TOKENS)
     engine = Engine(model_dir, dtype="float32", **engine_kw)
     first = engine.generate(prompts, GREEDY)
@@ -79,7 +87,8 @@ def check_three_ways(
     tight = Engine(model_dir, dtype="float32", **{**engine_kw, "kv_cache_gb": small_kv_gb})
     squeezed = tight.generate(prompts, GREEDY)
     assert [o.token_ids for o in squeezed] == expected
-    assert tight.scheduler.stats().num_retractions_total > 0, "the small pool must force preemption"
+    if retracts:
+        assert tight.scheduler.stats().num_retractions_total > 0, "the small pool must preempt"
     tight.check()
 
 

@@ -11,6 +11,11 @@ yields exactly the tokens a huge pool would have produced.
 With depth=2 the harness drives the scheduler as the server's overlap loop does: step N+1 is
 built (and run: the runner takes steps in order) before step N's output is processed, and
 the fake runner fills PENDING_TOKEN inputs with the token it sampled last for that request.
+
+With a window (a model whose every layer slides), each row reads back only what its queries
+attend (the window before its first new token, and its new tokens): the pages behind it may be
+given back (FREED_PAGE in the table) and reused, and a page given back too early shows up as a
+wrong history.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relay.config import EngineConfig
+from relay.memory.kv_allocator import FREED_PAGE, pages_behind_window
 from relay.outputs import FinishReason, RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
 from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
@@ -64,6 +70,7 @@ class Harness:
         depth: int = 1,
         stall_ms: float = 0.0,
         clock=time.monotonic,
+        window: int | None = None,
     ):
         self.cfg = EngineConfig(
             page_size=page_size,
@@ -79,8 +86,9 @@ class Harness:
             list(eos),
             attention_break_even=attention_break_even,
             clock=clock,
+            kv_window=window,
         )
-        self.ps, self.budget, self.token_fn = page_size, budget, token_fn
+        self.ps, self.budget, self.token_fn, self.window = page_size, budget, token_fn, window
         self.kv: dict[int, list[int | None]] = {}
         self.specs: dict[int, object] = {}
         self.events: dict[str, list[RequestOutput]] = defaultdict(list)
@@ -197,7 +205,8 @@ class Harness:
                 "the runner's page table differs from the scheduler's"
             )
             assert len(table) == -(-(p + n) // self.ps)
-            assert 0 not in table, "page 0 is scratch, never mapped"
+            behind = pages_behind_window(p, self.window, self.ps)
+            assert FREED_PAGE not in table[behind:], "a page the step reads is unmapped"
             # New KV only goes into pages the request holds privately: never into a tree page
             # another request may map.
             for q in range(p, p + n):
@@ -214,13 +223,17 @@ class Harness:
             for q, tok in zip(range(p, p + n), fill(sid, batch.input_ids[pos : pos + n])):
                 self.kv.setdefault(table[q // self.ps], [None] * self.ps)[q % self.ps] = tok
             pos += n
+        ps = self.ps
         for i, sid in enumerate(batch.sids):
+            p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
+            # What the row's queries attend: everything, or from the first one's window on.
+            lo = 0 if self.window is None else max(0, p - self.window + 1)
+            if batch.sample[i] or lo:
+                unwritten = [None] * self.ps
+                seen = [self.kv.get(table[q // ps], unwritten)[q % ps] for q in range(lo, p + n)]
+                history = fill(sid, reqs[i].input_slice(0, p + n))
+                assert seen == history[lo:], "the KV cache holds the wrong tokens"
             if batch.sample[i]:
-                p, n, table = batch.prefix_lens[i], batch.extend_lens[i], self.tables[sid]
-                history = [self.kv[table[q // self.ps]][q % self.ps] for q in range(p + n)]
-                assert history == fill(sid, reqs[i].input_slice(0, p + n)), (
-                    "the KV cache holds the wrong tokens"
-                )
                 out.append(self.token_fn(tuple(history)))
                 self.last_tokens[sid] = out[-1]
         sampled = [sid for sid, s in zip(batch.sids, batch.sample) if s]
@@ -1133,6 +1146,8 @@ def workloads(draw):
         reqs=reqs,
         aborts=aborts,
         stall_ms=draw(st.sampled_from([0.0, 20.0, 60.0])),
+        # A model whose every layer slides: pages behind the window drop as requests run.
+        window=draw(st.sampled_from([None, None, 1, 3, 8, 20])),
     )
 
 
@@ -1154,6 +1169,7 @@ def test_random_workloads_run_to_completion(w, depth):
         depth=depth,
         stall_ms=w["stall_ms"],
         clock=clock,
+        window=w["window"],
     )
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1]["arrive"])
     aborts = defaultdict(list)

@@ -344,6 +344,15 @@ class ModelConfig:
         windows = [w if w is not None and w < context_len else None for w in self.layer_windows]
         return windows if any(w is not None for w in windows) else []
 
+    def kv_window(self, context_len: int) -> int | None:
+        """The fewest positions any layer looks back where every layer slides (min of the
+        attention_windows): keys at j <= p - w are read by no query at position p or later, so
+        their KV pages can go back to the pool (KVManager.drop_dead_pages). None where some layer
+        attends the whole context (Gemma 2/3's global layers, Qwen2's below max_window_layers):
+        there every key stays needed."""
+        windows = self.attention_windows(context_len)
+        return min(windows) if windows and None not in windows else None
+
     def masks_attention(self, context_len: int) -> bool:
         """Whether attention needs more than a causal mask: a sliding window that can matter, or
         soft-capped scores (what only the torch attention backend applies)."""

@@ -61,6 +61,7 @@ class Engine:
             grammars=grammars,
             long_rope_after=mc.long_rope_after,
             pooling=Pooling.from_dir(model_dir) if self.config.is_embedding else None,
+            kv_window=self.runner.kv_window,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relay.memory.kv_allocator import FREED_PAGE, pages_behind_window
 from relay.scheduling.batch import PENDING_TOKEN, BatchInput
 
 
@@ -17,6 +18,7 @@ class BatchChecker:
     page_size: int
     context_len: int
     own_drafter: bool  # the runner drafts its proposals itself: a batch brings none
+    kv_window: int | None = None  # ModelRunner.kv_window: FREED_PAGE entries behind it are fine
 
     def invalid_rows(self, batch: BatchInput, page_tables: dict[int, list[int]]) -> dict[int, str]:
         """Rows that cannot run, with why (a quick pass over the whole batch first)."""
@@ -25,7 +27,7 @@ class BatchChecker:
             ids_within(s.stop_token_ids, vocab) and ids_within(s.prompt_ids, vocab)
             for s in batch.new_specs
         )
-        pages_ok = all(ids_within(pages, self.num_pages, 1) for pages in batch.new_pages)
+        pages_ok = all(self._entries_ok(batch, i) for i in range(len(batch.new_pages)))
         spec_ok = (
             ids_within(batch.proposed_ids, vocab)
             and ids_within(batch.catchup_ids, vocab)
@@ -41,6 +43,17 @@ class BatchChecker:
         ):
             return {}
         return self._find_invalid_rows(batch, page_tables)
+
+    def _entries_ok(self, batch: BatchInput, i: int) -> bool:
+        """Row i's new page-table entries are pool pages, or FREED_PAGE where no query of the row
+        attends (a page its sliding window has left behind), never a page it reads."""
+        pages = batch.new_pages[i]
+        if ids_within(pages, self.num_pages, 1):
+            return True
+        if not ids_within(pages, self.num_pages):
+            return False
+        dead = pages_behind_window(batch.prefix_lens[i], self.kv_window, self.page_size)
+        return FREED_PAGE not in pages[max(0, dead - batch.page_starts[i]) :]
 
     def _spec_lens_ok(self, batch: BatchInput) -> bool:
         return len(batch.proposed_ids) == (0 if self.own_drafter else sum(batch.spec_lens)) and len(
@@ -90,7 +103,7 @@ class BatchChecker:
                 errors[i] = f"an input token id is outside the vocabulary [0, {vocab})"
             elif sid in bad_specs:
                 errors[i] = f"a stop or prompt token id is outside the vocabulary [0, {vocab})"
-            elif i in bad_tables or not ids_within(batch.new_pages[i], self.num_pages, 1):
+            elif i in bad_tables or not self._entries_ok(batch, i):
                 errors[i] = "the request's KV pages or positions are out of range"
             start += n
         if start != len(batch.input_ids) or not self._spec_lens_ok(batch):  # no row can be trusted

@@ -76,12 +76,17 @@ class ModelRunner:
         self.drafter = self._drafter()
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None
         self.requests = RequestTables(self.tp, self.device)
+        # How far back every layer attends, where the scheduler gives back the pages behind it
+        # (FREED_PAGE entries): not with a draft model, which reads the same pages with its own
+        # windows and from its own, lagging, position.
+        self.kv_window = mc.kv_window(self.context_len) if self.drafter is None else None
         self.checker = BatchChecker(
             mc.vocab_size,
             self.num_pages,
             self.page_size,
             self.context_len,
             self.drafter is not None,
+            self.kv_window,
         )
         self.cuda_graphs = decode_graphs(cfg, self.model, self.attn, self.device, self.context_len)
         self._warm_up()

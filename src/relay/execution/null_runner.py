@@ -31,6 +31,7 @@ class NullModelRunner:
             cfg.mem_fraction_static,
             torch.device("cpu"),
         )
+        self.kv_window = mc.kv_window(self.context_len)  # as ModelRunner's: pages drop behind it
         self.span = min(_SPAN, mc.vocab_size - _FIRST_TOKEN)
         self.zeros = bytes(4 * mc.hidden_size)  # an embedding span's hidden-state sum
 

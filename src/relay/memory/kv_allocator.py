@@ -1,10 +1,26 @@
 """Page bookkeeping for the paged KV pool: which pages are free.
 
 Pure Python and tensor-free: the scheduler owns it, the model runner only ever sees page ids.
-Page 0 is never handed out; runners use it as a scratch target for padded slots.
+Page 0 is never handed out; runners use it as a scratch target for padded slots, and it is what
+a page table maps a page to once a sliding window has left it behind (FREED_PAGE).
 """
 
 from __future__ import annotations
+
+# The page-table entry of a page a request gave back because no future query attends it (every
+# layer slides past it): the scratch page, never allocated. Attention may still gather it (a
+# padded gather over the whole table, masked): it only ever holds zeros or padded rows' finite
+# keys and values, so a masked score over it is exactly zero weight, as over the padding.
+FREED_PAGE = 0
+
+
+def pages_behind_window(next_position: int, window: int | None, page_size: int) -> int:
+    """Leading pages of a sequence that no query at next_position or later attends when every
+    layer attends at most `window` positions back (keys j with p - window < j <= p): those
+    whose every slot is below next_position - window + 1. 0 without a window."""
+    if window is None:
+        return 0
+    return max(0, next_position - window + 1) // page_size
 
 
 class PageAllocator:

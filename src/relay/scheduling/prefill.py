@@ -80,11 +80,13 @@ class PrefillManager:
             self.cached_tokens_total += req.kv_len
             most = req.params.max_new_tokens
             most = self.context_len if most is None else most
-            self.limits.on_admit(now, min(self.context_len, len(req.prompt_ids) + most))
+            tokens = min(self.context_len, len(req.prompt_ids) + most)
+            self.limits.on_admit(now, self.kv.most_held_tokens(tokens, self.limits.budget_cap))
         self.table.start(req)
 
     def _shares_inflight_prefix(self, req: Req) -> bool:
-        """True if a request whose prompt is being computed will soon cache req's next tokens."""
+        """True if a request whose prompt is being computed will soon cache req's next tokens
+        (under a sliding window, only a request that still shares them: KVManager.share_limit)."""
         if self.kv.cache.disabled:
             return False
         lo = req.kv_len
@@ -94,7 +96,10 @@ class PrefillManager:
         want = req.token_slice(lo, hi)
         long_rope = self.kv.long_rope.past(req)
         return any(
-            other.in_prefill and other.long_rope == long_rope and other.token_slice(lo, hi) == want
+            other.in_prefill
+            and other.long_rope == long_rope
+            and hi <= self.kv.shares_up_to(other)
+            and other.token_slice(lo, hi) == want
             for other in self.table.running
         )
 

@@ -39,6 +39,9 @@ class Req:
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # leading tokens whose KV is written (or being written: see inflight_steps)
     tree_len: int = 0  # leading tokens whose pages the radix tree owns (locked via last_node)
+    # Leading pages given back because a sliding window left them behind (no future query reads
+    # them): their entries are FREED_PAGE, and the request holds nothing through the tree then.
+    dropped_pages: int = 0
     last_node: RadixNode | None = None
     pages_synced: int = 0  # leading pages the runner's copy of the page table has right
     cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -4,7 +4,9 @@ Every step packs (1) one token for each running request that is decoding, (2) th
 chunk of requests whose prompt is partly computed, and (3) newly admitted requests, in
 priority order, until the step's token budget is spent. KV pages come from the radix
 cache's allocator; when they run out, the lowest-priority, newest request is retracted
-(its computed KV goes to the prefix cache) and recomputed later. Pure Python: no tensors.
+(its computed KV goes to the prefix cache) and recomputed later. Where every layer of the model
+slides (kv_window), pages no future query attends go back to the pool as requests run past them.
+Pure Python: no tensors.
 
 The Scheduler coordinates parts with one job each, over one record per request (Req):
   RequestTable      every live request, waiting or running; start, retract, finish
@@ -69,6 +71,7 @@ class Scheduler:
         grammars: GrammarBackend | None = None,
         long_rope_after: int | None = None,
         pooling: Pooling | None = None,
+        kv_window: int | None = None,
     ):
         self.cfg = cfg = config.for_device(
             "cpu"
@@ -79,8 +82,13 @@ class Scheduler:
         self.eos_token_ids = eos = frozenset(eos_token_ids)
         self.grammars = grammars
         self.pooling = pooling  # an embedding server's (EngineConfig.is_embedding); else None
+        # kv_window: the runner's (ModelRunner.kv_window): how far back every layer attends.
         self.kv = KVManager(
-            num_pages, cfg.page_size, cfg.disable_radix_cache, LongRopeBoundary(long_rope_after)
+            num_pages,
+            cfg.page_size,
+            cfg.disable_radix_cache,
+            LongRopeBoundary(long_rope_after),
+            kv_window,
         )
         self.table = RequestTable(self.kv, on_finish)
         self.limits = make_limits(cfg, self.kv.allocator.capacity * cfg.page_size)
@@ -214,6 +222,9 @@ class Scheduler:
         Decodes that yield to a backlog of prompts (PrefillFirst) sit the step out."""
         decode, prefill = self.decode, self.prefill
         decode.switch_to_long_rope()
+        if self.kv.window is not None:  # pages behind a request's window go back before reserving
+            for req in self.table.running:
+                self.kv.drop_dead_pages(req)
         by_rank = sorted(self.table.running, key=lambda r: (-r.priority, r.seq))
         decoding = [r for r in by_rank if not r.in_prefill]
         prompts = [r for r in by_rank if r.in_prefill]

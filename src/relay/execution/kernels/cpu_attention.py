@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from relay.execution.kernels import cpu
+from relay.memory.kv_allocator import FREED_PAGE
 
 # Tokens per decode-attention work item: long requests split so every thread gets work; short
 # ones stay whole (a split costs a merge).
@@ -79,13 +80,14 @@ def _shared_groups(
     tables: np.ndarray, lens: np.ndarray, page_size: int
 ) -> list[tuple[int, int, int]]:
     """(first rank, size, shared tokens) of each run of requests (in this order) that share at
-    least MIN_SHARED_TOKENS leading tokens' pages; each keeps at least its newest token its own."""
+    least MIN_SHARED_TOKENS leading tokens' pages; each keeps at least its newest token its own.
+    Leading FREED_PAGE entries (pages a sliding window left behind) are no shared prefix."""
     groups = []
     start = 0
     for end in range(1, len(tables) + 1):
         if end < len(tables) and tables[end, 0] == tables[start, 0]:
             continue
-        if end - start >= 2:
+        if end - start >= 2 and tables[start, 0] != FREED_PAGE:
             run = tables[start:end]
             differs = (run != run[0]).any(axis=0)
             common = int(np.argmax(differs)) if differs.any() else run.shape[1]
