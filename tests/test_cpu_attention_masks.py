@@ -16,13 +16,13 @@ PS = 16
 CAP = 2.0  # q.k * d^-0.5 of random rows is ~N(0, 1): a cap of 2 bends most scores
 
 
-def dense(q, k, v, table, positions, scale, window=None, softcap=None):
+def dense(q, k, v, table, positions, scale, window=None, softcap=None, ps=PS):
     """q [n, H, D]: one request's queries at `positions` over its keys and values (k/v [HKV, S, D],
-    pages `table`): causal, within the window (p - window < j <= p), scores soft-capped after the
-    scale as transformers' Gemma 2 caps them."""
+    pages of ps tokens `table`): causal, within the window (p - window < j <= p), scores
+    soft-capped after the scale as transformers' Gemma 2 caps them."""
     h, hkv = q.shape[1], k.shape[0]
     length = max(positions) + 1
-    slots = torch.tensor([table[t // PS] * PS + t % PS for t in range(length)])
+    slots = torch.tensor([table[t // ps] * ps + t % ps for t in range(length)])
     keys = k[:, slots].float().repeat_interleave(h // hkv, dim=0)  # [H, L, D]
     vals = v[:, slots].float().repeat_interleave(h // hkv, dim=0)
     scores = torch.einsum("nhd,hld->hnl", q.float(), keys) * scale
@@ -88,6 +88,29 @@ def test_decode_attention_applies_windows_and_caps(kernel_level, d, group, io, k
             torch.testing.assert_close(
                 out[i].float(), want, atol=tol, rtol=tol, msg=f"window {window}, cap {cap}"
             )
+
+
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 1), (80, 2)])
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_decode_over_pages_smaller_than_a_tile(kernel_level, d, group, kv):
+    """--page-size 4: a work item's runs of keys are 4 long, and the last one's scores of a full
+    512-key chunk (or of one that starts mid-page) stored a whole vector past the chunk's end,
+    into the next query head's first scores, until the heads' scores sat apart by more."""
+    ps, hkv, lens = 4, 2, [1300, 600, 512]
+    rng = np.random.default_rng(d + group)
+    free = pages(rng, 800)
+    tables = [[free.pop() for _ in range(-(-n // ps))] for n in lens]
+    k, v = (torch.randn(hkv, 800 * ps, d).to(kv) for _ in range(2))
+    q = torch.randn(len(lens), hkv * group, d)
+    plan = cpu_attention.DecodePlan(tables, lens, ps)
+    rounded = kv == torch.bfloat16 and isa.at_least("avx512bf16", kernel_level) and d != 80
+    tol = 1e-5 if kv == torch.float32 else 5e-3 if rounded else 2e-3
+    qr = q.to(torch.bfloat16) if rounded else q
+    for window in (None, 530):
+        out = cpu_attention.decode_attention(cpu.load(), plan, q, k, v, ps, d**-0.5, window=window)
+        for i, n in enumerate(lens):
+            want = dense(qr[i : i + 1], k, v, tables[i], [n - 1], d**-0.5, window, ps=ps)[0]
+            torch.testing.assert_close(out[i], want, atol=tol, rtol=tol, msg=f"window {window}")
 
 
 # ---- prompt chunks -----------------------------------------------------------------------------
