@@ -124,3 +124,59 @@ def test_decode_matches_dense_at_every_kernel_level(kernel_level, d, hkv, group,
             ref = dense_attention(q[row : row + e], fk, fv, p, backend.scale)
             torch.testing.assert_close(out[row : row + e].float(), ref, atol=tol, rtol=tol)
             row += e
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_windows_and_caps_in_the_c_kernels_equal_the_torch_path(dtype, softcap):
+    """A model with a sliding window on layer 0 only (Gemma's pattern) and maybe soft-capped
+    scores: the backend's C kernels (decode, and decode beside prompt chunks after a prefix) give
+    each layer what its torch path gives, which masks in Python."""
+    cpu_kernels_or_skip()
+    d, hkv, group, windows = 64, 2, 3, [6, None]
+    for prefix_lens, extend_lens in (([5, 30, 17, 60], [1] * 4), ([12, 0, 33, 9], [1, 20, 1, 14])):
+        rng = np.random.default_rng(len(prefix_lens) + sum(extend_lens))
+        kv = KVCache(2, 64, PAGE, hkv, d, dtype, torch.device("cpu"), layout="HND")
+        free = rng.permutation(np.arange(1, 64)).tolist()
+        tables = [
+            [free.pop() for _ in range(-(-(p + e) // PAGE))]
+            for p, e in zip(prefix_lens, extend_lens)
+        ]
+        slot = lambda t, i: t[i // PAGE] * PAGE + i % PAGE  # noqa: E731
+        for t, p in zip(tables, prefix_lens):
+            for layer in (0, 1):
+                kv.write(
+                    layer,
+                    torch.tensor([slot(t, i) for i in range(p)], dtype=torch.int64),
+                    *torch.randn(2, p, hkv, d).to(dtype),
+                )
+        positions = [i for p, e in zip(prefix_lens, extend_lens) for i in range(p, p + e)]
+        out_slots = [
+            slot(t, i) for t, p, e in zip(tables, prefix_lens, extend_lens) for i in range(p, p + e)
+        ]
+        meta = StepMeta(
+            prefix_lens, extend_lens, tables, torch.tensor(positions), torch.tensor(out_slots)
+        )
+        q, k, v = (torch.randn(len(positions), h, d).to(dtype) for h in (hkv * group, hkv, hkv))
+        outs = []
+        for kernel in (True, False):
+            saved = [t.clone() for t in kv.k + kv.v]
+            backend = TorchNativeBackend(
+                kv=kv,
+                num_heads=hkv * group,
+                num_kv_heads=hkv,
+                head_dim=d,
+                scale=d**-0.5,
+                windows=windows,
+                softcap=softcap,
+            )
+            assert backend.kernel is not None, "a masked model's attention takes the C kernels"
+            if not kernel:
+                backend.kernel = None
+            backend.plan(meta)
+            outs.append([backend.forward(q, k, v, layer).float() for layer in (0, 1)])
+            for t, s in zip(kv.k + kv.v, saved):
+                t.copy_(s)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for layer in (0, 1):
+            torch.testing.assert_close(outs[0][layer], outs[1][layer], atol=tol, rtol=tol)

@@ -13,6 +13,7 @@ every layer's output and greedy decoding repeats the last prompt token whatever 
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 
@@ -23,9 +24,11 @@ from relay import Engine, SamplingParams
 from relay.config import EngineConfig, ModelConfig
 from relay.execution.attention import backend_class, resolve_backend_name
 from relay.execution.distributed import TPGroup
+from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.memory.kv_cache import KVCache
 from tests.conftest import TINY_VOCAB
+from tests.kernel_helpers import cpu_kernels_or_skip
 from tests.test_engine import check_three_ways, random_prompts, reference
 from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch
 from tests.test_tp_shared_memory import run_ranks
@@ -134,6 +137,39 @@ def test_greedy_output_equals_transformers(model_dir, name):
         chunked_prefill_size=24,
         kv_cache_gb=0.01,
     )
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_windows_and_caps_attend_in_the_c_kernels(model_dir, name, monkeypatch):
+    """On CPU every layer's window and the soft-cap go to Relay's C attention kernels, prompt
+    chunks and decode steps alike, and the output is still transformers' token for token: what
+    the tests above compare is the kernels' attention, not the torch path's."""
+    cpu_kernels_or_skip()
+    path = model_dir(name)
+    calls: set[tuple[str, int | None, float | None]] = set()
+    for fn in ("decode_attention", "extend_attention"):
+        real = getattr(cpu_attention, fn)
+
+        def spy(*args, _real=real, _fn=fn, **kwargs):
+            bound = inspect.signature(_real).bind(*args, **kwargs).arguments
+            out = _real(*args, **kwargs)
+            assert out is not False, "the kernel refused the shape: the torch path ran"
+            calls.add((_fn, bound.get("window"), bound.get("softcap")))
+            return out
+
+        monkeypatch.setattr(cpu_attention, fn, spy)
+    prompts = random_prompts(TINY_VOCAB, [25, 31], seed=5)
+    eng = Engine(path, dtype="float32", page_size=PS, kv_cache_gb=0.01)
+    assert eng.runner.attn.kernel is not None
+    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference(path, prompts, 8)
+    mc = ModelConfig.from_dir(path)
+    want = {
+        (fn, w, mc.attn_logit_softcap)
+        for fn in ("decode_attention", "extend_attention")
+        for w in mc.layer_windows
+    }
+    assert calls == want and WINDOW in mc.layer_windows
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])

@@ -215,6 +215,37 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
 
 
 @pytest.mark.slow
+def test_a_decode_step_in_one_c_call_applies_each_layers_window_and_the_cap(default_model_dir):
+    """The default model given a sliding window of 40 tokens on every other layer and soft-capped
+    scores (as a Mistral- or Gemma-shaped GGUF would be): its decode steps still run in one C call,
+    whose logits and keys and values are bit for bit the layers' called one by one over the same
+    windows and cap, and differ from the same step attending the whole context."""
+    blocks_or_skip()
+    from relay.config import EngineConfig, ModelConfig
+    from relay.scheduling.batch import BatchInput
+
+    mc = ModelConfig.from_dir(default_model_dir)
+    mc.layer_windows = [40 if i % 2 == 0 else None for i in range(mc.num_layers)]
+    mc.attn_logit_softcap = 5.0
+    runner = ModelRunner(EngineConfig(dtype="float32", kv_cache_gb=0.05), default_model_dir, mc)
+    fast = runner.model.decode_layers
+    assert fast is not None and fast[1].windows is not None and fast[1].softcap == 5.0
+    ids = torch.randint(100, 40000, (2, 100), generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [list(range(1, 8)), list(range(8, 15))]
+    for i, n in enumerate((90, 100)):
+        runner.step_logits(
+            BatchInput(0, [i], ids[i][:n], [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
+        )
+    step = BatchInput(0, [0, 1], [5, 6], [90, 100], [1, 1], [0] * 2, [[]] * 2, [True] * 2, [1] * 2)
+    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
+    assert torch.equal(call, layered)
+    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    fast[1].windows, fast[1].softcap = None, 0.0  # the call attending everything, uncapped
+    ((whole, _),) = step_each_way(runner, step, tables, (fast,))
+    assert (whole - call).abs().max() > 1e-3 * call.abs().max()
+
+
+@pytest.mark.slow
 def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_model_dir):
     """Where bfloat16 GEMMs run on Relay's panels (AVX512-BF16, no AMX), the one-call decode step
     reads the same panels past the blocks' rows, so it takes every batch size without timing it,

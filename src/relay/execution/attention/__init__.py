@@ -23,7 +23,7 @@ def resolve_backend_name(
     """`auto` picks flashinfer on CUDA when it is installed (and the dtype is float16 or
     bfloat16, all it runs), else triton on CUDA, else torch; torch wherever the model's
     attention is masked beyond causal (sliding windows, soft-capping: ModelConfig.masks_attention),
-    which only the torch backend applies."""
+    which only the torch backend applies (on CPU in Relay's C attention kernels)."""
     if name != "auto":
         if name not in _MODULES:
             raise ValueError(

@@ -8,12 +8,13 @@ repeated for GQA. (Advanced indexing and a [batch, len, heads] layout cost 2.5x 
 and bf16 SDPA is 3-5x slower for single-token queries.) Prompt chunks go through SDPA one
 request at a time, reading the cache as a view when the request's pages are consecutive.
 
-Models whose attention is masked beyond causal (per-layer sliding windows: Mistral, Gemma 2/3;
-soft-capped scores: Gemma 2) attend here and only here: every path a request takes (decode rows,
-prompt chunks, chunks after a prefix-cache hit, speculative verification) masks each layer's keys
-to its window and caps the scores. Relay's C attention kernels (decode, prompt chunks, shared-prefix
-cascade) do neither, so such a model runs without them, and so without the one-call C decoder
-layers built on them.
+Models whose attention is masked beyond causal (per-layer sliding windows: Mistral, Mixtral,
+Phi-3, Gemma 2/3; soft-capped scores: Gemma 2) attend here and only here: every path a request
+takes (decode rows, prompt chunks, chunks after a prefix-cache hit, speculative verification) masks
+each layer's keys to its window and caps the scores. On CPU Relay's C attention kernels (decode,
+prompt chunks, shared-prefix cascade) take each layer's window and the cap as arguments, skipping
+the pages before a window; the torch code below applies them where the kernels do not run (no C
+compiler, a shape they refuse, GPUs).
 """
 
 from __future__ import annotations
@@ -87,14 +88,12 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # On CPU, decode attention runs in Relay's C kernel when it builds: it reads each
-        # cached key/value once instead of gathering a padded copy first (3x less traffic).
-        # The kernels apply no window or soft-cap: a model that needs them attends in torch.
+        # cached key/value once instead of gathering a padded copy first (3x less traffic),
+        # and only the keys in each layer's window.
         self.kernel = None
         self.has_decode, self.dec_rows, self.ext_plan = False, None, None  # set by plan()
-        masked = bool(self.windows) or self.softcap is not None
         if (
-            not masked
-            and self.kv.k[0].device.type == "cpu"
+            self.kv.k[0].device.type == "cpu"
             and self.kv.k[0].dtype in (torch.float32, torch.bfloat16)
             and self.num_heads // self.num_kv_heads <= cpu_attention.MAX_GROUP
         ):
@@ -199,6 +198,8 @@ class TorchNativeBackend(AttentionBackend):
                 self.scale,
                 k,
                 v,
+                self._window(layer),
+                self.softcap,
             ).view(q.shape[0], -1)
         self.kv.write(layer, self.out_slots, k, v)
         if self.has_decode and self.dec_rows is None:  # a pure decode step
@@ -215,6 +216,8 @@ class TorchNativeBackend(AttentionBackend):
             out,
             self.kv.page_size,
             self.scale,
+            self._window(layer),
+            self.softcap,
         ):
             for p in self.prefills:
                 out[p.row : p.row + p.num_new] = self._prefill(
@@ -224,25 +227,19 @@ class TorchNativeBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kernel is not None:
-            if q.dtype not in (torch.float32, torch.bfloat16):
-                return cpu_attention.decode_attention(
-                    self.kernel,
-                    self.dec_plan,
-                    q.float(),
-                    self.kv.k[layer],
-                    self.kv.v[layer],
-                    self.kv.page_size,
-                    self.scale,
-                ).to(q.dtype)
-            return cpu_attention.decode_attention(
+            wide = q.dtype not in (torch.float32, torch.bfloat16)
+            out = cpu_attention.decode_attention(
                 self.kernel,
                 self.dec_plan,
-                q,
+                q.float() if wide else q,
                 self.kv.k[layer],
                 self.kv.v[layer],
                 self.kv.page_size,
                 self.scale,
+                window=self._window(layer),
+                softcap=self.softcap,
             )
+            return out.to(q.dtype) if wide else out
         b, max_len = self.dec_shape
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv

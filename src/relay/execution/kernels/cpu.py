@@ -111,6 +111,7 @@ def bind(path: str) -> ctypes.CDLL:
         p, p, p, p, p, p,  # k and v caches, page tables, lengths, order, out
         i64, i64, i64, i64, i64, i64, i64, i64,  # B, H, HKV, D, S, table width, page size, chunk
         f32, i32, i32,  # scale, io_bf16, kv_bf16
+        i64, f32,  # sliding window (0: none), soft-cap (0: none)
         i64, p, p, p,  # cascade groups: count, first ranks, sizes, shared keys
     ]
     lib.decode_attention.restype = None
@@ -118,6 +119,7 @@ def bind(path: str) -> ctypes.CDLL:
         p, i64, p, p, p, i64,  # q and its row stride, k and v caches, page tables and their width
         p, p, p, i64, p,  # q starts, prefix lengths, extend lengths, requests, out
         i64, i64, i64, i64, i64, f32, i32, i32,  # H, HKV, D, S, page size, scale, io_bf16, kv_bf16
+        i64, f32,  # sliding window (0: none), soft-cap (0: none)
     ]
     # fmt: on
     lib.extend_attention.restype = i32

@@ -1,7 +1,9 @@
 """Relay's C attention kernels over the paged KV cache (csrc/decode_attention.c,
 csrc/extend_attention.c): a step's decode attention, with requests that share their first pages
 attending that prefix once for all of them (cascade), and its prompt chunks' attention. A plan
-holds what every layer's call of one step shares.
+holds what every layer's call of one step shares; a layer's own call says its sliding window (a
+query at position p attends keys p - window < j <= p; the kernels never read the pages wholly
+before it) and its scores' soft-cap (score -> cap * tanh(score / cap) after the scale: Gemma 2).
 """
 
 from __future__ import annotations
@@ -110,11 +112,14 @@ def decode_attention(
     scale: float,
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (rows may be strided: a view into qkv), float32 or bfloat16; k/v caches
     [HKV, S, D] float32 or bfloat16. new_k/new_v [B, HKV, D] (views into qkv, in q's dtype): the new
     token's keys and values, written into the cache at each request's last position first.
-    Returns [B, H, D] in q's dtype."""
+    window: the layer's sliding window (None: the whole context); softcap: its scores' cap (None:
+    none). Returns [B, H, D] in q's dtype."""
     b, h, d = q.shape
     hkv, s, _ = k.shape
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -149,6 +154,8 @@ def decode_attention(
         scale,
         int(q.dtype == torch.bfloat16),
         int(k.dtype == torch.bfloat16),
+        window or 0,
+        softcap or 0.0,
         plan.num_groups
         if plan.num_groups and tiled_attention_available(q.dtype, k.dtype, d)
         else 0,
@@ -185,10 +192,13 @@ def extend_attention(
     out: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """Attention of each planned request's new tokens (rows of q [T, H, D], strided rows allowed)
     over its cached prefix and themselves, written into out [T, H, D] (contiguous, q's dtype);
-    their keys and values must be in the cache already. False if this shape is not supported."""
+    their keys and values must be in the cache already. window, softcap: as decode_attention's.
+    False if this shape is not supported."""
     t, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -214,5 +224,7 @@ def extend_attention(
             scale,
             int(q.dtype == torch.bfloat16),
             int(k.dtype == torch.bfloat16),
+            window or 0,
+            softcap or 0.0,
         )
     )

@@ -75,9 +75,20 @@ class _DecodeStep(ctypes.Structure):
                 "gate_up",
                 "act",
                 "tp",
+                "windows",
             )
         ]
+        + [("softcap", ctypes.c_float)]
     )
+
+
+def layer_windows(windows: list[int | None] | None, num_layers: int) -> torch.Tensor | None:
+    """Each layer's sliding window as the one-call steps read it: int64 [num_layers], 0 where a
+    layer attends the whole context; None where no layer has one."""
+    if not windows or not any(windows):
+        return None
+    assert len(windows) == num_layers, "a window (or None) for every layer"
+    return torch.tensor([w or 0 for w in windows], dtype=torch.int64)
 
 
 @dataclass
@@ -125,7 +136,12 @@ class DecodeLayers:
         page_size: int,
         scale: float,
         tp: int | None = None,
+        windows: list[int | None] | None = None,
+        softcap: float | None = None,
     ):
+        """windows: each layer's sliding window (None: the whole context; no list: no layer has
+        one); softcap: the scores' soft-cap (the attention backend's, decode_attention's)."""
+
         def mat(w: LayerGemm) -> _LayerGemm:
             b = w.blocks
             return _LayerGemm(
@@ -179,6 +195,7 @@ class DecodeLayers:
         )
         self.max_rows = sys.maxsize if self.on_panels else first.qkv.blocks.max_rows
         self.tp = tp  # a tensor-parallel rank's distributed.ShmGroup.ptr: the step all-reduces as the layers do
+        self.windows, self.softcap = layer_windows(windows, len(layers)), softcap or 0.0
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """x [T, hidden] float32 (the step's embeddings; used as the residual stream), positions
@@ -224,6 +241,8 @@ class DecodeLayers:
             gate_up.data_ptr(),
             act.data_ptr(),
             self.tp,
+            None if self.windows is None else self.windows.data_ptr(),
+            self.softcap,
         )
         if not cpu._lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
             raise RuntimeError(
@@ -269,6 +288,7 @@ class _PromptStep(ctypes.Structure):
             )
         ]
         + [("n_keep", ctypes.c_int64), ("keep_rows", ctypes.c_void_p), ("tp", ctypes.c_void_p)]
+        + [("windows", ctypes.c_void_p), ("softcap", ctypes.c_float)]
     )
 
 
@@ -304,7 +324,10 @@ class PromptLayers:
         page_size: int,
         scale: float,
         tp: int | None = None,
+        windows: list[int | None] | None = None,
+        softcap: float | None = None,
     ):
+        """windows, softcap: as DecodeLayers'."""
         self._keep = (layers, k_caches, v_caches)  # the table's pointers point into these
         self.table = (_PromptLayer * len(layers))(
             *[
@@ -334,6 +357,7 @@ class PromptLayers:
         self.cascade = tiled_attention_available(torch.bfloat16, torch.bfloat16, head_dim)
         self.page_size = page_size
         self.tp = tp  # as DecodeLayers.tp
+        self.windows, self.softcap = layer_windows(windows, len(layers)), softcap or 0.0
 
     def run(
         self,
@@ -409,6 +433,8 @@ class PromptLayers:
             -1 if kept is None else kept.numel(),
             0 if kept is None else kept.data_ptr(),
             self.tp,
+            None if self.windows is None else self.windows.data_ptr(),
+            self.softcap,
         )
         if not cpu._lib.relay_prompt_layers(self.table, len(self.table), ctypes.byref(step)):
             raise RuntimeError(

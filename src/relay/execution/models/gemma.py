@@ -15,7 +15,7 @@ What they change in the Llama decoder:
   rope_local_base_freq and the default rope, the global ones with rope_theta and rope_scaling.
 
 Windows and soft-capped scores are the attention backend's to apply (ModelConfig.layer_windows,
-attn_logit_softcap: only the torch backend does, without Relay's C attention kernels). The layers
+attn_logit_softcap: only the torch backend does, on CPU in Relay's C attention kernels). The layers
 run in torch: Relay's fused CPU norm/rotary/SiLU kernels compute Llama's, so the one-call C decoder
 layers (built on them) are not used; the GEMMs take Relay's kernels as Llama's do.
 """

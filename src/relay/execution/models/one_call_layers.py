@@ -37,7 +37,7 @@ def decode_layers(
         and model.tp.collectives_in_c
         and attn.kv.layout == "HND"
         and attn.kv.k[0].device.type == "cpu"
-        and getattr(attn, "kernel", None) is not None  # none where attention is masked (windows)
+        and getattr(attn, "kernel", None) is not None  # (its windows and soft-cap: the call's too)
         and all(
             m.blocks is not None and getattr(m, "bias", None) is None
             for m in model.gemm_modules()
@@ -78,6 +78,8 @@ def decode_layers(
         attn.kv.page_size,
         attn.scale,
         model.tp.c_group,
+        attn.windows,
+        attn.softcap,
     )
 
 
@@ -141,4 +143,6 @@ def prompt_layers(
         attn.kv.page_size,
         attn.scale,
         model.tp.c_group,
+        attn.windows,
+        attn.softcap,
     )

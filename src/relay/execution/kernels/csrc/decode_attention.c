@@ -18,6 +18,11 @@
 // CPU's level (relay.execution.kernels.isa) and loaded with ctypes (relay/execution/kernels/cpu.py); OpenMP resolves
 // to the runtime torch already loaded, so torch's thread count and pool are shared.
 //
+// Attention beyond causal, per call (a layer's): a sliding window makes a request's work items
+// start at its window's first key, so the pages before it are never read (the speed of a model
+// whose layers slide: 512 keys a step instead of the whole context); a soft-cap bends the chunk's
+// scores (cap * tanh(s / cap), in base 2 as the softmax) before its softmax pass, in every kernel.
+//
 // Layouts: q, out [B, H, D] (float32 or bfloat16, the same); k, v caches "HND" [HKV, S, D]
 // (float32 or bfloat16); tables [B, P] int32 page ids; lens [B]; order [B] the requests in
 // the order to visit them. Slot of token l of request b: tables[b, l / PS] * PS + l % PS.
@@ -29,6 +34,11 @@
 #define TILE 16  // tokens whose scores are exponentiated together
 #define MAX_GROUP 16  // query heads per kv head this kernel takes (the caller checks)
 #define TWO_PASS_MAX 512  // keys of a work item the two-pass kernels take (a chunk: cpu.DECODE_CHUNK)
+// How far apart the two-pass kernels keep each query head's scores: a run of a page's keys stores a
+// whole vector (up to TILE lanes) from its first key on, so the last run of an item may write up to
+// TILE - 1 past its end (with pages of fewer than TILE tokens, or an item that starts mid-page: a
+// sliding window's), which must not reach the next head's first scores.
+#define SCORE_STRIDE (TWO_PASS_MAX + TILE)
 
 #include "vec.h"
 
@@ -112,9 +122,10 @@ static inline void softmax_tile(float* s, int64_t n, int64_t G, int64_t D, float
 // One work item in plain C: query heads [G, D] (float, scaled by scale * log2 e) over tokens
 // [t0, t1) of one request and kv head, a tile of up to TILE keys at a time with an online
 // softmax. Leaves the unnormalised output in acc [G, D] and the running max (base 2) and sum in
-// m[G], l[G]. Tiles never cross a page, so a tile's key and value rows are consecutive.
+// m[G], l[G]. Tiles never cross a page, so a tile's key and value rows are consecutive. cap2: the
+// scores' soft-cap in base 2 (0: none), as in every kernel here.
 static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh, const int32_t* table, int64_t PS,
-                                int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16,
+                                int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float cap2,
                                 float* acc, float* m, float* l, float* rowbuf) {
     const size_t esz = kv_bf16 ? 2 : 4;
     float s[MAX_GROUP * TILE];
@@ -136,6 +147,8 @@ static void attend_chunk_scalar(const float* qf, const void* kh, const void* vh,
                 s[g * TILE + j] = a;
             }
         }
+        if (cap2 > 0.f)
+            for (int64_t g = 0; g < G; g++) soft_cap(s + g * TILE, n, 1.f, cap2);
         softmax_tile(s, n, G, D, acc, m, l);
         for (int64_t j = 0; j < n; j++) {
             load_row(rowbuf, (const char*)vh + (slot0 + j) * D * esz, D, kv_bf16);
@@ -190,9 +203,9 @@ static inline __attribute__((always_inline)) float softmax_numerators(float* s, 
 // so the queries and, for 32 dims at a time, the accumulators stay in registers.
 static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
         const int64_t G, const int64_t ND, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
-        int64_t PS, int64_t t0, int64_t t1, float qscale, float* acc, float* m, float* l) {
+        int64_t PS, int64_t t0, int64_t t1, float qscale, float cap2, float* acc, float* m, float* l) {
     const int64_t D = ND * 16, n_all = t1 - t0, row_bytes = D * 2;
-    float s[MAX_GROUP * TWO_PASS_MAX] __attribute__((aligned(64)));
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     // the probabilities in bfloat16, one spare zero at the end: a pair starting at the item's last key
     uint16_t p[MAX_GROUP][TWO_PASS_MAX + 2] __attribute__((aligned(64)));
     __m512bh q[G][ND / 2];
@@ -223,11 +236,12 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
                 for (int64_t c = 0; c < ND / 2; c++)
                     dots[j] = _mm512_dpbf16_ps(dots[j], q[g][c], (__m512bh)_mm512_loadu_si512(krows + j * row_bytes + c * 64));
             }
-            _mm512_storeu_ps(s + g * TWO_PASS_MAX + j0, _mm512_mul_ps(transpose_sum16(dots), sv));
+            _mm512_storeu_ps(s + g * SCORE_STRIDE + j0, _mm512_mul_ps(transpose_sum16(dots), sv));
         }
     }
     for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum; in bfloat16
-        l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g], p[g]);
+        if (cap2 > 0.f) soft_cap(s + g * SCORE_STRIDE, n_all, 1.f, cap2);
+        l[g] = softmax_numerators(s + g * SCORE_STRIDE, n_all, &m[g], p[g]);
         p[g][n_all] = p[g][n_all + 1] = 0;
     }
     for (int64_t c = 0; c < ND / 2; c++) {  // values, 32 dims at a time, page by page
@@ -269,11 +283,11 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass_bf16(
 // cost as much as the dot products), and reads float32 keys in place.
 static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         const int64_t G, const int64_t ND, const float* qf, const void* kh, const void* vh, const int32_t* table,
-        int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float* acc, float* m, float* l) {
+        int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float cap2, float* acc, float* m, float* l) {
     const int64_t D = ND * 16, n_all = t1 - t0;
     const size_t esz = kv_bf16 ? 2 : 4;
-    // a head's scores TWO_PASS_MAX apart; the last tile's stores may run up to 16 past its end
-    float s[MAX_GROUP * TWO_PASS_MAX + 16] __attribute__((aligned(64)));
+    // a head's scores SCORE_STRIDE apart
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     __m512 q[G][ND];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < ND; c++) q[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
@@ -303,11 +317,13 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
                 for (int64_t c = 0; c < ND; c++)
                     dots[j] = _mm512_fmadd_ps(q[g][c], vload(krows + j * D * esz, c * 16, kv_bf16), dots[j]);
             }
-            _mm512_storeu_ps(s + g * TWO_PASS_MAX + j0, transpose_sum16(dots));  // lanes past n: 0, overwritten
+            _mm512_storeu_ps(s + g * SCORE_STRIDE + j0, transpose_sum16(dots));  // lanes past n: 0, overwritten
         }
     }
-    for (int64_t g = 0; g < G; g++)  // softmax numerators in base 2, their max and sum
-        l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g], NULL);
+    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
+        if (cap2 > 0.f) soft_cap(s + g * SCORE_STRIDE, n_all, 1.f, cap2);
+        l[g] = softmax_numerators(s + g * SCORE_STRIDE, n_all, &m[g], NULL);
+    }
     __m512 a[G][ND];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < ND; c++) a[g][c] = _mm512_setzero_ps();
@@ -321,7 +337,7 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
             for (int64_t c = 0; c < ND; c++) {
                 const __m512 vv = vload(vrows + j * D * esz, c * 16, kv_bf16);
                 for (int64_t g = 0; g < G; g++)
-                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * TWO_PASS_MAX + j0 + j]), vv, a[g][c]);
+                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * SCORE_STRIDE + j0 + j]), vv, a[g][c]);
             }
     }
     for (int64_t g = 0; g < G; g++)
@@ -331,7 +347,7 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
 #if defined(__AVX512BF16__)
 #define CASE_BF16(GV, NDV)                                                                                 \
     if (qb != NULL && t1 - t0 <= TWO_PASS_MAX) {                                                           \
-        attend_chunk_two_pass_bf16(GV, NDV, qb, kh, vh, table, PS, t0, t1, qscale, acc, m, l);             \
+        attend_chunk_two_pass_bf16(GV, NDV, qb, kh, vh, table, PS, t0, t1, qscale, cap2, acc, m, l);       \
         return 1;                                                                                          \
     }
 #else
@@ -340,8 +356,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
 #define CASE_G(GV, NDV) case GV:                                                                         \
     CASE_BF16(GV, NDV)                                                                                     \
     if (t1 - t0 > TWO_PASS_MAX) return 0;                                                                  \
-    if (kv_bf16) attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, acc, m, l);              \
-    else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                      \
+    if (kv_bf16) attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, cap2, acc, m, l);        \
+    else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, cap2, acc, m, l);                \
     return 1;
 #define CASES_G(NDV) switch (G) { CASE_G(1, NDV) CASE_G(2, NDV) CASE_G(3, NDV) CASE_G(4, NDV) \
                                   CASE_G(5, NDV) CASE_G(6, NDV) CASE_G(7, NDV) CASE_G(8, NDV) default: break; }
@@ -351,14 +367,14 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
 // returns 0 for the rest (the plain C kernel's).
 static int attend_chunk_fast(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
                              int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
-                             float* acc, float* m, float* l) {
+                             float cap2, float* acc, float* m, float* l) {
     switch (D) {
         case 64: CASES_G(4)
         case 128: CASES_G(8)
         default: break;
     }
     if (t1 - t0 > TWO_PASS_MAX || D % 16 || G > MAX_GROUP) return 0;
-    attend_chunk_two_pass(G, D / 16, qf, kh, vh, table, PS, t0, t1, kv_bf16, acc, m, l);
+    attend_chunk_two_pass(G, D / 16, qf, kh, vh, table, PS, t0, t1, kv_bf16, cap2, acc, m, l);
     return 1;
 }
 #else
@@ -391,7 +407,7 @@ static inline __attribute__((always_inline)) float softmax_numerators(float* s, 
     return total;
 }
 
-// acc [G, D] = p . V over the item's keys [t0, t1) (p: s [G][TWO_PASS_MAX], the probabilities),
+// acc [G, D] = p . V over the item's keys [t0, t1) (p: s [G][SCORE_STRIDE], the probabilities),
 // for the NV vectors of output dimensions from vector c0 on.
 static inline __attribute__((always_inline)) void values_two_pass(const int64_t G, const int64_t NV, int64_t c0,
                                                                   const float* s, const void* vh,
@@ -413,7 +429,7 @@ static inline __attribute__((always_inline)) void values_two_pass(const int64_t 
                     vf va, vb;
                     vf_from_bf16_2((const uint16_t*)(vrows + j * D * esz) + c * VL, &va, &vb);
                     for (int64_t g = 0; g < G; g++) {
-                        const vf w = vf_set1(p[g * TWO_PASS_MAX + j]);
+                        const vf w = vf_set1(p[g * SCORE_STRIDE + j]);
                         a[g][c] = vf_fma(w, va, a[g][c]);
                         a[g][c + 1] = vf_fma(w, vb, a[g][c + 1]);
                     }
@@ -422,7 +438,7 @@ static inline __attribute__((always_inline)) void values_two_pass(const int64_t 
             }
             for (int64_t c = 0; c < NV; c++) {
                 const vf vv = vf_load_act(vrows + j * D * esz, c * VL, kv_bf16);
-                for (int64_t g = 0; g < G; g++) a[g][c] = vf_fma(vf_set1(p[g * TWO_PASS_MAX + j]), vv, a[g][c]);
+                for (int64_t g = 0; g < G; g++) a[g][c] = vf_fma(vf_set1(p[g * SCORE_STRIDE + j]), vv, a[g][c]);
             }
         }
     }
@@ -503,11 +519,11 @@ static inline __attribute__((always_inline)) void in_pair_order(const int64_t G,
 // G and ND (head_dim / VL) are compile-time in the dispatcher's instances, runtime in its last.
 static inline __attribute__((always_inline)) void attend_chunk_two_pass(
         const int64_t G, const int64_t ND, const float* qf, const void* kh, const void* vh, const int32_t* table,
-        int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float* acc, float* m, float* l) {
+        int64_t PS, int64_t t0, int64_t t1, int kv_bf16, float cap2, float* acc, float* m, float* l) {
     const int64_t D = ND * VL, n_all = t1 - t0;
     const size_t esz = kv_bf16 ? 2 : 4;
-    // a head's scores TWO_PASS_MAX apart; the last tile's stores may run up to TILE past its end
-    float s[MAX_GROUP * TWO_PASS_MAX + TILE] __attribute__((aligned(64)));
+    // a head's scores SCORE_STRIDE apart
+    float s[MAX_GROUP * SCORE_STRIDE] __attribute__((aligned(64)));
     float kbuf[VL * MAX_D_WIDE] __attribute__((aligned(64)));  // a block of keys widened (WIDEN_ONCE)
     float qo[MAX_GROUP * MAX_D_WIDE] __attribute__((aligned(64)));  // the queries in kbuf's order
     if (WIDEN_ONCE(G, kv_bf16)) in_pair_order(G, ND, qf, qo);
@@ -533,7 +549,7 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
             if (WIDEN_ONCE(G, kv_bf16)) {  // the block's keys widened once, for all G heads
                 widen_block(ND, rows, D * esz, live, kbuf);
                 for (int64_t g = 0; g < G; g++)
-                    vf_store(s + g * TWO_PASS_MAX + j0 + h,
+                    vf_store(s + g * SCORE_STRIDE + j0 + h,
                              key_scores(ND, VL, qo + g * D, (const char*)kbuf, D * 4, 0, g == 0 ? ahead : NULL,
                                         g == G - 1 ? vnow + h * D * esz : NULL, live));
                 continue;
@@ -543,12 +559,14 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
                 const char* ah = g == 0 ? ahead : NULL;
                 const vf sc = live == VL ? key_scores(ND, VL, qf + g * D, rows, D * esz, kv_bf16, ah, vn, VL)
                                          : key_scores(ND, live, qf + g * D, rows, D * esz, kv_bf16, ah, vn, live);
-                vf_store(s + g * TWO_PASS_MAX + j0 + h, sc);  // lanes past n: overwritten, or past the item
+                vf_store(s + g * SCORE_STRIDE + j0 + h, sc);  // lanes past n: overwritten, or past the item
             }
         }
     }
-    for (int64_t g = 0; g < G; g++)  // softmax numerators in base 2, their max and sum
-        l[g] = softmax_numerators(s + g * TWO_PASS_MAX, n_all, &m[g]);
+    for (int64_t g = 0; g < G; g++) {  // softmax numerators in base 2, their max and sum
+        if (cap2 > 0.f) soft_cap(s + g * SCORE_STRIDE, n_all, 1.f, cap2);
+        l[g] = softmax_numerators(s + g * SCORE_STRIDE, n_all, &m[g]);
+    }
     // values: CB vectors of every head's output at a time, at most 12 accumulators (AVX2 has 16
     // registers; all G x ND of them at once spilled), a power of two that divides ND
     const int64_t CB = ND % 8 ? 1 : G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
@@ -556,8 +574,8 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
 }
 
 #define CASE_P(GV, NDV) case GV:                                                                         \
-    if (kv_bf16) attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, acc, m, l);              \
-    else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, acc, m, l);                      \
+    if (kv_bf16) attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 1, cap2, acc, m, l);        \
+    else attend_chunk_two_pass(GV, NDV, qf, kh, vh, table, PS, t0, t1, 0, cap2, acc, m, l);                \
     return 1;
 #define CASES_P(NDV) switch (G) { CASE_P(1, NDV) CASE_P(2, NDV) CASE_P(3, NDV) CASE_P(4, NDV) \
                                   CASE_P(5, NDV) CASE_P(6, NDV) CASE_P(7, NDV) CASE_P(8, NDV) default: break; }
@@ -566,7 +584,7 @@ static inline __attribute__((always_inline)) void attend_chunk_two_pass(
 // (any head_dim of whole vectors, any group); returns 0 for the rest (the plain C kernel's).
 static int attend_chunk_fast(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
                              int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
-                             float* acc, float* m, float* l) {
+                             float cap2, float* acc, float* m, float* l) {
     (void)qb; (void)qscale;  // (the queries come scaled in qf)
     if (t1 - t0 > TWO_PASS_MAX || D % VL || G > MAX_GROUP) return 0;
     switch (D) {
@@ -574,16 +592,16 @@ static int attend_chunk_fast(const float* qf, const uint16_t* qb, const void* kh
         case 128: CASES_P(128 / VL) break;
         default: break;
     }
-    attend_chunk_two_pass(G, D / VL, qf, kh, vh, table, PS, t0, t1, kv_bf16, acc, m, l);
+    attend_chunk_two_pass(G, D / VL, qf, kh, vh, table, PS, t0, t1, kv_bf16, cap2, acc, m, l);
     return 1;
 }
 #endif
 
 static void attend_chunk(const float* qf, const uint16_t* qb, const void* kh, const void* vh, const int32_t* table,
                          int64_t PS, int64_t t0, int64_t t1, int64_t G, int64_t D, int kv_bf16, float qscale,
-                         float* acc, float* m, float* l, float* rowbuf) {
-    if (attend_chunk_fast(qf, qb, kh, vh, table, PS, t0, t1, G, D, kv_bf16, qscale, acc, m, l)) return;
-    attend_chunk_scalar(qf, kh, vh, table, PS, t0, t1, G, D, kv_bf16, acc, m, l, rowbuf);
+                         float cap2, float* acc, float* m, float* l, float* rowbuf) {
+    if (attend_chunk_fast(qf, qb, kh, vh, table, PS, t0, t1, G, D, kv_bf16, qscale, cap2, acc, m, l)) return;
+    attend_chunk_scalar(qf, kh, vh, table, PS, t0, t1, G, D, kv_bf16, cap2, acc, m, l, rowbuf);
 }
 
 // q/out: io_bf16 says float32 or bfloat16; k/v: kv_bf16 likewise. chunk: tokens per work item.
@@ -591,12 +609,14 @@ static void attend_chunk(const float* qf, const uint16_t* qb, const void* kh, co
 // not NULL, hold each request's new token's keys and values ([B, HKV, D], rows k_stride and
 // v_stride apart, in q's dtype): they are written into the cache at the request's last position
 // first.
-int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16_t* kh, const uint16_t* vh,
-                        const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D, float qscale,
-                        float* const* acc_out, float* const* m_out, float* const* l_out);  // extend_attention.c
-int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows, const void* kh, const void* vh,
-                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                            float qscale, float* const* acc_out, float* const* m_out, float* const* l_out);
+int relay_attend_shared(const uint16_t* const* qrows, const int64_t* first, int64_t rows, const uint16_t* kh,
+                        const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                        float qscale, float cap2, float* const* acc_out, float* const* m_out,
+                        float* const* l_out);  // extend_attention.c
+int relay_attend_shared_f32(const void* const* qrows, int io_bf16, const int64_t* first, int64_t rows, const void* kh,
+                            const void* vh, int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1,
+                            int64_t D, float qscale, float cap2, float* const* acc_out, float* const* m_out,
+                            float* const* l_out);
 
 typedef struct {
     int64_t group;  // >= 0: a shared-prefix item of this group; -1: a request's own keys
@@ -608,35 +628,62 @@ typedef struct {
 // system prompt). Those keys are attended once for all of the group's queries (cascade
 // attention: one pass over the shared KV instead of one per request), and each request's own
 // keys after them as usual; the parts merge by their log-sum-exp like any other chunks.
+// window (0: none): a request of length L attends its keys L - window .. L - 1 only (its query sits
+// at L - 1: p - window < j <= p), so its work items start there: chunks and pages wholly before the
+// window are never read, a group's shared chunks included where no request of the group sees them
+// (the rest take each request's own first key, per query row). softcap (0: none): scores ->
+// softcap * tanh(score / softcap) after the scale, before the softmax (Gemma 2).
 void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
                       int64_t v_stride,
                       void* k, void* v, const int32_t* tables, const int64_t* lens,
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
                       int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16,
-                      int64_t n_groups, const int64_t* group_first, const int64_t* group_size,
-                      const int64_t* group_keys) {
+                      int64_t window, float softcap, int64_t n_groups, const int64_t* group_first,
+                      const int64_t* group_size, const int64_t* group_keys) {
     const int64_t G = H / HKV;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    const float cap2 = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;  // the cap in base 2 too
     const size_t esz = kv_bf16 ? 2 : 4;
-    int64_t* shared = (int64_t*)calloc((size_t)B, sizeof(int64_t));  // by rank
+    // By rank: the keys of its group's shared prefix (0: none), the first key its window shows it,
+    // and the first of its own keys that it attends (after both).
+    int64_t* shared = (int64_t*)calloc((size_t)(3 * B + 1), sizeof(int64_t));
+    int64_t* first = shared + B;
+    int64_t* begin = first + B;
     for (int64_t g = 0; g < n_groups; g++)
         for (int64_t r = group_first[g]; r < group_first[g] + group_size[g]; r++) shared[r] = group_keys[g];
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t len = lens[order[r]];
+        first[r] = window > 0 && len > window ? len - window : 0;
+        begin[r] = first[r] > shared[r] ? first[r] : shared[r];
+    }
+    // By group: the first shared key any of its requests' windows shows (group_keys: none), and
+    // the first chunk of its shared keys that holds one (the number of its chunks: none).
+    int64_t* group_from = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * n_groups + 1));
+    int64_t* group_c0 = group_from + n_groups;
+    for (int64_t g = 0; g < n_groups; g++) {
+        group_from[g] = group_keys[g];
+        for (int64_t r = group_first[g]; r < group_first[g] + group_size[g]; r++)
+            group_from[g] = first[r] < group_from[g] ? first[r] : group_from[g];
+        group_c0[g] = group_from[g] < group_keys[g] ? group_from[g] / chunk : (group_keys[g] + chunk - 1) / chunk;
+    }
     // Partial slots per (kv head, rank): the shared prefix's chunks first, then the request's own.
     int64_t C = 1, count = 0;
     for (int64_t r = 0; r < B; r++) {
-        const int64_t pre = (shared[r] + chunk - 1) / chunk, own = (lens[order[r]] - shared[r] + chunk - 1) / chunk;
+        const int64_t pre = (shared[r] + chunk - 1) / chunk, own = (lens[order[r]] - begin[r] + chunk - 1) / chunk;
         C = pre + own > C ? pre + own : C;
         count += HKV * own;
     }
-    for (int64_t g = 0; g < n_groups; g++) count += HKV * ((group_keys[g] + chunk - 1) / chunk);
+    for (int64_t g = 0; g < n_groups; g++)
+        count += HKV * ((group_keys[g] + chunk - 1) / chunk - group_c0[g]);
     DecodeItem* items = (DecodeItem*)malloc(sizeof(DecodeItem) * (size_t)(count ? count : 1));
     int64_t n = 0;
     for (int64_t g = 0; g < n_groups; g++)  // the heavy ones first
         for (int64_t h = 0; h < HKV; h++)
-            for (int64_t c = 0; c * chunk < group_keys[g]; c++) items[n++] = (DecodeItem){g, h, group_first[g], c};
+            for (int64_t c = group_c0[g]; c * chunk < group_keys[g]; c++)
+                items[n++] = (DecodeItem){g, h, group_first[g], c};
     for (int64_t h = 0; h < HKV; h++)
         for (int64_t r = 0; r < B; r++)
-            for (int64_t c = 0; shared[r] + c * chunk < lens[order[r]]; c++) items[n++] = (DecodeItem){-1, h, r, c};
+            for (int64_t c = 0; begin[r] + c * chunk < lens[order[r]]; c++) items[n++] = (DecodeItem){-1, h, r, c};
     const int64_t slot_floats = G * (D + 2);  // acc [G, D], m [G], l [G]
     float* partial = (float*)malloc(sizeof(float) * (size_t)(HKV * B * C * slot_floats));
     _Pragma("omp parallel")
@@ -674,17 +721,19 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                 const int64_t size = group_size[it.group], rows = size * G;
                 const void** qrows = (const void**)malloc(sizeof(void*) * (size_t)rows);
                 float** outs = (float**)malloc(sizeof(void*) * (size_t)rows * 3);
+                int64_t* row_first = (int64_t*)malloc(sizeof(int64_t) * (size_t)rows);  // windows: per query row
                 const size_t qsz = io_bf16 ? 2 : 4;
                 for (int64_t rr = 0; rr < rows; rr++) {
                     const int64_t rank = it.rank + rr / G, g = rr % G, b = order[rank];
                     float* slot = partial + ((h * B + rank) * C + it.c) * slot_floats;
                     qrows[rr] = (const char*)q + (b * q_stride + (h * G + g) * D) * qsz;
+                    row_first[rr] = first[rank];
                     outs[rr] = slot + g * D;
                     outs[rows + rr] = slot + G * D + g;
                     outs[2 * rows + rr] = slot + G * D + G + g;
                 }
-                const int64_t k0 = it.c * chunk, k1 = (it.c + 1) * chunk < group_keys[it.group] ? (it.c + 1) * chunk
-                                                                                                : group_keys[it.group];
+                const int64_t k1 = (it.c + 1) * chunk < group_keys[it.group] ? (it.c + 1) * chunk : group_keys[it.group];
+                const int64_t k0 = it.c * chunk > group_from[it.group] ? it.c * chunk : group_from[it.group];
                 const int32_t* table = tables + order[it.rank] * P;
 #if defined(__AVX512BF16__)
                 if (kv_bf16 && D % 32 == 0) {
@@ -699,19 +748,21 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                                                     vcvt_bf16(_mm512_loadu_ps((const float*)qrows[rr] + d)));
                             qrows[rr] = rounded + rr * D;
                         }
-                    relay_attend_shared((const uint16_t* const*)qrows, rows, (const uint16_t*)kh, (const uint16_t*)vh,
-                                        table, PS, k0, k1, D, qscale, outs, outs + rows, outs + 2 * rows);
+                    relay_attend_shared((const uint16_t* const*)qrows, row_first, rows, (const uint16_t*)kh,
+                                        (const uint16_t*)vh, table, PS, k0, k1, D, qscale, cap2, outs, outs + rows,
+                                        outs + 2 * rows);
                     free(rounded);
                 } else
 #endif
-                    relay_attend_shared_f32(qrows, io_bf16, rows, kh, vh, kv_bf16, table, PS, k0, k1, D, qscale, outs,
-                                            outs + rows, outs + 2 * rows);
+                    relay_attend_shared_f32(qrows, io_bf16, row_first, rows, kh, vh, kv_bf16, table, PS, k0, k1, D,
+                                            qscale, cap2, outs, outs + rows, outs + 2 * rows);
+                free(row_first);
                 free(outs);
                 free(qrows);
                 continue;
             }
             const int64_t b = order[it.rank], pre = (shared[it.rank] + chunk - 1) / chunk;
-            const int64_t t0 = shared[it.rank] + it.c * chunk;
+            const int64_t t0 = begin[it.rank] + it.c * chunk;
             const int64_t t1 = t0 + chunk < lens[b] ? t0 + chunk : lens[b];
             float* acc = partial + ((h * B + it.rank) * C + pre + it.c) * slot_floats;
             for (int64_t g = 0; g < G; g++) {
@@ -729,7 +780,7 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                 qb = qround;
             }
 #endif
-            attend_chunk(qf, qb, kh, vh, tables + b * P, PS, t0, t1, G, D, kv_bf16, qscale, acc, acc + G * D,
+            attend_chunk(qf, qb, kh, vh, tables + b * P, PS, t0, t1, G, D, kv_bf16, qscale, cap2, acc, acc + G * D,
                          acc + G * D + G, rowbuf);
         }
         // Merge each (request, kv head)'s chunks by their log-sum-exp and write the output.
@@ -768,5 +819,6 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
     }
     free(partial);
     free(items);
+    free(group_from);
     free(shared);
 }

@@ -25,8 +25,8 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                       int64_t v_stride, void* k, void* v, const int32_t* tables, const int64_t* lens,
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
                       int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16,
-                      int64_t n_groups, const int64_t* group_first, const int64_t* group_size,
-                      const int64_t* group_keys);
+                      int64_t window, float softcap, int64_t n_groups, const int64_t* group_first,
+                      const int64_t* group_size, const int64_t* group_keys);
 
 typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 panels (cpu_layers.LayerGemm)
     int64_t bits;
@@ -67,6 +67,10 @@ typedef struct {  // one step: T requests, one new token each
     // act [T, inter]
     float *x, *out, *qkv, *attn, *gate_up, *act;
     ShmGroup* tp;  // tensor parallel: this rank's group, whose sum each row-parallel GEMM's output is; or NULL
+    // Attention beyond causal (decode_attention's): each layer's sliding window (0: none; NULL: no
+    // layer has one) and the scores' soft-cap (0: none).
+    const int64_t* windows;
+    float softcap;
 } DecodeStep;
 
 static int gemm(const LayerGemm* w, const float* x, float* y, int64_t T) {
@@ -88,8 +92,8 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
         relay_rope(s->qkv, s->cos, s->sin, s->positions, T, qkv_n, s->nq, s->nk, s->D, 0);
         decode_attention(s->qkv, qkv_n, s->qkv + s->nq * s->D, qkv_n, s->qkv + (s->nq + s->nk) * s->D, qkv_n,
                          L->k_cache, L->v_cache, s->tables, s->lens, s->order, s->attn, T, s->nq, s->nk, s->D, s->S,
-                         s->P, s->PS, s->chunk, s->scale, 0, (int)s->kv_bf16, s->n_groups, s->group_first,
-                         s->group_size, s->group_keys);
+                         s->P, s->PS, s->chunk, s->scale, 0, (int)s->kv_bf16, s->windows ? s->windows[l] : 0,
+                         s->softcap, s->n_groups, s->group_first, s->group_size, s->group_keys);
         if (!gemm(&L->o, s->attn, h, T)) return 0;
         if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
         relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 0);
@@ -111,7 +115,7 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, const int32_t* tables,
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
-                     int io_bf16, int kv_bf16);
+                     int io_bf16, int kv_bf16, int64_t window, float softcap);
 
 typedef struct {  // one decoder layer: bfloat16 norms and panels ([N, K] weights), bfloat16 caches
     const uint16_t* input_norm;
@@ -155,6 +159,8 @@ typedef struct {
     int64_t n_keep;
     const int64_t* keep_rows;
     ShmGroup* tp;  // as DecodeStep's
+    const int64_t* windows;  // as DecodeStep's
+    float softcap;
 } PromptStep;
 
 static int gemm_panels_bf16(const uint32_t* panels, const uint16_t* x, uint16_t* y, int64_t T, int64_t N, int64_t K) {
@@ -174,7 +180,7 @@ static void write_kv(const PromptStep* s, const PromptLayer* L) {
         }
 }
 
-static void attend(const PromptStep* s, const PromptLayer* L) {
+static void attend(const PromptStep* s, const PromptLayer* L, int64_t window) {
     const int64_t qkv_n = (s->nq + 2 * s->nk) * s->D, width = s->nq * s->D;
     write_kv(s, L);
     if (s->n_dec) {  // gathered, attended, scattered back, as the layers do
@@ -182,13 +188,15 @@ static void attend(const PromptStep* s, const PromptLayer* L) {
             memcpy(s->dec_q + i * width, s->qkv + s->dec_rows[i] * qkv_n, sizeof(uint16_t) * (size_t)width);
         decode_attention(s->dec_q, width, NULL, 0, NULL, 0, L->k_cache, L->v_cache, s->dec_tables, s->dec_lens,
                          s->dec_order, s->dec_out, s->n_dec, s->nq, s->nk, s->D, s->S, s->dec_P, s->PS, s->chunk,
-                         s->scale, 1, 1, s->n_groups, s->group_first, s->group_size, s->group_keys);
+                         s->scale, 1, 1, window, s->softcap, s->n_groups, s->group_first, s->group_size,
+                         s->group_keys);
         for (int64_t i = 0; i < s->n_dec; i++)
             memcpy(s->attn + s->dec_rows[i] * width, s->dec_out + i * width, sizeof(uint16_t) * (size_t)width);
     }
     if (s->R)
         extend_attention(s->qkv, qkv_n, L->k_cache, L->v_cache, s->ext_tables, s->ext_P, s->q_starts, s->prefix_lens,
-                         s->extend_lens, s->R, s->attn, s->nq, s->nk, s->D, s->S, s->PS, s->scale, 1, 1);
+                         s->extend_lens, s->R, s->attn, s->nq, s->nk, s->D, s->S, s->PS, s->scale, 1, 1, window,
+                         s->softcap);
 }
 
 // Rows keep[i] of a [*, width] bfloat16 matrix moved up to rows i (keep increasing: in place).
@@ -208,7 +216,7 @@ int relay_prompt_layers(const PromptLayer* layers, int64_t num_layers, const Pro
         else relay_rms_norm(h, s->x, L->input_norm, h, T, H, s->eps, 1);
         if (!gemm_panels_bf16(L->qkv, h, s->qkv, T, qkv_n, H)) return 0;
         relay_rope(s->qkv, s->cos, s->sin, s->positions, T, qkv_n, s->nq, s->nk, s->D, 1);
-        attend(s, L);
+        attend(s, L, s->windows ? s->windows[l] : 0);
         if (l == num_layers - 1 && s->n_keep >= 0 && s->n_keep < T) {  // the other rows are done
             T = s->n_keep;
             if (!T) return 1;

@@ -18,6 +18,11 @@
 // AVX-512, 8 below; 32 for the bfloat16 kernel); extend_attention returns 0 otherwise and the
 // caller uses torch's SDPA.
 //
+// A sliding window: each query row sees keys [first, limit) (p - window < j <= p), an item's tiles
+// start at its first row's first key (the pages before are never read), and the rows of a tile
+// mask the keys before their own first (the whole-tile kernel only where every row sees it all).
+// A soft-cap bends a tile's scores (cap * tanh(s / cap), in base 2) before its softmax.
+//
 // Layouts: q rows q_stride elements apart, the heads of a token at (h * G + g) * D in its row;
 // out [T, H, D]; k, v caches "HND" [HKV, S, D]; tables [R, P] int32 page ids; per request r its
 // first new token's row q_starts[r], prefix_lens[r] cached tokens and extend_lens[r] new ones
@@ -56,7 +61,27 @@ static inline void rescale_factors(const float* m_old, const float* m_new, float
     vf_store_n(alpha, vf_exp2(vf_sub(vf_load_n(m_old, rows), vf_load_n(m_new, rows))), rows);
 }
 
+// The keys of the tile [base, base + n) that a query row seeing keys [first, limit) sees: [*lo, hi)
+// in the tile, hi returned; 0 (and *lo 0) where it sees none of them.
+static inline int64_t tile_span(int64_t first, int64_t limit, int64_t base, int64_t n, int64_t* lo) {
+    const int64_t from = first > base ? first - base : 0, to = limit - base < n ? limit - base : n;
+    *lo = from < to ? from : 0;
+    return from < to ? to : 0;
+}
+
+// The keys a prompt token at position pos sees: [*first, *limit) = [pos - window + 1, pos + 1)
+// with a sliding window (window > 0: p - window < j <= p, as transformers), [0, pos + 1) without.
+static inline void visible_keys(int64_t pos, int64_t window, int64_t* first, int64_t* limit) {
+    *limit = pos + 1;
+    *first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
 #if defined(__AVX512BF16__)
+// Which lanes of vector w of a tile's scores (keys 16w to 16w + 15) lie in [lo, hi).
+static inline __mmask16 span_mask(int64_t lo, int64_t hi, int64_t w) {
+    return (__mmask16)(strip_mask(hi, w) & ~strip_mask(lo, w));
+}
+
 // sc[b][w]: the raw scores of query row b (bf16 pairs at qp[b]) against the tile's keys 16w to
 // 16w + 15 (ktp: [D / 2][KT] pairs), for w < used.
 static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int64_t used,
@@ -80,10 +105,15 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
 // qp: the rows' queries as bf16 pairs; acc [RB, D] (VPUNPCK order), m, l [RB]: their state.
 static inline __attribute__((always_inline)) void full_tile_rows(const int64_t D,
                                                                  const uint32_t* const* qp, const uint32_t* ktp,
-                                                                 const uint32_t* vtp, float qscale, float* m, float* l,
-                                                                 float* acc) {
+                                                                 const uint32_t* vtp, float qscale, float cap2, float* m,
+                                                                 float* l, float* acc) {
     __m512 sc[RB][KT / 16];
     tile_scores(D, KT / 16, qp, ktp, sc);
+    if (cap2 > 0.f) {  // soft-capped, the scores come out in base 2: the softmax below scales them by 1
+        for (int64_t b = 0; b < RB; b++)
+            for (int64_t w = 0; w < KT / 16; w++) sc[b][w] = vf_soft_cap(sc[b][w], qscale, cap2);
+        qscale = 1.f;
+    }
     uint32_t pp[RB][KT / 2];
     float alpha[RB], mx[RB];
     for (int64_t b = 0; b < RB; b++) {
@@ -165,8 +195,9 @@ static void lay_out_tile(const uint16_t* kh, const uint16_t* vh, const int64_t* 
 // queries, B: 16 dim pairs x 16 keys of ktp); then the online softmax over them in AVX-512, the
 // probabilities rounded to bfloat16 into pb [16][KT]; then p . V four 16-dimension C tiles at a
 // time (A: 32 keys' probabilities, B: 16 key pairs x 16 dims of vtp), added to acc scaled by alpha.
-static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr, const uint32_t* ktp,
-                          const uint32_t* vtp, int64_t D, float qscale, float* m, float* l, float* acc) {
+static void amx_row_block(const uint16_t* qb, const int64_t* lo, const int64_t* visible, int64_t nr,
+                          const uint32_t* ktp, const uint32_t* vtp, int64_t D, float qscale, float cap2, float* m,
+                          float* l, float* acc) {
     float sc[16 * KT] __attribute__((aligned(64)));
     uint16_t pb[16 * KT] __attribute__((aligned(64)));
     float part[16 * 16] __attribute__((aligned(64)));
@@ -186,13 +217,17 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
     _tile_stored(1, sc + 1 * 16, KT * 4);
     _tile_stored(2, sc + 2 * 16, KT * 4);
     _tile_stored(3, sc + 3 * 16, KT * 4);
+    if (cap2 > 0.f) {  // (as full_tile_rows)
+        soft_cap(sc, nr * KT, qscale, cap2);
+        qscale = 1.f;
+    }
     float alpha[16], m_old[16], mx[16];
     for (int64_t b = 0; b < 16; b++) {  // each row's new max (rows that see nothing keep theirs)
         m_old[b] = mx[b] = b < nr ? m[b] : 0.f;
         if (visible[b] == 0) continue;
         __m512 mxv = _mm512_set1_ps(-INFINITY);
         for (int64_t w = 0; w < KT / 16; w++)
-            mxv = _mm512_mask_max_ps(mxv, strip_mask(visible[b], w), mxv, _mm512_loadu_ps(sc + b * KT + w * 16));
+            mxv = _mm512_mask_max_ps(mxv, span_mask(lo[b], visible[b], w), mxv, _mm512_loadu_ps(sc + b * KT + w * 16));
         const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0
         mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
     }
@@ -201,7 +236,7 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
         __m512 sum = _mm512_setzero_ps();
         for (int64_t w = 0; w < KT / 16; w++) {
             const __m512 s = _mm512_loadu_ps(sc + b * KT + w * 16);
-            const __m512 p = _mm512_maskz_mov_ps(strip_mask(visible[b], w),
+            const __m512 p = _mm512_maskz_mov_ps(span_mask(lo[b], visible[b], w),
                                                  vexp2(_mm512_fmsub_ps(s, _mm512_set1_ps(qscale), _mm512_set1_ps(mx[b]))));
             sum = _mm512_add_ps(sum, p);
             _mm256_storeu_si256((__m256i*)(pb + b * KT + w * 16), vcvt_bf16_normal(p));
@@ -245,9 +280,10 @@ static void amx_row_block(const uint16_t* qb, const int64_t* visible, int64_t nr
 // rows are copied once into blocks of 16 (the last one zero-padded), and every tile of keys is laid
 // out as attend_rows lays it out, then each block of rows runs amx_row_block over it. Returns 0,
 // having done nothing, where the copy of the rows cannot be allocated (attend_rows then runs).
-static int attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
-                            const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                            float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
+static int attend_rows_amx(const uint16_t* const* qrows, const int64_t* first, const int64_t* limit, int64_t rows,
+                           const uint16_t* kh, const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0,
+                           int64_t k1, int64_t D, float qscale, float cap2, float* m, float* l, float* acc,
+                           uint32_t* scratch) {
     uint32_t* ktp = scratch;
     uint32_t* vtp = ktp + D / 2 * KT;
     const int64_t blocks = (rows + 15) / 16;
@@ -265,13 +301,14 @@ static int attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, i
         lay_out_tile(kh, vh, row, n, D, ktp, vtp);
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t r0 = blk * 16, nr = rows - r0 < 16 ? rows - r0 : 16;
-            int64_t visible[16], seen = 0;
-            for (int64_t b = 0; b < 16; b++) {
-                const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
-                visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
+            int64_t lo[16], visible[16], seen = 0;
+            for (int64_t b = 0; b < 16; b++) {  // the keys of this tile each row sees: [lo, visible)
+                lo[b] = 0;
+                visible[b] = b < nr ? tile_span(first[r0 + b], limit[r0 + b], base, n, &lo[b]) : 0;
                 seen = visible[b] > seen ? visible[b] : seen;
             }
-            if (seen) amx_row_block(qb + r0 * D, visible, nr, ktp, vtp, D, qscale, m + r0, l + r0, acc + r0 * D);
+            if (seen)
+                amx_row_block(qb + r0 * D, lo, visible, nr, ktp, vtp, D, qscale, cap2, m + r0, l + r0, acc + r0 * D);
         }
     }
     _tile_release();
@@ -280,17 +317,20 @@ static int attend_rows_amx(const uint16_t* const* qrows, const int64_t* limit, i
 }
 #endif
 
-// Query rows (raw bfloat16, scores scaled by qscale in base 2) over keys [k0, k1) of one kv head,
-// each row seeing keys below its own limit[r] only; updates each row's online-softmax state m, l
-// and acc [rows, D] (VPUNPCK order). scratch: D * KT uint32 for a tile's key and value pairs.
-static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int64_t rows, const uint16_t* kh,
-                        const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                        float qscale, float* m, float* l, float* acc, uint32_t* scratch) {
+// Query rows (raw bfloat16, scores scaled by qscale in base 2, then soft-capped at cap2 where it is
+// not 0) over keys [k0, k1) of one kv head, row r seeing keys [first[r], limit[r]) only (causal, and
+// a sliding window); updates each row's online-softmax state m, l and acc [rows, D] (VPUNPCK
+// order). scratch: D * KT uint32 for a tile's key and value pairs.
+static void attend_rows(const uint16_t* const* qrows, const int64_t* first, const int64_t* limit, int64_t rows,
+                        const uint16_t* kh, const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0,
+                        int64_t k1, int64_t D, float qscale, float cap2, float* m, float* l, float* acc,
+                        uint32_t* scratch) {
 #if HAVE_AMX
     if (relay_gemm_amx_available() &&
-        attend_rows_amx(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, scratch))
+        attend_rows_amx(qrows, first, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, cap2, m, l, acc, scratch))
         return;
 #endif
+    const float qs = cap2 > 0.f ? 1.f : qscale;  // what the softmax scales the scores by (capped: scaled)
     const int64_t NC = D / 16;
     uint32_t* ktp = scratch;             // [D / 2][KT] key pairs of dims
     uint32_t* vtp = ktp + D / 2 * KT;    // [KT / 2][D] value pairs of keys (VPUNPCK order)
@@ -320,25 +360,25 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                 int full = 1;
                 const uint32_t* qp[RB];
                 for (int64_t b = 0; b < RB; b++) {
-                    full &= limit[r0 + b] >= base + KT;
+                    full &= limit[r0 + b] >= base + KT && first[r0 + b] <= base;
                     qp[b] = (const uint32_t*)qrows[r0 + b];
                 }
                 if (!full) break;
                 prefetch_keys(kh, vh, next, &ahead, share, n_next, D);
-                if (D == 64) full_tile_rows(64, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
-                else full_tile_rows(128, qp, ktp, vtp, qscale, m + r0, l + r0, acc + r0 * D);
+                if (D == 64) full_tile_rows(64, qp, ktp, vtp, qscale, cap2, m + r0, l + r0, acc + r0 * D);
+                else full_tile_rows(128, qp, ktp, vtp, qscale, cap2, m + r0, l + r0, acc + r0 * D);
             }
         }
         for (; r0 < rows; r0 += RB) {
             prefetch_keys(kh, vh, next, &ahead, share, n_next, D);
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-            int64_t visible[RB];
+            int64_t lo[RB], visible[RB];  // the keys of this tile each row sees: [lo, visible)
             const uint32_t* qp[RB];
             int64_t used = 0;
             for (int64_t b = 0; b < RB; b++) {
                 const int64_t rr = r0 + (b < nr ? b : 0);
-                const int64_t vis = limit[rr] - base;  // keys of this tile the row sees
-                visible[b] = b < nr ? (vis < n ? (vis > 0 ? vis : 0) : n) : 0;
+                lo[b] = 0;
+                visible[b] = b < nr ? tile_span(first[rr], limit[rr], base, n, &lo[b]) : 0;
                 qp[b] = (const uint32_t*)qrows[rr];
                 const int64_t u = (visible[b] + 15) / 16;
                 used = u > used ? u : used;
@@ -346,18 +386,18 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
             if (used == 0) continue;
             __m512 sc[RB][KT / 16];
             tile_scores(D, used, qp, ktp, sc);
+            if (cap2 > 0.f)
+                for (int64_t b = 0; b < RB; b++)
+                    for (int64_t w = 0; w < used; w++) sc[b][w] = vf_soft_cap(sc[b][w], qscale, cap2);
             uint32_t pp[RB][KT / 2];
             float alpha[RB], m_old[RB], mx[RB];
             for (int64_t b = 0; b < RB; b++) {  // each row's new max (rows that see nothing keep theirs)
                 m_old[b] = mx[b] = m[r0 + (b < nr ? b : 0)];
                 if (visible[b] == 0) continue;
                 __m512 mxv = _mm512_set1_ps(-INFINITY);
-                for (int64_t w = 0; w < used; w++) {
-                    const int64_t left = visible[b] - w * 16;
-                    const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    mxv = _mm512_mask_max_ps(mxv, live, mxv, sc[b][w]);
-                }
-                const float mx_tile = _mm512_reduce_max_ps(mxv) * qscale;  // qscale > 0
+                for (int64_t w = 0; w < used; w++)
+                    mxv = _mm512_mask_max_ps(mxv, span_mask(lo[b], visible[b], w), mxv, sc[b][w]);
+                const float mx_tile = _mm512_reduce_max_ps(mxv) * qs;  // qs > 0
                 mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
             }
             rescale_factors(m_old, mx, alpha, RB);
@@ -371,10 +411,9 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
                 const int64_t rr = r0 + b;
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t w = 0; w < used; w++) {
-                    const int64_t left = visible[b] - w * 16;
-                    const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                    const __m512 p = _mm512_maskz_mov_ps(
-                        live, vexp2(_mm512_fmsub_ps(sc[b][w], _mm512_set1_ps(qscale), _mm512_set1_ps(mx[b]))));
+                    const __m512 p = _mm512_maskz_mov_ps(span_mask(lo[b], visible[b], w),
+                                                         vexp2(_mm512_fmsub_ps(sc[b][w], _mm512_set1_ps(qs),
+                                                                               _mm512_set1_ps(mx[b]))));
                     sum = _mm512_add_ps(sum, p);
                     _mm256_storeu_si256((__m256i*)(pp[b] + w * 8), vcvt_bf16_normal(p));  // keys 16w.. as 8 pairs
                 }
@@ -409,24 +448,24 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* limit, int6
 
 static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, const uint16_t* k, const uint16_t* v,
                         const int32_t* table, int64_t prefix, int64_t q_start, uint16_t* out, int64_t H, int64_t G,
-                        int64_t D, int64_t S, int64_t PS, float qscale, void* work) {
+                        int64_t D, int64_t S, int64_t PS, float qscale, int64_t window, float cap2, void* work) {
     const int64_t rows = it->n * G, NC = D / 16;
     float* acc = (float*)work;            // [rows, D] in VPUNPCK order
     float* m = acc + rows * D;            // [rows]
     float* l = m + rows;                  // [rows]
     uint32_t* scratch = (uint32_t*)(l + rows);
     const uint16_t* qrows[EXT_MAX_ROWS];
-    int64_t limit[EXT_MAX_ROWS];
+    int64_t first[EXT_MAX_ROWS], limit[EXT_MAX_ROWS];
     for (int64_t rr = 0; rr < rows; rr++) {
         const int64_t tok = it->i0 + rr / G;
         qrows[rr] = q + (q_start + tok) * q_stride + (it->h * G + rr % G) * D;
-        limit[rr] = prefix + tok + 1;  // causal: keys [0, position]
+        visible_keys(prefix + tok, window, &first[rr], &limit[rr]);
         m[rr] = -INFINITY;
         l[rr] = 0.f;
     }
     memset(acc, 0, sizeof(float) * rows * D);
-    attend_rows(qrows, limit, rows, k + it->h * S * D, v + it->h * S * D, table, PS, 0, prefix + it->i0 + it->n, D,
-                qscale, m, l, acc, scratch);
+    attend_rows(qrows, first, limit, rows, k + it->h * S * D, v + it->h * S * D, table, PS, first[0],
+                prefix + it->i0 + it->n, D, qscale, cap2, m, l, acc, scratch);
     for (int64_t rr = 0; rr < rows; rr++) {
         uint16_t* o = out + ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
         const __m512 inv = _mm512_set1_ps(l[rr] > 0.f ? 1.f / l[rr] : 0.f);
@@ -444,9 +483,9 @@ static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, con
 // `table`), for one kv head and the keys [k0, k1) of that shared prefix: one pass over those keys
 // for all of them. Writes each query row's partial softmax state in decode_attention's layout:
 // partial_rows[r] -> [acc (D, in order), m, l] for that row's head.
-int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16_t* kh, const uint16_t* vh,
-                        const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D, float qscale,
-                        float* const* acc_out, float* const* m_out, float* const* l_out) {
+int relay_attend_shared(const uint16_t* const* qrows, const int64_t* first, int64_t rows, const uint16_t* kh,
+                        const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                        float qscale, float cap2, float* const* acc_out, float* const* m_out, float* const* l_out) {
     if (D % 32 || D > EXT_MAX_D) return 0;
     float* work = (float*)malloc(sizeof(float) * (size_t)(rows * (D + 2)) + sizeof(uint32_t) * (size_t)(D * KT));
     float* acc = work;
@@ -455,7 +494,8 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
     int64_t* limit = (int64_t*)malloc(sizeof(int64_t) * (size_t)rows);
     for (int64_t rr = 0; rr < rows; rr++) { m[rr] = -INFINITY; l[rr] = 0.f; limit[rr] = k1; }
     memset(acc, 0, sizeof(float) * rows * D);
-    attend_rows(qrows, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, m, l, acc, (uint32_t*)(l + rows));
+    attend_rows(qrows, first, limit, rows, kh, vh, table, PS, k0, k1, D, qscale, cap2, m, l, acc,
+                (uint32_t*)(l + rows));
     for (int64_t rr = 0; rr < rows; rr++) {
         for (int64_t c = 0; c < D / 16; c += 2) {
             __m512 first, second;
@@ -472,11 +512,11 @@ int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16
     return 1;
 }
 #else
-int relay_attend_shared(const uint16_t* const* qrows, int64_t rows, const uint16_t* kh, const uint16_t* vh,
-                        const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D, float qscale,
-                        float* const* acc_out, float* const* m_out, float* const* l_out) {
-    (void)qrows; (void)rows; (void)kh; (void)vh; (void)table; (void)PS; (void)k0; (void)k1; (void)D; (void)qscale;
-    (void)acc_out; (void)m_out; (void)l_out;
+int relay_attend_shared(const uint16_t* const* qrows, const int64_t* first, int64_t rows, const uint16_t* kh,
+                        const uint16_t* vh, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
+                        float qscale, float cap2, float* const* acc_out, float* const* m_out, float* const* l_out) {
+    (void)qrows; (void)first; (void)rows; (void)kh; (void)vh; (void)table; (void)PS; (void)k0; (void)k1; (void)D;
+    (void)qscale; (void)cap2; (void)acc_out; (void)m_out; (void)l_out;
     return 0;
 }
 #endif
@@ -525,26 +565,26 @@ static inline float row_max(const float* s, int64_t n) {
     return mx;
 }
 
-// s[0, n) -> the softmax numerators 2^(s - mx) in place, and 0 from n up to `end` (a multiple of
-// VL: the keys the row does not see, whose probabilities the value products read); returns their sum.
-static inline float row_numerators(float* s, int64_t n, int64_t end, float mx) {
+// s[lo, n) -> the softmax numerators 2^(s - mx) in place, and 0 below lo (keys before a sliding
+// window) and from n up to `end` (a multiple of VL): the keys the row does not see, whose
+// probabilities the value products read; returns their sum.
+static inline float row_numerators(float* s, int64_t lo, int64_t n, int64_t end, float mx) {
     const vf mv = vf_set1(mx);
     vf sum = vf_zero();
-    int64_t j = 0;
+    memset(s, 0, sizeof(float) * (size_t)lo);
+    int64_t j = lo;
     for (; j + VL <= n; j += VL) {
         const vf p = vf_exp2(vf_sub(vf_load(s + j), mv));
         vf_store(s + j, p);
         sum = vf_add(sum, p);
     }
     float total = vf_sum(sum);
-    if (j < n) {  // the last n - j, the rest of their vector zeroed
-        const vf p = vf_exp2(vf_sub(vf_load(s + j), mv));
-        vf_store(s + j, vf_zero());
-        vf_store_n(s + j, p, n - j);
+    if (j < n) {  // the last n - j
+        vf_store_n(s + j, vf_exp2(vf_sub(vf_load_n(s + j, n - j), mv)), n - j);
         for (int64_t i = j; i < n; i++) total += s[i];
-        j += VL;
     }
-    for (; j < end; j += VL) vf_store(s + j, vf_zero());
+    for (j = n; j + VL <= end; j += VL) vf_store(s + j, vf_zero());
+    if (j < end) vf_store_n(s + j, vf_zero(), end - j);
     return total;
 }
 
@@ -570,15 +610,16 @@ static inline __attribute__((always_inline)) void value_block(const int64_t NV, 
         for (int64_t c = 0; c < NV; c++) vf_store(acc + b * D + (c0 + c) * VL, av[b][c]);
 }
 
-// Query rows qs over keys [k0, k1) of one kv head, each row seeing keys below its own limit[r]
-// only; updates each row's online-softmax state m, l and acc [rows, D]. kt: D * KT floats. NC
+// Query rows qs over keys [k0, k1) of one kv head, row r seeing keys [first[r], limit[r]) only
+// (causal, and a sliding window), its scores soft-capped at cap2 where that is not 0; updates each
+// row's online-softmax state m, l and acc [rows, D]. kt: D * KT floats. NC
 // (head_dim / VL) and kv_bf16 are compile-time constants in each instance (attend_rows_f32 below),
 // so the accumulators of a row block stay in registers: with a runtime NC the compiler kept them
 // on the stack and copied them out with rep movs (5 % of the AVX-512 kernel's time).
 static inline __attribute__((always_inline)) void attend_rows_f32_nc(
-        const int64_t NC, const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
-        int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, float* m, float* l, float* acc,
-        float* kt) {
+        const int64_t NC, const float* qs, const int64_t* first, const int64_t* limit, int64_t rows, const void* kh,
+        const void* vh, int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, float cap2, float* m,
+        float* l, float* acc, float* kt) {
     const int64_t D = NC * VL;
     const size_t esz = kv_bf16 ? 2 : 4;
     int64_t row[KT];  // byte offset of each of the tile's tokens in a kv head's [S, D] block
@@ -600,11 +641,11 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
             }
         for (int64_t r0 = 0; r0 < rows; r0 += RBF) {
             const int64_t nr = rows - r0 < RBF ? rows - r0 : RBF;
-            int64_t visible[RBF], seen = 0;
+            int64_t lo[RBF], visible[RBF], seen = 0;  // the keys of this tile each row sees: [lo, visible)
             const float* q[RBF];
             for (int64_t b = 0; b < RBF; b++) {
-                const int64_t vis = b < nr ? limit[r0 + b] - base : 0;  // keys of this tile the row sees
-                visible[b] = vis < n ? (vis > 0 ? vis : 0) : n;
+                lo[b] = 0;
+                visible[b] = b < nr ? tile_span(first[r0 + b], limit[r0 + b], base, n, &lo[b]) : 0;
                 seen = visible[b] > seen ? visible[b] : seen;
                 q[b] = qs + (r0 + (b < nr ? b : 0)) * D;
             }
@@ -616,7 +657,8 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
             for (int64_t b = 0; b < RBF; b++) {  // each row's new max (rows that see nothing keep theirs)
                 m_old[b] = mx[b] = m[r0 + (b < nr ? b : 0)];
                 if (visible[b] == 0) continue;
-                const float mx_tile = row_max(sc[b], visible[b]);
+                if (cap2 > 0.f) soft_cap(sc[b] + lo[b], visible[b] - lo[b], 1.f, cap2);
+                const float mx_tile = row_max(sc[b] + lo[b], visible[b] - lo[b]);
                 mx[b] = mx_tile > m_old[b] ? mx_tile : m_old[b];
             }
             rescale_factors(m_old, mx, alpha, RBF);
@@ -627,7 +669,7 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
                     continue;
                 }
                 const int64_t rr = r0 + b;
-                l[rr] = l[rr] * alpha[b] + row_numerators(sc[b], visible[b], used * VL, mx[b]);
+                l[rr] = l[rr] * alpha[b] + row_numerators(sc[b], lo[b], visible[b], used * VL, mx[b]);
                 m[rr] = mx[b];
             }
             int64_t c0 = 0;  // acc += p . V, NW * VL output dims at a time (a count gcc knows: no spills)
@@ -637,10 +679,11 @@ static inline __attribute__((always_inline)) void attend_rows_f32_nc(
     }
 }
 
-static void attend_rows_f32(const float* qs, const int64_t* limit, int64_t rows, const void* kh, const void* vh,
-                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                            float* m, float* l, float* acc, float* kt) {
-#define ROWS_F32(NCV, KV) attend_rows_f32_nc(NCV, qs, limit, rows, kh, vh, KV, table, PS, k0, k1, m, l, acc, kt)
+static void attend_rows_f32(const float* qs, const int64_t* first, const int64_t* limit, int64_t rows, const void* kh,
+                            const void* vh, int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1,
+                            int64_t D, float cap2, float* m, float* l, float* acc, float* kt) {
+#define ROWS_F32(NCV, KV) \
+    attend_rows_f32_nc(NCV, qs, first, limit, rows, kh, vh, KV, table, PS, k0, k1, cap2, m, l, acc, kt)
     // the cache's dtype a constant too: with a test of kv_bf16 at every load the value products spilled
     switch (D) {
         case 64: if (kv_bf16) ROWS_F32(64 / VL, 1); else ROWS_F32(64 / VL, 0); return;
@@ -660,7 +703,8 @@ static void scaled_rows(const void* const* qrows, int64_t rows, int64_t D, int i
 // extend_item's float32 twin: out rows in the queries' dtype.
 static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, const void* k, const void* v,
                             int io_bf16, int kv_bf16, const int32_t* table, int64_t prefix, int64_t q_start, void* out,
-                            int64_t H, int64_t G, int64_t D, int64_t S, int64_t PS, float qscale, float* work) {
+                            int64_t H, int64_t G, int64_t D, int64_t S, int64_t PS, float qscale, int64_t window,
+                            float cap2, float* work) {
     const int64_t rows = it->n * G;
     const size_t qsz = io_bf16 ? 2 : 4, ksz = kv_bf16 ? 2 : 4;
     float* acc = work;             // [rows, D]
@@ -669,18 +713,19 @@ static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, con
     float* l = m + rows;           // [rows]
     float* kt = l + rows;          // [D, KT]
     const void* qrows[EXT_MAX_ROWS];
-    int64_t limit[EXT_MAX_ROWS];
+    int64_t first[EXT_MAX_ROWS], limit[EXT_MAX_ROWS];
     for (int64_t rr = 0; rr < rows; rr++) {
         const int64_t tok = it->i0 + rr / G;
         qrows[rr] = (const char*)q + ((q_start + tok) * q_stride + (it->h * G + rr % G) * D) * qsz;
-        limit[rr] = prefix + tok + 1;  // causal: keys [0, position]
+        visible_keys(prefix + tok, window, &first[rr], &limit[rr]);
         m[rr] = -INFINITY;
         l[rr] = 0.f;
     }
     scaled_rows(qrows, rows, D, io_bf16, qscale, qs);
     memset(acc, 0, sizeof(float) * rows * D);
-    attend_rows_f32(qs, limit, rows, (const char*)k + it->h * S * D * ksz, (const char*)v + it->h * S * D * ksz,
-                    kv_bf16, table, PS, 0, prefix + it->i0 + it->n, D, m, l, acc, kt);
+    attend_rows_f32(qs, first, limit, rows, (const char*)k + it->h * S * D * ksz,
+                    (const char*)v + it->h * S * D * ksz, kv_bf16, table, PS, first[0], prefix + it->i0 + it->n, D,
+                    cap2, m, l, acc, kt);
     for (int64_t rr = 0; rr < rows; rr++) {
         const int64_t o = ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
         const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
@@ -694,9 +739,10 @@ static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, con
 
 // relay_attend_shared for float32 (or bfloat16 without AVX512-BF16) queries and caches, with
 // attend_rows_f32; acc_out rows come out in order. Returns 0 where head_dim is not whole vectors.
-int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows, const void* kh, const void* vh,
-                            int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1, int64_t D,
-                            float qscale, float* const* acc_out, float* const* m_out, float* const* l_out) {
+int relay_attend_shared_f32(const void* const* qrows, int io_bf16, const int64_t* first, int64_t rows, const void* kh,
+                            const void* vh, int kv_bf16, const int32_t* table, int64_t PS, int64_t k0, int64_t k1,
+                            int64_t D, float qscale, float cap2, float* const* acc_out, float* const* m_out,
+                            float* const* l_out) {
     if (D % VL || D > EXT_MAX_D) return 0;
     float* work = (float*)malloc(sizeof(float) * (size_t)(rows * (2 * D + 2) + D * KT));
     float* acc = work;
@@ -707,7 +753,7 @@ int relay_attend_shared_f32(const void* const* qrows, int io_bf16, int64_t rows,
     for (int64_t rr = 0; rr < rows; rr++) { m[rr] = -INFINITY; l[rr] = 0.f; limit[rr] = k1; }
     scaled_rows(qrows, rows, D, io_bf16, qscale, qs);
     memset(acc, 0, sizeof(float) * rows * D);
-    attend_rows_f32(qs, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, D, m, l, acc, l + rows);
+    attend_rows_f32(qs, first, limit, rows, kh, vh, kv_bf16, table, PS, k0, k1, D, cap2, m, l, acc, l + rows);
     for (int64_t rr = 0; rr < rows; rr++) {
         memcpy(acc_out[rr], acc + rr * D, sizeof(float) * (size_t)D);
         *m_out[rr] = m[rr];
@@ -748,7 +794,7 @@ static int64_t item_block(const int64_t* extend_lens, int64_t R, int64_t HKV) {
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, const int32_t* tables,
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
-                     int io_bf16, int kv_bf16) {
+                     int io_bf16, int kv_bf16, int64_t window, float softcap) {
     const int64_t G = H / HKV;
 #if defined(__AVX512BF16__)
     // VDPBF16PS on the raw values; a head_dim of an odd number of 16s takes the float tiles
@@ -765,11 +811,13 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
         for (int64_t h = 0; h < HKV; h++)
             for (int64_t i0 = 0; i0 < extend_lens[r]; i0 += qb) {
                 const int64_t n = extend_lens[r] - i0 < qb ? extend_lens[r] - i0 : qb;
-                Item it = {r, h, i0, n, prefix_lens[r] + i0 + n};
+                const int64_t keys = prefix_lens[r] + i0 + n;  // (a window bounds them)
+                Item it = {r, h, i0, n, window > 0 && keys > window + n ? window + n : keys};
                 items[c++] = it;
             }
     qsort(items, (size_t)count, sizeof(Item), by_cost_desc);
     const float qscale = scale * 1.4426950408889634f;
+    const float cap2 = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;  // the cap in base 2 too
     const size_t work_bytes = bf16 ? sizeof(float) * (size_t)(qb * G * (D + 2)) + sizeof(uint32_t) * (size_t)(D * KT)
                                    : sizeof(float) * (size_t)(qb * G * (2 * D + 2) + D * KT);
     _Pragma("omp parallel")
@@ -781,12 +829,13 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
 #if defined(__AVX512BF16__)
             if (bf16) {
                 extend_item(it, (const uint16_t*)q, q_stride, (const uint16_t*)k, (const uint16_t*)v, tables + it->r * P,
-                            prefix_lens[it->r], q_starts[it->r], (uint16_t*)out, H, G, D, S, PS, qscale, work);
+                            prefix_lens[it->r], q_starts[it->r], (uint16_t*)out, H, G, D, S, PS, qscale, window, cap2,
+                            work);
                 continue;
             }
 #endif
             extend_item_f32(it, q, q_stride, k, v, io_bf16, kv_bf16, tables + it->r * P, prefix_lens[it->r],
-                            q_starts[it->r], out, H, G, D, S, PS, qscale, (float*)work);
+                            q_starts[it->r], out, H, G, D, S, PS, qscale, window, cap2, (float*)work);
         }
         free(work);
     }

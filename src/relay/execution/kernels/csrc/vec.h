@@ -311,3 +311,24 @@ static inline vf vf_exp(vf x) {
     x = vf_min(vf_max(x, vf_set1(-87.f)), vf_set1(87.f));
     return vf_exp2(vf_mul(x, vf_set1(1.4426950408889634f)));
 }
+
+// tanh(x) as (1 - e^-2x) / (1 + e^-2x): vf_exp's clamp keeps both ends finite (+-1 exactly far
+// out), and near 0 the absolute error stays ~1e-7, which is what a soft-capped score needs.
+static inline vf vf_tanh(vf x) {
+    const vf t = vf_exp(vf_mul(x, vf_set1(-2.f))), one = vf_set1(1.f);
+    return vf_div(vf_sub(one, t), vf_add(one, t));
+}
+
+// Attention logit soft-capping (Gemma 2): a score s -> cap * tanh(s * scale / cap). The kernels'
+// softmax runs in base 2 (scores times log2 e), so they pass cap * log2 e: the same function there;
+// scale: what the scores still need multiplying by (1 where they come scaled).
+static inline vf vf_soft_cap(vf s, float scale, float cap) {
+    return vf_mul(vf_set1(cap), vf_tanh(vf_mul(s, vf_set1(scale / cap))));
+}
+
+// The same over s[0, n), in place.
+static inline void soft_cap(float* s, int64_t n, float scale, float cap) {
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) vf_store(s + j, vf_soft_cap(vf_load(s + j), scale, cap));
+    if (j < n) vf_store_n(s + j, vf_soft_cap(vf_load_n(s + j, n - j), scale, cap), n - j);
+}
