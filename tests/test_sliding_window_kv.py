@@ -77,11 +77,14 @@ def test_chunked_prefill_of_a_prompt_several_windows_long_holds_a_window_and_a_c
     assert max(held[2 * WINDOW // 24 + 2 :]) <= (WINDOW + 24) // PS + 2 + (depth - 1)
 
 
-def test_finish_caches_only_the_leading_run_of_held_pages():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_finish_caches_only_the_leading_run_of_held_pages(depth):
     """A request that ran past its window leaves its first window in the tree (what it shared
     while it held it) and nothing after, where it has given pages back; one that never did
-    leaves all its whole pages. The next requests start from those prefixes, exactly."""
-    h = Harness(page_size=PS, window=WINDOW, budget=256)
+    leaves all its whole pages. The next requests start from those prefixes, exactly. Under
+    overlap (depth 2) too: a page is not dropped before the step computing it is processed and
+    its share reached the tree."""
+    h = Harness(page_size=PS, window=WINDOW, budget=256, depth=depth)
     long_prompt, short_prompt = prompt(40, 3), prompt(6, 4)
     h.add("long", long_prompt, max_new_tokens=30, ignore_eos=True)
     h.add("short", short_prompt, max_new_tokens=5, ignore_eos=True)

@@ -123,12 +123,17 @@ class KVManager:
 
     def drop_dead_pages(self, req: Req) -> None:
         """Give back req's leading pages that no query from its next position (kv_len: what
-        steps already built compute, in flight or not, attends before it) reads again. Its own
+        steps already built compute, in flight or not, attends before it) reads again; until
+        the tree has its share of req (cache_prefix), from its written position only: a page a
+        step still out computes could otherwise go before that step is processed and shared,
+        and what the prefix cache keeps would depend on overlap's timing. Its own
         go back to the pool; the tree's stay cached, unlocked, once every one of them is behind
         the window (the lock holds the path from the root: all of it or none). Their entries
         become FREED_PAGE, which the runner learns with req's next page update. Pages freed here
         are only reused by steps built later, which the runner runs after the ones out now."""
-        dead = pages_behind_window(req.kv_len, self.window, self.page_size)
+        shared = self.cache.disabled or req.dropped_pages or req.tree_len >= self.share_limit
+        upto = req.kv_len if shared else req.written_len
+        dead = pages_behind_window(upto, self.window, self.page_size)
         first = req.dropped_pages
         if dead <= first:
             return
