@@ -52,3 +52,18 @@ def kernel_level(request) -> Iterator[str]:
     """Each level this CPU reaches, its library in use for the test (import this fixture)."""
     with held_at(request.param):
         yield request.param
+
+
+def decode_rounding(io, kv, d: int, group: int, level: str) -> tuple[bool, float]:
+    """(rounded, tolerance) of the C decode attention against a float reference: the VDPBF16PS
+    kernel (AVX512-BF16; head_dim 64 or 128, at most 8 query heads per kv head) takes a bfloat16
+    cache's queries in bfloat16, as a bfloat16 model has them (rounded: the reference should
+    round them too); bfloat16 outputs or caches are compared at their precision."""
+    import torch
+
+    rounded = (
+        kv == torch.bfloat16 and isa.at_least("avx512bf16", level) and d in (64, 128) and group <= 8
+    )
+    if io == kv == torch.float32:
+        return rounded, 1e-5
+    return rounded, 2e-2 if io == torch.bfloat16 else (5e-3 if rounded else 2e-3)

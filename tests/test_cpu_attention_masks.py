@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from relay.execution.kernels import cpu, cpu_attention, isa
-from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
+from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+    cpu_kernels_or_skip,
+    decode_rounding,
+    kernel_level,
+)
 
 PS = 16
 CAP = 2.0  # q.k * d^-0.5 of random rows is ~N(0, 1): a cap of 2 bends most scores
@@ -67,17 +71,7 @@ def test_decode_attention_applies_windows_and_caps(kernel_level, d, group, io, k
     q = torch.randn(len(lens), hkv * group, d).to(io)
     plan = cpu_attention.DecodePlan(tables, lens)
     # the VDPBF16PS kernel takes a bfloat16 cache's queries in bfloat16 (test_cpu_kernels)
-    rounded = (
-        kv == torch.bfloat16
-        and isa.at_least("avx512bf16", kernel_level)
-        and d in (64, 128)
-        and group <= 8
-    )
-    tol = (
-        1e-5
-        if io == kv == torch.float32
-        else (2e-2 if io == torch.bfloat16 else (5e-3 if rounded else 2e-3))
-    )
+    rounded, tol = decode_rounding(io, kv, d, group, kernel_level)
     qr = q.to(torch.bfloat16) if rounded else q
     for window, cap in DECODE_MASKS:
         out = cpu_attention.decode_attention(

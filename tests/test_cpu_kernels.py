@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from relay.execution.kernels import cpu, cpu_attention, cpu_gemm, cpu_ops, isa
-from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
+from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+    cpu_kernels_or_skip,
+    decode_rounding,
+    kernel_level,
+)
 
 PS = 16
 
@@ -82,19 +86,7 @@ def test_decode_attention_matches_dense(level_lib, kernel_level, d, group, io, k
     plan = cpu_attention.DecodePlan(tables, lens)
     out = cpu_attention.decode_attention(level_lib, plan, q, k, v, PS, d**-0.5)
     assert out.dtype == io and out.shape == q.shape
-    # the VDPBF16PS kernel (AVX512-BF16; head_dim 64 or 128, at most 8 query heads per kv head)
-    # takes a bfloat16 cache's queries in bfloat16, as a bfloat16 model has them: float ones rounded
-    rounded = (
-        kv == torch.bfloat16
-        and isa.at_least("avx512bf16", kernel_level)
-        and d in (64, 128)
-        and group <= 8
-    )
-    tol = (
-        1e-5
-        if io == torch.float32 and kv == torch.float32
-        else (2e-2 if io == torch.bfloat16 else (5e-3 if rounded else 2e-3))
-    )
+    rounded, tol = decode_rounding(io, kv, d, group, kernel_level)
     expect = reference(q.to(torch.bfloat16) if rounded else q, k, v, tables, lens, d**-0.5)
     torch.testing.assert_close(out.float(), expect, atol=tol, rtol=tol)
 

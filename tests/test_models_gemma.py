@@ -90,8 +90,11 @@ def gemma3_config():
 CONFIGS = {"mistral": mistral_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir):
+def tiny_model_maker(tmp_path_factory, default_model_dir, configs: dict):
+    """A factory: name -> the directory of a seeded random model of configs[name]() (its norms
+    randomised, Gemma's embedding scaled down by sqrt(hidden), which it multiplies by: else the
+    embedding drowns the layers), made once; the default model's tokenizer files beside it (the
+    prompts are token ids: any tokenizer will do)."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, str] = {}
@@ -100,23 +103,27 @@ def model_dir(tmp_path_factory, default_model_dir):
         if name not in made:
             torch.manual_seed(0)
             path = str(tmp_path_factory.mktemp(name))
-            model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+            config = configs[name]()
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if "norm" in n:
                         p.normal_(0.0, 0.3)
-                if (
-                    name != "mistral"
-                ):  # Gemma scales the embedding by sqrt(hidden): else it drowns the layers
-                    model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
+                if config.model_type.startswith("gemma"):
+                    model.model.embed_tokens.weight /= config.hidden_size**0.5
             model.save_pretrained(path)
-            for f in os.listdir(default_model_dir):  # prompts are token ids: any tokenizer will do
+            for f in os.listdir(default_model_dir):
                 if f.startswith("tokenizer"):
                     shutil.copy(os.path.join(default_model_dir, f), path)
             made[name] = path
         return made[name]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    return tiny_model_maker(tmp_path_factory, default_model_dir, CONFIGS)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

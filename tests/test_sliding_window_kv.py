@@ -9,11 +9,7 @@ pages neither free nor cached-and-evictable are held by the running requests.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
-import torch
 
 from relay import Engine, SamplingParams
 from relay.config import ModelConfig
@@ -24,7 +20,7 @@ from relay.outputs import FinishReason
 from relay.scheduling.batch import BatchInput
 from tests.conftest import TINY_VOCAB
 from tests.test_engine import random_prompts, reference
-from tests.test_models_gemma import COMMON
+from tests.test_models_gemma import COMMON, tiny_model_maker
 from tests.test_scheduler import Harness, prompt
 
 WINDOW, PS = 16, 4
@@ -235,30 +231,8 @@ def gemma3_config():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    made: dict[str, str] = {}
-
-    def make(name: str) -> str:
-        if name not in made:
-            torch.manual_seed(0)
-            path = str(tmp_path_factory.mktemp(name))
-            config = {"mistral": mistral_config, "gemma3": gemma3_config}[name]()
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if "norm" in n:
-                        p.normal_(0.0, 0.3)
-                if name == "gemma3":  # (as test_models_gemma: else the embedding drowns the layers)
-                    model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
-            model.save_pretrained(path)
-            for f in os.listdir(default_model_dir):  # prompts are token ids: any tokenizer will do
-                if f.startswith("tokenizer"):
-                    shutil.copy(os.path.join(default_model_dir, f), path)
-            made[name] = path
-        return made[name]
-
-    return make
+    configs = {"mistral": mistral_config, "gemma3": gemma3_config}
+    return tiny_model_maker(tmp_path_factory, default_model_dir, configs)
 
 
 def generate_watching(
