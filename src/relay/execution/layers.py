@@ -30,6 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # Relay's CPU kernel (set by the model where it runs); else torch
 
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight Relay's CPU norm kernels multiply by (Gemma's norms: 1 + w)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return cpu_ops.rms_norm(x, self.weight, self.eps)

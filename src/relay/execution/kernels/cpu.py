@@ -126,6 +126,8 @@ def bind(path: str) -> ctypes.CDLL:
     lib.relay_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.relay_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i32]
     lib.relay_silu_mul.argtypes = [p, p, i64, i64, i32]
+    lib.relay_gelu_tanh_mul.argtypes = [p, p, i64, i64, i32]
+    lib.relay_head_norm.argtypes = [p, p, p, i64, i64, i64, i64, i64, f32, i32]
     lib.relay_gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.relay_gemm_bf16.restype = None
     lib.relay_gemm_bf16_available.restype = i32

@@ -49,6 +49,9 @@ class _DecodeLayer(ctypes.Structure):
         ("down", _LayerGemm),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+    ] + [
+        (name, ctypes.c_void_p)
+        for name in ("q_norm", "k_norm", "pre_mlp_norm", "post_mlp_norm", "cos", "sin")
     ]
 
 
@@ -56,10 +59,7 @@ class _DecodeStep(ctypes.Structure):
     _fields_ = (
         [(name, ctypes.c_int64) for name in ("T", "hidden", "inter", "nq", "nk", "D")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-        + [
-            (name, ctypes.c_void_p)
-            for name in ("cos", "sin", "positions", "tables", "lens", "order")
-        ]
+        + [(name, ctypes.c_void_p) for name in ("positions", "tables", "lens", "order")]
         + [(name, ctypes.c_int64) for name in ("P", "S", "PS", "chunk", "kv_bf16", "n_groups")]
         + [
             (name, ctypes.c_void_p)
@@ -78,7 +78,7 @@ class _DecodeStep(ctypes.Structure):
                 "windows",
             )
         ]
-        + [("softcap", ctypes.c_float)]
+        + [("softcap", ctypes.c_float), ("gelu", ctypes.c_int64)]
     )
 
 
@@ -105,14 +105,23 @@ class LayerGemm:
 class DecoderLayerWeights:
     """What a one-call step reads of one decoder layer: its norms and its GEMM weights, as
     relay_decode_layers (float32 norms, LayerGemm) or relay_prompt_layers (bfloat16 norms,
-    Bf16Panels) takes them."""
+    Bf16Panels) takes them. The optional parts only relay_decode_layers reads: q/k norms
+    (Qwen3, Gemma 3), Gemma's sandwich norms around the MLP, and the layer's own rotary tables."""
 
     input_norm: torch.Tensor  # [hidden]
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # after attention: Llama's before the MLP, Gemma's on its output alone
     qkv: LayerGemm | Bf16Panels  # q, k, v fused, no bias
     o: LayerGemm | Bf16Panels
     gate_up: LayerGemm | Bf16Panels  # gate then up
     down: LayerGemm | Bf16Panels
+    q_norm: torch.Tensor | None = None  # [head_dim]: each q head normed before the rotary
+    k_norm: torch.Tensor | None = None
+    pre_mlp_norm: torch.Tensor | None = (
+        None  # Gemma: before the MLP (post_norm then after attention)
+    )
+    post_mlp_norm: torch.Tensor | None = None  # Gemma: on the MLP's output
+    cos: torch.Tensor | None = None  # this layer's rotary tables, where not the model's
+    sin: torch.Tensor | None = None
 
 
 class DecodeLayers:
@@ -138,9 +147,15 @@ class DecodeLayers:
         tp: int | None = None,
         windows: list[int | None] | None = None,
         softcap: float | None = None,
+        gelu: bool = False,
     ):
         """windows: each layer's sliding window (None: the whole context; no list: no layer has
-        one); softcap: the scores' soft-cap (the attention backend's, decode_attention's)."""
+        one); softcap: the scores' soft-cap (the attention backend's, decode_attention's); gelu:
+        the MLPs gate with gelu_tanh (Gemma's GeGLU), not silu. cos/sin: the rotary tables of
+        every layer without its own (DecoderLayerWeights.cos)."""
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
 
         def mat(w: LayerGemm) -> _LayerGemm:
             b = w.blocks
@@ -172,11 +187,18 @@ class DecodeLayers:
                     mat(w.down),
                     k.data_ptr(),
                     v.data_ptr(),
+                    ptr(w.q_norm),
+                    ptr(w.k_norm),
+                    ptr(w.pre_mlp_norm),
+                    ptr(w.post_mlp_norm),
+                    (cos if w.cos is None else w.cos).data_ptr(),
+                    (sin if w.sin is None else w.sin).data_ptr(),
                 )
                 for w, k, v in zip(layers, k_caches, v_caches)
             ]
         )
         first = layers[0]
+        self.gelu = gelu
         self.hidden, self.inter = first.o.blocks.out_features, first.down.blocks.in_features
         self.qkv_n = first.qkv.blocks.out_features
         self.final_norm, self.eps, self.scale = final_norm, eps, scale
@@ -218,8 +240,6 @@ class DecodeLayers:
             self.d,
             self.eps,
             self.scale,
-            self.cos.data_ptr(),
-            self.sin.data_ptr(),
             positions.data_ptr(),
             plan.tables.data_ptr(),
             plan.lens.data_ptr(),
@@ -243,6 +263,7 @@ class DecodeLayers:
             self.tp,
             None if self.windows is None else self.windows.data_ptr(),
             self.softcap,
+            int(self.gelu),
         )
         if not cpu._lib.relay_decode_layers(self.table, len(self.table), ctypes.byref(step)):
             raise RuntimeError(

@@ -71,11 +71,44 @@ def rope(
     )
 
 
+def head_norm(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_q: int,
+    num_k: int,
+    head_dim: int,
+) -> None:
+    """rms_norm of each q head (by q_weight [head_dim]) and each k head (by k_weight) at the start
+    of each qkv row, in place (Qwen3's and Gemma 3's q/k norms)."""
+    cpu._lib.relay_head_norm(
+        qkv.data_ptr(),
+        q_weight.data_ptr(),
+        k_weight.data_ptr(),
+        qkv.shape[0],
+        qkv.stride(0),
+        num_q,
+        num_k,
+        head_dim,
+        eps,
+        cpu.bf16_flag(qkv),
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [T, 2 * I] gate_up (gate first)."""
+    return _gated(gate_up, cpu._lib.relay_silu_mul)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up of a [T, 2 * I] gate_up (gate first), gelu's tanh approximation (Gemma's
+    GeGLU, transformers' gelu_pytorch_tanh)."""
+    return _gated(gate_up, cpu._lib.relay_gelu_tanh_mul)
+
+
+def _gated(gate_up: torch.Tensor, kernel) -> torch.Tensor:
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    cpu._lib.relay_silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, cpu.bf16_flag(gate_up)
-    )
+    kernel(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, cpu.bf16_flag(gate_up))
     return out

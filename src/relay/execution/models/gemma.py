@@ -15,9 +15,10 @@ What they change in the Llama decoder:
   rope_local_base_freq and the default rope, the global ones with rope_theta and rope_scaling.
 
 Windows and soft-capped scores are the attention backend's to apply (ModelConfig.layer_windows,
-attn_logit_softcap: only the torch backend does, on CPU in Relay's C attention kernels). The layers
-run in torch: Relay's fused CPU norm/rotary/SiLU kernels compute Llama's, so the one-call C decoder
-layers (built on them) are not used; the GEMMs take Relay's kernels as Llama's do.
+attn_logit_softcap: only the torch backend does, on CPU in Relay's C attention kernels). A float32
+model on CPU runs its norms (weights 1 + w, folded once), q/k norms, rotary and GeGLU in Relay's C
+kernels, the ones the one-call C decoder layers (models/one_call_layers.py) run too, so a decode
+step whose GEMMs read GGUF blocks runs in one C call, bit for bit as its layers one by one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from torch import nn
 from relay.config import ModelConfig
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup
+from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import cpu_ops
 from relay.execution.layers import RotaryEmbedding, StepRope
 from relay.execution.models.llama import LlamaForCausalLM
 from relay.execution.models.llama_layers import MLP, Attention
@@ -44,8 +47,21 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.folded: torch.Tensor | None = None  # 1 + w for Relay's CPU kernel (use_kernel)
+
+    def use_kernel(self) -> None:
+        """Norm float32 rows with Relay's CPU kernel, its weight 1 + w computed once (in float32,
+        as transformers computes it: the same values)."""
+        self.folded = 1.0 + self.weight.float()
+
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        assert self.folded is not None, "use_kernel first"
+        return self.folded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded is not None:
+            return cpu_ops.rms_norm(x.contiguous(), self.folded, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -64,7 +80,11 @@ class GemmaAttention(Attention):
 class GeGluMLP(MLP):
     """gelu_pytorch_tanh(x W_gate) * (x W_up) W_down, split over the ranks as Llama's MLP."""
 
+    gelu = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_ops.gelu_tanh_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
@@ -131,20 +151,29 @@ class GemmaForCausalLM(LlamaForCausalLM):
         keep = None
         if rows is not None and len(rows) != t:
             keep = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
-        ropes = {False: self.rotary.for_step(positions, self.dtype, fused=False)}
+        hidden = self._decode_in_one_call(
+            input_ids, positions, attn, rows if keep is not None else None
+        )
+        if hidden is not None:
+            return hidden
+        fused = self.fused_cpu_ops  # the layers' attention rotates with its own tables
+        ropes = {False: self.rotary.for_step(positions, self.dtype, fused=fused)}
         ropes[True] = (
             ropes[False]
             if self.local_rotary is self.rotary
-            else self.local_rotary.for_step(positions, self.dtype, fused=False)
+            else self.local_rotary.for_step(positions, self.dtype, fused=fused)
         )
-        # transformers rounds sqrt(hidden) to the model's dtype before it scales the embedding
-        x = self.embed_tokens(input_ids) * torch.tensor(
-            self.config.hidden_size**0.5, dtype=self.dtype
-        )
+        x = self.embed(input_ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes[self.sliding[i]], attn, keep if i == last else None)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # transformers rounds sqrt(hidden) to the model's dtype before it scales the embedding
+        return self.embed_tokens(input_ids) * torch.tensor(
+            self.config.hidden_size**0.5, dtype=self.dtype
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -158,6 +187,26 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return super()._load_one(tower.group(1) if tower else name, w)
 
     def use_cpu_kernels(self) -> None:
-        """Only Relay's GEMM kernels: its fused norm, rotary and SiLU kernels compute Llama's
-        layers, not Gemma's (1 + w) norms and GeGLU."""
+        """Relay's GEMM kernels; for a float32 model also its CPU norm (1 + w folded), q/k norm,
+        rotary (each layer its tables) and GeGLU kernels, which the one-call decode runs too. A
+        bfloat16 model keeps torch's: its norms scale in float32 before they round, as
+        transformers' do, where the kernels would multiply by a rounded 1 + w."""
         self._use_gemm_kernels()
+        self.fused_cpu_ops = (
+            self.dtype == torch.float32
+            and cpu_kernels.available()
+            and self.rotary.covers_head
+            and self.local_rotary.covers_head
+        )
+        if not self.fused_cpu_ops:
+            return
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.use_kernel()
+        for layer, sliding in zip(self.layers, self.sliding):
+            layer.mlp.fused = True
+            layer.self_attn.rotary = self.local_rotary if sliding else self.rotary
+
+    def use_prompt_layers(self, attn: AttentionBackend) -> bool:
+        """Never: the one-call prompt step computes Llama's layers (bfloat16), not Gemma's."""
+        return False

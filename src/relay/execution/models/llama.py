@@ -97,16 +97,9 @@ class LlamaForCausalLM(nn.Module):
         GEMMs pick their kernel by row count, so it is close."""
         t = input_ids.shape[0]
         keep = None if rows is None or len(rows) == t else rows
-        fast = self.decode_layers
-        if fast is not None and fast[0] is attn and t <= fast[1].max_rows:
-            plan = attn.decode_kernel_plan
-            if plan is not None:
-                hidden = (
-                    fast[1]
-                    .run(self.embed_tokens(input_ids).float(), positions, plan)
-                    .to(self.dtype)
-                )
-                return hidden if keep is None else hidden[keep]
+        hidden = self._decode_in_one_call(input_ids, positions, attn, keep)
+        if hidden is not None:
+            return hidden
         chunks = self.prompt_layers
         if chunks is not None and chunks[0] is attn and t > self._rows_off_panels():
             plan = attn.prompt_kernel_plan
@@ -123,6 +116,29 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, attn, index if i == last else None)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def _decode_in_one_call(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        keep: list[int] | None,
+    ) -> torch.Tensor | None:
+        """forward's hidden states from the decode_layers C call, where it takes this step (a
+        pure decode step over its attention backend's cache, of at most its max_rows); else None."""
+        fast = self.decode_layers
+        if fast is None or fast[0] is not attn or input_ids.shape[0] > fast[1].max_rows:
+            return None
+        plan = attn.decode_kernel_plan
+        if plan is None:
+            return None
+        x = self.embed(input_ids).float()
+        hidden = fast[1].run(x, positions, plan).to(self.dtype)
+        return hidden if keep is None else hidden[keep]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (Gemma scales the embedding)."""
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
@@ -149,9 +165,7 @@ class LlamaForCausalLM(nn.Module):
         token)."""
         self._use_gemm_kernels()
         self.fused_cpu_ops = (
-            self.dtype in (torch.bfloat16, torch.float32)
-            and cpu_kernels.available()
-            and not self.config.qk_norm
+            self.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()
         )
         if self.fused_cpu_ops:
             self.norm.fused = True

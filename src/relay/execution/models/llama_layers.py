@@ -45,7 +45,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         nq, nk = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nk) * d :].view(t, nk, d)
-        if self.rotary is not None:  # Relay's CPU kernel rotates q and k in place, inside qkv
+        if self.rotary is not None:  # Relay's CPU kernels norm and rotate q and k in place, in qkv
+            if self.qk_norm:
+                qw, kw = self.q_norm.kernel_weight, self.k_norm.kernel_weight
+                cpu_ops.head_norm(qkv, qw, kw, self.q_norm.eps, nq, nk, d)
             cpu_ops.rope(qkv, self.rotary.cos, self.rotary.sin, rope.positions, nq, nk, d)
             q, k = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nk) * d].view(t, nk, d)
         elif self.qk_norm:
@@ -72,6 +75,8 @@ class MLP(nn.Module):
     """silu(x W_gate) * (x W_up) W_down, gate/up fused into one GEMM; the intermediate features
     split over the ranks (gate/up column-parallel, down row-parallel). With reduce=False the
     caller all-reduces: a MoE block sums its experts' partial outputs first, one all-reduce for all."""
+
+    gelu = False  # the gate's activation: silu (Gemma's GeGLU: gelu_tanh)
 
     def __init__(
         self,

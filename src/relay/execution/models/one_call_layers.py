@@ -23,7 +23,7 @@ def decode_layers(
 ) -> cpu_layers.DecodeLayers | None:
     """Pure decode steps over attn's KV cache as one C call (cpu_layers.DecodeLayers),
     where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
-    biases or q/k norms, one rank or CPU ranks on shared memory (TPGroup.shm: the call then
+    biases (q/k norms, Gemma's norms, GeGLU and per-layer rotary tables are the call's too), one rank or CPU ranks on shared memory (TPGroup.shm: the call then
     all-reduces as the layers do), and steps whose attention the backend gives to the C decode
     kernel (decode_kernel_plan), of at most DecodeLayers.max_rows requests (by default the
     rows the blocks are used for; the runner measures it). It keeps float32 activations (a
@@ -52,21 +52,11 @@ def decode_layers(
         panels = m.packed if isinstance(m.packed, cpu_gemm.Bf16Panels) else None
         return cpu_layers.LayerGemm(m.blocks, panels)
 
-    weights = [
-        cpu_layers.DecoderLayerWeights(
-            layer.input_layernorm.weight.float(),
-            layer.post_attention_layernorm.weight.float(),
-            gemm(layer.self_attn.qkv_proj),
-            gemm(layer.self_attn.o_proj),
-            gemm(layer.mlp.gate_up_proj),
-            gemm(layer.mlp.down_proj),
-        )
-        for layer in layers
-    ]
+    weights = [layer_weights(layer, gemm) for layer in layers]
     a = layers[0].self_attn
     return cpu_layers.DecodeLayers(
         weights,
-        model.norm.weight.float(),
+        model.norm.kernel_weight.float(),
         model.norm.eps,
         a.num_heads,
         a.num_kv_heads,
@@ -80,6 +70,32 @@ def decode_layers(
         model.tp.c_group,
         attn.windows,
         attn.softcap,
+        gelu=layers[0].mlp.gelu,
+    )
+
+
+def layer_weights(layer, gemm) -> cpu_layers.DecoderLayerWeights:
+    """One decoder layer's weights as relay_decode_layers reads them (float32 norms, as their
+    kernel multiplies: Gemma's 1 + w), a Llama layer's or a Gemma one's (its norms around the MLP)."""
+    a = layer.self_attn
+
+    def norm(module) -> torch.Tensor:
+        return module.kernel_weight.float()
+
+    sandwich = getattr(layer, "pre_feedforward_layernorm", None)
+    return cpu_layers.DecoderLayerWeights(
+        norm(layer.input_layernorm),
+        norm(layer.post_attention_layernorm),
+        gemm(a.qkv_proj),
+        gemm(a.o_proj),
+        gemm(layer.mlp.gate_up_proj),
+        gemm(layer.mlp.down_proj),
+        q_norm=norm(a.q_norm) if a.qk_norm else None,
+        k_norm=norm(a.k_norm) if a.qk_norm else None,
+        pre_mlp_norm=None if sandwich is None else norm(sandwich),
+        post_mlp_norm=None if sandwich is None else norm(layer.post_feedforward_layernorm),
+        cos=a.rotary.cos,  # the layer's own tables (the fused rotary: Gemma 3's sliding layers')
+        sin=a.rotary.sin,
     )
 
 
@@ -97,6 +113,7 @@ def prompt_layers(
     eligible = (
         model.fused_cpu_ops
         and model.rotary.covers_head
+        and not model.config.qk_norm
         and model.tp.collectives_in_c
         and model.dtype == torch.bfloat16
         and attn.kv.layout == "HND"

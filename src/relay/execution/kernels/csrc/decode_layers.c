@@ -19,6 +19,9 @@ void relay_rms_norm(const void* x, void* residual, const void* w, void* out, int
 void relay_rope(void* qkv, const float* cos, const float* sin, const int64_t* positions, int64_t T, int64_t stride,
                 int64_t nq, int64_t nk, int64_t D, int bf16);
 void relay_silu_mul(const void* gate_up, void* out, int64_t T, int64_t I, int bf16);
+void relay_gelu_tanh_mul(const void* gate_up, void* out, int64_t T, int64_t I, int bf16);
+void relay_head_norm(void* qkv, const void* qw, const void* kw, int64_t T, int64_t stride, int64_t nq, int64_t nk,
+                     int64_t D, float eps, int bf16);
 typedef struct ShmGroup ShmGroup;  // shm_collective.c
 int relay_shm_all_reduce(ShmGroup* g, void* data, int64_t n, int bf16);
 void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
@@ -41,17 +44,24 @@ typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 
 
 typedef struct {
     const float* input_norm;
-    const float* post_norm;
+    const float* post_norm;  // after attention: Llama's before the MLP (with the residual add), Gemma's on
+                             // the attention's output alone
     LayerGemm qkv, o, gate_up, down;
     void* k_cache;  // [HKV, S, D]
     void* v_cache;
+    const float* q_norm;  // [D]: each q and k head normalised before the rotary embedding (Qwen3, Gemma 3),
+    const float* k_norm;  // or NULL
+    // Gemma's sandwich: the norm before the MLP (with the residual add) and the one on its output alone;
+    // NULL: Llama's layer (post_norm is the one before the MLP)
+    const float* pre_mlp_norm;
+    const float* post_mlp_norm;
+    const float* cos;  // this layer's rotary tables (Gemma 3's sliding layers have their own base)
+    const float* sin;
 } DecodeLayer;
 
 typedef struct {  // one step: T requests, one new token each
     int64_t T, hidden, inter, nq, nk, D;
     float eps, scale;
-    const float* cos;  // RotaryEmbedding tables, [positions, D]
-    const float* sin;
     const int64_t* positions;  // [T]
     // decode_attention's plan (cpu_attention.DecodePlan) and cache geometry
     const int32_t* tables;
@@ -71,6 +81,7 @@ typedef struct {  // one step: T requests, one new token each
     // layer has one) and the scores' soft-cap (0: none).
     const int64_t* windows;
     float softcap;
+    int64_t gelu;  // the MLP's gate: gelu_tanh (Gemma's GeGLU), or 0: silu
 } DecodeStep;
 
 static int gemm(const LayerGemm* w, const float* x, float* y, int64_t T) {
@@ -89,18 +100,24 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
         if (l == 0) relay_rms_norm(s->x, NULL, L->input_norm, h, T, H, s->eps, 0);
         else relay_rms_norm(h, s->x, L->input_norm, h, T, H, s->eps, 0);
         if (!gemm(&L->qkv, h, s->qkv, T)) return 0;
-        relay_rope(s->qkv, s->cos, s->sin, s->positions, T, qkv_n, s->nq, s->nk, s->D, 0);
+        if (L->q_norm) relay_head_norm(s->qkv, L->q_norm, L->k_norm, T, qkv_n, s->nq, s->nk, s->D, s->eps, 0);
+        relay_rope(s->qkv, L->cos, L->sin, s->positions, T, qkv_n, s->nq, s->nk, s->D, 0);
         decode_attention(s->qkv, qkv_n, s->qkv + s->nq * s->D, qkv_n, s->qkv + (s->nq + s->nk) * s->D, qkv_n,
                          L->k_cache, L->v_cache, s->tables, s->lens, s->order, s->attn, T, s->nq, s->nk, s->D, s->S,
                          s->P, s->PS, s->chunk, s->scale, 0, (int)s->kv_bf16, s->windows ? s->windows[l] : 0,
                          s->softcap, s->n_groups, s->group_first, s->group_size, s->group_keys);
         if (!gemm(&L->o, s->attn, h, T)) return 0;
         if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
-        relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 0);
+        if (L->pre_mlp_norm) {  // Gemma: the attention's output normed, then added and normed again
+            relay_rms_norm(h, NULL, L->post_norm, h, T, H, s->eps, 0);
+            relay_rms_norm(h, s->x, L->pre_mlp_norm, h, T, H, s->eps, 0);
+        } else relay_rms_norm(h, s->x, L->post_norm, h, T, H, s->eps, 0);
         if (!gemm(&L->gate_up, h, s->gate_up, T)) return 0;
-        relay_silu_mul(s->gate_up, s->act, T, s->inter, 0);
+        if (s->gelu) relay_gelu_tanh_mul(s->gate_up, s->act, T, s->inter, 0);
+        else relay_silu_mul(s->gate_up, s->act, T, s->inter, 0);
         if (!gemm(&L->down, s->act, h, T)) return 0;
         if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
+        if (L->post_mlp_norm) relay_rms_norm(h, NULL, L->post_mlp_norm, h, T, H, s->eps, 0);
     }
     relay_rms_norm(h, s->x, s->final_norm, h, T, H, s->eps, 0);
     return 1;
