@@ -516,9 +516,13 @@ def test_overload_answers_503():
             )
             ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=auth)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-            # Without a model a step is as short as the scheduler's own work: overlap pays, and is on.
+            # Overlap is on, and the depth it reports follows its rule from the averages it
+            # reports (which depth that is depends on the host's load: without a model a step is
+            # as short as the scheduler's work on a quiet host, and overlaps; the rule itself:
+            # test_scheduler's OverlapPolicy tests)
             overlap = c.get("/get_server_info", headers=auth).json()["scheduler"]["overlap"]
-            assert overlap["enabled"] and overlap["depth"] == 2, overlap
+            pays = overlap["busy_ms"] >= overlap["min_share"] * overlap["step_ms"]
+            assert overlap["enabled"] and overlap["depth"] == (2 if pays else 1), overlap
             assert overlap["busy_ms"] >= overlap["min_share"] * overlap["step_ms"]
     finally:
         s.stop()
