@@ -67,3 +67,19 @@ def decode_rounding(io, kv, d: int, group: int, level: str) -> tuple[bool, float
     if io == kv == torch.float32:
         return rounded, 1e-5
     return rounded, 2e-2 if io == torch.bfloat16 else (5e-3 if rounded else 2e-3)
+
+
+@pytest.fixture(params=["amx", "avx512bf16"])
+def bf16_level(request) -> Iterator[ctypes.CDLL]:
+    """The kernels with AMX tiles (GEMMs on panels, prompt-chunk and shared-prefix attention) where
+    this CPU has them, and held to VDPBF16PS: the library built for each level, swapped in for the
+    test (on a CPU below avx512bf16 the kernels under test are not built: skipped)."""
+    cpu_kernels_or_skip()
+    if not isa.at_least(request.param):
+        pytest.skip(f"this CPU (or RELAY_CPU_ISA) does not reach {request.param}")
+    held = cpu.build_level(request.param)
+    if request.param == "amx" and not held.relay_gemm_amx_available():
+        pytest.skip("Linux refused AMX's tile state")
+    previous = cpu.use(held)
+    yield held
+    cpu.use(previous)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from relay.execution.kernels import cpu, cpu_attention, isa
-from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+from tests.kernel_helpers import (  # noqa: F401 (bf16_level, kernel_level: fixtures)
+    bf16_level,
     cpu_kernels_or_skip,
     decode_rounding,
     kernel_level,
@@ -147,20 +148,6 @@ def check_extend(lib, level, d, group, io, kv):
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
 def test_float32_prompt_chunks_apply_windows_and_caps(kernel_level, d, group, kv):
     check_extend(cpu.load(), kernel_level, d, group, torch.float32, kv)
-
-
-@pytest.fixture(params=["amx", "avx512bf16"])
-def bf16_level(request):
-    """The bfloat16 kernels on AMX tiles and held to VDPBF16PS (skipped below avx512bf16)."""
-    cpu_kernels_or_skip()
-    if not isa.at_least(request.param):
-        pytest.skip(f"this CPU (or RELAY_CPU_ISA) does not reach {request.param}")
-    held = cpu.build_level(request.param)
-    if request.param == "amx" and not held.relay_gemm_amx_available():
-        pytest.skip("Linux refused AMX's tile state")
-    previous = cpu.use(held)
-    yield held
-    cpu.use(previous)
 
 
 @pytest.mark.parametrize("d,group", [(64, 1), (64, 3), (80, 2), (128, 4)])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from relay.execution.kernels import cpu, cpu_attention, cpu_gemm, cpu_ops, isa
-from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+from tests.kernel_helpers import (  # noqa: F401 (bf16_level, kernel_level: fixtures)
+    bf16_level,
     cpu_kernels_or_skip,
     decode_rounding,
     kernel_level,
@@ -157,21 +158,6 @@ def test_small_batch_bf16_gemm(lib, m, n, k):
     torch.testing.assert_close(
         cpu_gemm.gemm_bf16(x, w).float(), x.float() @ w.float().T, atol=0.5, rtol=1e-2
     )
-
-
-@pytest.fixture(params=["amx", "avx512bf16"])
-def bf16_level(request, lib):
-    """The kernels with AMX tiles (GEMMs on panels, prompt-chunk and shared-prefix attention) where
-    this CPU has them, and held to VDPBF16PS: the library built for each level, swapped in for the
-    test (on a CPU below avx512bf16 the kernels under test are not built: skipped)."""
-    if not isa.at_least(request.param):
-        pytest.skip(f"this CPU (or RELAY_CPU_ISA) does not reach {request.param}")
-    held = cpu.build_level(request.param)
-    if request.param == "amx" and not held.relay_gemm_amx_available():
-        pytest.skip("Linux refused AMX's tile state")
-    previous = cpu.use(held)
-    yield held
-    cpu.use(previous)
 
 
 # rows: one tile, an AMX tile of 16 and one row past it, 33 (three AMX tiles), past a 256-row pass
