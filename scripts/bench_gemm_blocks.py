@@ -28,16 +28,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from relay.execution.kernels import cpu as cpu_kernels  # noqa: E402
 from relay.execution.kernels import cpu_gemm  # noqa: E402
-from relay.execution.model_files import resolve_model_dir  # noqa: E402
+from relay.execution.model_files import load_transformers_model, resolve_model_dir  # noqa: E402
 from relay.execution.weight_blocks import recover  # noqa: E402
 
 
 def step_weights() -> list[torch.Tensor]:
-    sd = load_file(os.path.join(resolve_model_dir(None), "model.safetensors"))
+    sd = load_transformers_model(resolve_model_dir(None), torch.float32).state_dict()
     out = []
     layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
     for i in range(layers):

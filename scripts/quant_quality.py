@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from relay.execution.layers import quantize_int4, quantize_int8, quantize_rows_int8
 
@@ -43,7 +43,7 @@ def main() -> None:
         inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
         return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
 
-    from relay.execution.model_files import resolve_model_dir
+    from relay.execution.model_files import load_transformers_model, resolve_model_dir
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -64,7 +64,7 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids[
         :, : args.max_tokens
     ]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_transformers_model(model_dir, torch.float32).eval()
     original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
     int8 = lambda w: quantize_int8(w)[1]  # noqa: E731
     same = lambda w: w  # noqa: E731

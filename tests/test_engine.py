@@ -19,9 +19,9 @@ NEW_TOKENS = 16
 
 
 def reference(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from relay.execution.model_files import load_transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_transformers_model(model_dir, torch.float32)
     model.generation_config.eos_token_id = None  # compare full-length outputs
     model.generation_config.pad_token_id = 0
     outs = []
@@ -129,9 +129,9 @@ def test_default_model_matches_transformers(default_model_dir):
 def teacher_forced_agreement(model_dir, dtype, prompts, outs) -> tuple[int, int]:
     """How many of the outputs' tokens transformers (in dtype) predicts as its next token on the
     same sequence, and of how many."""
-    from transformers import AutoModelForCausalLM
+    from relay.execution.model_files import load_transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = load_transformers_model(model_dir, dtype)
     agree = total = 0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):

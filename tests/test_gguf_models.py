@@ -4,7 +4,8 @@ transformers runs them; a Mixtral file (which it cannot read) refused in one lin
 Each case is a tiny seeded random-weight model (hidden 64, a byte-level BPE vocabulary of ~300
 tokens) written as a GGUF file the way llama.cpp writes it (tests/gguf_files.py). The file is first
 checked to hold the model it was written from: transformers reads it back to the same logits. Relay
-converts it once (relay/execution/model_files.py) and its greedy float32 output equals transformers'
+serves a Llama, Mistral, Qwen2 or Qwen3 file from the file's own tensors (gguf_weights) and converts
+the others once (relay/execution/model_files.py); its greedy float32 output equals transformers'
 own from_pretrained(gguf_file=...) on the file, token for token. What a file states but
 transformers' reader drops (the MoE expert widths, Qwen3's head_dim, Gemma 2's soft-caps, Gemma 3's
 rope scaling: kept at values other than its config classes' defaults here) Relay passes on to it,
@@ -183,6 +184,79 @@ def test_greedy_output_equals_transformers_on_the_gguf_file(gguf_file, name):
         gemms = engine.runner.model.gemm_modules()
         assert all(m.blocks is not None for m in gemms), "every GEMM weight is in Q8_0 blocks"
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+
+
+def test_a_gguf_file_is_served_from_its_own_blocks_with_no_float_copy(gguf_file):
+    """A Llama Q8_0 file: every GEMM weight (q/k/v, o, gate/up, down, the LM head) is blocks read
+    from the file, with no float weight beside them; the embedding is looked up from the file;
+    the cache holds the config and tokenizer, no weights; the GEMM weights take the blocks' memory
+    (32 int8 quants and a float32 scale: 9 bits a weight where the file has 8.5)."""
+    from relay.execution.layers import has_float_weight
+    from relay.execution.model_loading import weight_bytes
+
+    path = gguf_file("llama-q8_0")
+    # (blocks for every row count: with fewer, the float32 GEMMs that win past them keep floats)
+    exact = dict(block_activations="float", weight_block_rows=ALL_ROWS)
+    engine = Engine(path, dtype="float32", kv_cache_gb=0.01, **exact)
+    model = engine.runner.model
+    gemms = model.gemm_modules()
+    assert len(gemms) == 2 * 4 + 1
+    assert all(m.blocks is not None and not has_float_weight(m) for m in gemms)
+    assert model.embed_tokens.lookup is not None and not has_float_weight(model.embed_tokens)
+    cached = os.listdir(model_files.converted_dir(path))
+    assert not [f for f in cached if f.endswith((".safetensors", ".bin", ".npz"))], cached
+    held = sum(weight_bytes(m) for m in gemms)
+    floats = 4 * sum(m.weight.numel() for m in gemms)
+    assert held < 0.4 * floats, "9-10 bits a weight where float32 has 32"
+
+
+def _gguf_step_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
+    from relay.config import EngineConfig, ModelConfig
+    from relay.execution.layers import has_float_weight
+    from relay.execution.model_runner import ModelRunner
+    from tests.test_model_runner import PS, prefill, spec
+
+    cfg = EngineConfig(
+        dtype="float32",
+        tp_size=tp.size,
+        page_size=PS,
+        kv_cache_gb=0.01,
+        block_activations="float",
+        weight_block_rows=ALL_ROWS,
+    )
+    runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir), tp)
+    assert all(not has_float_weight(m) for m in runner.model.gemm_modules())
+    batch = prefill([0], [prompt], [spec(0)])
+    return runner.step_logits(batch, batch.new_pages)[-1]
+
+
+def test_a_gguf_file_over_two_tensor_parallel_ranks_computes_what_one_rank_does(
+    gguf_file, tmp_path
+):
+    """--tp 2 from the file's blocks: each rank takes its rows of q/k/v (after llama.cpp's q/k
+    permutation is undone), gate/up and the LM head, and its whole blocks of o and down's inputs;
+    the all-reduced logits are one rank's."""
+    from relay.execution.distributed import TPGroup
+    from tests.test_tp_shared_memory import run_ranks
+
+    model_dir = resolve_model_dir(gguf_file("llama-q8_0"))
+    prompt = random_prompts(VOCAB_SIZE, [20], seed=3)[0]
+    want = _gguf_step_logits(0, TPGroup(), model_dir, prompt)
+    for got in run_ranks(_gguf_step_logits, tmp_path, model_dir, prompt):
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+def test_a_tensor_of_another_shape_than_the_config_says_is_named_at_start(tmp_path):
+    """A file whose metadata says one MLP width and whose tensors have another: one line naming
+    the tensor and both shapes, exit status 2, nothing left in the cache."""
+    model = random_model("llama")
+    model.config.intermediate_size = 96  # the tensors stay 128 wide
+    path = str(tmp_path / "wrong.gguf")
+    write_gguf(path, model)
+    cache = tmp_path / "cache"
+    out = serve("--port", "0", "--model-path", path, cache_dir=str(cache))
+    assert_one_line_error(out, path, "blk.0.ffn_gate.weight is [128, 64]", "[96, 64]")
+    assert not list((cache / "gguf").rglob("*"))
 
 
 def mixtral_file(path: str) -> str:

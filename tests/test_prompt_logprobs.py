@@ -23,9 +23,9 @@ MODEL = "tiny"
 
 def transformers_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), vocab]: row t scores the token at t + 1."""
-    from transformers import AutoModelForCausalLM
+    from relay.execution.model_files import load_transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_transformers_model(model_dir, torch.float32)
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
 

@@ -63,14 +63,13 @@ def test_int8_kernel_and_float_path_agree():
 
 @pytest.mark.slow
 def test_default_model_int8_matches_transformers_on_the_quantized_weights(default_model_dir):
-    from transformers import AutoModelForCausalLM
-
+    from relay.execution.model_files import load_transformers_model
     from relay.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
     assert len(prompts) >= INT8_MAX_ROWS  # every decode step of the batch takes the float path
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model = load_transformers_model(default_model_dir, torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.inference_mode():

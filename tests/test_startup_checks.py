@@ -103,27 +103,34 @@ def test_damaged_gguf_files_are_refused_before_converting(tmp_path, monkeypatch,
     assert not list((tmp_path / "cache").rglob("*"))
 
 
-def test_a_failed_conversion_leaves_no_lock_or_partial_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "arch,writer,marker",
+    [
+        ("gemma2", "_write_hf_dir", model_files.CONVERTED_MARKER),  # converted to float32
+        ("llama", "_write_gguf_dir", model_files.GGUF_MARKER),  # served from the file
+    ],
+)
+def test_a_failed_conversion_leaves_no_lock_or_partial_files(
+    tmp_path, monkeypatch, arch, writer, marker
+):
     src = str(tmp_path / "model.gguf")
     os.symlink(model_files.default_model_file(), src)
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_files, "check_gguf", lambda path: None)
+    monkeypatch.setattr(model_files, "check_gguf", lambda path: (arch, {}))
 
     def fail(gguf_path: str, out: str, stated: dict) -> None:
-        open(os.path.join(out, "model.safetensors"), "w").close()
-        raise ValueError("GGUF model with architecture x is not supported yet")
+        open(os.path.join(out, "config.json"), "w").close()
+        raise ValueError("tensor blk.3.ffn_down.weight is [576, 1536] where the config says ...")
 
-    monkeypatch.setattr(model_files, "_write_hf_dir", fail)
-    with pytest.raises(ModelFileError, match="converting .* failed"):
+    monkeypatch.setattr(model_files, writer, fail)
+    with pytest.raises(ModelFileError, match="converting .* failed: tensor blk.3.ffn_down"):
         resolve_model_dir(src)
     assert os.listdir(tmp_path / "cache" / "gguf") == []
 
     monkeypatch.setattr(
         model_files,
-        "_write_hf_dir",
-        lambda gguf_path, out, stated: open(
-            os.path.join(out, model_files.CONVERTED_MARKER), "w"
-        ).close(),
+        writer,
+        lambda gguf_path, out, stated: open(os.path.join(out, marker), "w").close(),
     )
     done = resolve_model_dir(src)
     assert os.listdir(tmp_path / "cache" / "gguf") == [os.path.basename(done)], (

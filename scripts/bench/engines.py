@@ -68,28 +68,29 @@ def llama_server(args) -> Server:
 
 
 def vllm_model_dir(dtype: str) -> str:
-    """An HF directory of the default model's weights in `dtype` for vLLM: Relay's own conversion
-    of the GGUF (float32), or a copy cast to bfloat16 under .bench/models."""
+    """An HF directory of the default model's weights in `dtype` for vLLM, under .bench/models:
+    the GGUF file dequantized by transformers' reader (Relay serves it from the file itself)."""
     sys.path[:0] = [os.path.join(ROOT, "src")]
-    from relay.execution.model_files import resolve_model_dir
+    from relay.execution.model_files import load_transformers_model, resolve_model_dir
 
     src = resolve_model_dir(None)
-    if dtype == "float32":
-        return src
     out = os.path.join(BENCH_DIR, "models", f"smollm2-{dtype}")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         import shutil
 
         import torch
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         os.makedirs(out, exist_ok=True)
         for name in os.listdir(src):
-            if name != "model.safetensors":
+            if name.endswith((".json", ".jinja")) or name.startswith("tokenizer"):
                 shutil.copy(os.path.join(src, name), out)
-        weights = load_file(os.path.join(src, "model.safetensors"))
+        model = load_transformers_model(src, getattr(torch, dtype))
+        weights = model.state_dict()
+        if model.config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
         save_file(
-            {k: v.to(getattr(torch, dtype)).contiguous() for k, v in weights.items()},
+            {k: v.contiguous() for k, v in weights.items()},
             os.path.join(out, "model.safetensors"),
             metadata={"format": "pt"},
         )

@@ -78,7 +78,9 @@ def run(args: argparse.Namespace, tokenizer=None) -> dict:
     )
 
     dtype = getattr(torch, args.dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    from relay.execution.model_files import load_transformers_model
+
+    model = load_transformers_model(model_dir, dtype)
     model.eval()
     tokenizer.padding_side = "left"
     pad_id = (

@@ -81,12 +81,10 @@ def bench_relay(args, prompts, out_lens) -> dict:
 
 
 def bench_hf(args, prompts, out_lens) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from relay.execution.model_files import resolve_model_dir
+    from relay.execution.model_files import load_transformers_model, resolve_model_dir
 
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model_path), dtype=dtype)
+    model = load_transformers_model(resolve_model_dir(args.model_path), dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     t = time.perf_counter()

@@ -307,6 +307,17 @@ def w8a8_weight(int8: Int8Weight) -> W8A8Weight:
     return W8A8Weight(q.t().contiguous(), scale.float())
 
 
+def stand_in(shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:
+    """A weight with a shape and a dtype but no storage of its own, for a module whose weight is
+    read only from its blocks (a GGUF file's, loaded without a float copy: gguf_weights)."""
+    return nn.Parameter(torch.zeros((), dtype=dtype).expand(shape), requires_grad=False)
+
+
+def has_float_weight(module: nn.Module) -> bool:
+    """Whether the module's weight holds values (not a stand_in)."""
+    return 0 not in module.weight.stride()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with W a [out, in] shard; `reduce` all-reduces the result (row-parallel)."""
 
@@ -366,8 +377,13 @@ class VocabParallelEmbedding(nn.Module):
         self.int4: Int4Weight | None = None  # for the LM head, like Linear.int4
         self.gemv = False  # for the LM head, like Linear.gemv
         self.blocks: BlockWeight | None = None  # for the LM head, like Linear.blocks
+        # ids -> rows of the whole vocabulary (every rank's), where the table is not a float
+        # weight (gguf_weights.EmbeddingRows)
+        self.lookup = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            return self.lookup(ids)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -172,22 +173,29 @@ def converted_dir(path: str) -> str:
 
 
 def convert_gguf(path: str) -> str:
-    """Dequantize a GGUF checkpoint once into a cached safetensors directory; return it."""
+    """The cached directory that serves the GGUF file at path, made once: for an architecture
+    whose weights load from the file itself (GGUF_DIRECT_ARCHITECTURES) its config, tokenizer
+    and tensor table only (_write_gguf_dir); for the others an HF checkpoint dequantized to
+    float32 by transformers' reader (_write_hf_dir)."""
     check_cache_dir()
     out = converted_dir(path)
-    if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
+    if _serves(out):
         return out
-    stated = check_gguf(path)
+    arch, stated = check_gguf(path)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with _file_lock(out + ".lock"):
-        if os.path.exists(os.path.join(out, CONVERTED_MARKER)):
-            return out  # another process converted it while we waited
-        logger.warning("converting %s to safetensors (once) into %s", path, out)
+        if _serves(out):
+            return out  # another process made it while we waited
+        direct = arch in GGUF_DIRECT_ARCHITECTURES
+        if direct:
+            logger.info("reading %s's config and tokenizer (once) into %s", path, out)
+        else:
+            logger.warning("converting %s to safetensors (once) into %s", path, out)
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
         try:
-            _write_hf_dir(path, tmp, stated)
+            (_write_gguf_dir if direct else _write_hf_dir)(path, tmp, stated)
             if os.path.exists(out):
-                shutil.rmtree(out)
+                shutil.rmtree(out)  # (a float32 conversion of an older Relay: no longer read)
             os.replace(tmp, out)
         # transformers' refusals (ValueError; RuntimeError: weights of other shapes than the
         # config it read says), a full disk
@@ -198,9 +206,27 @@ def convert_gguf(path: str) -> str:
     return out
 
 
+def _serves(out: str) -> bool:
+    """Whether the cached directory out is ready to serve: read from its file, or converted (by
+    an older Relay too, unless its architecture now loads from the file)."""
+    if os.path.exists(os.path.join(out, GGUF_MARKER)):
+        return True
+    if not os.path.exists(os.path.join(out, CONVERTED_MARKER)):
+        return False
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            arch = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return True  # (a stand-in marker: tests)
+    return arch not in GGUF_DIRECT_ARCHITECTURES and arch != "mistral"
+
+
 # The GGUF architectures Relay serves: those transformers' GGUF reader converts into one of Relay's
 # architectures (llama.cpp writes Mistral as "llama", Gemma 3's text tower as "gemma3").
 GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+# Those whose weights load from the file's own blocks (gguf_weights.load_llama), not converted.
+GGUF_DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_MARKER = "relay_gguf.json"  # a directory that serves a GGUF file from the file: its path
 
 # What such a file states that transformers' GGUF reader drops, leaving its config class's default
 # there (Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's expert widths, Qwen3's head_dim of 128, Gemma 2's
@@ -221,13 +247,13 @@ _UNREAD_GGUF_FIELDS = {
 }
 
 
-def check_gguf(path: str) -> dict[str, Any]:
+def check_gguf(path: str) -> tuple[str, dict[str, Any]]:
     """Refuse a file that is not a whole GGUF checkpoint (not GGUF at all, a download cut short)
     or not of an architecture Relay serves from GGUF, before converting it: transformers fails on
     the first deep in a long traceback, and reads a Mixtral file as a Llama without its experts.
     The gguf package's reader maps every tensor, so a truncated file fails here (~2 s for the
     default model, once). Returns the config fields the file states that transformers' reader
-    drops (_UNREAD_GGUF_FIELDS), by their transformers names."""
+    drops (_UNREAD_GGUF_FIELDS), by their transformers names, with its architecture."""
     from gguf import GGUFReader
 
     try:
@@ -254,7 +280,7 @@ def check_gguf(path: str) -> dict[str, Any]:
             "(llama.cpp writes Mixtral so), which transformers' GGUF reader reads as a Llama "
             "without its experts: pass the model's HF directory (MixtralForCausalLM)"
         )
-    return _stated_fields(arch, field)
+    return arch, _stated_fields(arch, field)
 
 
 def _stated_fields(arch: str, field: Callable[[str], Any]) -> dict[str, Any]:
@@ -307,6 +333,71 @@ def _write_hf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
     _write_gguf_index(gguf_path, out)
     with open(os.path.join(out, CONVERTED_MARKER), "w") as f:
         json.dump({"source": os.path.realpath(gguf_path)}, f)
+
+
+def _write_gguf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
+    """What serving the file from its own tensors needs beside it: config.json (as transformers
+    reads the file, told what it drops), the tokenizer it rebuilds from the file's vocabulary,
+    the tensor table (gguf_weights.TABLE_FILE: later starts map the tensors without parsing the
+    file's metadata again, which takes seconds for a large vocabulary), and the marker naming
+    the file. Every matrix's shape is checked against the config first."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from relay.execution.gguf_weights import GgufFile, check_llama_shapes, save_table
+
+    folder, name = os.path.split(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, **stated)
+    file = GgufFile.read(gguf_path)
+    check_llama_shapes(file, config)
+    cfg = config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    GenerationConfig.from_model_config(config).to_json_file(
+        os.path.join(out, "generation_config.json")
+    )
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    save_table(file, out)
+    with open(os.path.join(out, GGUF_MARKER), "w") as f:
+        source = {"source": os.path.realpath(gguf_path), "arch": file.arch, "stated": stated}
+        json.dump(source, f)
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """The GGUF file a directory serves from the file itself."""
+
+    path: str
+    arch: str  # general.architecture
+    stated: dict[str, Any]  # config fields told to transformers' reader (_stated_fields)
+
+
+def gguf_source(model_dir: str) -> GgufSource | None:
+    """The GGUF file model_dir serves from the file itself, or None for any other directory."""
+    marker = os.path.join(model_dir, GGUF_MARKER)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        found = json.load(f)
+    if not os.path.exists(found["source"]):
+        raise ModelFileError(f"{found['source']}, the GGUF file {model_dir} serves, is gone")
+    return GgufSource(found["source"], found["arch"], found.get("stated", {}))
+
+
+def load_transformers_model(model_dir: str, dtype):
+    """transformers' own model of model_dir, for comparisons: from its safetensors, or from the
+    GGUF file it serves (transformers' reader dequantizes it: the weights Relay's blocks hold)."""
+    from transformers import AutoModelForCausalLM
+
+    source = gguf_source(model_dir)
+    if source is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    folder, name = os.path.split(source.path)
+    return AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=dtype, **source.stated
+    )
 
 
 def gguf_rows(model_dir: str):

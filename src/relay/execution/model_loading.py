@@ -4,18 +4,23 @@ GEMMs, and kept in their GGUF blocks where those are exact."""
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 import numpy as np
 import torch
 
 from relay.config import EngineConfig, ModelConfig
-from relay.execution.block_rows import block_rows
+from relay.execution import gguf_weights
+from relay.execution.block_rows import ALL_ROWS, block_rows
+from relay.execution.gguf_weights import open_file
 from relay.execution.kernels import cpu_gemm, isa
-from relay.execution.model_files import gguf_rows
+from relay.execution.model_files import GgufSource, gguf_rows, gguf_source
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
 from relay.execution.startup_timing import log_weight_blocks
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoader:
@@ -28,6 +33,9 @@ class ModelLoader:
         """The model's weights, quantized, and on CPU packed for its GEMMs (and kept in their
         GGUF blocks where those are exact: see _wants_weight_blocks)."""
         dtype, place = self.place.dtype, self.place
+        source = gguf_source(model_dir)
+        if source is not None and self.cfg.load_format != "dummy":
+            return self._load_gguf(source, model_dir, mc, quantization)
         blocks = self._wants_weight_blocks(model_dir, quantization)
         # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
         # they are rounded: loaded into a float32 twin first.
@@ -47,6 +55,47 @@ class ModelLoader:
             model.limit_weight_blocks(rows)
             log_weight_blocks(model, kept, rows)
         return model
+
+    def _load_gguf(
+        self, source: GgufSource, model_dir: str, mc: ModelConfig, quantization: str | None
+    ) -> torch.nn.Module:
+        """A model served from its GGUF file's own tensors (gguf_weights): on CPU with the block
+        kernels, GEMM weights as blocks with no float copy; otherwise (a GPU, --quantization,
+        --disable-weight-blocks) dequantized to floats a tensor at a time."""
+        place = self.place
+        use_blocks = (
+            place.on_cpu
+            and quantization is None
+            and not self.cfg.disable_weight_blocks
+            and cpu_gemm.gemm_blocks_available()
+        )
+        model = self._new_model(mc, place.dtype)
+        file = open_file(source.path, model_dir)
+        keep_floats = use_blocks and self._floats_beside_blocks(file, place.dtype)
+        report = gguf_weights.load_llama(model, file, source.arch, use_blocks, keep_floats)
+        if place.tp.is_leader:
+            gguf_weights.log_report(report, source.path)
+        if report.blocks and self._int8_block_activations():
+            model.use_dot_blocks()
+        _quantize(model, quantization)
+        if place.on_cpu:
+            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+                model.pack_for_cpu()
+            model.use_cpu_kernels()
+        if report.blocks:
+            model.limit_weight_blocks(self._weight_block_rows(model.dtype))
+        return model
+
+    def _floats_beside_blocks(self, file: gguf_weights.GgufFile, dtype: torch.dtype) -> bool:
+        """Whether a GGUF model keeps float GEMM weights beside its blocks: where GEMMs of some
+        row count run faster on the floats (the rule for this CPU level says the blocks win up
+        to fewer rows than a prompt chunk has: AMX's bfloat16 tiles, float32 activations) and
+        the floats fit in a quarter of the free memory. Elsewhere the blocks take every GEMM and
+        the model holds no float copy of them."""
+        if self._weight_block_rows(dtype) >= ALL_ROWS:
+            return False
+        float_bytes = dtype.itemsize * file.matrix_weights()
+        return float_bytes < available_memory_bytes() // 4
 
     def _weight_block_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows GEMMs read the blocks: EngineConfig.weight_block_rows, else the
@@ -165,3 +214,44 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The memory a model's weights hold, in every form (floats, GGUF blocks, packed copies,
+    quantized ones), each storage counted once; a stand-in weight (layers.stand_in) holds none."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() and 0 not in t.stride():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(t, (tuple, list)):
+            for x in t:
+                add(x)
+        elif hasattr(t, "__dataclass_fields__"):  # BlockWeight, Bf16Panels, Int4Weight, ...
+            for name in t.__dataclass_fields__:
+                add(getattr(t, name))
+
+    for module in model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            add(t)
+        for name in ("blocks", "packed", "int8", "int4", "w8a8"):
+            add(getattr(module, name, None))
+    return sum(seen.values())
+
+
+def log_memory(models: list[torch.nn.Module | None], kv) -> None:
+    """One start-up line: what this process's memory holds (a rank's share, under TP)."""
+    import psutil
+
+    gib = 1 << 30
+    weights = sum(weight_bytes(m) for m in models if m is not None)
+    pool = sum(t.untyped_storage().nbytes() for t in [*kv.k, *kv.v])
+    rss = psutil.Process().memory_info().rss
+    logger.info(
+        "memory: weights %.2f GiB, KV pool %.2f GiB, other %.2f GiB (resident now %.2f GiB)",
+        weights / gib,
+        pool / gib,
+        max(0, rss - weights - pool) / gib,
+        rss / gib,
+    )

@@ -21,7 +21,7 @@ from relay.execution.batch_checks import BatchChecker
 from relay.execution.cuda_graph import decode_graphs
 from relay.execution.distributed import TPGroup
 from relay.execution.kv_setup import agree_on_pages, free_bytes_after_warmup, kv_and_attention
-from relay.execution.model_loading import ModelLoader
+from relay.execution.model_loading import ModelLoader, log_memory
 from relay.execution.placement import Placement, claim_threads, pick_device
 from relay.execution.prompt_logprobs import score, span_rows
 from relay.execution.request_state import RequestTables
@@ -72,6 +72,8 @@ class ModelRunner:
             lambda: free_bytes_after_warmup(cfg, self.place, mc, self.model, self.context_len),
         )
         self.kv, self.attn = kv_and_attention(cfg, self.place, mc, self.num_pages, self.context_len)
+        if self.tp.is_leader:
+            log_memory([self.model, self.draft_model], self.kv)
         self._choose_cpu_paths()
         self.drafter = self._drafter()
         self.sampler = Sampler(mc.vocab_size, self.device, cfg.seed) if self.tp.is_leader else None

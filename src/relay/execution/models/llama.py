@@ -29,6 +29,7 @@ from relay.execution.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
+    has_float_weight,
     pack_for_cpu,
     quantize_int4,
     quantize_int8,
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
         weights in memory, buys ~1.3x on batched GEMMs)."""
         for module in self.gemm_modules():
-            module.packed = pack_for_cpu(module.weight)
+            module.packed = pack_for_cpu(module.weight) if has_float_weight(module) else None
 
     def use_cpu_kernels(self) -> None:
         """Relay's own CPU kernels where this CPU and dtype have them: the small-batch bfloat16
@@ -236,9 +237,10 @@ class LlamaForCausalLM(nn.Module):
 
     def limit_weight_blocks(self, max_rows: int) -> None:
         """GEMMs of at most max_rows rows read the blocks; with 0, none do (a decode step in one
-        C call may still: see drop_unused_weight_blocks)."""
+        C call may still: see drop_unused_weight_blocks). Blocks without a float weight beside
+        them (a GGUF file loaded as blocks) take every GEMM."""
         for module in self.gemm_modules():
-            if module.blocks is not None:
+            if module.blocks is not None and has_float_weight(module):
                 module.blocks.max_rows = max_rows
 
     def drop_unused_weight_blocks(self) -> None:
