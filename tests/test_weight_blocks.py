@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 
 import numpy as np
@@ -430,7 +431,7 @@ def test_which_gemms_read_the_blocks_is_a_fixed_rule_not_a_timing(default_model_
     --weight-block-rows where given, 0 keeping every GEMM off the blocks."""
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
-    from relay.execution.block_rows import block_rows
+    from relay.execution.block_rows import ALL_ROWS, block_rows
     from relay.execution.kernels import isa
 
     def timed(*args, **kwargs):
@@ -443,7 +444,13 @@ def test_which_gemms_read_the_blocks_is_a_fixed_rule_not_a_timing(default_model_
         runner = ModelRunner(cfg, default_model_dir, ModelConfig.from_dir(default_model_dir))
         return {m.blocks.max_rows for m in runner.model.gemm_modules() if m.blocks is not None}
 
-    assert max_rows() == {block_rows(isa.level(), torch.float32, isa.at_least("avx2"))}
+    # float activations: the float32 GEMMs win past the rule's rows, so floats stay beside the
+    # blocks and GEMMs take the rule
+    rule = block_rows(isa.level(), torch.float32, False)
+    if 0 < rule < ALL_ROWS:
+        assert max_rows(block_activations="float") == {rule}
+    if block_rows(isa.level(), torch.float32, True) >= ALL_ROWS:  # int8 blocks win everywhere:
+        assert max_rows(block_activations="int8") == {sys.maxsize}  # no floats, every GEMM
     assert max_rows(weight_block_rows=12) == {12}
     assert max_rows(weight_block_rows=0) <= {0}
 
@@ -460,9 +467,9 @@ def test_decode_steps_take_one_c_call_up_to_the_batch_size_it_measured_faster_at
     from relay.execution import startup_timing
     from relay.execution.models import llama_layers
 
-    def runner() -> ModelRunner:
+    def runner() -> ModelRunner:  # (float activations: float GEMMs beside the blocks, timed)
         return ModelRunner(
-            EngineConfig(dtype="float32", kv_cache_gb=0.05),
+            EngineConfig(dtype="float32", kv_cache_gb=0.05, block_activations="float"),
             default_model_dir,
             ModelConfig.from_dir(default_model_dir),
         )

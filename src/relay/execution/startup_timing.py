@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from relay.execution.layers import PathTiming, crossover
+from relay.execution.layers import PathTiming, crossover, has_float_weight
 from relay.scheduling.batch import BatchInput
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,21 @@ def choose_decode_layers(
     still empty pool), and run steps of up to the largest size the C call won at that way.
     Whole steps, not GEMMs: the call saves the interpreter between ~10 kernels per layer,
     which can pay for block GEMMs slower than the float ones. Nothing to time where its GEMMs
-    past the blocks' rows are the layers' own (DecodeLayers.on_panels)."""
+    past the blocks' rows are the layers' own (DecodeLayers.on_panels), or where the layers have
+    no float weights (a GGUF file loaded as blocks alone): the call runs the same block kernels
+    as the layers, without the interpreter between them."""
     fast = model.decode_layers
     if fast[1].on_panels:
         logger.info(
             "decode steps run their decoder layers in one C call at every batch size (past the "
             "blocks' rows on the layers' own bfloat16 panels)"
+        )
+        return
+    layer_gemms = [m for m in model.gemm_modules() if m is not model.lm_head]
+    if not any(has_float_weight(m) for m in layer_gemms):
+        logger.info(
+            "decode steps run their decoder layers in one C call at every batch size (the "
+            "layers read the same blocks)"
         )
         return
     if (
