@@ -31,6 +31,9 @@
 
 #define NS 32  // output features per strip
 #define FG 8  // features per group (one 8 x int32 accumulator)
+#ifndef DOT_AHEAD
+#define DOT_AHEAD 8  // blocks ahead the units (and d, m) are prefetched
+#endif
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the float sums of
 // x per group of g inputs (32, or 16: the m term uses them exactly, as gemm_blocks.c does). Called
@@ -153,8 +156,14 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
     for (int64_t i = 0; i < R; i++) acc[i] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* ub = wq + b * units * 32;
-        _mm_prefetch((const char*)(ub + 8 * units * 32), _MM_HINT_T0);
-        if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + 8 * units * 32), _MM_HINT_T0);
+        for (int64_t o = 0; o < units * 32; o += 64) {  // block b + DOT_AHEAD's units (past the end: no fault)
+            _mm_prefetch((const char*)(ub + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
+            if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
+        }
+        for (int64_t h = 0; h < per; h++) {  // and its d (and m): FEATS floats per group
+            _mm_prefetch((const char*)(d + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
+            if (has_m) _mm_prefetch((const char*)(m + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
+        }
         for (int64_t h = 0; h < per; h++) {  // groups of g inputs in the block: units h * sub_units on
             vi isum[DOT_ROWS];
             for (int64_t i = 0; i < R; i++) isum[i] = vi_zero();
