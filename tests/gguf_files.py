@@ -62,7 +62,7 @@ VOCAB_SIZE = len(byte_level_vocab()[0])
 
 def write_gguf(path: str, model: torch.nn.Module, *, name: str = "tiny", qtype=F32) -> str:
     """Write model (its config's vocab_size must be VOCAB_SIZE) as a GGUF file of qtype (F32, F16,
-    or a quantized type of gguf.quants or Q4_K for weight matrices; vectors and routers stay F32)
+    or a quantized type of gguf.quants, Q4_K, Q5_K or Q6_K for weight matrices; vectors and routers stay F32)
     at path. qtype may also be a dict from tensor name parts ("attn_q", "ffn_down", "token_embd",
     ...) to types, as a mixed file (Q4_K_M) has them; a matrix it does not name stays F32."""
     cfg = model.config
@@ -90,8 +90,8 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> 
         writer.add_tensor(name, data.astype(np.float32))
     elif qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, data.astype(np.float16))
-    elif qtype == gguf.GGMLQuantizationType.Q4_K:  # (gguf.quants cannot quantize to it)
-        writer.add_tensor(name, quantize_q4_k(data), raw_dtype=qtype)
+    elif qtype in _K_QUANTIZERS:  # (gguf.quants cannot quantize to them)
+        writer.add_tensor(name, _K_QUANTIZERS[qtype](data), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -124,6 +124,73 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # group g: sub-blocks 2g, 2g + 1
     heads = np.stack([d, dmin], axis=1).view(np.uint8)
     return np.concatenate([heads, scales, qs], axis=1).reshape(rows, -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """w [rows, k] (k a multiple of 256) as Q5_K super-blocks [rows, k / 256 * 176]: Q4_K's
+    scales and minima (over 31 steps), 5-bit quants: the low nibbles as Q4_K's, the fifth bits of
+    sub-block s as bit s of qh[j] (plain rounding: a valid file)."""
+    rows = w.shape[0]
+    b = w.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(b.min(-1), 0), b.max(-1)
+    scale, low = (hi - lo) / 31, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (low.max(-1) / 63).astype(np.float16)
+    sc, mn = _sixbit(scale, d), _sixbit(low, dmin)
+    step = d.astype(np.float32)[:, None] * sc
+    off = dmin.astype(np.float32)[:, None] * mn
+    safe = np.where(step > 0, step, 1)[..., None]
+    q = np.clip(np.rint((b + off[..., None]) / safe), 0, 31).astype(np.uint8)  # [n, 8, 32]
+    low4 = q & 0x0F
+    qs = (low4[:, 0::2] | (low4[:, 1::2] << 4)).reshape(-1, 128)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
+    heads = np.stack([d, dmin], axis=1).view(np.uint8)
+    return np.concatenate([heads, _k_scale_bytes(sc, mn), qh, qs], axis=1).reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """w [rows, k] (k a multiple of 256) as Q6_K super-blocks [rows, k / 256 * 210]: per 16
+    weights an int8 multiple of the super-block's float16 d, 6-bit quants stored minus 32: half h
+    of the 256 in ql[64h ..] (low nibbles: its weights 0-63, high: 64-127) and qh[32h ..] (bits
+    2s, 2s + 1: its weights 32s + j) (plain rounding: a valid file)."""
+    rows = w.shape[0]
+    b = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(b).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    u = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(scale / np.where(u > 0, u, 1)), -128, 127).astype(np.float32)
+    step = (u * sc)[..., None]
+    q = np.clip(np.rint(b / np.where(step > 0, step, 1)), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # [n, half, 128]
+    low4, high2 = q & 0x0F, q >> 4
+    ql = (low4[..., :64] | (low4[..., 64:] << 4)).reshape(-1, 128)
+    qh = (
+        high2.reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    ).sum(2, dtype=np.uint8)
+    scales = sc.astype(np.int8).view(np.uint8)
+    return np.concatenate(
+        [ql, qh.reshape(-1, 64), scales, d[:, None].view(np.uint8)], axis=1
+    ).reshape(rows, -1)
+
+
+def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins [n, 8] (float) in Q4_K's and Q5_K's 12 bytes."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    return np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=1,
+    )
+
+
+_K_QUANTIZERS = {
+    gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
+    gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k,
+}
 
 
 def _sixbit(x: np.ndarray, unit: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """A GGUF file's blocks read from the file for the weights converted from it (gguf_blocks): the
-types whose blocks their float values alone do not give back (Q4_K, Q4_0, Q5_0), found exactly,
+types whose blocks their float values alone do not give back (Q4_K, Q4_0, Q5_0; the k-quants with
+scales per 16 or 5-bit quants: test_kquant_blocks), found exactly,
 through the row reorderings and fusions a model's loading makes, and the model on them."""
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ def test_rows_reordered_and_fused_from_several_tensors_are_found():
     assert blocks is not None and torch.equal(blocks.dequantize(), fused)
 
 
-def test_weights_the_forms_cannot_hold_stay_float():
-    """Rows of both forms in one weight, a Q5_1 (5-bit quants with a minimum), a weight that is in
-    no tensor of the file, one whose rows agree with a tensor's only in their first and last
-    blocks, and a row-parallel shard (half of each row)."""
+def test_weights_not_in_the_file_stay_float():
+    """A weight whose rows are in no tensor of the file (a Q5_1 one not indexed, a Q8_0 one), one
+    whose rows agree with a tensor's only in their first and last blocks, and a row-parallel shard
+    (half of each row). (Rows of both forms in one weight are lifted to one: test_kquant_blocks.)"""
     four, eight = source(T.Q4_K, 8, 256, 1), source(T.Q8_0, 8, 256, 2)
-    rows = GgufRows.of([four, eight])  # (a file's Q5_1 tensors are not indexed)
-    assert rows.blocks_for(torch.cat([floats(four), floats(eight)])) is None
+    rows = GgufRows.of([four, eight])
+    mixed = torch.cat([floats(four), floats(eight)])
+    assert torch.equal(rows.blocks_for(mixed).dequantize(), mixed)
     assert rows.blocks_for(floats(source(T.Q5_1, 8, 256, 3))) is None
     assert rows.blocks_for(floats(source(T.Q8_0, 8, 256, 4))) is None
     changed = floats(eight).clone()

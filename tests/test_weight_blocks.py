@@ -577,8 +577,8 @@ def test_int8_block_activations_at_the_largest_sums_a_block_can_make(lib, sign):
 
 def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
     """What GEMMs with int8 block activations compute, in float64: x rounded to 8 bits per block of
-    32 (scale max |x| / 127, round half to even) times the exact weights, except Q4_1's m term, which
-    takes the exact x's block sums."""
+    32 (scale max |x| / 127, round half to even) times the exact weights, except the m term (Q4_1's,
+    and any form's with a minimum), which takes the exact x's sums over each group of d and m."""
     k = x.shape[1]
     xb = x.reshape(x.shape[0], k // 32, 32)  # float32 steps, as the kernel takes them
     amax = xb.abs().amax(-1, keepdim=True)
@@ -588,7 +588,10 @@ def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
     rounded = torch.where(amax > 0, torch.round(xb * inv), 0.0).double()
     xq = (rounded * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape[0], k)
     n, w = blocks.out_features, blocks.dequantize().double()
-    m = blocks.m.permute(0, 2, 1).reshape(-1, k // 32)[:n].double().repeat_interleave(32, dim=1)
+    if not blocks.has_m:
+        return xq @ w.T
+    g = blocks.group
+    m = blocks.m.permute(0, 2, 1).reshape(-1, k // g)[:n].double().repeat_interleave(g, dim=1)
     return xq @ w.T + (x.double() - xq) @ m.T
 
 

@@ -4,17 +4,27 @@ weight_blocks.recover finds Q4_1 and Q8_0 blocks again from their float values a
 common types cannot be found that way: a Q4_K sub-block's scale and minimum are float32 products
 (a float16 super-block scale times a 6-bit integer), and its extreme quants need not occur; Q4_0
 and Q5_0 scales are the largest weight over 8 and 16. Their raw blocks are in the GGUF file, and
-each 32-weight block of these types is exactly one of the two forms Relay's block GEMMs read
-(csrc/gemm_blocks.c, gemm_dot.c), with the dequantizer's roundings (gguf.quants):
+each block of these types is exactly one of the forms Relay's block GEMMs read (csrc/blocks.h,
+gemm_blocks.c, gemm_dot.c), with the dequantizer's roundings (gguf.quants):
 
-    Q8_0, Q4_0, Q5_0   w = d * q,      q = quant - 0 / 8 / 16 in int8        -> the 8-bit form
-    Q4_1, Q4_K         w = d * q + m,  q in 0..15 (Q4_K: d = scale, m = -min) -> the 4-bit form
+    Q8_0, Q4_0, Q5_0   w = d * q,      q = quant - 0 / 8 / 16 in int8, per 32   -> bits 8
+    Q6_K               w = d * q,      q = quant - 32 in int8, per 16            -> bits 8, group 16
+                       (d = the float16 super-block scale times an int8 one: exact in float32)
+    Q5_1, Q5_K         w = d * q + m,  q 0..31 in int8, per 32 (Q5_K: m = -min)  -> bits 8 with m
+    Q4_1, Q4_K         w = d * q + m,  q in 0..15, per 32 (Q4_K: d = scale, m = -min) -> bits 4
 
-Q5_1 and Q5_K (5-bit quants with a minimum), Q6_K (a scale per 16 weights) and the other k- and
-i-quants are neither: those weights stay float. Conversion reorders rows (Llama's q/k rotary
-permutation) and Relay fuses q/k/v and gate/up, so a weight's rows are found among the file's by a
-hash of their float32 values, and the blocks built from them are checked bit for bit against the
-weight (BlockWeight.dequantize) before any GEMM reads them.
+The other k- and i-quants are none of these: those weights stay float. Conversion reorders rows
+(Llama's q/k rotary permutation) and Relay fuses q/k/v and gate/up, so a weight's rows are found
+among the file's by a hash of their float32 values; rows from tensors of different types (a Q4_K_M
+file's Q4_K q and k beside a Q6_K v) are lifted to one form (common_form), and the blocks built
+from them are checked bit for bit against the weight (BlockWeight.dequantize) before any GEMM
+reads them.
+
+What a loader needs, for a GGUF tensor's rows (raw [rows, bytes per row]) of any of these types:
+
+    parts = [decode_rows(raw, qtype, k) for raw, qtype in tensors]   # RowBlocks per tensor
+    rows = common_form(parts)                                        # one form, rows concatenated
+    blocks = weight_blocks.pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group)
 """
 
 from __future__ import annotations
@@ -32,12 +42,18 @@ QK_K = 256  # weights per k-quant super-block
 
 @dataclass
 class RowBlocks:
-    """Rows of a weight in one of the two forms: q [rows, K] (int8 or 0..15), d and m [rows, K / 32]."""
+    """Rows of a weight in one kernel form (weight_blocks.pack takes its fields as they are):
+    w = d * q + m per weight, each product and sum rounded to float32 as the dequantizer does.
+
+    bits: 4 (q 0..15, uint8) or 8 (q int8); q [rows, K]; d, m float32 [rows, K / group]; m is -0.0
+    where the type has no minimum (x + -0.0 is x exactly, a -0.0 weight included); group: 32, or 16
+    (Q6_K's scales; bits 8 only)."""
 
     bits: int
     d: np.ndarray
     m: np.ndarray
     q: np.ndarray
+    group: int = BLOCK
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
@@ -63,8 +79,55 @@ def _q5_0(b: np.ndarray) -> RowBlocks:
     return _eight(_f16(b[:, :2]), (_nibbles(b[:, 6:]) | (high << 4)).astype(np.int8) - 16)
 
 
-def _eight(d: np.ndarray, q: np.ndarray) -> RowBlocks:
-    return RowBlocks(8, d, np.zeros_like(d), q.astype(np.int8))
+def _eight(d: np.ndarray, q: np.ndarray, group: int = BLOCK) -> RowBlocks:
+    return RowBlocks(8, d, np.full_like(d, -0.0), q.astype(np.int8), group)
+
+
+def _q5_1(b: np.ndarray) -> RowBlocks:
+    """float16 d and m, 32 fifth bits (a little-endian uint32), then Q4_1's nibbles."""
+    high = np.unpackbits(b[:, 4:8], axis=-1, bitorder="little")
+    q = (_nibbles(b[:, 8:]) | (high << 4)).astype(np.int8)
+    return RowBlocks(8, _f16(b[:, :2]), _f16(b[:, 2:4]), q)
+
+
+def _q6_k(b: np.ndarray) -> RowBlocks:
+    """Super-blocks of 256 in 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8
+    scales, float16 d. Half h (128 weights) takes ql[64h .. 64h + 63] (low nibbles: its weights
+    0-63, high nibbles 64-127) and qh[32h .. 32h + 31] (bits 2s, 2s + 1: its weights 32s + j);
+    weight i's scale is d * scales[i / 16], an exact float32 product (11 x 8 significant bits)."""
+    n = b.shape[0]
+    ql, qh = b[:, :128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 1, 32)
+    scales = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [n, h, shift, 64]
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03  # [n, h, s, 32]
+    q = (low.reshape(n, 256) | (high.reshape(n, 256) << 4)).astype(np.int8) - 32
+    return _eight(d[:, None] * scales, q.reshape(n * 16, 16), group=16)
+
+
+def _q5_k(b: np.ndarray) -> RowBlocks:
+    """Super-blocks of 256 in 176 bytes: float16 d and dmin, Q4_K's 12 bytes of 6-bit scales and
+    mins, qh[32] (bit s of byte j: sub-block s's weight j's fifth bit), then Q4_K's nibbles."""
+    n = b.shape[0]
+    scale, low = _k_scales(b)
+    qh = b[:, 16:48].reshape(n, 1, 32)
+    qs = b[:, 48:].reshape(n, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return RowBlocks(8, scale, low, (q | (high << 4)).astype(np.int8).reshape(n * 8, 32))
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K super-block's 8 sub-block scales d * sc and -(dmin * mn): float16 d and dmin,
+    then 8 6-bit scales and mins packed in 12 bytes (gguf.quants.Q4_K.get_scale_min)."""
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(n, 3, 4)
+    lo, hi, mix = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = d[:, None] * sc.astype(np.float32)  # exact: 11 x 6 significant bits
+    return scale, -(dmin[:, None] * mn.astype(np.float32))
 
 
 def _q4_1(b: np.ndarray) -> RowBlocks:
@@ -75,15 +138,9 @@ def _q4_k(b: np.ndarray) -> RowBlocks:
     """Super-blocks of 256: float16 d and dmin, 8 6-bit scales and mins packed in 12 bytes, then
     4 groups of 32 bytes whose low nibbles are sub-block 2g and high nibbles 2g + 1."""
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    s = b[:, 4:16].reshape(n, 3, 4)
-    lo, hi, mix = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale, low = _k_scales(b)
     qs = b[:, 16:].reshape(n, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
-    scale = d[:, None] * sc.astype(np.float32)  # exact: 11 x 6 significant bits
-    low = -(dmin[:, None] * mn.astype(np.float32))
     return RowBlocks(4, scale, low, q.reshape(n * 8, 32))
 
 
@@ -93,20 +150,54 @@ DECODERS = {
     2: (32, 18, _q4_0),  # Q4_0
     6: (32, 22, _q5_0),  # Q5_0
     3: (32, 20, _q4_1),  # Q4_1
+    7: (32, 24, _q5_1),  # Q5_1
     12: (QK_K, 144, _q4_k),  # Q4_K
+    13: (QK_K, 176, _q5_k),  # Q5_K
+    14: (QK_K, 210, _q6_k),  # Q6_K
 }
 
 
 def decode_rows(raw: np.ndarray, qtype: int, k: int) -> RowBlocks:
-    """Rows of a GGUF tensor (raw [rows, bytes per row]) in their form, per 32 weights."""
+    """Rows of a GGUF tensor in their kernel form (stable: loaders call it, then common_form, then
+    weight_blocks.pack). raw: uint8 [rows, bytes per row] (a memmap slice will do), qtype: a
+    DECODERS key (gguf.GGMLQuantizationType's value), k: weights per row (a multiple of the type's
+    block). Returns RowBlocks with q [rows, k], d and m [rows, k / group]."""
     per, size, decode = DECODERS[qtype]
     rows = raw.shape[0]
     found = decode(np.ascontiguousarray(raw).reshape(rows * (k // per), size))
     return RowBlocks(
         found.bits,
-        found.d.reshape(rows, k // BLOCK),
-        found.m.reshape(rows, k // BLOCK),
+        found.d.reshape(rows, k // found.group),
+        found.m.reshape(rows, k // found.group),
         found.q.reshape(rows, k),
+        found.group,
+    )
+
+
+def common_form(parts: list[RowBlocks]) -> RowBlocks:
+    """Row blocks of several tensors (a fused q/k/v or gate/up: Q4_K beside Q6_K, Q5_K beside Q8_0,
+    ...) as one weight: each part lifted exactly to a form that holds them all, then concatenated
+    along rows in the order given (stable: see decode_rows). All 4-bit: the 4-bit form; else 8-bit,
+    4-bit quants (0..15) becoming int8 ones. Any part with scales per 16 (Q6_K): every part's d and
+    m repeated to 16 (the same scale on both halves). m stays -0.0 where a part has none. The
+    weights are the parts' own bit for bit: only the arrays holding them grow."""
+    if not parts:
+        raise ValueError("common_form of no rows")
+    if len({p.q.shape[1] for p in parts}) != 1:
+        raise ValueError("common_form: parts of different row lengths")
+    bits = 4 if all(p.bits == 4 for p in parts) else 8
+    group = min(p.group for p in parts)
+
+    def spread(t: np.ndarray, p: RowBlocks) -> np.ndarray:
+        return np.repeat(t, p.group // group, axis=1) if p.group != group else t
+
+    q = [p.q.astype(np.uint8 if bits == 4 else np.int8, copy=False) for p in parts]
+    return RowBlocks(
+        bits,
+        np.concatenate([spread(p.d, p) for p in parts]).astype(np.float32, copy=False),
+        np.concatenate([spread(p.m, p) for p in parts]).astype(np.float32, copy=False),
+        np.concatenate(q),
+        group,
     )
 
 
@@ -150,6 +241,7 @@ class SourceTensor:
 
 
 INDEX_FILE = "gguf_rows.npz"  # beside a converted checkpoint (model_files.convert_gguf)
+_QTYPES = np.array(sorted(DECODERS), dtype=np.int64)  # the types an index lists the tensors of
 
 
 class GgufRows:
@@ -175,8 +267,15 @@ class GgufRows:
                 table.append((int(t.data_offset), qtype, int(t.shape[1]), k))
         table = np.array(table, dtype=np.int64).reshape(-1, 4)
         rows = cls.of(_map(path, table))
-        index = dict(table=table, hashes=rows.hashes, owners=rows.owners)
+        index = dict(table=table, hashes=rows.hashes, owners=rows.owners, qtypes=_QTYPES)
         return rows, index | dict(size=np.array(os.path.getsize(path)))
+
+    @staticmethod
+    def index_is_current(index: dict[str, np.ndarray]) -> bool:
+        """Whether a saved index covers every type DECODERS reads now (an index written before Q6_K,
+        Q5_K and Q5_1 were decoded lists none of their tensors: rebuilt, those weights become
+        blocks too)."""
+        return "qtypes" in index and np.array_equal(index["qtypes"], _QTYPES)
 
     @classmethod
     def of(cls, tensors: list[SourceTensor]) -> GgufRows:
@@ -199,19 +298,18 @@ class GgufRows:
         return cls(_map(path, index["table"]), index["hashes"], index["owners"])
 
     def blocks_for(self, weight: torch.Tensor) -> BlockWeight | None:
-        """weight's blocks, if every row of it is a row of one of the file's tensors and those
-        rows share a form; checked bit for bit."""
+        """weight's blocks, if every row of it is a row of one of the file's tensors (of one type
+        or several: common_form); checked bit for bit."""
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
             return None
         w = weight.detach().numpy()
         found = self._owners(row_hashes(np.concatenate([w[:, :BLOCK], w[:, -BLOCK:]], axis=1)))
         if found is None:
             return None
-        parts = self._decode(found, w.shape[1])
-        if parts is None:
+        rows = self._decode(found, w.shape[1])
+        if rows is None:
             return None
-        bits, d, m, q = parts
-        blocks = pack(bits, torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(q), *w.shape)
+        blocks = pack(rows.bits, rows.d, rows.m, rows.q, *w.shape, group=rows.group)
         return blocks if torch.equal(blocks.dequantize(), weight) else None
 
     def _owners(self, hashes: np.ndarray) -> np.ndarray | None:
@@ -222,17 +320,16 @@ class GgufRows:
             return None
         return self.owners[at]
 
-    def _decode(self, owners: np.ndarray, k: int):
-        """(bits, d, m, q) for the weight's rows from their owners' raw rows, or None."""
-        n = len(owners)
-        d, m = np.zeros((n, k // BLOCK), np.float32), np.zeros((n, k // BLOCK), np.float32)
-        q, bits = np.zeros((n, k), np.int16), set()
+    def _decode(self, owners: np.ndarray, k: int) -> RowBlocks | None:
+        """The weight's rows (in its order) from their owners' raw rows, in one form, or None."""
+        parts, order = [], []
         for i in np.unique(owners[:, 0]):
             t = self.tensors[i]
             if t.k != k:
                 return None
             mine = np.flatnonzero(owners[:, 0] == i)
-            rows = decode_rows(t.raw[owners[mine, 1]], t.qtype, k)
-            d[mine], m[mine], q[mine] = rows.d, rows.m, rows.q
-            bits.add(rows.bits)
-        return None if len(bits) != 1 else (bits.pop(), d, m, q)
+            parts.append(decode_rows(t.raw[owners[mine, 1]], t.qtype, k))
+            order.append(mine)
+        rows = common_form(parts)
+        back = np.argsort(np.concatenate(order))  # the parts' rows back to the weight's order
+        return RowBlocks(rows.bits, rows.d[back], rows.m[back], rows.q[back], rows.group)

@@ -403,7 +403,8 @@ def load_transformers_model(model_dir: str, dtype):
 def gguf_rows(model_dir: str):
     """The GGUF file a converted checkpoint came from, as gguf_blocks.GgufRows (its blocks for
     the weights that value-fitting cannot recover), or None: not a converted GGUF, or the file is
-    gone or changed. A checkpoint converted before the index existed gets it now (once)."""
+    gone or changed. A checkpoint converted before the index existed, or before it listed every
+    type decoded now (gguf_blocks.DECODERS: Q6_K, Q5_K, Q5_1 came later), gets it now (once)."""
     import numpy as np
 
     from relay.execution.gguf_blocks import INDEX_FILE, GgufRows
@@ -413,16 +414,29 @@ def gguf_rows(model_dir: str):
         return None
     with open(marker) as f:
         source = json.load(f).get("source", "")
-    if not os.path.exists(os.path.join(model_dir, INDEX_FILE)):
+    path = os.path.join(model_dir, INDEX_FILE)
+    stale = os.path.exists(path) and not _index_current(path)
+    if not os.path.exists(path) or stale:
         if not os.path.exists(source):
             return None
         try:
             _write_gguf_index(source, model_dir)
         except OSError as e:  # a read-only cache: the weights these blocks would cover stay float
             logger.warning("could not index %s's blocks in %s: %s", source, model_dir, e)
-            return None
-    with np.load(os.path.join(model_dir, INDEX_FILE)) as index:
+            if not stale:
+                return None
+    with np.load(path) as index:
         return GgufRows.load(source, dict(index))
+
+
+def _index_current(path: str) -> bool:
+    """Whether the saved index at path lists every type gguf_blocks decodes now."""
+    import numpy as np
+
+    from relay.execution.gguf_blocks import GgufRows
+
+    with np.load(path) as index:
+        return GgufRows.index_is_current(dict(index))
 
 
 def _write_gguf_index(gguf_path: str, out: str) -> None:

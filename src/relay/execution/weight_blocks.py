@@ -6,30 +6,46 @@ floats hold nothing the blocks did not: recovering d, m and q from them and chec
 weight comes back bit for bit gives the same model in 4.5 or 8.5 bits per weight, which a
 decode step's GEMMs, bound by reading weights, run on (csrc/gemm_blocks.c). A weight that is not
 exactly such blocks (a dense checkpoint, a tensor-parallel shard that cuts a block) stays float.
+
+The kernels read two quant widths, each with scales per 32 or 16 inputs (`group`) and a per-group
+minimum or none (csrc/blocks.h):
+
+    bits 4   w = d * q + m, q 0..15 (nibbles)      Q4_1, Q4_K                         group 32
+    bits 8   w = d * q,     q int8                  Q8_0, Q4_0, Q5_0 (32); Q6_K (16)
+    bits 8   w = d * q + m, q int8                  Q5_K, Q5_1 (32); fused weights of mixed types
+
+each product d * q and the sum + m rounded to float32 separately, as gguf's dequantizer does. The
+types read from the file (gguf_blocks) are decoded into these forms there; a fused weight whose
+parts come in different types is lifted to one form (gguf_blocks.common_form) before pack().
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 BLOCK = 32
 STRIP = 32  # output features the kernel takes together (csrc/gemm_blocks.c); rows padded with zeros
 PROBE_BLOCKS = 64  # blocks tried first: a dense weight fails here, before a full pass
-DOT_FLAG = 0x100  # relay_gemm_blocks's bits for q in the dot layout (csrc/gemm_dot.c)
+# relay_gemm_blocks's `bits` (BlockWeight.kernel_bits) is 4 or 8 with these flags (csrc/blocks.h)
+DOT_FLAG = 0x100  # q in the dot layout (csrc/gemm_dot.c): x rounded to int8, integer sums
+MIN_FLAG = 0x200  # bits 8 with a minimum m (bits 4 always has one); without it m is not read
+GROUP16_FLAG = 0x400  # d (and m) per 16 inputs, not per 32 (bits 8 only)
+UNSIGNED_FLAG = 0x800  # bits 8 quants all in 0..31 (dot: multiplied as unsigned bytes)
 CHUNK_BLOCKS = 1 << 20  # blocks fitted at a time (each needs ~0.5 KB of float32 scratch)
 
 
 @dataclass
 class BlockWeight:
-    """A [N, K] weight as blocks of 32 along K, in the kernel's strips of STRIP output features
-    (feature-minor: see csrc/gemm_blocks.c)."""
+    """A [N, K] weight as blocks along K (scales per `group` inputs), in the kernel's strips of
+    STRIP output features (feature-minor: see csrc/gemm_blocks.c). Built by pack()."""
 
-    bits: int  # 4: Q4_1; 8: Q8_0
+    bits: int  # 4: d * q + m, q 0..15; 8: d * q (+ m where has_m), q int8
     q: torch.Tensor  # uint8 [strips, K / 2, STRIP] (inputs 2p, 2p + 1 in the low, high nibble) or int8 [strips, K, STRIP]
-    d: torch.Tensor  # float32 [strips, K / 32, STRIP]
-    m: torch.Tensor  # float32 [strips, K / 32, STRIP] (zeros for Q8_0)
+    d: torch.Tensor  # float32 [strips, K / group, STRIP]
+    m: torch.Tensor  # float32 [strips, K / group, STRIP]; [strips, 0, STRIP] where not has_m
     out_features: int
     in_features: int
     # GEMMs of at most this many rows read the blocks, larger ones the float weight: the
@@ -44,11 +60,26 @@ class BlockWeight:
     # block and sum quant products in integers (--block-activations int8); otherwise q is in strips as above
     # and the GEMMs are float32 (bit for bit the dequantized weights' products).
     dot: bool = False
+    group: int = 32  # inputs per d (and m): 32, or 16 (Q6_K's scales; bits 8 only)
+    has_m: bool = True  # w = d * q + m (always for bits 4); else w = d * q and m is empty
+    q_unsigned: bool = False  # bits 8 quants all in 0..31 (Q5_K, Q5_1): UNSIGNED_FLAG
 
     @property
     def kernel_bits(self) -> int:
-        """What relay_gemm_blocks takes as `bits`: 4 or 8, with DOT_FLAG for the dot layout."""
-        return self.bits | (DOT_FLAG if self.dot else 0)
+        """What relay_gemm_blocks takes as `bits` (and the one-call decode step's LayerGemm.bits):
+        4 or 8, with MIN_FLAG (bits 8 with m), GROUP16_FLAG, UNSIGNED_FLAG and DOT_FLAG (the dot
+        layout) as the form has them. Q4_1's blocks are 4 and Q8_0's 8, as before the flags."""
+        flags = MIN_FLAG if self.bits == 8 and self.has_m else 0
+        flags |= GROUP16_FLAG if self.group == 16 else 0
+        flags |= UNSIGNED_FLAG if self.bits == 8 and self.q_unsigned else 0
+        return self.bits | flags | (DOT_FLAG if self.dot else 0)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """What a GEMM reads per weight: quants, d and (where has_m) m."""
+        return (self.q.numel() * self.q.element_size() + 4 * (self.d.numel() + self.m.numel())) / (
+            self.q.shape[0] * STRIP * self.in_features
+        )
 
     def to_dot(self) -> BlockWeight:
         """The same blocks with q in the integer dot products' layout."""
@@ -57,17 +88,17 @@ class BlockWeight:
         return replace(self, q=dot_layout(self.q, self.bits), dot=True)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight these blocks stand for, computed as the dequantizer did."""
+        """The float32 weight these blocks stand for, computed as the dequantizer did: d * q, then
+        + m where the form has one (two float32 roundings)."""
         n, k = self.out_features, self.in_features
         qs = strips_layout(self.q, self.bits) if self.dot else self.q
         if self.bits == 4:
             q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, k, STRIP).float()
         else:
             q = qs.float()
-        d = self.d.repeat_interleave(BLOCK, dim=1)
-        w = d * q
-        if self.bits == 4:
-            w = w + self.m.repeat_interleave(BLOCK, dim=1)
+        w = self.d.repeat_interleave(self.group, dim=1) * q
+        if self.has_m:
+            w = w + self.m.repeat_interleave(self.group, dim=1)
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
 
@@ -78,8 +109,10 @@ def _nibbles(
 
 
 def dot_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Strips' quants ([S, K / 2, STRIP] Q4_1 pairs or [S, K, STRIP] Q8_0) in csrc/gemm_dot.c's
-    layout: per strip 4 groups of 8 features, then blocks, then 32-byte units of 8 features x 4 bytes."""
+    """Strips' quants ([S, K / 2, STRIP] 4-bit pairs or [S, K, STRIP] int8) in csrc/gemm_dot.c's
+    layout: per strip 4 groups of 8 features, then blocks, then 32-byte units of 8 features x 4 bytes
+    (8-bit: unit o holds inputs 4o .. 4o + 3 of the block, so units 0-3 are a group of 16's first
+    16 inputs whatever the group: the layout does not depend on it)."""
     s = q.shape[0]
     if bits == 4:
         k = q.shape[1] * 2
@@ -188,11 +221,32 @@ def _fit_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def pack(
-    bits: int, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, n: int, k: int
+    bits: int,
+    d: torch.Tensor | np.ndarray,
+    m: torch.Tensor | np.ndarray | None,
+    q: torch.Tensor | np.ndarray,
+    n: int,
+    k: int,
+    group: int = 32,
 ) -> BlockWeight:
+    """A [n, k] weight's blocks in the kernels' strips: w = d * q (+ m), d and m per `group` inputs.
+
+    bits: 4 (q 0..15) or 8 (q int8 values: -128..127, or 0..31 for 5-bit quants); group: 32, or 16
+    (bits 8 only); d, m: [n, k / group] float32 (or flat, row-major); q: [n, k] (or flat); torch
+    tensors or numpy arrays (gguf_blocks.RowBlocks' fields as they are). m may be None or all
+    zeros where the form has no minimum: bits 8 blocks then keep none (has_m False; their GEMMs
+    skip it; -0.0 or 0.0 would add nothing: x + -0.0 is x, and only a -0.0 weight reads as 0.0
+    after + 0.0). The blocks are not checked here: callers compare dequantize() with the weight."""
+    if bits not in (4, 8) or group not in (16, 32) or (bits == 4 and group != 32) or k % BLOCK:
+        raise ValueError(f"no kernel form for bits={bits} group={group} k={k}")
+    d, q = torch.as_tensor(d), torch.as_tensor(q)
+    m = None if m is None else torch.as_tensor(m)
     strips = -(-n // STRIP)
     pad = strips * STRIP - n
-    nblk = k // BLOCK
+    ngrp = k // group
+    has_m = bits == 4 or (m is not None and bool((m != 0).any()))
+    if bits == 4 and m is None:
+        m = torch.zeros(n, ngrp)
 
     def strip_minor(
         t: torch.Tensor, cols: int
@@ -200,17 +254,22 @@ def pack(
         t = torch.cat([t.reshape(n, cols), t.new_zeros(pad, cols)])
         return t.reshape(strips, STRIP, cols).transpose(1, 2).contiguous()
 
+    q_unsigned = False
     if bits == 4:
         qi = q.reshape(n, k).to(torch.uint8)
         data = qi[:, 0::2] | (qi[:, 1::2] << 4)
         data = strip_minor(data, k // 2)
     else:
         data = strip_minor(q.reshape(n, k).to(torch.int8), k)
+        q_unsigned = n > 0 and bool(data.min() >= 0) and bool(data.max() <= 31)
     return BlockWeight(
         bits=bits,
         q=data,
-        d=strip_minor(d, nblk),
-        m=strip_minor(m, nblk),
+        d=strip_minor(d.float(), ngrp),
+        m=strip_minor(m.float(), ngrp) if has_m else torch.zeros(strips, 0, STRIP),
         out_features=n,
         in_features=k,
+        group=group,
+        has_m=has_m,
+        q_unsigned=q_unsigned,
     )

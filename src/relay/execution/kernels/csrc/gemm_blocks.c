@@ -16,13 +16,21 @@
 // Partial sums wait in y between chunks of KC. Up to GEMV_ROWS rows (decode steps of a few
 // requests) skip wbuf: unpacking is then most of the work, and gemv_strip does less of it.
 //
+// The same kernels take the k-quants' forms (blocks.h): 8-bit quants with a minimum (Q5_K, Q5_1:
+// w = d * q + m, q 0..31) and scales per 16 inputs (Q6_K: d = its float16 scale times an int8 one,
+// q = quant - 32), and any fused weight lifted to one of them (gguf_blocks.common_form). A GEMV
+// then sums x . q per group of 16 (or 32) inputs and scales each sum by its d (+ m times the
+// group's sum of x); the tiles' wbuf holds d * q (+ m) per weight, as the dequantizer computes it.
+//
 // Layouts, per strip s (features 32s .. 32s + 31, rows past N zero): q4 [s][K / 2][32] bytes, byte
 // n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
-// d, m [s][K / 32][32] float32. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
+// d, m [s][K / g][32] float32, g the group (32, or 16 with G16_FLAG); m only where the form has
+// one. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "vec.h"
 
 #define NS 32  // output features per strip
@@ -35,55 +43,59 @@
 #define GEMV_AHEAD 8  // blocks ahead the GEMVs prefetch (prefetch_block)
 #endif
 #define MB 8  // rows of x per register tile (TILE_ROWS below covers 1 .. MB)
-#define DOT_FLAG 0x100  // in bits: q is in gemm_dot.c's layout, for its integer dot products (weight_blocks.DOT_FLAG)
 
 int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
 
 int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 below, vec.h's otherwise
 
-// Block b of strip s (of Q4_1 or Q8_0 quants, d and m) on its way into the caches, for nobody
-// to wait on it later: the GEMVs read three streams (quants, d, m), each running on from one strip
-// to the next (a thread's strips are consecutive), and ask for each GEMV_AHEAD blocks ahead (past
-// the end: a prefetch does not fault). Streaming the default model's 120 layer GEMMs at 1-6 rows
-// on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to ~42 GB/s).
-static inline void prefetch_block(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
-                                  int64_t b) {
-    const int64_t nb = K / 32, qbytes = bits == 4 ? 16 * NS : 32 * NS;
+// Block b (32 inputs) of strip s (quants, d and, where the form has one, m) on its way into the
+// caches, for nobody to wait on it later: the GEMVs read three streams (quants, d, m), each running
+// on from one strip to the next (a thread's strips are consecutive), and ask for each GEMV_AHEAD
+// blocks ahead (past the end: a prefetch does not fault). Streaming the default model's 120 layer
+// GEMMs at 1-6 rows on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to
+// ~42 GB/s). g: the group d and m are per (a block is 32 / g groups of them).
+static inline void prefetch_block(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m,
+                                  int64_t s, int64_t K, int64_t b) {
+    const int64_t nb = K / 32, per = 32 / g, qbytes = bits == 4 ? 16 * NS : 32 * NS;
     const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
     for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
-    for (int64_t o = 0; o < NS; o += 16) {
-        __builtin_prefetch(d + (s * nb + b) * NS + o, 0, 0);
-        if (bits == 4) __builtin_prefetch(m + (s * nb + b) * NS + o, 0, 0);
+    const int64_t at = (s * nb + b) * per * NS;  // group b * per of strip s (K / g groups a strip)
+    for (int64_t o = 0; o < per * NS; o += 16) {
+        __builtin_prefetch(d + at + o, 0, 0);
+        if (has_m) __builtin_prefetch(m + at + o, 0, 0);
     }
 }
 
 #if defined(__AVX512F__)
-// acc[i] += d * part[i] (+ m * the block's sum of row i's x, xs[i * nb], for Q4_1): one block of
-// 32 inputs summed over the raw quants, scaled as the dequantizer would (gemv_strip, tile_bf16).
-static inline __attribute__((always_inline)) void scale_block(const int64_t R, int bits, const float* db,
-                                                              const float* mb, const float* xs, int64_t nb,
+// acc[i] += d * part[i] (+ m * the group's sum of row i's x, xs[i * ng], where the form has m):
+// one group of 32 (or 16) inputs summed over the raw quants, scaled as the dequantizer would
+// (gemv_strip, tile_bf16).
+static inline __attribute__((always_inline)) void scale_block(const int64_t R, int has_m, const float* db,
+                                                              const float* mb, const float* xs, int64_t ng,
                                                               __m512 (*part)[2], __m512 (*acc)[2]) {
     for (int64_t h = 0; h < 2; h++) {
         const __m512 dv = _mm512_loadu_ps(db + 16 * h);
         for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
-        if (bits == 4) {
+        if (has_m) {
             const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
-            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * nb]), acc[i][h]);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * ng]), acc[i][h]);
         }
     }
 }
 
-// Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS].
-static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
-                          int64_t k0, int64_t kn, float* wbuf) {
+// Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS]: d * q (+ m), rounded separately.
+static inline void unpack(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m, int64_t s,
+                          int64_t K, int64_t k0, int64_t kn, float* wbuf) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
-    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
-        const float* db = d + (s * (K / 32) + b) * NS;
-        const float* mb = m + (s * (K / 32) + b) * NS;
+    const int64_t ng = K / g;
+    for (int64_t b = k0 / g; b < (k0 + kn) / g; b++) {  // groups of g inputs
+        const float* db = d + (s * ng + b) * NS;
+        const float* mb = has_m ? m + (s * ng + b) * NS : NULL;
         for (int64_t h = 0; h < 2; h++) {  // features 16h .. 16h + 15
-            const __m512 dv = _mm512_loadu_ps(db + 16 * h), mv = _mm512_loadu_ps(mb + 16 * h);
-            for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+            const __m512 mv = has_m ? _mm512_loadu_ps(mb + 16 * h) : _mm512_setzero_ps();
+            for (int64_t k = b * g; k < b * g + g; k += 2) {
                 float* w = wbuf + (k - k0) * NS + 16 * h;
                 if (bits == 4) {
                     const __m128i raw = _mm_loadu_si128((const __m128i*)(q + (s * (K / 2) + k / 2) * NS + 16 * h));
@@ -94,10 +106,16 @@ static inline void unpack(int bits, const uint8_t* q, const float* d, const floa
                     _mm512_storeu_ps(w + NS, _mm512_add_ps(_mm512_mul_ps(dv, odd), mv));
                 } else {
                     const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
-                    _mm512_storeu_ps(w, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(
-                                                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk)))));
-                    _mm512_storeu_ps(w + NS, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                   _mm_loadu_si128((const __m128i*)(qk + NS))))));
+                    __m512 w0 = _mm512_mul_ps(
+                        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk))));
+                    __m512 w1 = _mm512_mul_ps(
+                        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qk + NS)))));
+                    if (has_m) {
+                        w0 = _mm512_add_ps(w0, mv);
+                        w1 = _mm512_add_ps(w1, mv);
+                    }
+                    _mm512_storeu_ps(w, w0);
+                    _mm512_storeu_ps(w + NS, w1);
                 }
             }
         }
@@ -146,50 +164,56 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
     }
 }
 
-// y[0 .. R, strip s] = x . W^T for R <= GEMV_ROWS rows, straight from the blocks: per block of 32
-// inputs the sums x . q over the raw quants, then d * that (+ m * the block's sum of x for Q4_1):
-// the same dot product with one multiply per block instead of one per weight and no trip through
-// wbuf (121 GEMMs of the default model at 1 row 1.36-1.44x, 4 rows 1.23x, 6 rows 1.17x on a
-// 2-core Xeon; and closer to float64 than the weight-by-weight sum).
-static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
-                                                             const float* d, const float* m, int64_t s, int64_t K,
-                                                             const float* x, int64_t x_stride, const float* xsum,
-                                                             float* y, int64_t y_stride, int64_t N) {
-    const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+// y[0 .. R, strip s] = x . W^T for R <= GEMV_ROWS rows, straight from the blocks: per group of 32
+// (or 16) inputs the sums x . q over the raw quants, then d * that (+ m * the group's sum of x where
+// the form has m): the same dot product with one multiply per group instead of one per weight and
+// no trip through wbuf (121 GEMMs of the default model at 1 row 1.36-1.44x, 4 rows 1.23x, 6 rows
+// 1.17x on a 2-core Xeon; and closer to float64 than the weight-by-weight sum). bits, g, has_m:
+// constants where inlined (gemv_groups).
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, const int bits, const int g,
+                                                             const int has_m, const uint8_t* q, const float* d,
+                                                             const float* m, int64_t s, int64_t K, const float* x,
+                                                             int64_t x_stride, const float* xsum, float* y,
+                                                             int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, left = N - n0, nb = K / 32, ng = K / g, per = 32 / g;
     const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m512 acc[GEMV_ROWS][2];
     for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512 part[GEMV_ROWS][2];
-        for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
-        prefetch_block(bits, q, d, m, s, K, b + GEMV_AHEAD);
-        if (bits == 4) {
-            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
-            for (int64_t p = 0; p < 16; p++) {
-                for (int64_t h = 0; h < 2; h++) {
-                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + p * NS + 16 * h));
-                    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
-                    const __m512 odd =
-                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
-                    for (int64_t i = 0; i < R; i++) {
-                        const float* xr = x + i * x_stride + b * 32 + 2 * p;
-                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
-                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
+        prefetch_block(bits, g, has_m, q, d, m, s, K, b + GEMV_AHEAD);
+        for (int64_t sub = 0; sub < per; sub++) {
+            __m512 part[GEMV_ROWS][2];
+            for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
+            if (bits == 4) {
+                const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+                for (int64_t p = 0; p < 16; p++) {
+                    for (int64_t h = 0; h < 2; h++) {
+                        const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + p * NS + 16 * h));
+                        const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+                        const __m512 odd =
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                        for (int64_t i = 0; i < R; i++) {
+                            const float* xr = x + i * x_stride + b * 32 + 2 * p;
+                            part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
+                            part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
+                        }
                     }
                 }
+            } else {
+                const int64_t k0 = b * 32 + sub * g;
+                const int8_t* qb = (const int8_t*)q + (s * K + k0) * NS;
+                for (int64_t k = 0; k < g; k++)
+                    for (int64_t h = 0; h < 2; h++) {
+                        const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + k * NS + 16 * h));
+                        const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                        for (int64_t i = 0; i < R; i++)
+                            part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + k0 + k]), qv, part[i][h]);
+                    }
             }
-        } else {
-            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
-            for (int64_t k = 0; k < 32; k++)
-                for (int64_t h = 0; h < 2; h++) {
-                    const __m128i raw = _mm_loadu_si128((const __m128i*)(qb + k * NS + 16 * h));
-                    const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-                    for (int64_t i = 0; i < R; i++)
-                        part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
-                }
+            const int64_t at = (s * ng + b * per + sub) * NS;
+            scale_block(R, has_m, d + at, has_m ? m + at : NULL, xsum + b * per + sub, ng, part, acc);
         }
-        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
@@ -258,7 +282,7 @@ static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t 
         __m512 part[GEMV_ROWS][2];
         for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
         const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
-        prefetch_block(4, q, d, m, s, K, b + GEMV_AHEAD);
+        prefetch_block(4, 32, 1, q, d, m, s, K, b + GEMV_AHEAD);
         for (int64_t p = 0; p < 16; p++) {
             __m512bh xv[GEMV_ROWS];
             for (int64_t i = 0; i < R; i++) {
@@ -274,7 +298,7 @@ static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t 
                 for (int64_t i = 0; i < R; i++) part[i][h] = _mm512_dpbf16_ps(part[i][h], xv[i], w);
             }
         }
-        scale_block(R, 4, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+        scale_block(R, 1, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
@@ -314,7 +338,8 @@ static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int
                 part[i][1] = _mm512_dpbf16_ps(part[i][1], xv, w1);
             }
         }
-        scale_block(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + m0 * nb + b, nb, part, acc);
+        scale_block(R, bits == 4, d + (s * nb + b) * NS, bits == 4 ? m + (s * nb + b) * NS : NULL, xsum + m0 * nb + b,
+                    nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
@@ -388,16 +413,16 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
 #define NV (NS / VL)
 #define MB_P 6  // rows per register tile: 2 vectors of 6 rows are 12 of AVX2's 16 registers
 
-// acc[i] += d * part[i] (+ m * the block's sum of row i's x, for Q4_1), as scale_block.
-static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int bits, const float* db,
-                                                                const float* mb, const float* xs, int64_t nb,
+// acc[i] += d * part[i] (+ m * the group's sum of row i's x, where the form has m), as scale_block.
+static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int has_m, const float* db,
+                                                                const float* mb, const float* xs, int64_t ng,
                                                                 vf (*part)[NV], vf (*acc)[NV]) {
     for (int64_t h = 0; h < NV; h++) {
         const vf dv = vf_load(db + VL * h);
         for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(dv, part[i][h], acc[i][h]);
-        if (bits == 4) {
+        if (has_m) {
             const vf mv = vf_load(mb + VL * h);
-            for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(mv, vf_set1(xs[i * nb]), acc[i][h]);
+            for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(mv, vf_set1(xs[i * ng]), acc[i][h]);
         }
     }
 }
@@ -413,60 +438,66 @@ static inline void store_live(float* y, vf v, int64_t live) {
     else if (live > 0) vf_store_n(y, v, live);
 }
 
-static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, int bits, const uint8_t* q,
-                                                             const float* d, const float* m, int64_t s, int64_t K,
-                                                             const float* x, int64_t x_stride, const float* xsum,
-                                                             float* y, int64_t y_stride, int64_t N) {
-    const int64_t n0 = s * NS, nb = K / 32;
+static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, const int bits, const int g,
+                                                             const int has_m, const uint8_t* q, const float* d,
+                                                             const float* m, int64_t s, int64_t K, const float* x,
+                                                             int64_t x_stride, const float* xsum, float* y,
+                                                             int64_t y_stride, int64_t N) {
+    const int64_t n0 = s * NS, nb = K / 32, ng = K / g, per = 32 / g;
     vf acc[GEMV_ROWS][NV];
     for (int64_t i = 0; i < R; i++)
         for (int64_t h = 0; h < NV; h++) acc[i][h] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        vf part[GEMV_ROWS][NV];
-        for (int64_t i = 0; i < R; i++)
-            for (int64_t h = 0; h < NV; h++) part[i][h] = vf_zero();
-        prefetch_block(bits, q, d, m, s, K, b + GEMV_AHEAD);
-        if (bits == 4) {
-            const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
-            for (int64_t p = 0; p < 16; p++) {
-                vf x0[GEMV_ROWS], x1[GEMV_ROWS];
-                for (int64_t i = 0; i < R; i++) {
-                    x0[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p]);
-                    x1[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p + 1]);
-                }
-                for (int64_t h = 0; h < NV; h++) {
-                    vf even, odd;
-                    vf_from_nibbles(qb + p * NS + VL * h, &even, &odd);
+        prefetch_block(bits, g, has_m, q, d, m, s, K, b + GEMV_AHEAD);
+        for (int64_t sub = 0; sub < per; sub++) {
+            vf part[GEMV_ROWS][NV];
+            for (int64_t i = 0; i < R; i++)
+                for (int64_t h = 0; h < NV; h++) part[i][h] = vf_zero();
+            if (bits == 4) {
+                const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
+                for (int64_t p = 0; p < 16; p++) {
+                    vf x0[GEMV_ROWS], x1[GEMV_ROWS];
                     for (int64_t i = 0; i < R; i++) {
-                        part[i][h] = vf_fma(x0[i], even, part[i][h]);
-                        part[i][h] = vf_fma(x1[i], odd, part[i][h]);
+                        x0[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p]);
+                        x1[i] = vf_set1(x[i * x_stride + b * 32 + 2 * p + 1]);
+                    }
+                    for (int64_t h = 0; h < NV; h++) {
+                        vf even, odd;
+                        vf_from_nibbles(qb + p * NS + VL * h, &even, &odd);
+                        for (int64_t i = 0; i < R; i++) {
+                            part[i][h] = vf_fma(x0[i], even, part[i][h]);
+                            part[i][h] = vf_fma(x1[i], odd, part[i][h]);
+                        }
                     }
                 }
+            } else {
+                const int64_t k0 = b * 32 + sub * g;
+                const int8_t* qb = (const int8_t*)q + (s * K + k0) * NS;
+                for (int64_t k = 0; k < g; k++)
+                    for (int64_t h = 0; h < NV; h++) {
+                        const vf qv = vf_from_i8(qb + k * NS + VL * h);
+                        for (int64_t i = 0; i < R; i++)
+                            part[i][h] = vf_fma(vf_set1(x[i * x_stride + k0 + k]), qv, part[i][h]);
+                    }
             }
-        } else {
-            const int8_t* qb = (const int8_t*)q + (s * K + b * 32) * NS;
-            for (int64_t k = 0; k < 32; k++)
-                for (int64_t h = 0; h < NV; h++) {
-                    const vf qv = vf_from_i8(qb + k * NS + VL * h);
-                    for (int64_t i = 0; i < R; i++)
-                        part[i][h] = vf_fma(vf_set1(x[i * x_stride + b * 32 + k]), qv, part[i][h]);
-                }
+            const int64_t at = (s * ng + b * per + sub) * NS;
+            scale_block_p(R, has_m, d + at, has_m ? m + at : NULL, xsum + b * per + sub, ng, part, acc);
         }
-        scale_block_p(R, bits, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++)
         for (int64_t h = 0; h < NV; h++) store_live(y + i * y_stride + n0 + VL * h, acc[i][h], lanes_live(N - n0, h));
 }
 
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS], each d * q (+ m) as unpack.
-static inline void unpack(int bits, const uint8_t* q, const float* d, const float* m, int64_t s, int64_t K,
-                          int64_t k0, int64_t kn, float* wbuf) {
-    for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
-        const float* db = d + (s * (K / 32) + b) * NS;
-        const float* mb = m + (s * (K / 32) + b) * NS;
+static inline void unpack(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m, int64_t s,
+                          int64_t K, int64_t k0, int64_t kn, float* wbuf) {
+    const int64_t ng = K / g;
+    for (int64_t b = k0 / g; b < (k0 + kn) / g; b++) {  // groups of g inputs
+        const float* db = d + (s * ng + b) * NS;
+        const float* mb = has_m ? m + (s * ng + b) * NS : NULL;
         for (int64_t h = 0; h < NV; h++) {
-            const vf dv = vf_load(db + VL * h), mv = bits == 4 ? vf_load(mb + VL * h) : vf_zero();
-            for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+            const vf dv = vf_load(db + VL * h), mv = has_m ? vf_load(mb + VL * h) : vf_zero();
+            for (int64_t k = b * g; k < b * g + g; k += 2) {
                 float* w = wbuf + (k - k0) * NS + VL * h;
                 if (bits == 4) {
                     vf even, odd;
@@ -475,8 +506,13 @@ static inline void unpack(int bits, const uint8_t* q, const float* d, const floa
                     vf_store(w + NS, vf_add(vf_mul(dv, odd), mv));
                 } else {
                     const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + VL * h;
-                    vf_store(w, vf_mul(dv, vf_from_i8(qk)));
-                    vf_store(w + NS, vf_mul(dv, vf_from_i8(qk + NS)));
+                    vf w0 = vf_mul(dv, vf_from_i8(qk)), w1 = vf_mul(dv, vf_from_i8(qk + NS));
+                    if (has_m) {
+                        w0 = vf_add(w0, mv);
+                        w1 = vf_add(w1, mv);
+                    }
+                    vf_store(w, w0);
+                    vf_store(w + NS, w1);
                 }
             }
         }
@@ -525,44 +561,63 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
 }
 #endif
 
-#define GEMV_CASE(RV) case RV: gemv_strip(RV, bits, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
+#define GEMV_CASE(RV) \
+    case RV: gemv_strip(RV, bits, g, has_m, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
 
-// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), | DOT_FLAG for q in gemm_dot.c's layout (its integer
-// dot products). K a multiple of 32. Returns 0 where this build
-// has no AVX-512 or the shape is not one it takes (the caller keeps its float path).
+// Strip s's M <= GEMV_GROUPS_MAX_ROWS rows in groups of at most GEMV_ROWS, as even as they come, of one
+// form (bits, g, has_m: constants where inlined, so each form's GEMV is compiled for itself).
+static inline __attribute__((always_inline)) void gemv_groups(const int bits, const int g, const int has_m,
+                                                              const uint8_t* q, const float* d, const float* m,
+                                                              int64_t s, int64_t K, const float* x, int64_t x_stride,
+                                                              const float* xsum, float* y, int64_t y_stride,
+                                                              int64_t M, int64_t N) {
+    const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS, ng = K / g;
+    for (int64_t t = 0, r0 = 0; t < groups; t++) {
+        const int64_t rows = M / groups + (t < M % groups);
+        const float* xg = x + r0 * x_stride;
+        const float* sg = xsum + r0 * ng;
+        float* yg = y + r0 * y_stride;
+        switch (rows) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
+        r0 += rows;
+    }
+}
+
+// form: blocks.h's (bits 4: Q4_1's d, m; 8: Q8_0's d, with MIN_FLAG an m too, with G16_FLAG d and m
+// per 16 inputs), | DOT_FLAG for q in gemm_dot.c's layout (its integer dot products). K a multiple of
+// 32. Returns 0 where the shape or form is not one it takes (the caller keeps its float path).
 // round_bf16: the blocks stand for a bfloat16 model's weights, so their GEMMs (Q8_0: of
 // BF16_MIN_ROWS or more rows) may round x to bfloat16 and use VDPBF16PS (gemm_blocks_bf16) where
-// this CPU has it.
-int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+// this CPU has it; only Q4_1's and Q8_0's forms do (the bfloat16 kernels know no minimum on 8-bit
+// quants nor scales per 16): the others keep float32 x and these float32 products, which multiply
+// by the same exact weights.
+int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
-    if (bits & DOT_FLAG) return relay_gemm_dot(bits & ~DOT_FLAG, q, d, m, x, x_stride, y, y_stride, M, N, K);
-    if (K % 32 || M < 1) return 0;
-    const int64_t strips = (N + NS - 1) / NS;
+    if (form & DOT_FLAG) return relay_gemm_dot(form & ~DOT_FLAG, q, d, m, x, x_stride, y, y_stride, M, N, K);
+    if (K % 32 || M < 1 || !form_valid(form)) return 0;
+    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form);
+    const int64_t strips = (N + NS - 1) / NS, ng = K / g;
 #if defined(__AVX512BF16__)
-    if (round_bf16 && (M >= BF16_MIN_ROWS || bits == 4)) {
+    if (round_bf16 && g == 32 && (bits == 4 || !has_m) && (M >= BF16_MIN_ROWS || bits == 4)) {
         gemm_blocks_bf16(bits, q, d, m, x, x_stride, y, y_stride, M, N, K);
         return 1;
     }
 #endif
     if (M <= GEMV_GROUPS_MAX_ROWS) {
-        float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * (K / 32)));  // each row's sum per block (Q4_1's m)
-        for (int64_t i = 0; i < (bits == 4 ? M : 0); i++)
-            for (int64_t b = 0; b < K / 32; b++) {
+        float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * ng));  // each row's sum per group (m's term)
+        for (int64_t i = 0; i < (has_m ? M : 0); i++)
+            for (int64_t b = 0; b < ng; b++) {
                 float t = 0.f;
-                for (int64_t k = 0; k < 32; k++) t += x[i * x_stride + b * 32 + k];
-                xsum[i * (K / 32) + b] = t;
+                for (int64_t k = 0; k < g; k++) t += x[i * x_stride + b * g + k];
+                xsum[i * ng + b] = t;
             }
-        const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS;  // row groups as even as they come
         _Pragma("omp parallel for schedule(static)")
-        for (int64_t s = 0; s < strips; s++)
-            for (int64_t g = 0, r0 = 0; g < groups; g++) {
-                const int64_t rows = M / groups + (g < M % groups);
-                const float* xg = x + r0 * x_stride;
-                const float* sg = xsum + r0 * (K / 32);
-                float* yg = y + r0 * y_stride;
-                switch (rows) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) }
-                r0 += rows;
-            }
+        for (int64_t s = 0; s < strips; s++) {
+            if (bits == 4) gemv_groups(4, 32, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+            else if (g == 32 && !has_m) gemv_groups(8, 32, 0, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+            else if (g == 32) gemv_groups(8, 32, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+            else if (!has_m) gemv_groups(8, 16, 0, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+            else gemv_groups(8, 16, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+        }
         free(xsum);
         return 1;
     }
@@ -573,7 +628,7 @@ int relay_gemm_blocks(int bits, const uint8_t* q, const float* d, const float* m
         for (int64_t s = 0; s < strips; s++)
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kn = K - k0 < KC ? K - k0 : KC;
-                unpack(bits, q, d, m, s, K, k0, kn, wbuf);
+                unpack(bits, g, has_m, q, d, m, s, K, k0, kn, wbuf);
                 tiles(x, x_stride, M, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
             }
     }

@@ -13,31 +13,46 @@
 //   Q8_0: 8 units per block; unit o byte 4f + j = q[f][4o + j] (int8)
 // so one unit's low nibbles (or its bytes) are the quants of 4 consecutive inputs for each of 8
 // features: VPMADDUBSW + VPMADDWD (or VPDPBUSD) against those 4 inputs of x broadcast gives 8 int32
-// sums. d and m stay as gemm_blocks.c has them: float32 [s][K / 32][32].
+// sums. d and m stay as gemm_blocks.c has them: float32 [s][K / g][32], g the group (blocks.h).
+//
+// The k-quants' forms (blocks.h) take the 8-bit layout as it is: with scales per 16 inputs (Q6_K)
+// units 0-3 of a block are its first 16 inputs, units 4-7 the next 16, each half's integer sum
+// scaled by its own d; with a minimum (Q5_K, Q5_1, mixed fused weights) m times the exact float
+// sum of x over its group is added, as for Q4_1. x is rounded per 32 inputs whatever the group.
+// Quants in 0..31 (U5_FLAG) are multiplied as unsigned bytes directly; signed ones (Q6_K's -32..31,
+// Q8_0's) as |q| times x with q's sign, as Q8_0.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "vec.h"
 
 #define NS 32  // output features per strip
 #define FG 8  // features per group (one 8 x int32 accumulator)
+#ifndef DOT_AHEAD
+#define DOT_AHEAD 8  // blocks ahead the units (and d, m) are prefetched
+#endif
 
-// x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the block's float sum
-// (Q4_1's m term uses it exactly, as gemm_blocks.c does). Called inside the GEMM's parallel region:
-// a prompt's rows split over the threads (single-threaded scalar code here was a third of a
-// 256-token chunk's GEMM time at AVX2).
-// The sum of a block of 32 in one fixed order whatever the level's vector width (8 lanes of 4,
-// then pairs), so that every level gives the same output bit for bit.
-static inline float block_sum(const float* xb) {
+// x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the float sums of
+// x per group of g inputs (32, or 16: the m term uses them exactly, as gemm_blocks.c does). Called
+// inside the GEMM's parallel region: a prompt's rows split over the threads (single-threaded scalar
+// code here was a third of a 256-token chunk's GEMM time at AVX2).
+// The sum of a group of 32 or 16 in one fixed order whatever the level's vector width (8 lanes of
+// 4 or 2, then pairs), so that every level gives the same output bit for bit.
+static inline float group_sum(const float* xb, int64_t g) {
     float part[8];
-    for (int j = 0; j < 8; j++) part[j] = xb[j] + xb[8 + j] + xb[16 + j] + xb[24 + j];
+    for (int j = 0; j < 8; j++) {
+        part[j] = xb[j];
+        for (int64_t r = 8; r < g; r += 8) part[j] += xb[r + j];
+    }
     return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
-static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* qx, float* dx, float* xs) {
-    const int64_t nb = K / 32;
+static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t g, int8_t* qx, float* dx,
+                          float* xs) {
+    const int64_t nb = K / 32, ng = K / g;
     _Pragma("omp for schedule(static)")
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
@@ -50,7 +65,7 @@ static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K
             const float top = vf_hmax(amax), inv = top > 0.f ? 127.f / top : 0.f;
             for (int64_t k = 0; k < 32; k += VL) vf_store_i8(qx + i * K + b * 32 + k, vf_mul(vf_load(xb + k), vf_set1(inv)));
             dx[i * nb + b] = top / 127.f;
-            xs[i * nb + b] = block_sum(xb);
+            for (int64_t h = 0; h < 32 / g; h++) xs[i * ng + b * (32 / g) + h] = group_sum(xb + h * g, g);
         }
 }
 
@@ -89,6 +104,7 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
 }
 static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, x)); }
 static inline vi widen16(vi acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
+static inline vi vi_add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 #elif defined(__AVX2__)
 #define FEATS 8
 #define DOT_ROWS 6  // 16 registers: 6 int32 + 6 float accumulators + temporaries
@@ -114,60 +130,91 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
 }
 static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
 static inline vi widen16(vi acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+static inline vi vi_add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 #endif
 
 #if defined(__AVX2__)
 // Without VNNI a Q4 block's 8 VPMADDUBSW outputs per row add up in 16 bits (each at most
 // 2 * 15 * 127 = 3,810 in magnitude, 8 of them 30,480 < 2^15: never saturating) and widen to 32 bits
-// once per block: one VPMADDWD instead of eight, on the same two ports as the multiplies.
+// once per block: one VPMADDWD instead of eight, on the same two ports as the multiplies; quants in
+// 0..31 (U5_FLAG) the same per 4 units (4 * 2 * 31 * 127 = 31,496 < 2^15).
 #if defined(__AVX512VNNI__)
 #define SUM16 0
 #else
 #define SUM16 1
 #endif
 // y[0 .. R, features n0 .. n0 + FEATS] = x . W^T for R <= DOT_ROWS rows, from the units wq (and, at
-// AVX-512, the next group's at wq + group_bytes).
-static inline __attribute__((always_inline)) void dot_features(const int64_t R, int bits, const uint8_t* wq,
+// AVX-512, the next group's at wq + group_bytes). bits, g, has_m, u5: the form (blocks.h), constants
+// where inlined (dot_form), so that each form is compiled for itself.
+static inline __attribute__((always_inline)) void dot_features(const int64_t R, const int bits, const int g,
+                                                               const int has_m, const int u5, const uint8_t* wq,
                                                                int64_t group_bytes, const float* d, const float* m,
                                                                const int8_t* qx, const float* dx, const float* xs,
                                                                int64_t K, float* y, int64_t y_stride, int64_t live) {
-    const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
+    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
     vf acc[DOT_ROWS];
     for (int64_t i = 0; i < R; i++) acc[i] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        vi isum[DOT_ROWS];
-        for (int64_t i = 0; i < R; i++) isum[i] = vi_zero();
         const uint8_t* ub = wq + b * units * 32;
-        _mm_prefetch((const char*)(ub + 8 * units * 32), _MM_HINT_T0);
-        if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + 8 * units * 32), _MM_HINT_T0);
-        for (int64_t o = 0; o < units; o++) {
-            const vi raw = units_load(ub + o * 32, group_bytes);
-            if (bits == 4) {
-                const vi lo = vi_low4(raw), hi = vi_high4(raw);
-                for (int64_t i = 0; i < R; i++) {
-                    const int8_t* xr = qx + i * K + b * 32 + 8 * o;
-#if SUM16
-                    isum[i] = add_u4s8_16(isum[i], lo, vi_set1(load4(xr)));
-                    isum[i] = add_u4s8_16(isum[i], hi, vi_set1(load4(xr + 4)));
-#else
-                    isum[i] = dot_u8s8(isum[i], lo, vi_set1(load4(xr)));
-                    isum[i] = dot_u8s8(isum[i], hi, vi_set1(load4(xr + 4)));
-#endif
-                }
-            } else {  // signed weights: |w| times x with w's sign (q8 is never -128)
-                const vi aw = vi_abs8(raw);
-                for (int64_t i = 0; i < R; i++)
-                    isum[i] = dot_u8s8(isum[i], aw, vi_sign8(vi_set1(load4(qx + i * K + b * 32 + 4 * o)), raw));
-            }
+        for (int64_t o = 0; o < units * 32; o += 64) {  // block b + DOT_AHEAD's units (past the end: no fault)
+            _mm_prefetch((const char*)(ub + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
+            if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
         }
-        const vf dv = vf_load(d + b * NS);
+        for (int64_t h = 0; h < per; h++) {  // and its d (and m): FEATS floats per group
+            _mm_prefetch((const char*)(d + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
+            if (has_m) _mm_prefetch((const char*)(m + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
+        }
+        for (int64_t h = 0; h < per; h++) {  // groups of g inputs in the block: units h * sub_units on
+            vi isum[DOT_ROWS];
+            for (int64_t i = 0; i < R; i++) isum[i] = vi_zero();
+            if (bits == 4) {
+                for (int64_t o = 0; o < units; o++) {
+                    const vi raw = units_load(ub + o * 32, group_bytes);
+                    const vi lo = vi_low4(raw), hi = vi_high4(raw);
+                    for (int64_t i = 0; i < R; i++) {
+                        const int8_t* xr = qx + i * K + b * 32 + 8 * o;
 #if SUM16
-        if (bits == 4)
-            for (int64_t i = 0; i < R; i++) isum[i] = widen16(isum[i]);
+                        isum[i] = add_u4s8_16(isum[i], lo, vi_set1(load4(xr)));
+                        isum[i] = add_u4s8_16(isum[i], hi, vi_set1(load4(xr + 4)));
+#else
+                        isum[i] = dot_u8s8(isum[i], lo, vi_set1(load4(xr)));
+                        isum[i] = dot_u8s8(isum[i], hi, vi_set1(load4(xr + 4)));
 #endif
-        for (int64_t i = 0; i < R; i++) {
-            acc[i] = vf_fma(vf_mul(dv, vf_set1(dx[i * nb + b])), vi_to_vf(isum[i]), acc[i]);
-            if (bits == 4) acc[i] = vf_fma(vf_load(m + b * NS), vf_set1(xs[i * nb + b]), acc[i]);
+                    }
+                }
+#if SUM16
+                for (int64_t i = 0; i < R; i++) isum[i] = widen16(isum[i]);
+#endif
+            } else if (u5 && SUM16) {  // unsigned quants 0..31: 4 units' pairs add up in 16 bits, then widen
+                for (int64_t o0 = h * sub_units; o0 < (h + 1) * sub_units; o0 += 4) {
+                    vi raw[4];
+                    for (int64_t o = 0; o < 4; o++) raw[o] = units_load(ub + (o0 + o) * 32, group_bytes);
+                    for (int64_t i = 0; i < R; i++) {
+                        const int8_t* xr = qx + i * K + b * 32 + 4 * o0;
+                        vi t = vi_zero();
+                        for (int64_t o = 0; o < 4; o++) t = add_u4s8_16(t, raw[o], vi_set1(load4(xr + 4 * o)));
+                        isum[i] = vi_add32(isum[i], widen16(t));
+                    }
+                }
+            } else {
+                for (int64_t o = h * sub_units; o < (h + 1) * sub_units; o++) {
+                    const vi raw = units_load(ub + o * 32, group_bytes);
+                    if (u5) {  // unsigned quants: as they are (VPDPBUSD)
+                        for (int64_t i = 0; i < R; i++)
+                            isum[i] = dot_u8s8(isum[i], raw, vi_set1(load4(qx + i * K + b * 32 + 4 * o)));
+                    } else {  // signed weights: |w| times x with w's sign (q8 is never -128)
+                        const vi aw = vi_abs8(raw);
+                        for (int64_t i = 0; i < R; i++)
+                            isum[i] = dot_u8s8(isum[i], aw, vi_sign8(vi_set1(load4(qx + i * K + b * 32 + 4 * o)), raw));
+                    }
+                }
+            }
+            const int64_t gi = b * per + h;
+            const vf dv = vf_load(d + gi * NS);
+            for (int64_t i = 0; i < R; i++) {
+                acc[i] = vf_fma(vf_mul(dv, vf_set1(dx[i * nb + b])), vi_to_vf(isum[i]), acc[i]);
+                if (has_m) acc[i] = vf_fma(vf_load(m + gi * NS), vf_set1(xs[i * ng + gi]), acc[i]);
+            }
         }
     }
     for (int64_t i = 0; i < R; i++) {
@@ -179,77 +226,103 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
 #define FEATS 8
 #define DOT_ROWS 6
 // The same sums in plain C (any CPU): integer products summed exactly, then the same float steps.
-static inline void dot_features(const int64_t R, int bits, const uint8_t* wq, int64_t group_bytes, const float* d,
-                                const float* m, const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y,
+static inline void dot_features(const int64_t R, const int bits, const int g, const int has_m, const int u5,
+                                const uint8_t* wq, int64_t group_bytes, const float* d, const float* m,
+                                const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y,
                                 int64_t y_stride, int64_t live) {
     (void)group_bytes;
-    const int64_t nb = K / 32, units = bits == 4 ? 4 : 8;
+    (void)u5;  // (the sums are the same, signed or not)
+    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
     float acc[DOT_ROWS][FG] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
-        int32_t isum[DOT_ROWS][FG] = {{0}};
         const uint8_t* ub = wq + b * units * 32;
-        for (int64_t o = 0; o < units; o++)
-            for (int64_t f = 0; f < FG; f++)
-                for (int64_t j = 0; j < 4; j++) {
-                    const uint8_t byte = ub[o * 32 + 4 * f + j];
-                    for (int64_t i = 0; i < R; i++) {
-                        const int8_t* xr = qx + i * K + b * 32;
-                        if (bits == 4)
-                            isum[i][f] += (byte & 15) * xr[8 * o + j] + (byte >> 4) * xr[8 * o + 4 + j];
-                        else
-                            isum[i][f] += (int8_t)byte * xr[4 * o + j];
+        for (int64_t h = 0; h < per; h++) {
+            int32_t isum[DOT_ROWS][FG] = {{0}};
+            for (int64_t o = h * sub_units; o < (h + 1) * sub_units; o++)
+                for (int64_t f = 0; f < FG; f++)
+                    for (int64_t j = 0; j < 4; j++) {
+                        const uint8_t byte = ub[o * 32 + 4 * f + j];
+                        for (int64_t i = 0; i < R; i++) {
+                            const int8_t* xr = qx + i * K + b * 32;
+                            if (bits == 4)
+                                isum[i][f] += (byte & 15) * xr[8 * o + j] + (byte >> 4) * xr[8 * o + 4 + j];
+                            else
+                                isum[i][f] += (int8_t)byte * xr[4 * o + j];
+                        }
                     }
+            const int64_t gi = b * per + h;
+            for (int64_t i = 0; i < R; i++)
+                for (int64_t f = 0; f < FG; f++) {
+                    const float scale = d[gi * NS + f] * dx[i * nb + b];
+                    acc[i][f] = fmaf(scale, (float)isum[i][f], acc[i][f]);
+                    if (has_m) acc[i][f] = fmaf(m[gi * NS + f], xs[i * ng + gi], acc[i][f]);
                 }
-        for (int64_t i = 0; i < R; i++)
-            for (int64_t f = 0; f < FG; f++) {
-                const float scale = d[b * NS + f] * dx[i * nb + b];
-                acc[i][f] = fmaf(scale, (float)isum[i][f], acc[i][f]);
-                if (bits == 4) acc[i][f] = fmaf(m[b * NS + f], xs[i * nb + b], acc[i][f]);
-            }
+        }
     }
     for (int64_t i = 0; i < R; i++) memcpy(y + i * y_stride, acc[i], sizeof(float) * (size_t)live);
 }
 #endif
 
-#define DOT_CASE(RV)                                                                                          \
-    case RV:                                                                                                  \
-        dot_features(RV, bits, wq, group_bytes, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * nb, K,            \
-                     y + r0 * y_stride + n0, y_stride, live);                                                 \
+#define DOT_CASE(RV)                                                                                               \
+    case RV:                                                                                                       \
+        dot_features(RV, bits, g, has_m, u5, wq, group_bytes, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * ng, K,  \
+                     y + r0 * y_stride + n0, y_stride, live);                                                      \
         break;
 
-// bits 4 (Q4_1: d, m) or 8 (Q8_0: d; m unused), q in the dot layout above, K a multiple of 32.
-// Every row count: rows go in groups of at most DOT_ROWS over each FEATS features (their weights read
-// again from L1/L2 per row group).
-int relay_gemm_dot(int bits, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+// M rows over one work unit (FEATS features of strip s) of one form (constants where inlined), in
+// row groups of at most DOT_ROWS, as even as they come (the units read again from L1/L2 per group).
+static inline __attribute__((always_inline)) void dot_form(const int bits, const int g, const int has_m, const int u5,
+                                                           const uint8_t* wq, int64_t group_bytes, const float* dg,
+                                                           const float* mg, const int8_t* qx, const float* dx,
+                                                           const float* xs, int64_t M, int64_t K, float* y,
+                                                           int64_t y_stride, int64_t n0, int64_t live) {
+    const int64_t nb = K / 32, ng = K / g, row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;
+    for (int64_t t = 0, r0 = 0; t < row_groups; t++) {
+        const int64_t rows = M / row_groups + (t < M % row_groups);
+        switch (rows) {
+            DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
+#if DOT_ROWS > 6
+            DOT_CASE(7) DOT_CASE(8)
+#endif
+        }
+        r0 += rows;
+    }
+}
+
+// form: blocks.h's (bits 4: Q4_1's d, m; 8: Q8_0's d, with MIN_FLAG an m, with G16_FLAG d and m per
+// 16 inputs, with U5_FLAG quants in 0..31), q in the dot layout above, K a multiple of 32. Every row
+// count: rows go in groups of at most DOT_ROWS over each FEATS features.
+int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
-    if (K % 32 || M < 1 || (bits != 4 && bits != 8)) return 0;
-    const int64_t nb = K / 32, strips = (N + NS - 1) / NS, group_bytes = nb * 32 * (bits == 4 ? 4 : 8);
+    if (K % 32 || M < 1 || !form_valid(form)) return 0;
+    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form);
+    const int u5 = bits == 8 && (form & U5_FLAG);
+    const int64_t nb = K / 32, ng = K / g, strips = (N + NS - 1) / NS, group_bytes = nb * 32 * (bits == 4 ? 4 : 8);
     int8_t* qx = (int8_t*)malloc((size_t)(M * K));
     float* dx = (float*)malloc(sizeof(float) * (size_t)(M * nb));
-    float* xs = (float*)malloc(sizeof(float) * (size_t)(M * nb));
-    const int64_t row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;  // as even as they come
+    float* xs = (float*)malloc(sizeof(float) * (size_t)(M * ng));
     const int64_t per_strip = NS / FEATS;
     _Pragma("omp parallel")
     {
-    quantize_rows(x, x_stride, M, K, qx, dx, xs);  // (its omp for ends in a barrier)
+    quantize_rows(x, x_stride, M, K, g, qx, dx, xs);  // (its omp for ends in a barrier)
     _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < strips * per_strip; u++) {
         const int64_t s = u / per_strip, n0 = s * NS + (u % per_strip) * FEATS;
         const int64_t live = N - n0 >= FEATS ? FEATS : N - n0 > 0 ? N - n0 : 0;
         if (!live) continue;
         const uint8_t* wq = q + u * (FEATS / FG) * group_bytes;
-        const float* dg = d + s * nb * NS + (n0 - s * NS);
-        const float* mg = m + s * nb * NS + (n0 - s * NS);
-        for (int64_t t = 0, r0 = 0; t < row_groups; t++) {
-            const int64_t rows = M / row_groups + (t < M % row_groups);
-            switch (rows) {
-                DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
-#if DOT_ROWS > 6
-                DOT_CASE(7) DOT_CASE(8)
-#endif
-            }
-            r0 += rows;
-        }
+        const float* dg = d + s * ng * NS + (n0 - s * NS);
+        const float* mg = has_m ? m + s * ng * NS + (n0 - s * NS) : NULL;
+        // each form compiled for itself (U5_FLAG taken where the quants are Q5_K's or Q5_1's, with
+        // a minimum and scales per 32: elsewhere the quants go the signed way, to the same sums)
+#define DOT_FORM(B, G, HM, U) dot_form(B, G, HM, U, wq, group_bytes, dg, mg, qx, dx, xs, M, K, y, y_stride, n0, live)
+        if (bits == 4) DOT_FORM(4, 32, 1, 0);
+        else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0);
+        else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1);
+        else if (g == 32) DOT_FORM(8, 32, 1, 0);
+        else if (!has_m) DOT_FORM(8, 16, 0, 0);
+        else DOT_FORM(8, 16, 1, 0);
+#undef DOT_FORM
     }
     }
     free(xs);

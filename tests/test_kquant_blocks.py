@@ -1,0 +1,402 @@
+"""GGUF k-quants kept as exact blocks (gguf_blocks, weight_blocks, csrc/gemm_blocks.c, gemm_dot.c):
+Q6_K (scales per 16, quants - 32), Q5_K and Q5_1 (5-bit quants with a minimum), and fused weights
+whose parts come in different types (a Q4_K_M file's Q4_K q/k beside its Q6_K v), lifted to one
+form (common_form). Their blocks give gguf's dequantized weights bit for bit; their GEMMs with
+float32 activations are the float product of those weights, with int8 activations the float64
+reference of x rounded per 32, the same bits at every instruction-set level; the one-call decode
+step reads them as the layers do; and a Q4_K_M-like file runs on them as transformers runs it."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from relay import Engine
+from relay.execution import model_files
+from relay.execution.block_rows import ALL_ROWS
+from relay.execution.gguf_blocks import (
+    DECODERS,
+    GgufRows,
+    RowBlocks,
+    SourceTensor,
+    common_form,
+    decode_rows,
+)
+from relay.execution.kernels import cpu_gemm
+from relay.execution.layers import pack_for_cpu
+from relay.execution.weight_blocks import (
+    DOT_FLAG,
+    GROUP16_FLAG,
+    MIN_FLAG,
+    UNSIGNED_FLAG,
+    BlockWeight,
+    pack,
+)
+from relay.scheduling.batch import BatchInput
+from tests.gguf_files import VOCAB_SIZE, write_gguf
+from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
+from tests.test_engine import random_prompts
+from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
+from tests.test_one_call_decoders import one_call_engine, q8_0_file  # noqa: F401 (a fixture)
+from tests.test_weight_blocks import int8_rounded_product, step_each_way
+
+# the fused weights' part types, and the kernel form (BlockWeight.kernel_bits) their rows take
+KINDS = {
+    "q6_k": ([T.Q6_K], 8 | GROUP16_FLAG),
+    "q5_k": ([T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG),
+    "q5_1": ([T.Q5_1], 8 | MIN_FLAG | UNSIGNED_FLAG),
+    "q4_k+q6_k+q8_0": ([T.Q4_K, T.Q6_K, T.Q8_0], 8 | MIN_FLAG | GROUP16_FLAG),
+    "q4_k+q8_0": ([T.Q4_K, T.Q8_0], 8 | MIN_FLAG),
+    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG),
+    "q6_k+q8_0": ([T.Q6_K, T.Q8_0], 8 | GROUP16_FLAG),
+}
+
+
+def raw_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks of qtype [rows, bytes per row] (as tests/test_gguf_blocks.q4_k_raw makes
+    Q4_K's): random quants, sub-block scales and mins, and small float16 scales (weights ~0.1), as
+    a quantizer could write them (a Q8_0 quant is never -128)."""
+    per, size, _ = DECODERS[int(qtype)]
+    rng = np.random.default_rng(seed)
+    n = rows * k // per
+    b = rng.integers(0, 256, (n, size), dtype=np.uint8)
+
+    def f16(lo: float, hi: float, count: int) -> np.ndarray:
+        return rng.uniform(lo, hi, (n, count)).astype(np.float16).view(np.uint8)
+
+    if qtype == T.Q6_K:
+        b[:, 208:210] = f16(2e-5, 6e-5, 1)  # d; the int8 scales (-128..127) are random bytes
+    elif qtype in (T.Q4_K, T.Q5_K):
+        b[:, 0:4] = f16(2e-5, 2e-4, 2)  # d, dmin (times 6-bit scales and mins)
+    elif qtype == T.Q5_1:
+        b[:, 0:2], b[:, 2:4] = f16(1e-3, 5e-3, 1), f16(-0.08, 0.0, 1)
+    elif qtype == T.Q8_0:
+        b[:, 0:2] = f16(1e-4, 1e-3, 1)
+        b[:, 2:] = np.maximum(b[:, 2:].view(np.int8), -127).view(np.uint8)
+    else:
+        raise ValueError(qtype)
+    return b.reshape(rows, -1)
+
+
+def gguf_floats(raw: np.ndarray, qtype: T, k: int) -> np.ndarray:
+    """The weight as transformers' GGUF reader gives it (gguf.quants.dequantize)."""
+    return dequantize(raw, qtype).reshape(len(raw), k)
+
+
+def kind_weight(kind: str, rows: int, k: int, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
+    """A fused weight of `rows` rows per part of the kind's types: its blocks (decode_rows, then
+    common_form, then pack, as a loader calls them) and gguf's floats of the same rows."""
+    parts, floats = [], []
+    for i, qtype in enumerate(KINDS[kind][0]):
+        raw = raw_blocks(qtype, rows, k, seed * 10 + i)
+        parts.append(decode_rows(raw, int(qtype), k))
+        floats.append(gguf_floats(raw, qtype, k))
+    form = common_form(parts)
+    n = rows * len(parts)
+    return pack(form.bits, form.d, form.m, form.q, n, k, group=form.group), torch.from_numpy(
+        np.concatenate(floats)
+    )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_give_gguf_weights_bit_for_bit(kind):
+    """decode_rows -> common_form -> pack: every weight (signs of zero included) as gguf.quants
+    dequantizes it, in the strips' layout and in the dot layout, and the kernel form expected."""
+    blocks, w = kind_weight(kind, 40, 512)
+    assert blocks.kernel_bits == KINDS[kind][1], hex(blocks.kernel_bits)
+    assert blocks.to_dot().kernel_bits == KINDS[kind][1] | DOT_FLAG
+    assert same_bits(blocks.dequantize(), w)
+    assert same_bits(blocks.to_dot().dequantize(), w)
+
+
+def test_common_form_lifts_each_part_exactly():
+    """All 4-bit parts stay 4-bit; a 4-bit part beside an 8-bit one becomes int8 quants; a part
+    with scales per 32 beside a Q6_K one gets each scale (and minimum) twice; the rows come out in
+    the parts' order."""
+    k = 256
+    q4 = [decode_rows(raw_blocks(T.Q4_K, 3, k, s), int(T.Q4_K), k) for s in (1, 2)]
+    assert common_form(q4).bits == 4 and common_form(q4).group == 32
+    q6 = decode_rows(raw_blocks(T.Q6_K, 2, k, 3), int(T.Q6_K), k)
+    both = common_form([q4[0], q6])
+    assert (both.bits, both.group, both.q.dtype) == (8, 16, np.int8)
+    assert both.d.shape == both.m.shape == (5, k // 16)
+    np.testing.assert_array_equal(both.d[:3, 0::2], q4[0].d)
+    np.testing.assert_array_equal(both.d[:3, 1::2], q4[0].d)
+    np.testing.assert_array_equal(both.m[:3, 1::2], q4[0].m)
+    np.testing.assert_array_equal(both.q[:3], q4[0].q)
+    np.testing.assert_array_equal(both.d[3:], q6.d)
+    assert (both.m[3:] == 0).all() and np.signbit(both.m[3:]).all()  # -0.0: adds nothing, exactly
+    with pytest.raises(ValueError):
+        common_form([q4[0], decode_rows(raw_blocks(T.Q4_K, 1, 512), int(T.Q4_K), 512)])
+
+
+def test_fused_rows_of_three_types_are_found_in_the_file():
+    """A Q4_K_M-like fused q/k/v: Q4_K q (rows reversed, as conversion permutes them), Q6_K k in
+    another order, Q8_0 v: found by their hashes, lifted to one form, equal to the weight."""
+    k = 512
+    q, kk, v = (
+        SourceTensor(raw_blocks(t, 48, k, s), int(t), k)
+        for t, s in ((T.Q4_K, 1), (T.Q6_K, 2), (T.Q8_0, 3))
+    )
+    floats = [torch.from_numpy(gguf_floats(t.raw, T(t.qtype), k)) for t in (q, kk, v)]
+    fused = torch.cat([floats[0].flip(0), floats[1][torch.randperm(48)], floats[2]])
+    blocks = GgufRows.of([q, kk, v]).blocks_for(fused)
+    assert blocks is not None and (blocks.bits, blocks.group, blocks.has_m) == (8, 16, True)
+    assert same_bits(blocks.dequantize(), fused)
+
+
+def test_a_saved_index_from_before_these_types_is_rebuilt(tmp_path):
+    """An index saved before Q6_K, Q5_K and Q5_1 were decoded lists none of their tensors:
+    GgufRows.index_is_current says so (model_files.gguf_rows then indexes the file again)."""
+    t = SourceTensor(raw_blocks(T.Q6_K, 8, 256), int(T.Q6_K), 256)
+    rows = GgufRows.of([t])
+    index = dict(table=np.zeros((0, 4), np.int64), hashes=rows.hashes, owners=rows.owners)
+    assert not GgufRows.index_is_current(index)
+    index["qtypes"] = np.array(sorted(DECODERS), dtype=np.int64)
+    assert GgufRows.index_is_current(index)
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict:
+    """Each kind's blocks and floats at two shapes: rows past a strip's end (200 = 6 strips + 8),
+    and a longer K."""
+    return {
+        (kind, shape): kind_weight(kind, *shape, seed=1)
+        for kind in KINDS
+        for shape in ((200 // len(KINDS[kind][0]), 256), (40, 768))
+    }
+
+
+def shapes_of(kind: str) -> list[tuple[int, int]]:
+    return [(200 // len(KINDS[kind][0]), 256), (40, 768)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 4, 6, 9, 33])
+def test_float_gemm_on_the_new_forms_matches_the_float_weights(kernel_level, weights, kind, m):
+    """relay_gemm_blocks with float32 x: the GEMV (up to 6 rows, sums per group of 16 or 32) and
+    the unpacked tiles (d * q + m per weight) both the float product of the exact weights."""
+    for shape in shapes_of(kind):
+        blocks, w = weights[kind, shape]
+        x = torch.randn(m, w.shape[1] + 5)[:, : w.shape[1]]  # strided rows
+        torch.testing.assert_close(cpu_gemm.gemm_blocks(x, blocks), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bfloat16_models_new_forms_keep_float32_activations(kernel_level, weights, kind):
+    """round_bf16 (a bfloat16 model's blocks): the VDPBF16PS kernels take Q4_1's and Q8_0's forms
+    only, so these forms' GEMMs stay float32 products at every level and row count."""
+    blocks, w = weights[kind, shapes_of(kind)[0]]
+    rounded = replace(blocks, round_bf16=True)
+    for m in (1, 2, 7, 13):
+        x = torch.randn(m, w.shape[1])
+        assert torch.equal(cpu_gemm.gemm_blocks(x, rounded), cpu_gemm.gemm_blocks(x, blocks))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 2, 6, 7, 13, 33])
+def test_int8_activations_on_the_new_forms_are_x_rounded_times_the_exact_weights(
+    kernel_level, weights, kind, m
+):
+    """relay_gemm_dot: x rounded to 8 bits per 32, integer sums per group of 16 or 32, d * dx per
+    group, + m times x's exact sums over the group: the float64 reference of that rounding; and a
+    row's output does not depend on the rows beside it."""
+    for shape in shapes_of(kind):
+        blocks, w = weights[kind, shape]
+        dot = blocks.to_dot()
+        x = torch.randn(m, w.shape[1] + 5)[:, : w.shape[1]] * torch.linspace(0.1, 3.0, w.shape[1])
+        x[0, :32] = 0.0  # an all-zero block of x (scale 0)
+        y = cpu_gemm.gemm_blocks(x, dot)
+        torch.testing.assert_close(y.double(), int8_rounded_product(x, dot), atol=1e-5, rtol=1e-5)
+        assert torch.equal(y[-1:], cpu_gemm.gemm_blocks(x[-1:], dot))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_activations_give_the_same_bits_at_every_level(weights, kind):
+    """Integer sums are exact and the float steps per group (and x's sums per 16 or 32, in one
+    fixed order) the same at every width: a server's output does not depend on its level."""
+    blocks, w = weights[kind, (40, 768)]
+    dot = blocks.to_dot()
+    outputs = {}
+    for m in (1, 40):
+        x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m)) * 3
+        for level in levels_here():
+            with held_at(level):
+                outputs[level, m] = cpu_gemm.gemm_blocks(x, dot)
+        first = outputs[levels_here()[0], m]
+        for level in levels_here():
+            assert torch.equal(outputs[level, m], first), f"{level} differs at {m} rows"
+
+
+def test_the_unsigned_hint_changes_no_bit(kernel_level, weights):
+    """UNSIGNED_FLAG only picks how Q5_K-range quants are multiplied (as unsigned bytes; without
+    VNNI four units summed in 16 bits): the same blocks taken the signed way give the same bits."""
+    blocks, w = weights["q5_k", (40, 768)]
+    assert blocks.q_unsigned
+    signed = replace(blocks.to_dot(), q_unsigned=False)
+    for m in (1, 7, 33):
+        x = torch.randn(m, w.shape[1]) * 2
+        assert torch.equal(
+            cpu_gemm.gemm_blocks(x, blocks.to_dot()), cpu_gemm.gemm_blocks(x, signed)
+        )
+
+
+@pytest.mark.parametrize("kind,q_value", [("q5_k", 31), ("q6_k", -32), ("q6_k+q8_0", -127)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_activations_at_the_largest_sums_the_new_forms_make(kernel_level, kind, q_value, sign):
+    """Every quant at its extreme times x at +-127 in every position: the integer sums at their
+    largest (without VNNI, 5-bit quants' four units of VPMADDUBSW pairs in 16 bits: 31,496) are
+    still exact."""
+    n, k = 48, 256
+    d = np.full((n, k // 32), 2.0**-10, np.float32)
+    group = 16 if "q6_k" in kind else 32
+    d = np.repeat(d, 32 // group, axis=1)
+    m = np.full_like(d, -0.25) if kind == "q5_k" else np.full_like(d, -0.0)
+    q = np.full((n, k), q_value, np.int8)
+    blocks = pack(8, d, m, q, n, k, group=group).to_dot()
+    x = torch.full((7, k), sign)
+    torch.testing.assert_close(
+        cpu_gemm.gemm_blocks(x, blocks).double(),
+        int8_rounded_product(x, blocks),
+        atol=1e-4,
+        rtol=1e-6,
+    )
+
+
+# --- the one-call decode step on layers whose GEMMs are in the new forms ---
+
+
+def synthetic_rows(kind: str, n: int, k: int, rng: np.random.Generator) -> RowBlocks:
+    """n rows of one type's kernel form with random quants and float16 scales, for shapes no
+    k-quant super-block fits (a tiny model's K = 64)."""
+
+    def f16(lo: float, hi: float, cols: int) -> np.ndarray:
+        return rng.uniform(lo, hi, (n, cols)).astype(np.float16).astype(np.float32)
+
+    minus0 = np.full((n, k // 32), -0.0, np.float32)
+    if kind == "q4_k":
+        return RowBlocks(
+            4,
+            f16(0.005, 0.02, k // 32),
+            f16(-0.1, 0, k // 32),
+            rng.integers(0, 16, (n, k)).astype(np.uint8),
+        )
+    if kind == "q5_k":
+        return RowBlocks(
+            8,
+            f16(0.003, 0.01, k // 32),
+            f16(-0.1, 0, k // 32),
+            rng.integers(0, 32, (n, k)).astype(np.int8),
+        )
+    if kind == "q8_0":
+        return RowBlocks(
+            8, f16(5e-4, 1e-3, k // 32), minus0, rng.integers(-127, 128, (n, k)).astype(np.int8)
+        )
+    d = f16(-0.005, 0.005, k // 16)  # Q6_K: scales per 16, of either sign
+    return RowBlocks(8, d, np.full_like(d, -0.0), rng.integers(-32, 32, (n, k)).astype(np.int8), 16)
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
+    q8_0_file, kernel_level, activations
+):
+    """A Qwen3 decode step of three requests in one C call (relay_decode_layers, each GEMM's form
+    in LayerGemm.bits as it is) with every layer's GEMMs in a new form - q/k/v fused from 4-bit,
+    4-bit and Q6_K rows (8-bit, scales per 16, minima), o Q6_K, gate/up Q5_K (5-bit with minima),
+    down mixed Q4_K/Q8_0 (8-bit with minima, signed) - gives the layers' logits and KV bit for bit,
+    with float32 and with int8 activations, at each instruction-set level."""
+    runner = one_call_engine(q8_0_file("qwen3")).runner
+    rng = np.random.default_rng(0)
+    a0 = runner.model.layers[0].self_attn
+    q_rows, kv_rows = a0.num_heads * a0.head_dim, a0.num_kv_heads * a0.head_dim
+    forms = set()
+    for layer in runner.model.layers:
+        inter = layer.mlp.down_proj.weight.shape[1]
+        plan = {
+            layer.self_attn.qkv_proj: [("q4_k", q_rows), ("q4_k", kv_rows), ("q6_k", kv_rows)],
+            layer.self_attn.o_proj: [("q6_k", layer.self_attn.o_proj.weight.shape[0])],
+            layer.mlp.gate_up_proj: [("q5_k", inter), ("q5_k", inter)],
+            layer.mlp.down_proj: [("q4_k", 32), ("q8_0", layer.mlp.down_proj.weight.shape[0] - 32)],
+        }
+        for module, parts in plan.items():
+            n, k = module.weight.shape
+            rows = common_form([synthetic_rows(kind, r, k, rng) for kind, r in parts])
+            blocks = pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group)
+            blocks.max_rows = module.blocks.max_rows
+            module.weight.data = blocks.dequantize()
+            module.packed = pack_for_cpu(module.weight)
+            module.blocks = blocks.to_dot() if activations == "int8" else blocks
+            forms.add(blocks.kernel_bits)
+    assert forms == {
+        8 | MIN_FLAG | GROUP16_FLAG,
+        8 | GROUP16_FLAG,
+        8 | MIN_FLAG | UNSIGNED_FLAG,
+        8 | MIN_FLAG,
+    }
+    assert runner.model.use_decode_layers(runner.attn)
+    fast = runner.model.decode_layers
+    ids = random_prompts(VOCAB_SIZE, [20, 5, 30], seed=1)
+    tables = [[1, 2], [3], [4, 5]]
+    for i, prompt in enumerate(ids):
+        n = len(prompt)
+        runner.step_logits(
+            BatchInput(0, [i], prompt, [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
+        )
+    lens = [len(p) for p in ids]
+    step = BatchInput(
+        0, [0, 1, 2], [5, 6, 7], lens, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
+    )
+    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
+    assert torch.equal(call, layered)
+    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+
+
+def test_a_q4_k_m_like_file_runs_on_its_blocks_as_transformers_runs_it(tmp_path):
+    """A tiny Llama written as llama.cpp writes a Q4_K_M / Q5_K_M file (Q4_K q/k/o, Q6_K v, down and
+    output, Q5_K gate/up, Q8_0 embedding): every GEMM weight is kept as blocks - q/k/v fused from
+    Q4_K and Q6_K rows in the mixed form - and the GEMMs reading them (float32 activations) give
+    transformers' greedy output token for token."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
+    path = write_gguf(
+        str(tmp_path / "tiny-q4_k_m.gguf"),
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32),
+        qtype={
+            **{"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K},
+            **{"ffn_gate": T.Q5_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K},
+            **{"output": T.Q6_K, "token_embd": T.Q8_0},
+        },
+    )
+    try:
+        prompts = random_prompts(VOCAB_SIZE, [3, 17, 40])
+        expected = greedy(transformers_on(path, "llama"), prompts)
+        engine = Engine(
+            path,
+            dtype="float32",
+            kv_cache_gb=0.01,
+            block_activations="float",
+            weight_block_rows=ALL_ROWS,
+        )
+        forms = [m.blocks and m.blocks.kernel_bits for m in engine.runner.model.gemm_modules()]
+        layer = [
+            8 | MIN_FLAG | GROUP16_FLAG,  # q/k/v: Q4_K, Q4_K, Q6_K
+            4,  # o: Q4_K
+            8 | MIN_FLAG | UNSIGNED_FLAG,  # gate/up: Q5_K
+            8 | GROUP16_FLAG,  # down: Q6_K
+        ]
+        assert forms == layer * cfg.num_hidden_layers + [8 | GROUP16_FLAG], forms
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    finally:
+        shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
