@@ -174,19 +174,22 @@ def decode_rows(raw: np.ndarray, qtype: int, k: int) -> RowBlocks:
     )
 
 
-def common_form(parts: list[RowBlocks]) -> RowBlocks:
+def common_form(parts: list[RowBlocks], form: tuple[int, int] | None = None) -> RowBlocks:
     """Row blocks of several tensors (a fused q/k/v or gate/up: Q4_K beside Q6_K, Q5_K beside Q8_0,
     ...) as one weight: each part lifted exactly to a form that holds them all, then concatenated
     along rows in the order given (stable: see decode_rows). All 4-bit: the 4-bit form; else 8-bit,
     4-bit quants (0..15) becoming int8 ones. Any part with scales per 16 (Q6_K): every part's d and
     m repeated to 16 (the same scale on both halves). m stays -0.0 where a part has none. The
-    weights are the parts' own bit for bit: only the arrays holding them grow."""
+    weights are the parts' own bit for bit: only the arrays holding them grow. form: at least
+    these (bits, group), for parts that are some of a weight's rows (its other rows need them)."""
     if not parts:
         raise ValueError("common_form of no rows")
     if len({p.q.shape[1] for p in parts}) != 1:
         raise ValueError("common_form: parts of different row lengths")
     bits = 4 if all(p.bits == 4 for p in parts) else 8
     group = min(p.group for p in parts)
+    if form is not None:  # (bits, group) of a weight these parts are some of the rows of
+        bits, group = max(bits, form[0]), min(group, form[1])
 
     def spread(t: np.ndarray, p: RowBlocks) -> np.ndarray:
         return np.repeat(t, p.group // group, axis=1) if p.group != group else t

@@ -18,14 +18,14 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from relay.execution.gguf_blocks import DECODERS, RowBlocks, decode_rows
+from relay.execution.gguf_blocks import DECODERS, RowBlocks, common_form, decode_rows
 from relay.execution.layers import stand_in
-from relay.execution.weight_blocks import pack
+from relay.execution.weight_blocks import STRIP, BlockWeight, pack
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +112,11 @@ class GgufFile:
         found = decode_rows(self.raw(name)[rows], t.qtype, k)
         if cols is None or (cols.start, cols.stop) == (0, k):
             return found
-        group = k // found.d.shape[1]
+        group = found.group
         if cols.start % group or cols.stop % group:
             return None
         g = slice(cols.start // group, cols.stop // group)
-        return RowBlocks(found.bits, found.d[:, g], found.m[:, g], found.q[:, cols])
+        return RowBlocks(found.bits, found.d[:, g], found.m[:, g], found.q[:, cols], group)
 
 
 @dataclass
@@ -166,22 +166,27 @@ class LoadReport:
 
 
 def load_llama(
-    model, file: GgufFile, arch: str, use_blocks: bool, keep_floats: bool = False
+    model,
+    file: GgufFile,
+    arch: str,
+    use_blocks: bool,
+    keep_floats: bool = False,
+    dot: bool = False,
 ) -> LoadReport:
     """Load a Llama-family model (LlamaForCausalLM: Llama, Mistral, Qwen2, Qwen3) from the GGUF
     file of GGUF architecture arch: GEMM weights as blocks where use_blocks and their types
-    allow, else floats; with keep_floats, floats beside the blocks too (for GEMMs of more rows
-    than the blocks win at: ModelLoader decides); norms and biases as floats."""
+    allow (in the integer dot products' layout with dot), else floats; with keep_floats, floats
+    beside the blocks too (for GEMMs of more rows than the blocks win at: ModelLoader decides);
+    norms and biases as floats."""
     mc, report = model.config, LoadReport([], [])
     loaded: set[str] = set()
 
     def gemm(module_name: str, parts: list[Part], hf_names: list[str]) -> None:
         module = model.get_submodule(module_name)
         if use_blocks:
-            found = [file.blocks(p.name, p.rows, p.cols) for p in parts]
-            rows = _common_form(found) if all(f is not None for f in found) else None
-            if rows is not None:
-                module.blocks = _packed(rows, model.dtype)
+            module.blocks = read_blocks(file, parts, dot)
+            if module.blocks is not None:
+                module.blocks.round_bf16 = model.dtype == torch.bfloat16
                 report.blocks.append(module_name)
                 if not keep_floats:
                     module.weight = stand_in(module.weight.shape, module.weight.dtype)
@@ -299,29 +304,50 @@ def _load_embedding(model, file: GgufFile, loaded: set[str], lookup: bool, gemm)
         gemm("lm_head", [Part("output.weight", shard)], ["lm_head"])
 
 
-def _common_form(parts: list[RowBlocks]) -> RowBlocks | None:
-    """The parts' rows stacked, where they share a form (TODO: gguf_blocks.common_form)."""
-    if len({p.bits for p in parts}) != 1:
+CHUNK_ROWS = 2048  # output rows decoded and packed at a time (a multiple of the kernels' strips)
+_WITH_MIN = (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K: the types whose blocks have a minimum
+
+
+def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | None:
+    """The parts' rows, one after the other, as one BlockWeight read by every GEMM of it, whatever
+    its row count (no float weight to fall back on); None where some part has no block form.
+    Decoded and packed CHUNK_ROWS rows at a time, so that what a load holds besides the blocks is
+    a chunk's decoded arrays, not a whole tensor's (a 128k-token LM head's int8 quants alone are
+    0.5 GB)."""
+    first = [file.blocks(p.name, p.rows[:1], p.cols) for p in parts]
+    if any(f is None for f in first):
         return None
-    return RowBlocks(
-        parts[0].bits, *(np.concatenate([getattr(p, f) for p in parts]) for f in ("d", "m", "q"))
-    )
-
-
-def _packed(rows: RowBlocks, dtype: torch.dtype):
-    """rows as the module's BlockWeight: read by every GEMM of it, whatever its row count (there
-    is no float weight to fall back on)."""
-    n, k = rows.q.shape
-    blocks = pack(
-        rows.bits,
-        torch.from_numpy(rows.d),
-        torch.from_numpy(rows.m),
-        torch.from_numpy(rows.q),
-        n,
-        k,
-    )
+    form = common_form(first)
+    has_m = form.bits == 4 or any(file.tensors[p.name].qtype in _WITH_MIN for p in parts)
+    starts = np.cumsum([0] + [len(p.rows) for p in parts])
+    n = int(starts[-1])
+    out, done, unsigned = None, 0, True
+    for c0 in range(0, n, CHUNK_ROWS):
+        c1 = min(c0 + CHUNK_ROWS, n)
+        pieces = [
+            file.blocks(p.name, p.rows[max(c0, a) - a : min(c1, b) - a], p.cols)
+            for p, a, b in zip(parts, starts[:-1], starts[1:])
+            if max(c0, a) < min(c1, b)
+        ]
+        rows = common_form(pieces, (form.bits, form.group))
+        chunk = pack(rows.bits, rows.d, rows.m, rows.q, c1 - c0, rows.q.shape[1], rows.group, has_m)
+        chunk = chunk.to_dot() if dot else chunk
+        if out is None:  # the whole weight's arrays, filled a chunk's strips at a time
+            strips = -(-n // STRIP)
+            out = replace(
+                chunk,
+                **{
+                    f: getattr(chunk, f).new_empty(strips, *getattr(chunk, f).shape[1:])
+                    for f in "qdm"
+                },
+                out_features=n,
+            )
+        s = chunk.q.shape[0]
+        for f in "qdm":
+            getattr(out, f)[done : done + s] = getattr(chunk, f)
+        done, unsigned = done + s, unsigned and chunk.q_unsigned
+    blocks = replace(out, q_unsigned=unsigned)
     blocks.max_rows = sys.maxsize
-    blocks.round_bf16 = dtype == torch.bfloat16
     return blocks
 
 

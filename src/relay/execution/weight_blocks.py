@@ -228,6 +228,7 @@ def pack(
     n: int,
     k: int,
     group: int = 32,
+    has_m: bool | None = None,
 ) -> BlockWeight:
     """A [n, k] weight's blocks in the kernels' strips: w = d * q (+ m), d and m per `group` inputs.
 
@@ -236,7 +237,8 @@ def pack(
     tensors or numpy arrays (gguf_blocks.RowBlocks' fields as they are). m may be None or all
     zeros where the form has no minimum: bits 8 blocks then keep none (has_m False; their GEMMs
     skip it; -0.0 or 0.0 would add nothing: x + -0.0 is x, and only a -0.0 weight reads as 0.0
-    after + 0.0). The blocks are not checked here: callers compare dequantize() with the weight."""
+    after + 0.0); has_m True keeps m whatever its values (rows of a weight packed a part at a
+    time: gguf_weights.read_blocks). The blocks are not checked here: callers compare dequantize() with the weight."""
     if bits not in (4, 8) or group not in (16, 32) or (bits == 4 and group != 32) or k % BLOCK:
         raise ValueError(f"no kernel form for bits={bits} group={group} k={k}")
     d, q = torch.as_tensor(d), torch.as_tensor(q)
@@ -244,7 +246,8 @@ def pack(
     strips = -(-n // STRIP)
     pad = strips * STRIP - n
     ngrp = k // group
-    has_m = bits == 4 or (m is not None and bool((m != 0).any()))
+    if has_m is None:
+        has_m = bits == 4 or (m is not None and bool((m != 0).any()))
     if bits == 4 and m is None:
         m = torch.zeros(n, ngrp)
 
