@@ -301,17 +301,17 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
     """What a single server checks before any model loads: the ports (--port bound now, for the
     front door; the router's metrics port free: the router binds it once the replicas are up),
     the cache directory and the model, for the replicas. Returns the --port socket."""
+    from launch.model_dir import resolve_model_dir_apart
     from launch.serve import bind_port
-    from relay.execution.model_files import ModelFileError, check_cache_dir, resolve_model_dir
+    from relay.execution.model_files import ModelFileError, check_cache_dir
 
     check_cache_dir()
     sock = bind_port(ns.host, ns.port)
     bind_port(
         ns.host, ns.router_prometheus_port, "the router's metrics (--router-prometheus-port)"
     ).close()
-    model_dir = resolve_model_dir(
-        model_path
-    )  # converts a GGUF once here, not in N replicas at once
+    # Converts a GGUF once here (in a child: relay::dp holds no torch), not in N replicas at once.
+    model_dir = resolve_model_dir_apart(model_path, ns.log_level.upper(), "dp")
     try:
         check_model_config(engine_config(ns), model_dir)
     except ValueError as e:

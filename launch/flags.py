@@ -287,13 +287,14 @@ def check_model_config(cfg: EngineConfig, model_dir: str) -> ModelConfig:
     fix, for an unreadable config.json, a rope type or architecture Relay does not implement, a
     --chat-template file that is missing or not Jinja, or (--is-embedding) a sentence-transformers
     pooling Relay does not implement."""
-    from relay.execution.models import model_class
-    from relay.scheduling.pooling import Pooling
+    from relay.hf_config import check_architecture
     from relay.text.tokenizer import read_chat_template
 
     mc = ModelConfig.from_dir(model_dir)
-    model_class(mc.architecture)
+    check_architecture(mc.architecture)  # without importing the models: they import torch
     if cfg.is_embedding:
+        from relay.scheduling.pooling import Pooling  # numpy: only an embedding server's
+
         Pooling.from_dir(model_dir)
     if cfg.chat_template is not None:
         read_chat_template(cfg.chat_template)

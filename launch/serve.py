@@ -25,6 +25,7 @@ import zmq
 from ipc.sockets import make_ipc_dir, remove_ipc_dir, remove_stale_ipc_dirs
 from launch.children import Child, Launcher
 from launch.flags import build_parser, check_model_config, engine_config
+from launch.model_dir import resolve_model_dir_apart
 from launch.multinode import NodeLink, plan_from_args
 from procs.common import proc_label, set_title, setup_logging
 from relay.api.guard import (
@@ -41,10 +42,9 @@ from relay.execution.model_files import (
     ModelFileError,
     check_cache_dir,
     model_name,
-    resolve_model_dir,
 )
 from relay.optional_features import missing_features
-from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
+from relay.scheduling.speculative.draft_check import check_draft_model
 
 logger = logging.getLogger("relay.launch")
 
@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     from launch.dp_replicas import replica_setup
 
     replica_setup()  # as a --dp replica: die with the supervisor, keep to its share of the cores
-    set_title(f"relay::{proc_label('http', ns.replica_name)}")
-    setup_logging(ns.log_level.upper(), proc_label("http", ns.replica_name))
+    http_label = proc_label("http", ns.replica_name)
+    set_title(f"relay::{http_label}")
+    setup_logging(ns.log_level.upper(), http_label)
     cfg = engine_config(ns)
     try:
         nodes = plan_from_args(ns)
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before any model loads; each failure is one line naming what to fix
         check_cache_dir()
         http_socket = bind_port(ns.host, ns.port) if nodes.node_rank == 0 else None
-        model_dir = resolve_model_dir(cfg.model_path)
+        # A GGUF's first conversion runs in a child: this process never holds torch.
+        model_dir = resolve_model_dir_apart(cfg.model_path, ns.log_level.upper(), http_label)
     except (ModelFileError, PortUnavailable) as e:
         logger.error("%s", e)
         return 2
@@ -272,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.speculative_algorithm == "standalone":
         try:
-            check_draft_model(mc, draft_model_dir(cfg, model_dir), model_dir)
+            draft = cfg.speculative_draft_model_path
+            draft_dir = (
+                model_dir
+                if draft is None
+                else resolve_model_dir_apart(draft, ns.log_level.upper(), http_label)
+            )
+            check_draft_model(mc, draft_dir, model_dir)
         except (ValueError, ModelFileError) as e:
             logger.error("%s", e)
             return 2

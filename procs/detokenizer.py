@@ -17,7 +17,7 @@ from relay.text.tokenizer import Tokenizer
 
 def main(args: ProcArgs) -> None:
     cfg = args.engine_config
-    tok = Tokenizer(cfg.tokenizer_path or args.model_dir)
+    tok = Tokenizer(cfg.tokenizer_path or args.model_dir, without_torch=True)
     tok.warm_up()
     detok = Detokenizer(tok)
     ctx = zmq.Context()

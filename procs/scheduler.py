@@ -80,10 +80,10 @@ class SchedulerLoop:
         self.to_http = push(ctx, ep(HTTP))
         mc = ModelConfig.from_dir(args.model_dir)
         tokenizer_path = args.engine_config.tokenizer_path or args.model_dir
-        eos = eos_ids(mc, Tokenizer(tokenizer_path))
-        grammars = make_backend(
-            tokenizer_path, mc.vocab_size, eos, preload=True
-        )  # loads while the model does
+        eos = eos_ids(mc, Tokenizer(tokenizer_path, without_torch=True))
+        # Loads nothing until the first constrained request: xgrammar imports torch, which this
+        # process otherwise never holds (relay.text.grammar).
+        grammars = make_backend(tokenizer_path, mc.vocab_size, eos)
         info = self._wait_for_runner()
         # The step budget and page size as the runner resolved them for its device.
         cfg = dataclasses.replace(
@@ -115,11 +115,6 @@ class SchedulerLoop:
             "runner_bytes": 0,
             "detok_bytes": 0,
         }  # for /get_server_info and `python -m scripts.bench scheduler`
-        error = grammars.wait_loaded() if grammars is not None else None
-        if error is not None:
-            logger.error(
-                "structured output is unavailable: loading the vocabulary failed: %s", error
-            )
         announce_ready(ctx, args.ipc_dir, Ready(args.name, info=info))
 
     def _wait_for_runner(self) -> dict:

@@ -112,7 +112,7 @@ def main(args: ProcArgs) -> None:
     cfg = args.engine_config
     mc = ModelConfig.from_dir(args.model_dir)
     prep = PromptPreparer(
-        Tokenizer(cfg.tokenizer_path or args.model_dir, cfg.chat_template),
+        Tokenizer(cfg.tokenizer_path or args.model_dir, cfg.chat_template, without_torch=True),
         cfg.context_length or mc.max_position_embeddings,
         mc.vocab_size,
     )

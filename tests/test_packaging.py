@@ -72,3 +72,16 @@ def test_missing_optional_packages_are_named_with_how_to_install(monkeypatch):
     assert [line.split(":")[0] for line in optional_features.missing_features()] == [
         "Relay's C kernels for CPUs"
     ]
+
+
+def test_optional_features_finds_the_c_compiler_as_the_kernels_do(monkeypatch):
+    """optional_features keeps its own copy of the kernels' compiler rule (their module imports
+    torch, which the launcher must not): the two agree, with $CC set or not."""
+    from relay.execution.kernels import cpu
+
+    for cc in (None, "/opt/some-cc"):
+        if cc is None:
+            monkeypatch.delenv("CC", raising=False)
+        else:
+            monkeypatch.setenv("CC", cc)
+        assert optional_features.compiler() == cpu.compiler()

@@ -635,18 +635,22 @@ def test_schema_wider_than_the_property_limit_is_a_400_naming_the_field(engine):
     engine.check()
 
 
-def test_server_backend_loads_its_vocabulary_before_ready(default_model_dir, tmp_path):
-    """The scheduler process starts loading the vocabulary (seconds of CPU) while the model loads
-    and waits for it before announcing ready: otherwise it shares the cores with the first
-    steps after ready. A vocabulary that cannot load is reported, not raised: the server runs on
-    and constrained requests fail alone."""
+def test_backend_loads_its_vocabulary_on_the_first_constraint(default_model_dir, tmp_path, caplog):
+    """Nothing loads until a constraint comes (xgrammar imports torch, which a server's scheduler
+    otherwise never holds: tests/test_process_memory.py). A vocabulary that cannot load fails each
+    constrained request alone, with a 400 naming its field, and is logged once."""
     vocab = ModelConfig.from_dir(default_model_dir).vocab_size
-    server = make_backend(default_model_dir, vocab, [2], preload=True)
-    assert server.wait_loaded() is None and server.loaded
-    offline = make_backend(default_model_dir, vocab, [2])
-    assert offline.wait_loaded() is None and not offline.loaded  # loads on its first constraint
-    broken = make_backend(str(tmp_path), vocab, [2], preload=True)
-    assert broken.wait_loaded() is not None and not broken.loaded
+    backend = make_backend(default_model_dir, vocab, [2])
+    assert not backend.loaded
+    backend.check([("regex", "[0-9]+")], 120)
+    assert backend.loaded
+    broken = make_backend(str(tmp_path), vocab, [2])
+    for _ in range(2):
+        with pytest.raises(InvalidParam) as info:
+            broken.check([("regex", "[0-9]+")], 120)
+        assert info.value.field == "regex" and not broken.loaded
+    failures = [r for r in caplog.records if "loading the vocabulary failed" in r.getMessage()]
+    assert len(failures) == 1
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

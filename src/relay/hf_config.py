@@ -62,6 +62,21 @@ _ARCH_BY_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The architectures Relay runs: relay.execution.models.MODELS implements each (a test holds the two
+# equal). Named here, where torch is not imported, for the launcher (relay::http, which never
+# holds torch) to refuse another before any process starts.
+ARCHITECTURES = (*_ARCH_BY_TYPE.values(),)
+
+
+def check_architecture(architecture: str) -> None:
+    """ValueError naming the architectures Relay runs, unless it runs this one."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} (config.json architectures); "
+            f"Relay runs {', '.join(sorted(ARCHITECTURES))}"
+        )
+
+
 # Where a config names no layer_types, which layers slide (transformers' defaults): Gemma 2
 # alternates from layer 0, Gemma 3 makes every sliding_window_pattern-th layer global, Qwen2/3
 # (use_sliding_window) slide from max_window_layers on, Mistral, Mixtral and Phi-3 slide everywhere.

@@ -4,12 +4,19 @@ these at start, so a pip user learns that a README feature is off before a reque
 from __future__ import annotations
 
 import importlib.util
-
-from relay.execution.kernels.cpu import compiler
+import os
+import shutil
 
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def compiler() -> str | None:
+    """The C compiler Relay's CPU kernels build with: relay.execution.kernels.cpu.compiler's rule
+    (a test holds them equal), not imported from there because that module imports torch, and
+    the launcher, relay::http, never does (docs/architecture.md)."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
 def missing_features() -> list[str]:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 
 from relay.api import fields as F
@@ -23,6 +22,9 @@ from relay.api.openai_common import check_model
 from relay.api.serving import EngineClient, error_response, whole
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ENCODING_FORMATS = ("float", "base64")
 _NOT_EMBEDDING = (
@@ -149,7 +151,10 @@ def embeddings_response(
 
 def vector(blob: bytes, dimensions: int | None = None) -> np.ndarray:
     """An embedding from the scheduler's float32 bytes; shortened to `dimensions` values and
-    normalized again (L2), as OpenAI shortens embeddings."""
+    normalized again (L2), as OpenAI shortens embeddings. (numpy is imported here, not with the
+    module: only an --is-embedding server's http process needs it.)"""
+    import numpy as np
+
     values = np.frombuffer(blob, dtype="<f4")
     if dimensions is None or dimensions >= len(values):
         return values

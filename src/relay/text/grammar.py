@@ -13,6 +13,10 @@ Two processes take part, and only the scheduler imports xgrammar:
   and a wide object's many times more (see COMPILE_WORKERS);
 - the sampler sets disallowed tokens' logits to -inf (apply_token_masks: plain torch).
 
+xgrammar imports torch (and its tvm_ffi tries to), so the scheduler imports it, and with it
+torch (~200 MB resident), only when the first constrained request arrives; a server that never
+gets one holds no torch outside its model runners. Nothing here imports torch at module level.
+
 No process's main thread parses or compiles: a schema nested 200 deep takes ~2 s to parse
 alone, and the tokenizer once did that on its loop, holding up every request behind it.
 
@@ -23,6 +27,7 @@ given the freedom fills its token budget with newlines.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -32,12 +37,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from relay.sampling_params import InvalidParam
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 BITS = 32  # tokens per bitmask word
 CACHE_ENTRIES = 256  # distinct compiled grammars kept (a schema's is ~100 KB)
@@ -201,9 +208,7 @@ class GrammarBackend:
     what a server reports: compiles, cache hits, compile seconds, live matchers. Its methods are
     called from one thread (the scheduler's); only _compile runs on the pool."""
 
-    def __init__(
-        self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
-    ):
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -216,7 +221,7 @@ class GrammarBackend:
             threading.Lock()
         )  # one thread loads the vocabulary; the others wait for it
         self._cache: OrderedDict[tuple, _Compile] = OrderedDict()  # (kind, text, reasoning tags)
-        self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
+        self._buffer: torch.Tensor | None = None  # [1, words] int32: made with the compiler
         self._stats_lock = threading.Lock()  # the counters below that pool threads update
         self.compiles = 0
         self.cache_hits = 0
@@ -224,16 +229,7 @@ class GrammarBackend:
         self.compile_seconds = 0.0
         self.cancelled = 0  # compiles dropped before they started: every requester had gone
         self.live = 0  # constraints handed out and not yet released
-        # Loading the vocabulary (importing xgrammar and transformers, an HF tokenizer) takes
-        # ~2-5 s of CPU: a server does it while its model loads and waits for it before
-        # announcing ready, so neither the first constrained request nor the first steps after
-        # ready (which would share the cores with it) pay for it.
-        self._loading = self._pool.submit(self._get_compiler) if preload else None
-
-    def wait_loaded(self) -> BaseException | None:
-        """Block until the preload ends; its error, if it failed (each constrained request
-        then fails with it, not the server)."""
-        return None if self._loading is None else self._loading.exception()
+        self._load_failed = False  # the vocabulary failed to load: said once in the log
 
     @property
     def loaded(self) -> bool:
@@ -292,10 +288,19 @@ class GrammarBackend:
         wait([c._compiled for c in constraints], timeout, return_when=FIRST_COMPLETED)
 
     def masks(self, constraint: Constraint, proposals: list[int]) -> bytes:
-        return constraint.masks(self._buffer, proposals)
+        return constraint.masks(self._mask_buffer(), proposals)
 
     def allows_nothing(self, constraint: Constraint) -> bool:
-        return constraint.allows_nothing(self._buffer)
+        return constraint.allows_nothing(self._mask_buffer())
+
+    def _mask_buffer(self) -> torch.Tensor:
+        """The bitmask row masks and allows_nothing fill (a constraint's matcher exists, so
+        xgrammar, and with it torch, is imported by now)."""
+        if self._buffer is None:
+            import torch
+
+            self._buffer = torch.full((1, self.words), -1, dtype=torch.int32)
+        return self._buffer
 
     def _released(self, key: tuple, entry: _Compile) -> None:
         self.live -= 1
@@ -331,6 +336,7 @@ class GrammarBackend:
     def _check_satisfiable(self, compiled: Any) -> None:
         """Raise Unsatisfiable if no token may come first (e.g. `root ::= root`): such a request
         would otherwise run, sample from a row of -inf logits and fail on its first token."""
+        import torch
         import xgrammar
 
         mask = torch.zeros((1, self.words), dtype=torch.int32)
@@ -339,19 +345,35 @@ class GrammarBackend:
             raise Unsatisfiable("no output can match it: it allows no first token")
 
     def _get_compiler(self) -> Any:
+        """The compiler for this vocabulary, loaded by the first compile (importing xgrammar,
+        torch and the tokenizer: ~2-5 s of CPU, on this niced pool thread, counted in that
+        request's --grammar-compile-timeout). A vocabulary that fails to load fails each
+        constrained request with its error, not the server."""
         with self._compiler_lock:
             if self._compiler is None:
-                import xgrammar
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-                )
-                # No cache inside xgrammar: ours (CACHE_ENTRIES) is the one, and xgrammar's own
-                # is unbounded by default.
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                try:
+                    self._compiler = self._load_compiler()
+                except Exception as e:
+                    if not self._load_failed:
+                        self._load_failed = True
+                        logger.error(
+                            "structured output is unavailable: loading the vocabulary failed: %s", e
+                        )
+                    raise
             return self._compiler
+
+    def _load_compiler(self) -> Any:
+        import xgrammar
+
+        from relay.text.tokenizer import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(self.tokenizer_path)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        # No cache inside xgrammar: ours (CACHE_ENTRIES) is the one, and xgrammar's own is
+        # unbounded by default.
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
@@ -416,20 +438,22 @@ def _lower_thread_priority() -> None:
 
 
 def make_backend(
-    tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], preload: bool = False
+    tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]
 ) -> GrammarBackend | None:
     """The backend, or None where xgrammar is not installed (constrained requests are then
-    refused with a 400). With preload, the vocabulary starts loading now on the backend's pool
-    (a server: see GrammarBackend.wait_loaded); otherwise on the first constraint (an offline
-    engine that may never see one)."""
+    refused with a 400). Nothing is imported or loaded until the first constraint."""
     if importlib.util.find_spec("xgrammar") is None:
         return None
-    return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids, preload)
+    return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids)
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that masks[i] (xgrammar's bitmask:
-    bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed."""
+    bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed.
+    (The model runner's: it has torch.)"""
+    import numpy as np
+    import torch
+
     from relay.execution.kernels import cpu as cpu_kernels
     from relay.execution.kernels import cpu_ops
 

@@ -8,10 +8,13 @@ applied, and text that might be the start of a stop string held back until it is
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +36,11 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, path: str, chat_template: str | None = None):
+    def __init__(self, path: str, chat_template: str | None = None, without_torch: bool = False):
         """chat_template: a Jinja file that replaces the tokenizer's own template (or gives a
-        model without one, such as a base model, a chat format)."""
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(path)
+        model without one, such as a base model, a chat format). without_torch: for a process that
+        never runs a model (load_hf_tokenizer)."""
+        self.hf = load_hf_tokenizer(path, without_torch)
         if chat_template is not None:
             self.hf.chat_template = read_chat_template(chat_template)
         self.raw = getattr(
@@ -108,6 +110,65 @@ class Tokenizer:
         if not hasattr(self, "_byte_table"):
             self._byte_table = ByteTable.build(self.raw) if self.raw is not None else None
         return self._byte_table
+
+
+def load_hf_tokenizer(path: str, without_torch: bool = False) -> Any:
+    """transformers.AutoTokenizer.from_pretrained(path). With without_torch (the tokenizer,
+    detokenizer and scheduler processes: they never run a model), loaded as transformers loads it
+    where torch is not installed, so that this process never imports torch (~200 MB resident,
+    libtorch mapped: AutoTokenizer reads the model's config, and transformers' config module
+    imports torch whenever it is installed). The tokenizer is the same: AutoTokenizer picks its
+    class by the same rules either way (loading the class tokenizer_config.json names instead
+    would not be: AutoTokenizer overrides that name for some model types and for Llama-named
+    byte-level vocabularies, and those classes tokenize differently); torch only serves tensor
+    outputs, which Relay never asks for. The rest of this process's transformers then acts as
+    without torch too. A tokenizer that cannot load so is loaded again with torch, and says so."""
+    if not without_torch or "torch" in sys.modules:
+        return _auto_tokenizer(path)
+    try:
+        with _torch_hidden():
+            return _auto_tokenizer(path)
+    except ImportError as e:
+        logger.warning(
+            "loading the tokenizer without torch failed (%s): loading it again with torch, which "
+            "this process then holds (~200 MB)",
+            e,
+        )
+    from transformers.utils import import_utils
+
+    clear = getattr(import_utils.is_torch_available, "cache_clear", None)
+    if clear is not None:  # transformers 5 caches its answer: torch is there after all
+        clear()
+    return _auto_tokenizer(path)
+
+
+def _auto_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _torch_hidden() -> Iterator[None]:
+    """While inside, torch looks uninstalled: `import torch` raises ImportError and
+    importlib.util.find_spec("torch") (what transformers asks) is None. Afterwards torch imports
+    as usual (a scheduler that compiles a grammar needs it), but transformers keeps its answer."""
+    quiet = _NoTorchAdvice()
+    logging.getLogger("transformers").addFilter(quiet)
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+        logging.getLogger("transformers").removeFilter(quiet)
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" advice, logged when it is imported without."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
 
 
 def read_chat_template(path: str) -> str:

@@ -8,6 +8,7 @@ from relay.execution.models.gemma import GemmaForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
 from relay.execution.models.phi3 import Phi3ForCausalLM
+from relay.hf_config import check_architecture
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,10 +25,5 @@ MODELS: dict[str, type[nn.Module]] = {
 
 
 def model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return MODELS[architecture]
-    except KeyError:
-        raise ValueError(
-            f"unsupported architecture {architecture!r} (config.json architectures); "
-            f"Relay runs {', '.join(sorted(MODELS))}"
-        ) from None
+    check_architecture(architecture)
+    return MODELS[architecture]

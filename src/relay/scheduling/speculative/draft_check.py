@@ -37,4 +37,4 @@ def check_draft_model(target: ModelConfig, draft_dir: str, target_dir: str) -> M
 def _vocab(model_dir: str) -> dict[str, int]:
     from relay.text.tokenizer import Tokenizer
 
-    return Tokenizer(model_dir).hf.get_vocab()
+    return Tokenizer(model_dir, without_torch=True).hf.get_vocab()
