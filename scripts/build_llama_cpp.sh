@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-bench and llama-batched-bench for benchmarking Relay against it.
+# Build llama.cpp's llama-server, llama-bench, llama-batched-bench and llama-quantize for benchmarking Relay
+# against it, and expose the converter of the same sources (convert_hf_to_gguf.py and its gguf-py).
 #
 # llama.cpp's code is NOT part of this repository (and must never be committed): this script downloads the
 # llama-cpp-python source release from PyPI at run time, extracts the llama.cpp copy it vendors, and builds
 # into .bench/ (an ignored folder):
 #   .bench/llama-cpp-python-<ver>/vendor/llama.cpp   the sources
 #   .bench/llama.cpp-build/bin/llama-server          the binaries
+#   .bench/llama.cpp -> llama-cpp-python-<ver>/vendor/llama.cpp   a link to the sources: their
+#                                           convert_hf_to_gguf.py and gguf-py (`python -m scripts.bench
+#                                           gguf-sizes` makes GGUF files with them and llama-quantize;
+#                                           the converter also imports sentencepiece, which gguf-sizes
+#                                           installs into .bench/converter-site where Python lacks it)
 #
-#   scripts/build_llama_cpp.sh              build (skips when the three binaries already exist, built for the
+#   scripts/build_llama_cpp.sh              build (skips when the four binaries already exist, built for the
 #                                           same CPU features)
 #   scripts/build_llama_cpp.sh --force      rebuild
+#   scripts/build_llama_cpp.sh --where      print where the sources, the converter and its gguf-py are
+#                                           (exit 1 when the sources are not extracted yet); builds nothing
 #   scripts/build_llama_cpp.sh --isa avx2   build for the AVX2 level only (x86-64-v3, ggml's "haswell" set:
 #                                           SSE4.2, AVX, AVX2, BMI2, FMA, F16C; every AVX-512, AVX-VNNI and AMX
 #                                           option off) into .bench/llama.cpp-build-avx2, beside the host build;
@@ -32,19 +40,37 @@ ROOT=$(pwd)
 BENCH="$ROOT/.bench"
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
-TARGETS=(llama-server llama-bench llama-batched-bench)
+TARGETS=(llama-server llama-bench llama-batched-bench llama-quantize)
 
 force=0
+where=0
 isa=${LLAMA_ISA:-host}
 while [ $# -gt 0 ]; do
   case "$1" in
     --force) force=1 ;;
+    --where) where=1 ;;
     --isa) [ $# -ge 2 ] || { echo "--isa needs a value: host or avx2" >&2; exit 2; }; isa=$2; shift ;;
     --isa=*) isa=${1#--isa=} ;;
-    *) echo "unknown argument $1 (use --force, --isa host|avx2)" >&2; exit 2 ;;
+    *) echo "unknown argument $1 (use --force, --where, --isa host|avx2)" >&2; exit 2 ;;
   esac
   shift
 done
+# The extracted sources (the newest version), linked as .bench/llama.cpp, and where the converter is.
+extracted() { ls -d "$BENCH"/llama-cpp-python-*/vendor/llama.cpp 2>/dev/null | sort -V | tail -n 1 || true; }
+link_sources() {
+  local src=$1
+  [ -f "$src/convert_hf_to_gguf.py" ] || return 0
+  ln -sfn "${src#"$BENCH"/}" "$BENCH/llama.cpp"
+  echo "llama.cpp sources: $BENCH/llama.cpp -> $src"
+  echo "converter: $src/convert_hf_to_gguf.py (its gguf-py: $src/gguf-py, first on its PYTHONPATH)"
+}
+if [ $where = 1 ]; then
+  src=$(extracted)
+  [ -n "$src" ] && [ -f "$src/convert_hf_to_gguf.py" ] || { echo "no extracted llama.cpp sources under $BENCH: run $0" >&2; exit 1; }
+  link_sources "$src"
+  exit 0
+fi
+
 case "$isa" in
   host) BUILD="$BENCH/llama.cpp-build" ;;
   avx2) BUILD="$BENCH/llama.cpp-build-avx2" ;;
@@ -101,6 +127,7 @@ for t in "${TARGETS[@]}"; do [ -x "$BUILD/bin/$t" ] || built=0; done
 [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$isa_line" ] || built=0
 if [ $built = 1 ] && [ $force = 0 ]; then
   echo "llama.cpp already built in $BUILD/bin (use --force to rebuild)"
+  link_sources "$(extracted)"
   exit 0
 fi
 
@@ -117,7 +144,7 @@ command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { echo "no C 
 command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { echo "no C++ compiler (apt-get install build-essential)" >&2; exit 1; }
 
 # Sources: the llama-cpp-python sdist, downloaded once.
-SRC=$(ls -d "$BENCH"/llama-cpp-python-*/vendor/llama.cpp 2>/dev/null | sort -V | tail -n 1 || true)
+SRC=$(extracted)
 if [ -z "$SRC" ] || [ ! -f "$SRC/CMakeLists.txt" ]; then
   spec="llama-cpp-python"
   [ -n "${LLAMA_CPP_PYTHON_VERSION:-}" ] && spec="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
@@ -190,3 +217,4 @@ if [ "$isa" = avx2 ]; then
 fi
 echo "$isa_line" > "$STAMP"
 echo "built: $BUILD/bin/{$(IFS=,; echo "${TARGETS[*]}")}"
+link_sources "$SRC"

@@ -15,6 +15,8 @@ and prints one kind of table (table.py). A module per subcommand:
   scheduler   the scheduler process's own cost per step and bytes sent, under load
   hardening   what a careless or hostile client costs the other users of a server
   busy-host   a short request's latency while other processes keep the cores busy
+  gguf-sizes  Relay vs llama-server on random-weight GGUF files of Llama 1B/8B sizes (made with
+              llama.cpp's converter and llama-quantize): start time, peak RSS, disk, tok/s
 
 Kernel micro-benchmarks stay scripts of their own (scripts/bench_gemm_blocks.py, bench_block_dot.py,
 bench_attention_cpu.py, ab_decode_attention.py, bench_moe.py, bench_weight_formats.py, cpu_peak.py,

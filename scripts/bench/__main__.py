@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "scheduler": "scheduler",
     "hardening": "hardening",
     "busy-host": "busy_host",
+    "gguf-sizes": "gguf_sizes",
 }
 
 

@@ -253,8 +253,8 @@ async def resolve_model(session, base_url: str) -> str | None:
         return None
 
 
-async def wait_ready(base_url: str, timeout: float = 600.0, proc=None) -> None:
-    """Poll /health (then /v1/models) until the server answers 200."""
+async def wait_ready(base_url: str, timeout: float = 600.0, proc=None, poll: float = 1.0) -> None:
+    """Poll /health (then /v1/models) every `poll` seconds until the server answers 200."""
     import aiohttp
 
     deadline = time.monotonic() + timeout
@@ -271,7 +271,7 @@ async def wait_ready(base_url: str, timeout: float = 600.0, proc=None) -> None:
                             return
                 except (aiohttp.ClientError, TimeoutError):
                     continue  # not listening yet
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(poll)
     raise TimeoutError(f"{base_url} was not ready within {timeout:.0f} s")
 
 

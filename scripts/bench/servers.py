@@ -82,7 +82,8 @@ class Server:
     """One server process: `with Server(...) as s` starts it, waits until s.base_url answers, and stops it.
 
     checkout: serve from another checkout (its launch/ and src/ first on PYTHONPATH), e.g. a `git worktree`
-    of an older commit to compare against; fd_limit: the descriptor limit it runs under."""
+    of an older commit to compare against; fd_limit: the descriptor limit it runs under; ready_poll: how
+    often (seconds) to ask whether it is ready. After the start, ready_s is the seconds from launch to ready."""
 
     def __init__(
         self,
@@ -95,9 +96,11 @@ class Server:
         cwd: str = ROOT,
         checkout: str | None = None,
         fd_limit: int | None = None,
+        ready_poll: float = 1.0,
     ):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
-        self.ready_timeout, self.fd_limit = ready_timeout, fd_limit
+        self.ready_timeout, self.fd_limit, self.ready_poll = ready_timeout, fd_limit, ready_poll
+        self.ready_s: float | None = None
         self.env = dict(env or {})
         self.cwd = checkout or cwd
         if checkout:
@@ -128,12 +131,13 @@ class Server:
             preexec_fn=self._limit if self.fd_limit else None,
         )
         try:
-            asyncio.run(wait_ready(self.base_url, self.ready_timeout, self.proc))
+            asyncio.run(wait_ready(self.base_url, self.ready_timeout, self.proc, self.ready_poll))
         except BaseException:
             self.stop()
             print(f"--- the last lines of {self.log_path}:\n{tail(self.log_path, 30)}", flush=True)
             raise
-        print(f"    ready in {time.monotonic() - t0:.1f} s", flush=True)
+        self.ready_s = time.monotonic() - t0
+        print(f"    ready in {self.ready_s:.1f} s", flush=True)
         return self
 
     def __exit__(self, *exc) -> None:
