@@ -75,6 +75,8 @@ def write_gguf(path: str, model: torch.nn.Module, *, name: str = "tiny", qtype=F
     _write_tokenizer(writer)
     for tensor_name, data in gguf_tensors(model, arch):
         _add_tensor(writer, tensor_name, data, qtype)
+    if arch == gguf.MODEL_ARCH.LLAMA and _rope(cfg).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -201,6 +203,30 @@ def _sixbit(x: np.ndarray, unit: np.ndarray) -> np.ndarray:
 def _rope(cfg) -> dict:
     """The rope of the (global) attention layers: llama.cpp writes only theirs."""
     return cfg.rope_parameters.get("full_attention") or cfg.rope_parameters
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    """Llama 3.1+'s rope scaling as llama.cpp's converter stores it (LlamaModel's rope_freqs): a
+    divisor per frequency, 1 for the short wavelengths, the factor for the long ones, smoothed
+    in between."""
+    import math
+
+    rope = _rope(cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _write_config(writer: gguf.GGUFWriter, cfg, arch, qtype) -> None:

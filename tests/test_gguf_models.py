@@ -246,6 +246,31 @@ def test_a_gguf_file_over_two_tensor_parallel_ranks_computes_what_one_rank_does(
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
+def test_a_llama_3_file_rotates_with_its_rope_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1+'s rope scaling only as per-frequency divisors (rope_freqs),
+    which transformers' GGUF reader ignores: Relay finds the llama3 rope again and computes what
+    the model the file was written from computes (not plain rope: that model's greedy output
+    differs here, 8x scaling on the longest wavelengths)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10_000.0}
+    rope |= model_files.LLAMA3_ROPE
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**COMMON, "head_dim": 16}, rope_parameters=rope), dtype=torch.float32
+    ).eval()
+    path = str(tmp_path / "llama3.gguf")
+    write_gguf(path, model)
+    prompts = random_prompts(VOCAB_SIZE, [5, 30], seed=4)
+    expected = greedy(model, prompts)
+    engine = Engine(path, dtype="float32", kv_cache_gb=0.01, block_activations="float")
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+        assert greedy(transformers_on(path, "llama"), prompts) != expected, "plain rope differs"
+    finally:
+        shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
+
+
 def test_a_tensor_of_another_shape_than_the_config_says_is_named_at_start(tmp_path):
     """A file whose metadata says one MLP width and whose tensors have another: one line naming
     the tensor and both shapes, exit status 2, nothing left in the cache."""

@@ -280,7 +280,45 @@ def check_gguf(path: str) -> tuple[str, dict[str, Any]]:
             "(llama.cpp writes Mixtral so), which transformers' GGUF reader reads as a Llama "
             "without its experts: pass the model's HF directory (MixtralForCausalLM)"
         )
-    return arch, _stated_fields(arch, field)
+    stated = _stated_fields(arch, field)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if arch == "llama" and freqs is not None:
+        theta = field("llama.rope.freq_base") or 10_000.0
+        stated |= llama3_rope(path, [float(f) for f in freqs.data], theta)
+    return arch, stated
+
+
+# Llama 3.1+'s rope scaling as its releases set it (all of 3.1, 3.2, 3.3: factor 8 or 32)
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama3_rope(path: str, freq_factors: list[float], theta: float) -> dict[str, Any]:
+    """The rope scaling of a Llama 3.1+ file, which llama.cpp stores only as its per-frequency
+    divisors (the rope_freqs tensor) and transformers' reader ignores: found again as the
+    `llama3` rope with the released models' parameters whose divisors these are, told to
+    transformers as rope_parameters. Divisors of any other rule: logged, and plain rope stays."""
+    import numpy as np
+
+    from relay.execution.rope import default_inv_freq, llama3_inv_freq
+
+    factors = np.asarray(freq_factors, dtype=np.float64)
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
+    dim = 2 * len(factors)
+    plain = default_inv_freq(theta, dim).double().numpy()
+    scaled = llama3_inv_freq(theta, dim, scaling).double().numpy()
+    if np.allclose(plain / scaled, factors, rtol=1e-5, atol=0):
+        return {"rope_parameters": {**scaling, "rope_theta": theta}}
+    logger.warning(
+        "%s: its rope_freqs are not Llama 3's rule with the released parameters; rotating with "
+        "plain rope at theta %s",
+        path,
+        theta,
+    )
+    return {}
 
 
 def _stated_fields(arch: str, field: Callable[[str], Any]) -> dict[str, Any]:
