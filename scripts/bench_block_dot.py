@@ -7,12 +7,15 @@ gate_up 3072 x 576, its Q8_0 LM head 49152 x 576) filled with random GGUF-quanti
     python scripts/bench_block_dot.py --level amx --rows 1,8,32
 
 --gemv: batch-1 GEMVs of a 2B-class model's shapes ([1 x 2048] x [8192 x 2048]^T, [1 x 8192] x
-[2048 x 8192]^T) per kernel form - Q8_0's, Q6_K's (int8 quants, float32 scales per 16), Q5_K's
-(a minimum per 32), a Q4_K_M fused q/k/v's (scales and minima per 16) - as GB/s of the bytes the
-GEMV reads (quants, d, m where the form has one), float32 and int8 activations, each call on the
-next of enough copies of the weight that they come from memory, not the last-level cache:
+[2048 x 8192]^T) per kernel form - Q8_0's, Q6_K's (int8 quants, scales per 16), Q5_K's (a minimum
+per 32), Q4_K's (4-bit, a minimum per 32), a Q4_K_M fused q/k/v's (scales and minima per 16) -
+the k-quants' each with float32 d and m ("f32 scales") and with the file's compact scales
+(KSCALES_FLAG, "compact") - as microseconds per GEMV and GB/s of the bytes it reads (quants and
+scales), float32 and int8 activations, each call on the next of enough copies of the weight that
+they come from memory, not the last-level cache:
 
     python scripts/bench_block_dot.py --gemv --level avx512
+    python scripts/bench_block_dot.py --gemv --forms Q4_K,Q6_K
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import torch
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "src")]  # this checkout's relay, not an installed one
 
-from relay.execution.gguf_blocks import DECODERS, common_form, decode_rows  # noqa: E402
+from relay.execution.gguf_blocks import DECODERS, common_form, decode_rows, pack_rows  # noqa: E402
 from relay.execution.kernels import cpu, cpu_gemm  # noqa: E402
-from relay.execution.weight_blocks import BlockWeight, pack, recover  # noqa: E402
+from relay.execution.weight_blocks import BlockWeight, recover  # noqa: E402
 
 SHAPES = [("q4_1", 960, 576), ("q4_1", 3072, 576), ("q8_0", 49152, 576)]
 
@@ -68,7 +71,7 @@ def median_ms(fn, reps: int) -> float:
 
 GEMV_SHAPES = [(8192, 2048), (2048, 8192)]
 # form name -> the GGUF types whose rows it holds (fused in this order, near-equal parts)
-GEMV_FORMS = {"Q8_0": [8], "Q6_K": [14], "Q5_K": [13], "Q4_K+Q6_K": [12, 12, 14]}
+GEMV_FORMS = {"Q8_0": [8], "Q6_K": [14], "Q5_K": [13], "Q4_K": [12], "Q4_K+Q6_K": [12, 12, 14]}
 
 
 def raw_rows(qtype: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -86,22 +89,23 @@ def raw_rows(qtype: int, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     return b.reshape(rows, -1)
 
 
-def gemv_weight(form: str, n: int, k: int, seed: int) -> BlockWeight:
+def gemv_weight(form: str, n: int, k: int, seed: int, compact: bool = False) -> BlockWeight:
     rng = np.random.default_rng(seed)
     types = GEMV_FORMS[form]
     sizes = [n // len(types)] * (len(types) - 1)
     sizes.append(n - sum(sizes))
     parts = [decode_rows(raw_rows(t, r, k, rng), t, k) for t, r in zip(types, sizes)]
     rows = common_form(parts)
-    return pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group)
+    has_m = rows.bits == 4 or bool((rows.m != 0).any())  # pack()'s choice, for both forms
+    return pack_rows(rows, n, k, has_m, compact)
 
 
 def read_bytes(w: BlockWeight) -> int:
-    """What one GEMV reads of w: its quants, d, and m where the form has one."""
+    """What one GEMV reads of w: its quants, d, and m where the form has one (or the records)."""
     return sum(t.numel() * t.element_size() for t in (w.q, w.d, w.m))
 
 
-def gemv_table(reps: int, rounds: int, llc_bytes: int, threads: int) -> None:
+def gemv_table(reps: int, rounds: int, llc_bytes: int, threads: int, forms: list[str]) -> None:
     """Each (shape, form, activations) timed in `rounds` rounds taken in turn (a loaded host's
     drift spread over all), each round `reps` x 5 calls; GB/s at the median and best call time.
     On one thread the time is the calling thread's CPU time (the kernel runs on it alone): on a
@@ -110,10 +114,13 @@ def gemv_table(reps: int, rounds: int, llc_bytes: int, threads: int) -> None:
     calls, sizes = {}, {}
     for n, k in GEMV_SHAPES:
         x = torch.randn(1, k)
-        for form in GEMV_FORMS:
-            first = gemv_weight(form, n, k, 0)
+        for form, compact in (
+            (f, c) for f in forms for c in ((False, True) if "_K" in f else (False,))
+        ):
+            first = gemv_weight(form, n, k, 0, compact)
             copies = max(2, -(-3 * llc_bytes // read_bytes(first)))  # 3x the LLC: from memory
-            exact = [first] + [gemv_weight(form, n, k, i) for i in range(1, copies)]
+            exact = [first] + [gemv_weight(form, n, k, i, compact) for i in range(1, copies)]
+            form = f"{form} {'compact' if compact else 'f32 scales'}"
             sizes[n, k, form] = (first.kernel_bits, read_bytes(first))
             for act, ws in (("float32", exact), ("int8", [w.to_dot() for w in exact])):
                 at = [0]
@@ -132,17 +139,20 @@ def gemv_table(reps: int, rounds: int, llc_bytes: int, threads: int) -> None:
                 for _ in range(5):
                     call()
                 times.append((clock() - t0) / 5)
-    print("| weight | form | kernel_bits | bits / weight | float32 x GB/s | int8 x GB/s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| weight | form | kernel_bits | bits / weight | float32 x us | float32 x GB/s"
+        " | int8 x us | int8 x GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for (n, k, form), (bits, size) in sizes.items():
-        rates = []
+        cells = []
         for act in ("float32", "int8"):
             times = calls[n, k, form, act][1]
-            rates.append(
-                f"{size / statistics.median(times) / 1e9:.1f} (best {size / min(times) / 1e9:.1f})"
-            )
+            med = statistics.median(times)
+            cells.append(f"{med * 1e6:.0f} (best {min(times) * 1e6:.0f})")
+            cells.append(f"{size / med / 1e9:.1f} (best {size / min(times) / 1e9:.1f})")
         print(
-            f"| {n} x {k} | {form} | {hex(bits)} | {8 * size / (n * k):.2f} | {rates[0]} | {rates[1]} |"
+            f"| {n} x {k} | {form} | {hex(bits)} | {8 * size / (n * k):.2f} | {' | '.join(cells)} |"
         )
 
 
@@ -157,6 +167,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5, help="--gemv: rounds over every case in turn")
     ap.add_argument("--llc-mb", type=int, default=32, help="last-level cache to stream past")
+    ap.add_argument("--forms", default=",".join(GEMV_FORMS), help="--gemv: which forms")
     args = ap.parse_args()
     cpu.use(cpu.build_level(args.level)) if args.level else cpu.load()
     torch.set_num_threads(args.threads)
@@ -166,7 +177,7 @@ def main() -> None:
             f"level {args.level or 'native'}, {args.threads} thread(s); GB/s at the median (best)"
             f" call of {args.rounds} rounds x {args.reps} x 5, by {clock}"
         )
-        gemv_table(args.reps, args.rounds, args.llc_mb << 20, args.threads)
+        gemv_table(args.reps, args.rounds, args.llc_mb << 20, args.threads, args.forms.split(","))
         return
     print(f"level {args.level or 'native'}, 1 thread; ms, median of {args.reps} x 5 calls")
     print("| weight | rows | float | int8 | float / int8 |\n|---|---|---|---|---|")

@@ -21,6 +21,11 @@ its path), alternating step by step in one process: on a host whose speed drifts
 only such a comparison shows a few per cent. Both builds must take the same arguments. Where the
 other checkout measured another blocks crossover at start-up (its server log says "GEMMs of up to
 N rows read those"), --ab-blocks-rows N gives its steps that one.
+
+--ab-float-scales times the same runner's k-quant weights (a GGUF file's Q4_K/Q5_K/Q6_K) in their
+compact scales (KSCALES_FLAG) against the same blocks with float32 d and m, step by step in turn:
+
+    python scripts/profile_step.py --model-path model.Q4_K_M.gguf --batch 1 --ab-float-scales
 """
 
 from __future__ import annotations
@@ -197,6 +202,61 @@ def ab(runner: ModelRunner, args) -> None:
     )
 
 
+def ab_float_scales(runner: ModelRunner, args) -> None:
+    """Decode steps and a prompt chunk on the k-quant weights' compact scales and on the same
+    blocks with float32 d and m (BlockWeight.with_float_scales), alternating step by step (outputs
+    are the same bit for bit: only the bytes read differ)."""
+    model = runner.model
+    modules = [m for m in model.gemm_modules() if m.blocks is not None and m.blocks.kscales]
+    if not modules:
+        raise SystemExit("no weight here has compact k-quant scales")
+    compact = [m.blocks for m in modules]
+    floats = [b.with_float_scales() for b in compact]
+    ways = []
+    for blocks in (compact, floats):
+        for m, b in zip(modules, blocks):
+            m.blocks = b
+        one_call = model.decode_layers
+        if one_call is not None:  # its C structs point at the blocks: one per form
+            model.use_decode_layers(runner.attn)
+            model.decode_layers[1].max_rows = one_call[1].max_rows
+            one_call = model.decode_layers
+        ways.append((blocks, one_call))
+    gb = [
+        sum(b.bytes_per_weight * b.out_features * b.in_features for b in w) / 1e9
+        for w in (compact, floats)
+    ]
+    print(
+        f"{len(modules)} weights with compact scales: {gb[0]:.3f} GB read per step, {gb[1]:.3f} with float32 scales"
+    )
+
+    def medians(fn, reps: int) -> tuple[float, float]:
+        times: tuple[list[float], list[float]] = ([], [])
+        for rep in range(reps + 1):
+            for (blocks, one_call), out in zip(ways, times):
+                for m, b in zip(modules, blocks):
+                    m.blocks = b
+                model.decode_layers = one_call
+                t0 = time.perf_counter()
+                fn()
+                if rep:  # the first of each: warm-up
+                    out.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times[0]), statistics.median(times[1])
+
+    print("\n| step | compact ms | float32 scales ms | float32 / compact |\n|---|---|---|---|")
+    for b in [int(x) for x in args.batch.split(",")]:
+        steps = Steps(runner, b, args.context, args.shared_prefix, steps=4 * args.reps + 8)
+        ours, theirs = medians(steps.decode, args.reps)
+        print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
+        runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
+    ours, theirs = medians(
+        prefill_chunk(runner, args.prefill, args.prefill_over), max(3, args.reps // 4)
+    )
+    print(
+        f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |"
+    )
+
+
 def over(args) -> str:
     return f" over {args.prefill_over}" if args.prefill_over else ""
 
@@ -336,8 +396,13 @@ def main() -> None:
         help="with --ab: the other build's GEMMs read the weight blocks up to N rows (the crossover "
         "its checkout measured at start-up; this one's runner measures its own)",
     )
+    ap.add_argument(
+        "--ab-float-scales",
+        action="store_true",
+        help="compare the k-quant weights' compact scales with float32 d and m, step by step",
+    )
     args = ap.parse_args()
-    if not args.ab:
+    if not args.ab and not args.ab_float_scales:
         label_c_kernels()
     model_dir = resolve_model_dir(args.model_path)
     cfg = EngineConfig(
@@ -354,6 +419,8 @@ def main() -> None:
     )
     if args.ab:
         return ab(runner, args)
+    if args.ab_float_scales:
+        return ab_float_scales(runner, args)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=2 * args.reps + 8)

@@ -4,7 +4,13 @@ whose parts come in different types (a Q4_K_M file's Q4_K q/k beside its Q6_K v)
 form (common_form). Their blocks give gguf's dequantized weights bit for bit; their GEMMs with
 float32 activations are the float product of those weights, with int8 activations the float64
 reference of x rounded per 32, the same bits at every instruction-set level; the one-call decode
-step reads them as the layers do; and a Q4_K_M-like file runs on them as transformers runs it."""
+step reads them as the layers do; and a Q4_K_M-like file runs on them as transformers runs it.
+
+Weights whose parts are all k-quants keep the file's compact scales (KSCALES_FLAG: per strip and
+super-block the float16 D, -Dmin and the integer sub-block scales and mins, d and m computed in the
+kernels): the same weights, and every GEMM's output bit for bit that of the float32-scale form, at
+every level, row count and path; a file loads them so, and a row-parallel shard that cuts a
+super-block falls back to float32 scales."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from relay import Engine
-from relay.execution import model_files
+from relay.execution import gguf_weights, model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.gguf_blocks import (
     DECODERS,
@@ -27,16 +33,20 @@ from relay.execution.gguf_blocks import (
     SourceTensor,
     common_form,
     decode_rows,
+    pack_rows,
 )
+from relay.execution.gguf_weights import GgufFile, Part, read_blocks
 from relay.execution.kernels import cpu_gemm
 from relay.execution.layers import pack_for_cpu
 from relay.execution.weight_blocks import (
     DOT_FLAG,
     GROUP16_FLAG,
+    KSCALES_FLAG,
     MIN_FLAG,
     UNSIGNED_FLAG,
     BlockWeight,
     pack,
+    pack_kquant,
 )
 from relay.scheduling.batch import BatchInput
 from tests.gguf_files import VOCAB_SIZE, write_gguf
@@ -361,42 +371,275 @@ def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
     assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
 
 
-def test_a_q4_k_m_like_file_runs_on_its_blocks_as_transformers_runs_it(tmp_path):
+# --- compact k-quant scales (KSCALES_FLAG) ---
+
+KS = KSCALES_FLAG
+# all-k-quant weights: their compact kernel form, and the bits a weight it reads
+COMPACT = {
+    "q4_k": ([T.Q4_K], 4 | KS, 4.75),
+    "q5_k": ([T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.75),
+    "q6_k": ([T.Q6_K], 8 | GROUP16_FLAG | KS, 8.625),
+    "q4_k+q6_k": ([T.Q4_K, T.Q4_K, T.Q6_K], 8 | MIN_FLAG | GROUP16_FLAG | KS, 9.25),
+    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.75),
+}
+
+
+def compact_pair(kind: str, rows: int, k: int, seed: int = 0, **mutate):
+    """A weight of the kind's types (rows per part) packed both ways from the same decoded rows -
+    float32 d and m (today's form) and compact - and gguf's floats of it. mutate: fields of the
+    common form replaced before the compact packing (a mutation the tests must catch)."""
+    parts, floats = [], []
+    for i, qtype in enumerate(COMPACT[kind][0]):
+        raw = raw_blocks(qtype, rows, k, seed * 10 + i)
+        parts.append(decode_rows(raw, int(qtype), k))
+        floats.append(gguf_floats(raw, qtype, k))
+    form = common_form(parts)
+    n = rows * len(parts)
+    old = pack_rows(form, n, k, compact=False)
+    new = pack_rows(replace(form, **mutate), n, k, has_m=old.has_m)
+    return old, new, torch.from_numpy(np.concatenate(floats))
+
+
+@pytest.fixture(scope="module")
+def compact_weights() -> dict:
+    """Each kind at two shapes: rows past a strip's end, K one super-block; and K of three."""
+    return {
+        (kind, k): compact_pair(kind, 200 // len(COMPACT[kind][0]), k, seed=2)
+        for kind in COMPACT
+        for k in (256, 768)
+    }
+
+
+@pytest.mark.parametrize("kind", COMPACT)
+def test_compact_scales_are_the_gguf_weights_in_fewer_bytes(kind):
+    """decode_rows -> common_form -> pack_rows keeps the integer scales of all-k-quant weights:
+    the kernel form gets KSCALES_FLAG, the records read 0.625-1.25 bits a weight (Q4_K 4.75 in
+    all where the float32 scales made it 6, Q6_K 8.625 for 10), dequantize() gives every weight
+    as gguf.quants does (signs of zero included) in both layouts, and with_float_scales() is the
+    float32-scale form exactly."""
+    old, new, w = compact_pair(kind, 40, 512)
+    assert new.kernel_bits == COMPACT[kind][1] and new.kscales, hex(new.kernel_bits)
+    assert new.to_dot().kernel_bits == COMPACT[kind][1] | DOT_FLAG
+    assert old.kernel_bits == COMPACT[kind][1] & ~KS
+    assert new.bytes_per_weight * 8 == COMPACT[kind][2]
+    assert new.d.dtype == torch.uint8 and new.m.numel() == 0
+    for blocks in (new, new.to_dot()):
+        assert same_bits(blocks.dequantize(), w)
+    back = new.with_float_scales()
+    assert same_bits(back.d, old.d) and same_bits(back.m, old.m) and torch.equal(back.q, old.q)
+
+
+@pytest.mark.parametrize("types", [[T.Q4_K, T.Q8_0], [T.Q4_K, T.Q6_K, T.Q8_0], [T.Q5_1]])
+def test_a_part_that_is_no_k_quant_keeps_float32_scales(types):
+    """A fused weight with a part of another type (Q8_0 beside Q4_K, ...) carries no integer
+    scales through common_form: it packs in today's form (float32 d and m)."""
+    k = 256
+    parts = [decode_rows(raw_blocks(t, 8, k, i), int(t), k) for i, t in enumerate(types)]
+    rows = common_form(parts)
+    assert not rows.kquant
+    blocks = pack_rows(rows, 8 * len(types), k)
+    assert not blocks.kscales and not blocks.kernel_bits & KS and blocks.d.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", COMPACT)
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_compact_gemms_equal_the_float32_scale_forms_bit_for_bit(
+    kernel_level, compact_weights, kind, activations
+):
+    """The same weight packed both ways, the same x: identical outputs at every row count from 1
+    to 33 - the GEMVs (up to 6 rows; int8: row groups of up to 6 or 8) and the unpacked tiles
+    beyond - with float32 and with int8 activations, a short last strip and K of 1 and 3
+    super-blocks, at each instruction-set level."""
+    for k in (256, 768):
+        old, new, _ = compact_weights[kind, k]
+        if activations == "int8":
+            old, new = old.to_dot(), new.to_dot()
+        for m in range(1, 34):
+            x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, :k] * 2
+            y = cpu_gemm.gemm_blocks(x, new)
+            assert same_bits(y, cpu_gemm.gemm_blocks(x, old)), f"{m} rows, K {k}"
+
+
+def test_compact_q4_k_of_a_bfloat16_model_equals_its_float32_scale_form(
+    kernel_level, compact_weights
+):
+    """round_bf16 (Q4_K's blocks of a bfloat16 model: VDPBF16PS where the CPU has AVX512-BF16,
+    GEMVs up to 6 rows at a time and qbuf tiles beyond): the compact scales give the same bits."""
+    old, new, _ = compact_weights["q4_k", 768]
+    old, new = replace(old, round_bf16=True), replace(new, round_bf16=True)
+    for m in range(1, 34):
+        x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
+        assert same_bits(cpu_gemm.gemm_blocks(x, new), cpu_gemm.gemm_blocks(x, old)), m
+
+
+def shifted(t: np.ndarray, per: int) -> np.ndarray:
+    """Each super-block's sub-block values (per of them) taken from the next sub-block along."""
+    r, cols = t.shape
+    return np.roll(t.reshape(r, cols // per, per), -1, axis=2).reshape(r, cols)
+
+
+@pytest.mark.parametrize(
+    "kind,field",
+    [
+        ("q4_k", "sub_scales"),
+        ("q6_k", "sub_scales"),
+        ("q5_k", "sub_mins"),
+        ("q4_k+q6_k", "super_d"),
+    ],
+)
+def test_a_record_read_one_sub_block_off_is_caught(kernel_level, kind, field):
+    """Mutations the bit-for-bit checks must catch: each sub-block given its neighbour's scale (or
+    min), or a super-block its neighbour's D, makes the compact weights and every path's outputs
+    differ from the float32-scale form's."""
+    k = 512
+    old, good, w = compact_pair(kind, 16, k)
+    rows = common_form(
+        [decode_rows(raw_blocks(t, 16, k, i), int(t), k) for i, t in enumerate(COMPACT[kind][0])]
+    )
+    per = 256 // rows.group if field.startswith("sub") else k // 256
+    _, bad, _ = compact_pair(kind, 16, k, **{field: shifted(getattr(rows, field), per)})
+    assert same_bits(good.dequantize(), w) and not same_bits(bad.dequantize(), w)
+    x = torch.randn(9, k)
+    for m in (1, 9):
+        for a, b in ((old, bad), (old.to_dot(), bad.to_dot())):
+            assert not same_bits(cpu_gemm.gemm_blocks(x[:m], a), cpu_gemm.gemm_blocks(x[:m], b))
+
+
+def test_pack_kquant_without_mins_in_a_form_with_them_adds_minus_zero():
+    """A Q6_K-only chunk of a weight whose form has a minimum (rows of a fused Q4_K/Q6_K q/k/v
+    read a chunk at a time): Dmin 0 and mins 0 give m = -0.0, common_form's m for such rows."""
+    k = 256
+    rows = decode_rows(raw_blocks(T.Q6_K, 8, k), int(T.Q6_K), k)
+    blocks = pack_kquant(8, rows.super_d, None, rows.sub_scales, None, rows.q, 8, k, 16, True)
+    d, m = blocks.float_scales()
+    m = m[:, :, :8]  # (the strip's 24 rows of padding aside)
+    assert blocks.has_m and (m == 0).all() and torch.signbit(m).all()
+    assert same_bits(
+        blocks.dequantize(), torch.from_numpy(gguf_floats(raw_blocks(T.Q6_K, 8, k), T.Q6_K, k))
+    )
+
+
+# --- a Q4_K_M-like file, loaded on its compact blocks ---
+
+Q4_K_M = {
+    **{"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K},
+    **{"ffn_gate": T.Q5_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K},
+    **{"output": T.Q6_K, "token_embd": T.Q8_0},
+}
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory):
     """A tiny Llama written as llama.cpp writes a Q4_K_M / Q5_K_M file (Q4_K q/k/o, Q6_K v, down and
-    output, Q5_K gate/up, Q8_0 embedding): every GEMM weight is kept as blocks - q/k/v fused from
-    Q4_K and Q6_K rows in the mixed form - and the GEMMs reading them (float32 activations) give
-    transformers' greedy output token for token."""
+    output, Q5_K gate/up, Q8_0 embedding; hidden 256 and MLP 512: whole super-blocks), with the
+    transformers model's greedy output on it; its converted directory removed afterwards."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
-    path = write_gguf(
-        str(tmp_path / "tiny-q4_k_m.gguf"),
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32),
-        qtype={
-            **{"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K},
-            **{"ffn_gate": T.Q5_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K},
-            **{"output": T.Q6_K, "token_embd": T.Q8_0},
-        },
+    path = str(tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf")
+    write_gguf(path, AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), qtype=Q4_K_M)
+    yield path, cfg
+    shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
+
+
+LAYER_FORMS = [
+    8 | MIN_FLAG | GROUP16_FLAG | KS,  # q/k/v: Q4_K, Q4_K, Q6_K
+    4 | KS,  # o: Q4_K
+    8 | MIN_FLAG | UNSIGNED_FLAG | KS,  # gate/up: Q5_K
+    8 | GROUP16_FLAG | KS,  # down: Q6_K
+]
+
+
+def test_a_q4_k_m_like_file_runs_on_its_blocks_as_transformers_runs_it(q4_k_m_file):
+    """Every GEMM weight of the file is kept as blocks with the file's compact scales - q/k/v
+    fused from Q4_K and Q6_K rows in the mixed form - and the GEMMs reading them (float32
+    activations) give transformers' greedy output token for token."""
+    path, cfg = q4_k_m_file
+    prompts = random_prompts(VOCAB_SIZE, [3, 17, 40])
+    expected = greedy(transformers_on(path, "llama"), prompts)
+    engine = Engine(
+        path,
+        dtype="float32",
+        kv_cache_gb=0.01,
+        block_activations="float",
+        weight_block_rows=ALL_ROWS,
     )
-    try:
-        prompts = random_prompts(VOCAB_SIZE, [3, 17, 40])
-        expected = greedy(transformers_on(path, "llama"), prompts)
-        engine = Engine(
-            path,
-            dtype="float32",
-            kv_cache_gb=0.01,
-            block_activations="float",
-            weight_block_rows=ALL_ROWS,
+    forms = [m.blocks and m.blocks.kernel_bits for m in engine.runner.model.gemm_modules()]
+    assert forms == LAYER_FORMS * cfg.num_hidden_layers + [8 | GROUP16_FLAG | KS], forms
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_a_decode_step_in_one_c_call_reads_compact_scales_as_the_layers_do(
+    q4_k_m_file, kernel_level, activations
+):
+    """The Q4_K_M-like file's decode step of three requests in one C call (relay_decode_layers:
+    every GEMM's LayerGemm.bits with KSCALES_FLAG, its d the records) gives the layers' logits and
+    KV bit for bit, with float32 and with int8 activations, at each instruction-set level."""
+    runner = one_call_engine(q4_k_m_file[0]).runner
+    layer_gemms = [m for m in runner.model.gemm_modules() if m.blocks is not None][:-1]
+    assert [m.blocks.kernel_bits for m in layer_gemms[:4]] == LAYER_FORMS
+    if activations == "int8":
+        for module in layer_gemms:
+            module.blocks = module.blocks.to_dot()
+        assert runner.model.use_decode_layers(runner.attn)
+    fast = runner.model.decode_layers
+    ids = random_prompts(VOCAB_SIZE, [20, 5, 30], seed=1)
+    tables = [[1, 2], [3], [4, 5]]
+    for i, prompt in enumerate(ids):
+        n = len(prompt)
+        runner.step_logits(
+            BatchInput(0, [i], prompt, [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
         )
-        forms = [m.blocks and m.blocks.kernel_bits for m in engine.runner.model.gemm_modules()]
-        layer = [
-            8 | MIN_FLAG | GROUP16_FLAG,  # q/k/v: Q4_K, Q4_K, Q6_K
-            4,  # o: Q4_K
-            8 | MIN_FLAG | UNSIGNED_FLAG,  # gate/up: Q5_K
-            8 | GROUP16_FLAG,  # down: Q6_K
-        ]
-        assert forms == layer * cfg.num_hidden_layers + [8 | GROUP16_FLAG], forms
-        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
-    finally:
-        shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
+    lens = [len(p) for p in ids]
+    step = BatchInput(
+        0, [0, 1, 2], [5, 6, 7], lens, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
+    )
+    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
+    assert torch.equal(call, layered)
+    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+
+
+@pytest.mark.parametrize(
+    "tensor,cols,compact",
+    [
+        ("attn_output", slice(0, 256), True),  # the whole row
+        ("attn_output", slice(128, 256), False),  # half a super-block: --tp 2 of K 256
+        ("ffn_down", slice(256, 512), True),  # --tp 2 of K 512: whole super-blocks
+        ("ffn_down", slice(0, 128), False),
+        ("ffn_down", slice(96, 480), False),  # (whole groups of 32 only)
+    ],
+)
+def test_a_row_parallel_shard_that_cuts_a_super_block_keeps_float32_scales(
+    q4_k_m_file, tensor, cols, compact
+):
+    """read_blocks on a row-parallel shard's columns: whole super-blocks keep the compact scales,
+    a cut one falls back to float32 d and m; either way the blocks are gguf's weights of those
+    columns bit for bit, and both forms' GEMMs agree."""
+    file = GgufFile.read(q4_k_m_file[0])
+    name = f"blk.0.{tensor}.weight"
+    n = file.tensors[name].shape[0]
+    blocks = read_blocks(file, [Part(name, np.arange(n), cols)], dot=False)
+    assert blocks is not None and blocks.kscales == compact
+    assert same_bits(blocks.dequantize(), file.floats(name)[:, cols].contiguous())
+    x = torch.randn(3, cols.stop - cols.start)
+    y = cpu_gemm.gemm_blocks(x, blocks)
+    assert same_bits(y, cpu_gemm.gemm_blocks(x, blocks.with_float_scales()))
+
+
+def test_compact_scales_can_be_turned_off_for_a_load(q4_k_m_file, monkeypatch):
+    """gguf_weights.COMPACT_SCALES False (a benchmark's "before"): the same file's weights in the
+    float32-scale forms, giving the same GEMM outputs."""
+    file = GgufFile.read(q4_k_m_file[0])
+    parts = [
+        Part(f"blk.1.{t}.weight", np.arange(256 if t != "attn_v" else 128))
+        for t in ("attn_q", "attn_v")
+    ]
+    compact = read_blocks(file, parts, dot=True)
+    monkeypatch.setattr(gguf_weights, "COMPACT_SCALES", False)
+    floats = read_blocks(file, parts, dot=True)
+    assert compact.kscales and not floats.kscales
+    assert compact.kernel_bits == floats.kernel_bits | KS
+    x = torch.randn(5, 256)
+    assert same_bits(cpu_gemm.gemm_blocks(x, compact), cpu_gemm.gemm_blocks(x, floats))

@@ -591,7 +591,8 @@ def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
     if not blocks.has_m:
         return xq @ w.T
     g = blocks.group
-    m = blocks.m.permute(0, 2, 1).reshape(-1, k // g)[:n].double().repeat_interleave(g, dim=1)
+    m = blocks.float_scales()[1]  # (computed from the records where the scales are compact)
+    m = m.permute(0, 2, 1).reshape(-1, k // g)[:n].double().repeat_interleave(g, dim=1)
     return xq @ w.T + (x.double() - xq) @ m.T
 
 

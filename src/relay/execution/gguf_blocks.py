@@ -24,7 +24,7 @@ What a loader needs, for a GGUF tensor's rows (raw [rows, bytes per row]) of any
 
     parts = [decode_rows(raw, qtype, k) for raw, qtype in tensors]   # RowBlocks per tensor
     rows = common_form(parts)                                        # one form, rows concatenated
-    blocks = weight_blocks.pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group)
+    blocks = pack_rows(rows, n, k)   # k-quants: compact scales (pack_kquant); else pack(...)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from relay.execution.weight_blocks import BLOCK, BlockWeight, pack
+from relay.execution.weight_blocks import BLOCK, BlockWeight, pack, pack_kquant
 
 QK_K = 256  # weights per k-quant super-block
 
@@ -47,13 +47,54 @@ class RowBlocks:
 
     bits: 4 (q 0..15, uint8) or 8 (q int8); q [rows, K]; d, m float32 [rows, K / group]; m is -0.0
     where the type has no minimum (x + -0.0 is x exactly, a -0.0 weight included); group: 32, or 16
-    (Q6_K's scales; bits 8 only)."""
+    (Q6_K's scales; bits 8 only).
+
+    k-quants (Q4_K, Q5_K, Q6_K) also carry the integers d and m were computed from (None for
+    other types): super_d [rows, K / 256] the super-block's float16 scale as float32, sub_scales
+    [rows, K / group] int8 (Q4_K/Q5_K's 6-bit 0..63, Q6_K's int8) with d = super_d * sub_scales;
+    where the type has mins, super_dmin [rows, K / 256] and sub_mins [rows, K / group] int8 (0..63)
+    with m = -(super_dmin * sub_mins): weight_blocks.pack_kquant's compact form (pack_rows)."""
 
     bits: int
     d: np.ndarray
     m: np.ndarray
     q: np.ndarray
     group: int = BLOCK
+    super_d: np.ndarray | None = None
+    super_dmin: np.ndarray | None = None
+    sub_scales: np.ndarray | None = None
+    sub_mins: np.ndarray | None = None
+
+    @property
+    def kquant(self) -> bool:
+        """Whether the rows carry k-quant integer scales (the compact form takes them)."""
+        return self.super_d is not None
+
+    def take(self, rows: np.ndarray | slice) -> RowBlocks:
+        """These rows (an index array or a slice), every field alike."""
+        pick = [None if t is None else t[rows] for t in self._ints()]
+        return RowBlocks(self.bits, self.d[rows], self.m[rows], self.q[rows], self.group, *pick)
+
+    def columns(self, cols: slice) -> RowBlocks | None:
+        """Columns cols (whole groups) of every row, or None where cols cuts a group; the integer
+        scales kept where cols is whole super-blocks, dropped (the float32 form) where not."""
+        g = self.group
+        if cols.start % g or cols.stop % g:
+            return None
+        gs = slice(cols.start // g, cols.stop // g)
+        ints: list[np.ndarray | None] = [None] * 4
+        if self.kquant and cols.start % QK_K == 0 and cols.stop % QK_K == 0:
+            ss = slice(cols.start // QK_K, cols.stop // QK_K)
+            ints = [
+                None if t is None else t[:, ss if i < 2 else gs] for i, t in enumerate(self._ints())
+            ]
+        return RowBlocks(self.bits, self.d[:, gs], self.m[:, gs], self.q[:, cols], g, *ints)
+
+    def without_kquant(self) -> RowBlocks:
+        return RowBlocks(self.bits, self.d, self.m, self.q, self.group)
+
+    def _ints(self) -> list[np.ndarray | None]:
+        return [self.super_d, self.super_dmin, self.sub_scales, self.sub_mins]
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
@@ -102,24 +143,29 @@ def _q6_k(b: np.ndarray) -> RowBlocks:
     low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [n, h, shift, 64]
     high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03  # [n, h, s, 32]
     q = (low.reshape(n, 256) | (high.reshape(n, 256) << 4)).astype(np.int8) - 32
-    return _eight(d[:, None] * scales, q.reshape(n * 16, 16), group=16)
+    found = _eight(d[:, None] * scales, q.reshape(n * 16, 16), group=16)
+    found.super_d, found.sub_scales = d, b[:, 192:208].view(np.int8)
+    return found
 
 
 def _q5_k(b: np.ndarray) -> RowBlocks:
     """Super-blocks of 256 in 176 bytes: float16 d and dmin, Q4_K's 12 bytes of 6-bit scales and
     mins, qh[32] (bit s of byte j: sub-block s's weight j's fifth bit), then Q4_K's nibbles."""
     n = b.shape[0]
-    scale, low = _k_scales(b)
+    scale, low, ints = _k_scales(b)
     qh = b[:, 16:48].reshape(n, 1, 32)
     qs = b[:, 48:].reshape(n, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    return RowBlocks(8, scale, low, (q | (high << 4)).astype(np.int8).reshape(n * 8, 32))
+    return RowBlocks(
+        8, scale, low, (q | (high << 4)).astype(np.int8).reshape(n * 8, 32), BLOCK, *ints
+    )
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """A Q4_K or Q5_K super-block's 8 sub-block scales d * sc and -(dmin * mn): float16 d and dmin,
-    then 8 6-bit scales and mins packed in 12 bytes (gguf.quants.Q4_K.get_scale_min)."""
+    then 8 6-bit scales and mins packed in 12 bytes (gguf.quants.Q4_K.get_scale_min); and the
+    integers they come from, RowBlocks' [super_d, super_dmin, sub_scales, sub_mins]."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     s = b[:, 4:16].reshape(n, 3, 4)
@@ -127,7 +173,8 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
     scale = d[:, None] * sc.astype(np.float32)  # exact: 11 x 6 significant bits
-    return scale, -(dmin[:, None] * mn.astype(np.float32))
+    ints = [d, dmin, sc.astype(np.int8), mn.astype(np.int8)]
+    return scale, -(dmin[:, None] * mn.astype(np.float32)), ints
 
 
 def _q4_1(b: np.ndarray) -> RowBlocks:
@@ -138,10 +185,10 @@ def _q4_k(b: np.ndarray) -> RowBlocks:
     """Super-blocks of 256: float16 d and dmin, 8 6-bit scales and mins packed in 12 bytes, then
     4 groups of 32 bytes whose low nibbles are sub-block 2g and high nibbles 2g + 1."""
     n = b.shape[0]
-    scale, low = _k_scales(b)
+    scale, low, ints = _k_scales(b)
     qs = b[:, 16:].reshape(n, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
-    return RowBlocks(4, scale, low, q.reshape(n * 8, 32))
+    return RowBlocks(4, scale, low, q.reshape(n * 8, 32), BLOCK, *ints)
 
 
 # type id (gguf.GGMLQuantizationType) -> (weights per block, bytes per block, decoder of blocks)
@@ -161,16 +208,26 @@ def decode_rows(raw: np.ndarray, qtype: int, k: int) -> RowBlocks:
     """Rows of a GGUF tensor in their kernel form (stable: loaders call it, then common_form, then
     weight_blocks.pack). raw: uint8 [rows, bytes per row] (a memmap slice will do), qtype: a
     DECODERS key (gguf.GGMLQuantizationType's value), k: weights per row (a multiple of the type's
-    block). Returns RowBlocks with q [rows, k], d and m [rows, k / group]."""
+    block). Returns RowBlocks with q [rows, k], d and m [rows, k / group] (and a k-quant's
+    integer scales: super_d, super_dmin [rows, k / 256], sub_scales, sub_mins [rows, k / group])."""
     per, size, decode = DECODERS[qtype]
     rows = raw.shape[0]
     found = decode(np.ascontiguousarray(raw).reshape(rows * (k // per), size))
+    ng = k // found.group
+
+    def shaped(t: np.ndarray | None, cols: int) -> np.ndarray | None:
+        return None if t is None else np.ascontiguousarray(t).reshape(rows, cols)
+
     return RowBlocks(
         found.bits,
-        found.d.reshape(rows, k // found.group),
-        found.m.reshape(rows, k // found.group),
+        found.d.reshape(rows, ng),
+        found.m.reshape(rows, ng),
         found.q.reshape(rows, k),
         found.group,
+        shaped(found.super_d, k // QK_K),
+        shaped(found.super_dmin, k // QK_K),
+        shaped(found.sub_scales, ng),
+        shaped(found.sub_mins, ng),
     )
 
 
@@ -181,7 +238,13 @@ def common_form(parts: list[RowBlocks], form: tuple[int, int] | None = None) -> 
     4-bit quants (0..15) becoming int8 ones. Any part with scales per 16 (Q6_K): every part's d and
     m repeated to 16 (the same scale on both halves). m stays -0.0 where a part has none. The
     weights are the parts' own bit for bit: only the arrays holding them grow. form: at least
-    these (bits, group), for parts that are some of a weight's rows (its other rows need them)."""
+    these (bits, group), for parts that are some of a weight's rows (its other rows need them).
+
+    Where every part is a k-quant (Q4_K, Q5_K, Q6_K, of one type or several) the integer scales
+    come along, lifted the same way (sub-block scales and mins repeated to 16; a part without mins,
+    Q6_K beside Q4_K, gets Dmin 0 and mins 0: m = -(0 * 0) = -0.0, its m here), so that the rows
+    pack into the compact form (pack_rows); a part of any other type (Q8_0 beside Q4_K, ...) drops
+    them: the weight then keeps float32 d and m, today's form."""
     if not parts:
         raise ValueError("common_form of no rows")
     if len({p.q.shape[1] for p in parts}) != 1:
@@ -195,13 +258,56 @@ def common_form(parts: list[RowBlocks], form: tuple[int, int] | None = None) -> 
         return np.repeat(t, p.group // group, axis=1) if p.group != group else t
 
     q = [p.q.astype(np.uint8 if bits == 4 else np.int8, copy=False) for p in parts]
+    ints: list[np.ndarray | None] = [None] * 4
+    if all(p.kquant for p in parts):
+        mins = any(p.sub_mins is not None for p in parts)
+        ints[0] = np.concatenate([p.super_d for p in parts]).astype(np.float32, copy=False)
+        ints[2] = np.concatenate([spread(p.sub_scales, p) for p in parts]).astype(
+            np.int8, copy=False
+        )
+        if mins:
+            ints[1] = np.concatenate(
+                [np.zeros_like(p.super_d) if p.super_dmin is None else p.super_dmin for p in parts]
+            ).astype(np.float32, copy=False)
+            ints[3] = np.concatenate(
+                [
+                    np.zeros((len(p.q), p.q.shape[1] // group), np.int8)
+                    if p.sub_mins is None
+                    else spread(p.sub_mins, p)
+                    for p in parts
+                ]
+            ).astype(np.int8, copy=False)
     return RowBlocks(
         bits,
         np.concatenate([spread(p.d, p) for p in parts]).astype(np.float32, copy=False),
         np.concatenate([spread(p.m, p) for p in parts]).astype(np.float32, copy=False),
         np.concatenate(q),
         group,
+        *ints,
     )
+
+
+def pack_rows(
+    rows: RowBlocks, n: int, k: int, has_m: bool | None = None, compact: bool = True
+) -> BlockWeight:
+    """Rows in one form (common_form's) packed for the kernels: the compact k-quant form
+    (weight_blocks.pack_kquant) where the rows carry integer scales and k is whole super-blocks,
+    else float32 d and m (weight_blocks.pack); the same weights and outputs either way. has_m as
+    pack() takes it (None: the compact form has m where the rows have mins or are 4-bit)."""
+    if compact and rows.kquant and k % QK_K == 0:
+        return pack_kquant(
+            rows.bits,
+            rows.super_d,
+            rows.super_dmin,
+            rows.sub_scales,
+            rows.sub_mins,
+            rows.q,
+            n,
+            k,
+            rows.group,
+            has_m,
+        )
+    return pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group, has_m=has_m)
 
 
 def _map(path: str, table: np.ndarray) -> list[SourceTensor]:
@@ -312,7 +418,7 @@ class GgufRows:
         rows = self._decode(found, w.shape[1])
         if rows is None:
             return None
-        blocks = pack(rows.bits, rows.d, rows.m, rows.q, *w.shape, group=rows.group)
+        blocks = pack_rows(rows, *w.shape)
         return blocks if torch.equal(blocks.dequantize(), weight) else None
 
     def _owners(self, hashes: np.ndarray) -> np.ndarray | None:
@@ -335,4 +441,4 @@ class GgufRows:
             order.append(mine)
         rows = common_form(parts)
         back = np.argsort(np.concatenate(order))  # the parts' rows back to the weight's order
-        return RowBlocks(rows.bits, rows.d[back], rows.m[back], rows.q[back], rows.group)
+        return rows.take(back)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from relay.execution.gguf_blocks import DECODERS, RowBlocks, common_form, decode_rows
+from relay.execution.gguf_blocks import DECODERS, RowBlocks, common_form, decode_rows, pack_rows
 from relay.execution.layers import stand_in
-from relay.execution.weight_blocks import STRIP, BlockWeight, pack
+from relay.execution.weight_blocks import STRIP, BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class GgufFile:
 
     def blocks(self, name: str, rows: np.ndarray, cols: slice | None = None) -> RowBlocks | None:
         """These rows (and columns: whole 32-weight blocks) of a matrix in the block kernels'
-        form, or None where its type has none or cols cuts a block."""
+        form, or None where its type has none or cols cuts a block (a k-quant's integer scales
+        dropped where cols cuts a super-block of 256: RowBlocks.columns)."""
         t = self.tensors[name]
         k = t.shape[-1]
         if len(t.shape) != 2 or t.qtype not in DECODERS or k % DECODERS[t.qtype][0]:
@@ -112,11 +113,7 @@ class GgufFile:
         found = decode_rows(self.raw(name)[rows], t.qtype, k)
         if cols is None or (cols.start, cols.stop) == (0, k):
             return found
-        group = found.group
-        if cols.start % group or cols.stop % group:
-            return None
-        g = slice(cols.start // group, cols.stop // group)
-        return RowBlocks(found.bits, found.d[:, g], found.m[:, g], found.q[:, cols], group)
+        return found.columns(cols)
 
 
 @dataclass
@@ -305,6 +302,9 @@ def _load_embedding(model, file: GgufFile, loaded: set[str], lookup: bool, gemm)
 
 
 CHUNK_ROWS = 2048  # output rows decoded and packed at a time (a multiple of the kernels' strips)
+# Weights all of whose parts are k-quants keep the file's compact scales (weight_blocks.pack_kquant):
+# the same outputs bit for bit from fewer bytes. False: float32 d and m (benchmarks' "before").
+COMPACT_SCALES = True
 _WITH_MIN = (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K: the types whose blocks have a minimum
 
 
@@ -313,11 +313,14 @@ def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | N
     its row count (no float weight to fall back on); None where some part has no block form.
     Decoded and packed CHUNK_ROWS rows at a time, so that what a load holds besides the blocks is
     a chunk's decoded arrays, not a whole tensor's (a 128k-token LM head's int8 quants alone are
-    0.5 GB)."""
+    0.5 GB). Where every part is a k-quant (Q4_K, Q5_K, Q6_K) and a row-parallel shard's columns
+    are whole super-blocks, the blocks keep the file's compact scales (KSCALES_FLAG,
+    COMPACT_SCALES); elsewhere float32 d and m."""
     first = [file.blocks(p.name, p.rows[:1], p.cols) for p in parts]
     if any(f is None for f in first):
         return None
     form = common_form(first)
+    compact = COMPACT_SCALES and form.kquant
     has_m = form.bits == 4 or any(file.tensors[p.name].qtype in _WITH_MIN for p in parts)
     starts = np.cumsum([0] + [len(p.rows) for p in parts])
     n = int(starts[-1])
@@ -330,7 +333,8 @@ def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | N
             if max(c0, a) < min(c1, b)
         ]
         rows = common_form(pieces, (form.bits, form.group))
-        chunk = pack(rows.bits, rows.d, rows.m, rows.q, c1 - c0, rows.q.shape[1], rows.group, has_m)
+        chunk = pack_rows(rows, c1 - c0, rows.q.shape[1], has_m, compact)
+        assert chunk.kscales == compact, "every chunk of a weight in one form"
         chunk = chunk.to_dot() if dot else chunk
         if out is None:  # the whole weight's arrays, filled a chunk's strips at a time
             strips = -(-n // STRIP)

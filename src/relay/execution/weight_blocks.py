@@ -17,6 +17,13 @@ minimum or none (csrc/blocks.h):
 each product d * q and the sum + m rounded to float32 separately, as gguf's dequantizer does. The
 types read from the file (gguf_blocks) are decoded into these forms there; a fused weight whose
 parts come in different types is lifted to one form (gguf_blocks.common_form) before pack().
+
+Weights whose every part is a k-quant (Q4_K, Q5_K, Q6_K; K whole super-blocks of 256) keep their
+scales as the file has them instead of float32 d and m per group (pack_kquant, KSCALES_FLAG): per
+strip and super-block a record of the float16 scale D and -Dmin as float32 and the sub-blocks'
+integer scales and mins (csrc/blocks.h), from which the kernels compute d = D * sc and
+m = -Dmin * mn per sub-block, the dequantizer's own float32 products: the same weights and the
+same outputs bit for bit, from 0.625-1.25 bits a weight of scales instead of 2-4.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ DOT_FLAG = 0x100  # q in the dot layout (csrc/gemm_dot.c): x rounded to int8, in
 MIN_FLAG = 0x200  # bits 8 with a minimum m (bits 4 always has one); without it m is not read
 GROUP16_FLAG = 0x400  # d (and m) per 16 inputs, not per 32 (bits 8 only)
 UNSIGNED_FLAG = 0x800  # bits 8 quants all in 0..31 (dot: multiplied as unsigned bytes)
+KSCALES_FLAG = 0x1000  # d holds k-quant super-block records (csrc/blocks.h KS_FLAG); m is not read
+QK_K = 256  # inputs per k-quant super-block: one record per strip and super-block
 CHUNK_BLOCKS = 1 << 20  # blocks fitted at a time (each needs ~0.5 KB of float32 scratch)
 
 
@@ -44,8 +53,12 @@ class BlockWeight:
 
     bits: int  # 4: d * q + m, q 0..15; 8: d * q (+ m where has_m), q int8
     q: torch.Tensor  # uint8 [strips, K / 2, STRIP] (inputs 2p, 2p + 1 in the low, high nibble) or int8 [strips, K, STRIP]
-    d: torch.Tensor  # float32 [strips, K / group, STRIP]
-    m: torch.Tensor  # float32 [strips, K / group, STRIP]; [strips, 0, STRIP] where not has_m
+    # float32 [strips, K / group, STRIP]; with kscales uint8 [strips, K / 256, record bytes], the
+    # records of csrc/blocks.h (ks_record_bytes: 768 for Q4_K/Q5_K, 640 for Q6_K)
+    d: torch.Tensor
+    m: (
+        torch.Tensor
+    )  # float32 [strips, K / group, STRIP]; [strips, 0, STRIP] where not has_m or kscales
     out_features: int
     in_features: int
     # GEMMs of at most this many rows read the blocks, larger ones the float weight: the
@@ -63,6 +76,7 @@ class BlockWeight:
     group: int = 32  # inputs per d (and m): 32, or 16 (Q6_K's scales; bits 8 only)
     has_m: bool = True  # w = d * q + m (always for bits 4); else w = d * q and m is empty
     q_unsigned: bool = False  # bits 8 quants all in 0..31 (Q5_K, Q5_1): UNSIGNED_FLAG
+    kscales: bool = False  # d is k-quant super-block records, not float32 scales: KSCALES_FLAG
 
     @property
     def kernel_bits(self) -> int:
@@ -72,14 +86,28 @@ class BlockWeight:
         flags = MIN_FLAG if self.bits == 8 and self.has_m else 0
         flags |= GROUP16_FLAG if self.group == 16 else 0
         flags |= UNSIGNED_FLAG if self.bits == 8 and self.q_unsigned else 0
+        flags |= KSCALES_FLAG if self.kscales else 0
         return self.bits | flags | (DOT_FLAG if self.dot else 0)
 
     @property
     def bytes_per_weight(self) -> float:
-        """What a GEMM reads per weight: quants, d and (where has_m) m."""
-        return (self.q.numel() * self.q.element_size() + 4 * (self.d.numel() + self.m.numel())) / (
+        """What a GEMM reads per weight: quants, d and (where has_m) m, or the records."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m)) / (
             self.q.shape[0] * STRIP * self.in_features
         )
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """d and m as float32 [strips, K / group, STRIP] (m [strips, 0, STRIP] without one): the
+        arrays as they are, or computed from the records as the kernels compute them (D * sc,
+        -Dmin * mn: float32 products)."""
+        if not self.kscales:
+            return self.d, self.m
+        return _record_scales(self.d, self.group, self.has_m)
+
+    def with_float_scales(self) -> BlockWeight:
+        """The same weight with float32 d and m arrays (today's forms; the same outputs bit for bit)."""
+        d, m = self.float_scales()
+        return replace(self, d=d.contiguous(), m=m.contiguous(), kscales=False)
 
     def to_dot(self) -> BlockWeight:
         """The same blocks with q in the integer dot products' layout."""
@@ -96,9 +124,10 @@ class BlockWeight:
             q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, k, STRIP).float()
         else:
             q = qs.float()
-        w = self.d.repeat_interleave(self.group, dim=1) * q
+        d, m = self.float_scales()
+        w = d.repeat_interleave(self.group, dim=1) * q
         if self.has_m:
-            w = w + self.m.repeat_interleave(self.group, dim=1)
+            w = w + m.repeat_interleave(self.group, dim=1)
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
 
@@ -275,4 +304,95 @@ def pack(
         group=group,
         has_m=has_m,
         q_unsigned=q_unsigned,
+    )
+
+
+def record_bytes(group: int, has_m: bool) -> int:
+    """A KSCALES_FLAG record's bytes (csrc/blocks.h ks_record_bytes)."""
+    return (2 if has_m else 1) * (4 * STRIP + QK_K // group * STRIP)
+
+
+def _record_scales(rec: torch.Tensor, group: int, has_m: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records [strips, K / 256, bytes] -> d, m float32 [strips, K / group, STRIP] (csrc/blocks.h)."""
+    s, nsb, _ = rec.shape
+    subs = QK_K // group
+
+    def floats(at: int) -> torch.Tensor:  # [s, nsb, 1, STRIP]
+        return rec[..., at : at + 4 * STRIP].contiguous().view(torch.float32)[:, :, None]
+
+    def ints(at: int) -> torch.Tensor:  # [s, nsb, subs, STRIP] as float32
+        return (
+            rec[..., at : at + subs * STRIP]
+            .contiguous()
+            .view(torch.int8)
+            .reshape(s, nsb, subs, STRIP)
+            .float()
+        )
+
+    sc_at = 8 * STRIP if has_m else 4 * STRIP
+    d = (floats(0) * ints(sc_at)).reshape(s, nsb * subs, STRIP)
+    if not has_m:
+        return d, torch.zeros(s, 0, STRIP)
+    m = (floats(4 * STRIP) * ints(sc_at + subs * STRIP)).reshape(s, nsb * subs, STRIP)
+    return d, m
+
+
+def pack_kquant(
+    bits: int,
+    super_d: torch.Tensor | np.ndarray,
+    super_dmin: torch.Tensor | np.ndarray | None,
+    sub_scales: torch.Tensor | np.ndarray,
+    sub_mins: torch.Tensor | np.ndarray | None,
+    q: torch.Tensor | np.ndarray,
+    n: int,
+    k: int,
+    group: int = 32,
+    has_m: bool | None = None,
+) -> BlockWeight:
+    """A [n, k] weight of k-quant super-blocks in the compact form (KSCALES_FLAG): per group
+    d = super_d * sub_scales and m = -(super_dmin * sub_mins), float32 products, exactly what
+    pack() would hold as float32 arrays (gguf_blocks' decoders compute them so).
+
+    super_d, super_dmin: float32 [n, k / 256] (the float16 D, Dmin as float32); sub_scales,
+    sub_mins: integers in int8 range [n, k / group] (Q4_K/Q5_K 0..63, Q6_K -128..127); q as pack()
+    takes it. super_dmin / sub_mins None (Q6_K): no minimum, or, where has_m, m = -0.0 (Dmin 0,
+    mn 0: the -0.0 common_form gives a part without one). has_m: default bits 4 or sub_mins given.
+    k: a multiple of 256."""
+    if k % QK_K:
+        raise ValueError(f"no compact k-quant form for k={k} (not whole super-blocks of {QK_K})")
+    if has_m is None:
+        has_m = bits == 4 or sub_mins is not None
+    if bits == 4 and not has_m:
+        raise ValueError("bits 4 always has a minimum")
+    nsb, ngrp = k // QK_K, k // group
+    f32 = [torch.as_tensor(super_d).float().reshape(n, nsb)]
+    i8 = [torch.as_tensor(sub_scales).reshape(n, ngrp).to(torch.int8)]
+    if has_m:
+        dmin = torch.zeros(n, nsb) if super_dmin is None else torch.as_tensor(super_dmin).float()
+        f32.append(-dmin.reshape(n, nsb))
+        mins = torch.zeros(n, ngrp) if sub_mins is None else torch.as_tensor(sub_mins)
+        i8.append(mins.reshape(n, ngrp).to(torch.int8))
+    # today's form for the quants (d and m there are placeholders, replaced by the records)
+    blocks = pack(
+        bits, torch.zeros(n, ngrp), None, q, n, k, group, has_m=False if bits == 8 else None
+    )
+    strips = blocks.q.shape[0]
+    pad = strips * STRIP - n
+
+    def strip_minor(
+        t: torch.Tensor, per: int
+    ) -> torch.Tensor:  # [n, nsb * per] -> [s, nsb, per * STRIP bytes]
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+        t = t.reshape(strips, STRIP, nsb, per).permute(0, 2, 3, 1).contiguous()
+        return t.view(torch.uint8).reshape(strips, nsb, -1)
+
+    parts = [strip_minor(t, 1) for t in f32] + [strip_minor(t, ngrp // nsb) for t in i8]
+    rec = torch.cat(parts, dim=2).contiguous()
+    assert rec.shape[2] == record_bytes(group, has_m)
+    return replace(
+        blocks,
+        d=rec,
+        m=torch.zeros(strips, 0, STRIP),
+        has_m=has_m,
+        kscales=True,
     )

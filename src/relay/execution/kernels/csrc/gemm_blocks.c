@@ -25,12 +25,15 @@
 // Layouts, per strip s (features 32s .. 32s + 31, rows past N zero): q4 [s][K / 2][32] bytes, byte
 // n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
 // d, m [s][K / g][32] float32, g the group (32, or 16 with G16_FLAG); m only where the form has
-// one. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
+// one; with KS_FLAG, d is the k-quants' compact records instead (blocks.h) and each group's d and m
+// are computed from them as they are read (kscales.h: D * sc, -Dmin * mn, the dequantizer's float32
+// products), prefetched with the quants. x [M, K] rows x_stride apart; y [M, N] rows y_stride apart.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "blocks.h"
+#include "kscales.h"
 #include "vec.h"
 
 #define NS 32  // output features per strip
@@ -55,11 +58,15 @@ int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 bel
 // blocks ahead (past the end: a prefetch does not fault). Streaming the default model's 120 layer
 // GEMMs at 1-6 rows on a Zen 5 (interleaved builds): 1.16-1.19x at 1 row, 1.28-1.46x at 2-6 (to
 // ~42 GB/s). g: the group d and m are per (a block is 32 / g groups of them).
-static inline void prefetch_block(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m,
-                                  int64_t s, int64_t K, int64_t b) {
+static inline void prefetch_block(int bits, int g, int has_m, int ks, const uint8_t* q, const float* d,
+                                  const float* m, int64_t s, int64_t K, int64_t b) {
     const int64_t nb = K / 32, per = 32 / g, qbytes = bits == 4 ? 16 * NS : 32 * NS;
     const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
     for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
+    if (ks) {  // KS_FLAG: the strip's records (kscales.h), an eighth of one per block
+        KS_PREFETCH(g, has_m, d, s, K, b, 0);
+        return;
+    }
     const int64_t at = (s * nb + b) * per * NS;  // group b * per of strip s (K / g groups a strip)
     for (int64_t o = 0; o < per * NS; o += 16) {
         __builtin_prefetch(d + at + o, 0, 0);
@@ -71,30 +78,32 @@ static inline void prefetch_block(int bits, int g, int has_m, const uint8_t* q, 
 // acc[i] += d * part[i] (+ m * the group's sum of row i's x, xs[i * ng], where the form has m):
 // one group of 32 (or 16) inputs summed over the raw quants, scaled as the dequantizer would
 // (gemv_strip, tile_bf16).
-static inline __attribute__((always_inline)) void scale_block(const int64_t R, int has_m, const float* db,
-                                                              const float* mb, const float* xs, int64_t ng,
-                                                              __m512 (*part)[2], __m512 (*acc)[2]) {
+// ds, ms: the strip's scales (kscales.h: float32 or KS_FLAG records), gi the group.
+static inline __attribute__((always_inline)) void scale_block(const int64_t R, int ks, int g, int has_m,
+                                                              const void* ds, const float* ms, int64_t gi,
+                                                              const float* xs, int64_t ng, __m512 (*part)[2],
+                                                              __m512 (*acc)[2]) {
     for (int64_t h = 0; h < 2; h++) {
-        const __m512 dv = _mm512_loadu_ps(db + 16 * h);
+        const __m512 dv = scales_d(ks, g, has_m, ds, gi, 16 * h);
         for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(dv, part[i][h], acc[i][h]);
         if (has_m) {
-            const __m512 mv = _mm512_loadu_ps(mb + 16 * h);
+            const __m512 mv = scales_m(ks, g, ds, ms, gi, 16 * h);
             for (int64_t i = 0; i < R; i++) acc[i][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i * ng]), acc[i][h]);
         }
     }
 }
 
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS]: d * q (+ m), rounded separately.
-static inline void unpack(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m, int64_t s,
-                          int64_t K, int64_t k0, int64_t kn, float* wbuf) {
+static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, const float* d, const float* m,
+                          int64_t s, int64_t K, int64_t k0, int64_t kn, float* wbuf) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const int64_t ng = K / g;
+    const void* ds = strip_scales(ks, g, has_m, d, s, K);
+    const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
     for (int64_t b = k0 / g; b < (k0 + kn) / g; b++) {  // groups of g inputs
-        const float* db = d + (s * ng + b) * NS;
-        const float* mb = has_m ? m + (s * ng + b) * NS : NULL;
         for (int64_t h = 0; h < 2; h++) {  // features 16h .. 16h + 15
-            const __m512 dv = _mm512_loadu_ps(db + 16 * h);
-            const __m512 mv = has_m ? _mm512_loadu_ps(mb + 16 * h) : _mm512_setzero_ps();
+            const __m512 dv = scales_d(ks, g, has_m, ds, b, 16 * h);
+            const __m512 mv = has_m ? scales_m(ks, g, ds, ms, b, 16 * h) : _mm512_setzero_ps();
             for (int64_t k = b * g; k < b * g + g; k += 2) {
                 float* w = wbuf + (k - k0) * NS + 16 * h;
                 if (bits == 4) {
@@ -171,17 +180,19 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
 // 1.17x on a 2-core Xeon; and closer to float64 than the weight-by-weight sum). bits, g, has_m:
 // constants where inlined (gemv_groups).
 static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, const int bits, const int g,
-                                                             const int has_m, const uint8_t* q, const float* d,
-                                                             const float* m, int64_t s, int64_t K, const float* x,
-                                                             int64_t x_stride, const float* xsum, float* y,
-                                                             int64_t y_stride, int64_t N) {
+                                                             const int has_m, const int ks, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
     const int64_t n0 = s * NS, left = N - n0, nb = K / 32, ng = K / g, per = 32 / g;
     const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     const __m128i low4 = _mm_set1_epi8(0x0f);
+    const void* ds = strip_scales(ks, g, has_m, d, s, K);
+    const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
     __m512 acc[GEMV_ROWS][2];
     for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_block(bits, g, has_m, q, d, m, s, K, b + GEMV_AHEAD);
+        prefetch_block(bits, g, has_m, ks, q, d, m, s, K, b + GEMV_AHEAD);
         for (int64_t sub = 0; sub < per; sub++) {
             __m512 part[GEMV_ROWS][2];
             for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
@@ -211,8 +222,7 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
                             part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * x_stride + k0 + k]), qv, part[i][h]);
                     }
             }
-            const int64_t at = (s * ng + b * per + sub) * NS;
-            scale_block(R, has_m, d + at, has_m ? m + at : NULL, xsum + b * per + sub, ng, part, acc);
+            scale_block(R, ks, g, has_m, ds, ms, b * per + sub, xsum + b * per + sub, ng, part, acc);
         }
     }
     for (int64_t i = 0; i < R; i++) {
@@ -269,12 +279,14 @@ static inline void unpack_quants_bf16(int bits, const uint8_t* q, int64_t s, int
 // L1): still faster than the tiles' qbuf at every row count measured (the default model's 120 layer
 // GEMMs on a Zen 5, interleaved: 1.06-1.08x at 1 row, 1.2-1.45x at 2-12, 1.03-1.14x at 14-128),
 // and one row's output no longer depends on which rows came with it.
-static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t R, const uint8_t* q, const float* d,
-                                                                  const float* m, int64_t s, int64_t K,
-                                                                  const uint16_t* xb, const float* xsum,
+static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t R, const int ks, const uint8_t* q,
+                                                                  const float* d, const float* m, int64_t s,
+                                                                  int64_t K, const uint16_t* xb, const float* xsum,
                                                                   const __m512i table, float* y, int64_t y_stride,
                                                                   int64_t N) {
     const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const void* ds = strip_scales(ks, 32, 1, d, s, K);
+    const float* ms = ks ? NULL : m + s * nb * NS;
     const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     __m512 acc[GEMV_ROWS][2];
     for (int64_t i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -282,7 +294,7 @@ static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t 
         __m512 part[GEMV_ROWS][2];
         for (int64_t i = 0; i < R; i++) part[i][0] = part[i][1] = _mm512_setzero_ps();
         const uint8_t* qb = q + (s * (K / 2) + b * 16) * NS;
-        prefetch_block(4, 32, 1, q, d, m, s, K, b + GEMV_AHEAD);
+        prefetch_block(4, 32, 1, ks, q, d, m, s, K, b + GEMV_AHEAD);
         for (int64_t p = 0; p < 16; p++) {
             __m512bh xv[GEMV_ROWS];
             for (int64_t i = 0; i < R; i++) {
@@ -298,7 +310,7 @@ static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t 
                 for (int64_t i = 0; i < R; i++) part[i][h] = _mm512_dpbf16_ps(part[i][h], xv[i], w);
             }
         }
-        scale_block(R, 1, d + (s * nb + b) * NS, m + (s * nb + b) * NS, xsum + b, nb, part, acc);
+        scale_block(R, ks, 32, 1, ds, ms, b, xsum + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         _mm512_mask_storeu_ps(y + i * y_stride + n0, live0, acc[i][0]);
@@ -306,16 +318,22 @@ static inline __attribute__((always_inline)) void gemv_strip_bf16(const int64_t 
     }
 }
 
-#define GEMV_BF16(RV) case RV: gemv_strip_bf16(RV, q, d, m, s, K, xg, sg, table, yg, y_stride, N); break;
+#define GEMV_BF16(RV)                                                                        \
+    case RV:                                                                                 \
+        if (ks) gemv_strip_bf16(RV, 1, q, d, m, s, K, xg, sg, table, yg, y_stride, N);       \
+        else gemv_strip_bf16(RV, 0, q, d, m, s, K, xg, sg, table, yg, y_stride, N);          \
+        break;
 
 // y[m0 .. m0 + R, strip s] (+)= x[.., k0 .. k0 + kn] . W^T from qbuf, R <= MB_BF16 rows. xb [M, K]
 // bfloat16 (the rounded x), xsum [M, K / 32] its sums per block.
-static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int bits, const uint16_t* xb, int64_t K,
-                                                            const float* xsum, int64_t m0, const uint32_t* qbuf,
-                                                            const float* d, const float* m, int64_t s, int64_t k0,
-                                                            int64_t kn, float* y, int64_t y_stride, int64_t N,
-                                                            int first) {
+static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int bits, int ks, const uint16_t* xb,
+                                                            int64_t K, const float* xsum, int64_t m0,
+                                                            const uint32_t* qbuf, const float* d, const float* m,
+                                                            int64_t s, int64_t k0, int64_t kn, float* y,
+                                                            int64_t y_stride, int64_t N, int first) {
     const int64_t n0 = s * NS, left = N - n0, nb = K / 32;
+    const void* ds = strip_scales(ks, 32, bits == 4, d, s, K);
+    const float* ms = bits == 4 && !ks ? m + s * nb * NS : NULL;
     const __mmask16 live0 = strip_mask(left, 0), live1 = strip_mask(left, 1);
     __m512 acc[MB_BF16][2];
     for (int64_t i = 0; i < R; i++) {
@@ -338,8 +356,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int
                 part[i][1] = _mm512_dpbf16_ps(part[i][1], xv, w1);
             }
         }
-        scale_block(R, bits == 4, d + (s * nb + b) * NS, bits == 4 ? m + (s * nb + b) * NS : NULL, xsum + m0 * nb + b,
-                    nb, part, acc);
+        scale_block(R, ks, 32, bits == 4, ds, ms, b, xsum + m0 * nb + b, nb, part, acc);
     }
     for (int64_t i = 0; i < R; i++) {
         float* yr = y + (m0 + i) * y_stride + n0;
@@ -349,9 +366,9 @@ static inline __attribute__((always_inline)) void tile_bf16(const int64_t R, int
 }
 
 #define TILE_BF16(RV) \
-    case RV: tile_bf16(RV, bits, xb, K, xsum, m0, qbuf, d, m, s, k0, kn, y, y_stride, N, k0 == 0); break;
+    case RV: tile_bf16(RV, bits, ks, xb, K, xsum, m0, qbuf, d, m, s, k0, kn, y, y_stride, N, k0 == 0); break;
 
-static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const float* m, const float* x,
+static void gemm_blocks_bf16(int bits, int ks, const uint8_t* q, const float* d, const float* m, const float* x,
                              int64_t x_stride, float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / 32, strips = (N + NS - 1) / NS;
     uint16_t* xb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(M * K));
@@ -414,14 +431,15 @@ static void gemm_blocks_bf16(int bits, const uint8_t* q, const float* d, const f
 #define MB_P 6  // rows per register tile: 2 vectors of 6 rows are 12 of AVX2's 16 registers
 
 // acc[i] += d * part[i] (+ m * the group's sum of row i's x, where the form has m), as scale_block.
-static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int has_m, const float* db,
-                                                                const float* mb, const float* xs, int64_t ng,
-                                                                vf (*part)[NV], vf (*acc)[NV]) {
+static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int ks, int g, int has_m,
+                                                                const void* ds, const float* ms, int64_t gi,
+                                                                const float* xs, int64_t ng, vf (*part)[NV],
+                                                                vf (*acc)[NV]) {
     for (int64_t h = 0; h < NV; h++) {
-        const vf dv = vf_load(db + VL * h);
+        const vf dv = scales_d(ks, g, has_m, ds, gi, VL * h);
         for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(dv, part[i][h], acc[i][h]);
         if (has_m) {
-            const vf mv = vf_load(mb + VL * h);
+            const vf mv = scales_m(ks, g, ds, ms, gi, VL * h);
             for (int64_t i = 0; i < R; i++) acc[i][h] = vf_fma(mv, vf_set1(xs[i * ng]), acc[i][h]);
         }
     }
@@ -439,16 +457,18 @@ static inline void store_live(float* y, vf v, int64_t live) {
 }
 
 static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, const int bits, const int g,
-                                                             const int has_m, const uint8_t* q, const float* d,
-                                                             const float* m, int64_t s, int64_t K, const float* x,
-                                                             int64_t x_stride, const float* xsum, float* y,
-                                                             int64_t y_stride, int64_t N) {
+                                                             const int has_m, const int ks, const uint8_t* q,
+                                                             const float* d, const float* m, int64_t s, int64_t K,
+                                                             const float* x, int64_t x_stride, const float* xsum,
+                                                             float* y, int64_t y_stride, int64_t N) {
     const int64_t n0 = s * NS, nb = K / 32, ng = K / g, per = 32 / g;
+    const void* ds = strip_scales(ks, g, has_m, d, s, K);
+    const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
     vf acc[GEMV_ROWS][NV];
     for (int64_t i = 0; i < R; i++)
         for (int64_t h = 0; h < NV; h++) acc[i][h] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_block(bits, g, has_m, q, d, m, s, K, b + GEMV_AHEAD);
+        prefetch_block(bits, g, has_m, ks, q, d, m, s, K, b + GEMV_AHEAD);
         for (int64_t sub = 0; sub < per; sub++) {
             vf part[GEMV_ROWS][NV];
             for (int64_t i = 0; i < R; i++)
@@ -480,8 +500,7 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
                             part[i][h] = vf_fma(vf_set1(x[i * x_stride + k0 + k]), qv, part[i][h]);
                     }
             }
-            const int64_t at = (s * ng + b * per + sub) * NS;
-            scale_block_p(R, has_m, d + at, has_m ? m + at : NULL, xsum + b * per + sub, ng, part, acc);
+            scale_block_p(R, ks, g, has_m, ds, ms, b * per + sub, xsum + b * per + sub, ng, part, acc);
         }
     }
     for (int64_t i = 0; i < R; i++)
@@ -489,14 +508,15 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
 }
 
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS], each d * q (+ m) as unpack.
-static inline void unpack(int bits, int g, int has_m, const uint8_t* q, const float* d, const float* m, int64_t s,
-                          int64_t K, int64_t k0, int64_t kn, float* wbuf) {
+static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, const float* d, const float* m,
+                          int64_t s, int64_t K, int64_t k0, int64_t kn, float* wbuf) {
     const int64_t ng = K / g;
+    const void* ds = strip_scales(ks, g, has_m, d, s, K);
+    const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
     for (int64_t b = k0 / g; b < (k0 + kn) / g; b++) {  // groups of g inputs
-        const float* db = d + (s * ng + b) * NS;
-        const float* mb = has_m ? m + (s * ng + b) * NS : NULL;
         for (int64_t h = 0; h < NV; h++) {
-            const vf dv = vf_load(db + VL * h), mv = has_m ? vf_load(mb + VL * h) : vf_zero();
+            const vf dv = scales_d(ks, g, has_m, ds, b, VL * h);
+            const vf mv = has_m ? scales_m(ks, g, ds, ms, b, VL * h) : vf_zero();
             for (int64_t k = b * g; k < b * g + g; k += 2) {
                 float* w = wbuf + (k - k0) * NS + VL * h;
                 if (bits == 4) {
@@ -562,15 +582,15 @@ static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf
 #endif
 
 #define GEMV_CASE(RV) \
-    case RV: gemv_strip(RV, bits, g, has_m, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
+    case RV: gemv_strip(RV, bits, g, has_m, ks, q, d, m, s, K, xg, x_stride, sg, yg, y_stride, N); break;
 
 // Strip s's M <= GEMV_GROUPS_MAX_ROWS rows in groups of at most GEMV_ROWS, as even as they come, of one
-// form (bits, g, has_m: constants where inlined, so each form's GEMV is compiled for itself).
+// form (bits, g, has_m, ks: constants where inlined, so each form's GEMV is compiled for itself).
 static inline __attribute__((always_inline)) void gemv_groups(const int bits, const int g, const int has_m,
-                                                              const uint8_t* q, const float* d, const float* m,
-                                                              int64_t s, int64_t K, const float* x, int64_t x_stride,
-                                                              const float* xsum, float* y, int64_t y_stride,
-                                                              int64_t M, int64_t N) {
+                                                              const int ks, const uint8_t* q, const float* d,
+                                                              const float* m, int64_t s, int64_t K, const float* x,
+                                                              int64_t x_stride, const float* xsum, float* y,
+                                                              int64_t y_stride, int64_t M, int64_t N) {
     const int64_t groups = (M + GEMV_ROWS - 1) / GEMV_ROWS, ng = K / g;
     for (int64_t t = 0, r0 = 0; t < groups; t++) {
         const int64_t rows = M / groups + (t < M % groups);
@@ -593,12 +613,12 @@ static inline __attribute__((always_inline)) void gemv_groups(const int bits, co
 int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int round_bf16) {
     if (form & DOT_FLAG) return relay_gemm_dot(form & ~DOT_FLAG, q, d, m, x, x_stride, y, y_stride, M, N, K);
-    if (K % 32 || M < 1 || !form_valid(form)) return 0;
-    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form);
+    if (K % 32 || M < 1 || !form_valid(form) || (form_ks(form) && K % QK_K)) return 0;
+    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
     const int64_t strips = (N + NS - 1) / NS, ng = K / g;
 #if defined(__AVX512BF16__)
     if (round_bf16 && g == 32 && (bits == 4 || !has_m) && (M >= BF16_MIN_ROWS || bits == 4)) {
-        gemm_blocks_bf16(bits, q, d, m, x, x_stride, y, y_stride, M, N, K);
+        gemm_blocks_bf16(bits, ks, q, d, m, x, x_stride, y, y_stride, M, N, K);
         return 1;
     }
 #endif
@@ -612,11 +632,21 @@ int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m
             }
         _Pragma("omp parallel for schedule(static)")
         for (int64_t s = 0; s < strips; s++) {
-            if (bits == 4) gemv_groups(4, 32, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
-            else if (g == 32 && !has_m) gemv_groups(8, 32, 0, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
-            else if (g == 32) gemv_groups(8, 32, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
-            else if (!has_m) gemv_groups(8, 16, 0, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
-            else gemv_groups(8, 16, 1, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N);
+#define GEMV_FORM(B, G, HM, KS) gemv_groups(B, G, HM, KS, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N)
+            if (ks) {  // each form compiled for itself, with its scales in KS_FLAG records or not
+                if (bits == 4) GEMV_FORM(4, 32, 1, 1);
+                else if (g == 32 && !has_m) GEMV_FORM(8, 32, 0, 1);
+                else if (g == 32) GEMV_FORM(8, 32, 1, 1);
+                else if (!has_m) GEMV_FORM(8, 16, 0, 1);
+                else GEMV_FORM(8, 16, 1, 1);
+            } else {
+                if (bits == 4) GEMV_FORM(4, 32, 1, 0);
+                else if (g == 32 && !has_m) GEMV_FORM(8, 32, 0, 0);
+                else if (g == 32) GEMV_FORM(8, 32, 1, 0);
+                else if (!has_m) GEMV_FORM(8, 16, 0, 0);
+                else GEMV_FORM(8, 16, 1, 0);
+            }
+#undef GEMV_FORM
         }
         free(xsum);
         return 1;
@@ -628,7 +658,7 @@ int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m
         for (int64_t s = 0; s < strips; s++)
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kn = K - k0 < KC ? K - k0 : KC;
-                unpack(bits, g, has_m, q, d, m, s, K, k0, kn, wbuf);
+                unpack(bits, g, has_m, ks, q, d, m, s, K, k0, kn, wbuf);
                 tiles(x, x_stride, M, wbuf, k0, kn, y, y_stride, s * NS, N, k0 == 0);
             }
     }

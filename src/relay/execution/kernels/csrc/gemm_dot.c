@@ -13,7 +13,10 @@
 //   Q8_0: 8 units per block; unit o byte 4f + j = q[f][4o + j] (int8)
 // so one unit's low nibbles (or its bytes) are the quants of 4 consecutive inputs for each of 8
 // features: VPMADDUBSW + VPMADDWD (or VPDPBUSD) against those 4 inputs of x broadcast gives 8 int32
-// sums. d and m stay as gemm_blocks.c has them: float32 [s][K / g][32], g the group (blocks.h).
+// sums. d and m stay as gemm_blocks.c has them: float32 [s][K / g][32], g the group (blocks.h), or
+// with KS_FLAG the k-quants' compact records (blocks.h: per strip and super-block of 256 the float16
+// D and -Dmin as float32 and int8 sub-block scales and mins), from which each group's d = D * sc and
+// m = -Dmin * mn are computed in registers (kscales.h), the same float32 values the arrays hold.
 //
 // The k-quants' forms (blocks.h) take the 8-bit layout as it is: with scales per 16 inputs (Q6_K)
 // units 0-3 of a block are its first 16 inputs, units 4-7 the next 16, each half's integer sum
@@ -27,6 +30,7 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "kscales.h"
 #include "vec.h"
 
 #define NS 32  // output features per strip
@@ -147,8 +151,9 @@ static inline vi vi_add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 // AVX-512, the next group's at wq + group_bytes). bits, g, has_m, u5: the form (blocks.h), constants
 // where inlined (dot_form), so that each form is compiled for itself.
 static inline __attribute__((always_inline)) void dot_features(const int64_t R, const int bits, const int g,
-                                                               const int has_m, const int u5, const uint8_t* wq,
-                                                               int64_t group_bytes, const float* d, const float* m,
+                                                               const int has_m, const int u5, const int ks,
+                                                               const uint8_t* wq, int64_t group_bytes, const void* ds,
+                                                               const float* ms, int64_t fo, const float* d, int64_t s,
                                                                const int8_t* qx, const float* dx, const float* xs,
                                                                int64_t K, float* y, int64_t y_stride, int64_t live) {
     const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
@@ -160,10 +165,12 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
             _mm_prefetch((const char*)(ub + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
             if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
         }
-        for (int64_t h = 0; h < per; h++) {  // and its d (and m): FEATS floats per group
-            _mm_prefetch((const char*)(d + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
-            if (has_m) _mm_prefetch((const char*)(m + ((b + DOT_AHEAD) * per + h) * NS), _MM_HINT_T0);
-        }
+        if (ks) KS_PREFETCH(g, has_m, d, s, K, b + DOT_AHEAD, 3);  // its share of the strip's records
+        else
+            for (int64_t h = 0; h < per; h++) {  // and its d (and m): FEATS floats per group
+                _mm_prefetch((const char*)((const float*)ds + ((b + DOT_AHEAD) * per + h) * NS + fo), _MM_HINT_T0);
+                if (has_m) _mm_prefetch((const char*)(ms + ((b + DOT_AHEAD) * per + h) * NS + fo), _MM_HINT_T0);
+            }
         for (int64_t h = 0; h < per; h++) {  // groups of g inputs in the block: units h * sub_units on
             vi isum[DOT_ROWS];
             for (int64_t i = 0; i < R; i++) isum[i] = vi_zero();
@@ -210,10 +217,11 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
                 }
             }
             const int64_t gi = b * per + h;
-            const vf dv = vf_load(d + gi * NS);
+            const vf dv = scales_d(ks, g, has_m, ds, gi, fo);
+            const vf mv = has_m ? scales_m(ks, g, ds, ms, gi, fo) : vf_zero();
             for (int64_t i = 0; i < R; i++) {
                 acc[i] = vf_fma(vf_mul(dv, vf_set1(dx[i * nb + b])), vi_to_vf(isum[i]), acc[i]);
-                if (has_m) acc[i] = vf_fma(vf_load(m + gi * NS), vf_set1(xs[i * ng + gi]), acc[i]);
+                if (has_m) acc[i] = vf_fma(mv, vf_set1(xs[i * ng + gi]), acc[i]);
             }
         }
     }
@@ -227,10 +235,12 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
 #define DOT_ROWS 6
 // The same sums in plain C (any CPU): integer products summed exactly, then the same float steps.
 static inline void dot_features(const int64_t R, const int bits, const int g, const int has_m, const int u5,
-                                const uint8_t* wq, int64_t group_bytes, const float* d, const float* m,
-                                const int8_t* qx, const float* dx, const float* xs, int64_t K, float* y,
-                                int64_t y_stride, int64_t live) {
+                                const int ks, const uint8_t* wq, int64_t group_bytes, const void* ds, const float* ms,
+                                int64_t fo, const float* d, int64_t s, const int8_t* qx, const float* dx,
+                                const float* xs, int64_t K, float* y, int64_t y_stride, int64_t live) {
     (void)group_bytes;
+    (void)d;
+    (void)s;
     (void)u5;  // (the sums are the same, signed or not)
     const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
     float acc[DOT_ROWS][FG] = {{0}};
@@ -253,9 +263,9 @@ static inline void dot_features(const int64_t R, const int bits, const int g, co
             const int64_t gi = b * per + h;
             for (int64_t i = 0; i < R; i++)
                 for (int64_t f = 0; f < FG; f++) {
-                    const float scale = d[gi * NS + f] * dx[i * nb + b];
+                    const float scale = scale_d1(ks, g, has_m, ds, gi, fo + f) * dx[i * nb + b];
                     acc[i][f] = fmaf(scale, (float)isum[i][f], acc[i][f]);
-                    if (has_m) acc[i][f] = fmaf(m[gi * NS + f], xs[i * ng + gi], acc[i][f]);
+                    if (has_m) acc[i][f] = fmaf(scale_m1(ks, g, ds, ms, gi, fo + f), xs[i * ng + gi], acc[i][f]);
                 }
         }
     }
@@ -265,18 +275,21 @@ static inline void dot_features(const int64_t R, const int bits, const int g, co
 
 #define DOT_CASE(RV)                                                                                               \
     case RV:                                                                                                       \
-        dot_features(RV, bits, g, has_m, u5, wq, group_bytes, dg, mg, qx + r0 * K, dx + r0 * nb, xs + r0 * ng, K,  \
-                     y + r0 * y_stride + n0, y_stride, live);                                                      \
+        dot_features(RV, bits, g, has_m, u5, ks, wq, group_bytes, ds, ms, fo, d, s, qx + r0 * K, dx + r0 * nb,      \
+                     xs + r0 * ng, K, y + r0 * y_stride + n0, y_stride, live);                                     \
         break;
 
 // M rows over one work unit (FEATS features of strip s) of one form (constants where inlined), in
 // row groups of at most DOT_ROWS, as even as they come (the units read again from L1/L2 per group).
 static inline __attribute__((always_inline)) void dot_form(const int bits, const int g, const int has_m, const int u5,
-                                                           const uint8_t* wq, int64_t group_bytes, const float* dg,
-                                                           const float* mg, const int8_t* qx, const float* dx,
-                                                           const float* xs, int64_t M, int64_t K, float* y,
-                                                           int64_t y_stride, int64_t n0, int64_t live) {
-    const int64_t nb = K / 32, ng = K / g, row_groups = (M + DOT_ROWS - 1) / DOT_ROWS;
+                                                           const int ks, const uint8_t* wq, int64_t group_bytes,
+                                                           const float* d, const float* m, int64_t s,
+                                                           const int8_t* qx, const float* dx, const float* xs,
+                                                           int64_t M, int64_t K, float* y, int64_t y_stride,
+                                                           int64_t n0, int64_t live) {
+    const int64_t nb = K / 32, ng = K / g, row_groups = (M + DOT_ROWS - 1) / DOT_ROWS, fo = n0 - s * NS;
+    const void* ds = strip_scales(ks, g, has_m, d, s, K);  // strip s's scales (kscales.h)
+    const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
     for (int64_t t = 0, r0 = 0; t < row_groups; t++) {
         const int64_t rows = M / row_groups + (t < M % row_groups);
         switch (rows) {
@@ -294,8 +307,8 @@ static inline __attribute__((always_inline)) void dot_form(const int bits, const
 // count: rows go in groups of at most DOT_ROWS over each FEATS features.
 int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
-    if (K % 32 || M < 1 || !form_valid(form)) return 0;
-    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form);
+    if (K % 32 || M < 1 || !form_valid(form) || (form_ks(form) && K % QK_K)) return 0;
+    const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
     const int u5 = bits == 8 && (form & U5_FLAG);
     const int64_t nb = K / 32, ng = K / g, strips = (N + NS - 1) / NS, group_bytes = nb * 32 * (bits == 4 ? 4 : 8);
     int8_t* qx = (int8_t*)malloc((size_t)(M * K));
@@ -311,17 +324,26 @@ int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, c
         const int64_t live = N - n0 >= FEATS ? FEATS : N - n0 > 0 ? N - n0 : 0;
         if (!live) continue;
         const uint8_t* wq = q + u * (FEATS / FG) * group_bytes;
-        const float* dg = d + s * ng * NS + (n0 - s * NS);
-        const float* mg = has_m ? m + s * ng * NS + (n0 - s * NS) : NULL;
         // each form compiled for itself (U5_FLAG taken where the quants are Q5_K's or Q5_1's, with
-        // a minimum and scales per 32: elsewhere the quants go the signed way, to the same sums)
-#define DOT_FORM(B, G, HM, U) dot_form(B, G, HM, U, wq, group_bytes, dg, mg, qx, dx, xs, M, K, y, y_stride, n0, live)
-        if (bits == 4) DOT_FORM(4, 32, 1, 0);
-        else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0);
-        else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1);
-        else if (g == 32) DOT_FORM(8, 32, 1, 0);
-        else if (!has_m) DOT_FORM(8, 16, 0, 0);
-        else DOT_FORM(8, 16, 1, 0);
+        // a minimum and scales per 32: elsewhere the quants go the signed way, to the same sums),
+        // with its scales as float32 arrays or KS_FLAG records
+#define DOT_FORM(B, G, HM, U, KS) \
+    dot_form(B, G, HM, U, KS, wq, group_bytes, d, m, s, qx, dx, xs, M, K, y, y_stride, n0, live)
+        if (ks) {
+            if (bits == 4) DOT_FORM(4, 32, 1, 0, 1);
+            else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0, 1);
+            else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1, 1);
+            else if (g == 32) DOT_FORM(8, 32, 1, 0, 1);
+            else if (!has_m) DOT_FORM(8, 16, 0, 0, 1);
+            else DOT_FORM(8, 16, 1, 0, 1);
+        } else {
+            if (bits == 4) DOT_FORM(4, 32, 1, 0, 0);
+            else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0, 0);
+            else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1, 0);
+            else if (g == 32) DOT_FORM(8, 32, 1, 0, 0);
+            else if (!has_m) DOT_FORM(8, 16, 0, 0, 0);
+            else DOT_FORM(8, 16, 1, 0, 0);
+        }
 #undef DOT_FORM
     }
     }
