@@ -48,7 +48,7 @@ def test_tp2_equals_tp1_with_deterministic():
         # --deterministic: float32 on float block activations. TP's all-reduce sums in another
         # order, which moves an activation by its last bits; int8 block activations (the default
         # from AVX2 up) or bfloat16 can round that into a whole step, and greedy output then
-        # differs (0 of these 6 equal with the defaults on a Zen 4, 2026-12-06).
+        # differs (with the defaults, 0 of these 6 prompts over 24 tokens on a Zen 4, 2026-12-05).
         s = Server(
             "--tp",
             tp,
