@@ -155,7 +155,8 @@ def run_block(block: str, **replace) -> str:
 def test_the_readme_openai_example_runs_against_a_server():
     """The README's server, started as it says (only the port differs), answers its example."""
     (block,) = [b for b in python_blocks() if "from openai import OpenAI" in b]
-    server = Server(startup_timeout=900)  # the defaults time their steps at start: slow on a busy host
+    # the defaults time their steps at start: slow on a busy host
+    server = Server(startup_timeout=900)
     try:
         printed = run_block(block, **{"http://127.0.0.1:30000": server.url})
     finally:
