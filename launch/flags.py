@@ -122,6 +122,13 @@ FLAG_HELP = {
         "change slightly); float multiplies float32 activations by the exact weights; auto: "
         "int8 on x86 with AVX2 or more (float32 and bfloat16 models), else float"
     ),
+    "deterministic": (
+        "the exact path on every CPU level: float32 (--dtype auto becomes float32) with float "
+        "block activations (auto becomes float), no --quantization; greedy output equals "
+        "transformers' float32 token for token, and --tp N's equals --tp 1's, at the speed "
+        "of float activations (docs/benchmarks.md); the defaults' greedy output is "
+        "reproducible too, but not across --tp"
+    ),
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "log_requests": "log one line per finished request with timings and prompt/output token ids",
     "log_steps": (

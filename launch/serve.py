@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--shutdown-timeout must be a finite number of seconds >= 0")
     if ns.dp > 1 and ns.nnodes > 1:
         parser.error("--dp and --nnodes cannot be combined")
+    try:  # options that contradict each other (--deterministic --dtype bfloat16): one line, status 2
+        engine_config(ns)
+    except ValueError as e:
+        parser.error(str(e))
     if ns.dp > 1:
         from launch.dp import serve_dp
 

@@ -113,8 +113,9 @@ def test_default_model_matches_transformers(default_model_dir):
     prompts = [tok.encode(t) for t in DEFAULT_MODEL_TEXTS]
     # SmolLM2: 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KB per token; ~24 pages of 8.
     small = 24 * 8 * 46080 / (1 << 30)
-    # float: the checkpoint's exact products (int8 block activations, the float32 default from AVX2
-    # up, change outputs slightly: test_default_model_with_int8_block_activations_is_still_the_model)
+    # --deterministic: float block activations, the checkpoint's exact products (int8 ones, the
+    # default from AVX2 up, change outputs slightly:
+    # test_default_model_with_int8_block_activations_is_still_the_model)
     check_three_ways(
         default_model_dir,
         prompts,
@@ -122,7 +123,7 @@ def test_default_model_matches_transformers(default_model_dir):
         page_size=8,
         chunked_prefill_size=64,
         kv_cache_gb=0.05,
-        block_activations="float",
+        deterministic=True,
     )
 
 

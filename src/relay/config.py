@@ -116,6 +116,13 @@ class EngineConfig:
     # quant products in integers (csrc/gemm_dot.c, as llama.cpp does); float multiplies float32 x by
     # the exact weights. auto: int8 on x86 with AVX2 or more (float32 and bfloat16 models), else float.
     block_activations: str = "auto"
+    # The exact path on every CPU level: float32 weights and activations (dtype auto -> float32,
+    # block_activations auto -> float), no quantization, float32 KV. Greedy output then equals
+    # transformers' float32 token for token, and --tp 2's equals --tp 1's: TP's all-reduce sums
+    # in another order, which moves a float32 activation by its last bits, and an int8 or bfloat16
+    # rounding of the next GEMM's input can turn that into a whole step (docs/architecture.md).
+    # A setting that contradicts it (bfloat16, int8 activations, a quantization) is refused.
+    deterministic: bool = False
     cuda_graph_max_bs: int = 64
     log_requests: bool = False
     log_steps: bool = False
@@ -179,6 +186,8 @@ class EngineConfig:
             raise ValueError(
                 f"block_activations must be one of {BLOCK_ACTIVATIONS}, got {self.block_activations!r}"
             )
+        if self.deterministic:
+            self._take_the_exact_path()
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
@@ -223,6 +232,26 @@ class EngineConfig:
             raise ValueError(f"overlap_min_share must be in [0, 1], got {self.overlap_min_share}")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
+
+    def _take_the_exact_path(self) -> None:
+        """deterministic: float32 with float block activations; settings against it refused."""
+        against = [
+            f"{name}={value!r}"
+            for name, value, exact in (
+                ("dtype", self.dtype, ("auto", "float32")),
+                ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float32")),
+                ("block_activations", self.block_activations, ("auto", "float")),
+                ("quantization", self.quantization, (None,)),
+            )
+            if value not in exact
+        ]
+        if against:
+            raise ValueError(
+                "deterministic runs float32 weights and activations with float block "
+                f"activations and no quantization; it cannot take {', '.join(against)}"
+            )
+        object.__setattr__(self, "dtype", "float32")  # frozen: resolved once, here
+        object.__setattr__(self, "block_activations", "float")
 
     @property
     def draft_quantization(self) -> str | None:
