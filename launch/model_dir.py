@@ -16,11 +16,11 @@ import sys
 
 from procs.common import child_pythonpath
 from relay.execution.model_files import (
-    CONVERTED_MARKER,
     ModelFileError,
     converted_dir,
     default_model_file,
     resolve_model_dir,
+    serves,
 )
 
 # The child: converts, and on a refusal prints its one-line message (for the launcher to log) and
@@ -61,8 +61,4 @@ def resolve_model_dir_apart(
 
 def needs_conversion(path: str) -> bool:
     """A GGUF file whose converted directory is not in the cache yet."""
-    return (
-        path.endswith(".gguf")
-        and os.path.isfile(path)
-        and not os.path.exists(os.path.join(converted_dir(path), CONVERTED_MARKER))
-    )
+    return path.endswith(".gguf") and os.path.isfile(path) and not serves(converted_dir(path))

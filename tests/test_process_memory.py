@@ -240,7 +240,8 @@ def test_the_launcher_converts_a_gguf_file_in_a_child(tmp_path, monkeypatch):
     def not_here(*args):
         raise AssertionError("converted in the launcher's own process")
 
-    monkeypatch.setattr(model_files, "_write_hf_dir", not_here)  # in this process only
+    for writer in ("_write_hf_dir", "_write_gguf_dir"):  # in this process only
+        monkeypatch.setattr(model_files, writer, not_here)
     assert needs_conversion(path)
     converted = resolve_model_dir_apart(path)
     assert os.path.exists(os.path.join(converted, "config.json")) and not needs_conversion(path)

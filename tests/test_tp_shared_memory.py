@@ -126,7 +126,8 @@ def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:
     from tests.test_weight_blocks import step_each_way
 
     runner = ModelRunner(
-        EngineConfig(dtype="bfloat16", tp_size=2, kv_cache_gb=0.05),
+        # (float activations: bfloat16 panels stay beside the blocks)
+        EngineConfig(dtype="bfloat16", tp_size=2, kv_cache_gb=0.05, block_activations="float"),
         model_dir,
         ModelConfig.from_dir(model_dir),
         tp,

@@ -179,12 +179,12 @@ def convert_gguf(path: str) -> str:
     float32 by transformers' reader (_write_hf_dir)."""
     check_cache_dir()
     out = converted_dir(path)
-    if _serves(out):
+    if serves(out):
         return out
     arch, stated = check_gguf(path)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with _file_lock(out + ".lock"):
-        if _serves(out):
+        if serves(out):
             return out  # another process made it while we waited
         direct = arch in GGUF_DIRECT_ARCHITECTURES
         if direct:
@@ -206,7 +206,7 @@ def convert_gguf(path: str) -> str:
     return out
 
 
-def _serves(out: str) -> bool:
+def serves(out: str) -> bool:
     """Whether the cached directory out is ready to serve: read from its file, or converted (by
     an older Relay too, unless its architecture now loads from the file)."""
     if os.path.exists(os.path.join(out, GGUF_MARKER)):
