@@ -48,13 +48,16 @@ from relay.execution.weight_blocks import (
     pack,
     pack_kquant,
 )
-from relay.scheduling.batch import BatchInput
 from tests.gguf_files import VOCAB_SIZE, write_gguf
 from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
 from tests.test_engine import random_prompts
 from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
-from tests.test_one_call_decoders import one_call_engine, q8_0_file  # noqa: F401 (a fixture)
-from tests.test_weight_blocks import int8_rounded_product, step_each_way
+from tests.test_one_call_decoders import (  # noqa: F401 (q8_0_file: a fixture)
+    assert_decode_call_is_the_layers,
+    one_call_engine,
+    q8_0_file,
+)
+from tests.test_weight_blocks import int8_rounded_product
 
 # the fused weights' part types, and the kernel form (BlockWeight.kernel_bits) their rows take
 KINDS = {
@@ -355,20 +358,7 @@ def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
     }
     assert runner.model.use_decode_layers(runner.attn)
     fast = runner.model.decode_layers
-    ids = random_prompts(VOCAB_SIZE, [20, 5, 30], seed=1)
-    tables = [[1, 2], [3], [4, 5]]
-    for i, prompt in enumerate(ids):
-        n = len(prompt)
-        runner.step_logits(
-            BatchInput(0, [i], prompt, [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
-        )
-    lens = [len(p) for p in ids]
-    step = BatchInput(
-        0, [0, 1, 2], [5, 6, 7], lens, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
-    )
-    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
-    assert torch.equal(call, layered)
-    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    assert_decode_call_is_the_layers(runner, fast)
 
 
 # --- compact k-quant scales (KSCALES_FLAG) ---
@@ -585,20 +575,7 @@ def test_a_decode_step_in_one_c_call_reads_compact_scales_as_the_layers_do(
             module.blocks = module.blocks.to_dot()
         assert runner.model.use_decode_layers(runner.attn)
     fast = runner.model.decode_layers
-    ids = random_prompts(VOCAB_SIZE, [20, 5, 30], seed=1)
-    tables = [[1, 2], [3], [4, 5]]
-    for i, prompt in enumerate(ids):
-        n = len(prompt)
-        runner.step_logits(
-            BatchInput(0, [i], prompt, [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
-        )
-    lens = [len(p) for p in ids]
-    step = BatchInput(
-        0, [0, 1, 2], [5, 6, 7], lens, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
-    )
-    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
-    assert torch.equal(call, layered)
-    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))
+    assert_decode_call_is_the_layers(runner, fast)
 
 
 @pytest.mark.parametrize(

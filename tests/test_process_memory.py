@@ -217,25 +217,12 @@ print(before, backend.loaded, backend.stats()["compiles"], "torch" in sys.module
 def test_the_launcher_converts_a_gguf_file_in_a_child(tmp_path, monkeypatch):
     """A GGUF file's first conversion (it imports torch) runs in a child process; the launcher
     only finds the converted directory. A file that does not convert is one ModelFileError."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from launch.model_dir import needs_conversion, resolve_model_dir_apart
-    from tests.gguf_files import VOCAB_SIZE, write_gguf
+    from tests.gguf_files import write_gguf
+    from tests.test_gguf_models import random_model
 
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    path = write_gguf(
-        str(tmp_path / "tiny.gguf"), AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    )
+    path = write_gguf(str(tmp_path / "tiny.gguf"), random_model("llama"))
 
     def not_here(*args):
         raise AssertionError("converted in the launcher's own process")

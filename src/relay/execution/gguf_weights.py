@@ -199,11 +199,12 @@ def load_llama(
 
     permuted = arch == "llama"
     d = mc.head_dim
+    q_order = qk_row_order(mc.num_heads * d, mc.num_heads, permuted)
+    k_order = qk_row_order(mc.num_kv_heads * d, mc.num_kv_heads, permuted)
+    bias_rows = {"attn_q.bias": q_order, "attn_k.bias": k_order}  # permuted with their weights
     for i, layer in enumerate(model.layers):
         a, mlp, blk, pre = layer.self_attn, layer.mlp, f"blk.{i}.", f"layers.{i}."
         sh = a.shard
-        q_order = qk_row_order(mc.num_heads * d, mc.num_heads, permuted)
-        k_order = qk_row_order(mc.num_kv_heads * d, mc.num_kv_heads, permuted)
         qs, ks = (
             slice(sh.q_start * d, (sh.q_start + sh.q_count) * d),
             slice(sh.kv_start * d, (sh.kv_start + sh.kv_count) * d),
@@ -239,7 +240,7 @@ def load_llama(
         )
         for gguf_name, hf in _LAYER_FLOATS:
             if blk + gguf_name in file:
-                rows = _bias_rows(gguf_name, q_order, k_order, mc)
+                rows = bias_rows.get(gguf_name)
                 t = file.floats(blk + gguf_name)
                 _load_float(model, loaded, pre + hf, t if rows is None else t[rows])
     _load_float(model, loaded, "norm.weight", file.floats("output_norm.weight"))
@@ -261,15 +262,6 @@ _LAYER_FLOATS = (
     ("attn_k.bias", "self_attn.k_proj.bias"),
     ("attn_v.bias", "self_attn.v_proj.bias"),
 )
-
-
-def _bias_rows(gguf_name: str, q_order, k_order, mc) -> np.ndarray | None:
-    """A q/k bias is permuted with its weight's rows (Qwen2's files are not permuted)."""
-    if gguf_name == "attn_q.bias":
-        return q_order
-    if gguf_name == "attn_k.bias":
-        return k_order
-    return None
 
 
 def _load_float(model, loaded: set[str], hf_name: str, tensor: torch.Tensor) -> None:

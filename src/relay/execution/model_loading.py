@@ -32,7 +32,7 @@ class ModelLoader:
     def load(self, model_dir: str, mc: ModelConfig, quantization: str | None) -> torch.nn.Module:
         """The model's weights, quantized, and on CPU packed for its GEMMs (and kept in their
         GGUF blocks where those are exact: see _wants_weight_blocks)."""
-        dtype, place = self.place.dtype, self.place
+        dtype = self.place.dtype
         source = gguf_source(model_dir)
         if source is not None and self.cfg.load_format != "dummy":
             return self._load_gguf(source, model_dir, mc, quantization)
@@ -45,11 +45,7 @@ class ModelLoader:
             model = self._cast_keeping_blocks(model, mc)
         if kept and self._int8_block_activations():
             model.use_dot_blocks()
-        _quantize(model, quantization)  # before packing: the packed copy holds the quantized values
-        if place.on_cpu:
-            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
-                model.pack_for_cpu()
-            model.use_cpu_kernels()
+        self._finish(model, quantization)
         if kept:
             rows = self._weight_block_rows(model.dtype)
             model.limit_weight_blocks(rows)
@@ -63,12 +59,7 @@ class ModelLoader:
         kernels, GEMM weights as blocks with no float copy; otherwise (a GPU, --quantization,
         --disable-weight-blocks) dequantized to floats a tensor at a time."""
         place = self.place
-        use_blocks = (
-            place.on_cpu
-            and quantization is None
-            and not self.cfg.disable_weight_blocks
-            and cpu_gemm.gemm_blocks_available()
-        )
+        use_blocks = self._block_kernels_usable(quantization)
         model = self._new_model(mc, place.dtype)
         file = open_file(source.path, model_dir)
         keep_floats = use_blocks and self._floats_beside_blocks(file, place.dtype)
@@ -76,15 +67,30 @@ class ModelLoader:
         report = gguf_weights.load_llama(model, file, source.arch, use_blocks, keep_floats, dot)
         if place.tp.is_leader:
             gguf_weights.log_report(report, source.path)
-        _quantize(model, quantization)
-        if place.on_cpu:
-            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
-                model.pack_for_cpu()
-            model.use_cpu_kernels()
+        self._finish(model, quantization)
         if report.blocks:
             model.limit_weight_blocks(self._weight_block_rows(model.dtype))
         release_free_memory()  # what decoding the file's blocks allocated and freed
         return model
+
+    def _finish(self, model: torch.nn.Module, quantization: str | None) -> None:
+        """Quantized, then (on CPU) packed for its GEMMs (the packed copy holds the quantized
+        values) and on Relay's CPU kernels."""
+        _quantize(model, quantization)
+        if self.place.on_cpu:
+            if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
+                model.pack_for_cpu()
+            model.use_cpu_kernels()
+
+    def _block_kernels_usable(self, quantization: str | None) -> bool:
+        """Whether GEMMs may read GGUF blocks: on CPU, unquantized, not turned off, with the
+        kernel built."""
+        return (
+            self.place.on_cpu
+            and quantization is None
+            and not self.cfg.disable_weight_blocks
+            and cpu_gemm.gemm_blocks_available()
+        )
 
     def _floats_beside_blocks(self, file: gguf_weights.GgufFile, dtype: torch.dtype) -> bool:
         """Whether a GGUF model keeps float GEMM weights beside its blocks: where GEMMs of some
@@ -127,13 +133,7 @@ class ModelLoader:
         """Whether to look for GGUF blocks in the checkpoint's GEMM weights: on CPU, unquantized,
         with the kernel built; in bfloat16 only from a float32 checkpoint (a bf16 one has lost
         them) whose float32 twin fits in a quarter of the free memory."""
-        if (
-            not self.place.on_cpu
-            or quantization is not None
-            or self.cfg.disable_weight_blocks
-            or self.cfg.load_format == "dummy"
-            or not cpu_gemm.gemm_blocks_available()
-        ):
+        if self.cfg.load_format == "dummy" or not self._block_kernels_usable(quantization):
             return False
         if self.place.dtype == torch.float32:
             return True
