@@ -9,7 +9,7 @@ served a while leaves them), float32 queries over a float32 and a bfloat16 cache
                                                                  # pages: the KV in L2, compute alone
 
 Environment: B, L, H, HKV, D, REPS (15), THREADS (1), KV (float32,bfloat16). A library for a level
-(e.g. held to AVX2): python -c "from relay.execution.kernels import cpu; print(cpu._build('avx2'))" run
+(e.g. held to AVX2): python -c "from relay.execution.kernels import cpu; print(cpu.build('avx2'))" run
 from each checkout (with its src first on PYTHONPATH).
 """
 

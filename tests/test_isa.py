@@ -3,6 +3,10 @@ RELAY_CPU_ISA (never above what the CPU has), and what a held level holds torch 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from relay.execution.kernels import isa
@@ -97,3 +101,24 @@ def test_a_server_held_to_avx2_serves_and_says_so(monkeypatch, default_model_dir
     assert "CPU kernels built for avx2 (held there by RELAY_CPU_ISA)" in server.log
     if isa.detected_level() != "avx2":
         assert f"CPU instruction-set level: avx2 (held by {isa.ENV}" in server.log
+
+
+def test_the_install_step_builds_the_library_the_server_loads():
+    """scripts/install.sh's `python -m relay.execution.kernels` must leave the library where a
+    server looks for it (else every first start compiles again); run here on the tests' own cache,
+    where it is already built, so it only checks the name."""
+    from relay.execution.kernels import cpu
+
+    if cpu.compiler() is None:
+        pytest.skip("no C compiler here")
+    done = subprocess.run(
+        [sys.executable, "-m", "relay.execution.kernels"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.split(": ")[1].split(" (")[0] == cpu.library_path()
+    assert os.path.exists(cpu.library_path())
+    install = os.path.join(os.path.dirname(__file__), "..", "scripts", "install.sh")
+    with open(install) as f:
+        assert "-m relay.execution.kernels" in f.read()

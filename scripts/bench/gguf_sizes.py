@@ -9,8 +9,9 @@ made once). For each file asked for (--models, default 1b-Q4_K_M), one server at
   llamacpp  llama-server -m FILE -np 8 -kvu -cb -c 4096 -t 2 (--llamacpp-*)
 
 each started twice (--starts) with $RELAY_CACHE_DIR and $TMPDIR pointed at fresh empty folders under
-.bench/gguf-sizes-tmp (the first start includes any conversion and kernel build; the second finds their
-results), and records per start
+.bench/gguf-sizes-tmp (the first start includes any conversion; the second finds its results). Relay's
+CPU kernels are built into the fresh folder first, as scripts/install.sh builds them (kernel_build_s),
+and records per start
 
   ready_s                seconds from launch to the first 200 of /health (polled every 0.2 s)
   peak RSS               the highest sum of VmRSS over the server's whole process tree, sampled every
@@ -41,6 +42,7 @@ import argparse
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -246,6 +248,8 @@ def measure(engine: str, spec: str, path: str, args, out: ResultFile, tokenizer,
         "file_bytes": os.path.getsize(path),
         "starts": [],
     }
+    if engine == "relay":  # what scripts/install.sh does before a user's first start
+        record["kernel_build_s"] = build_kernels(env)
     if engine == "llamacpp":
         record["llamacpp_build_options"] = build_options(args.llamacpp_build)
         record["llama_server_cmd"] = llama_server_cmd(
@@ -267,6 +271,16 @@ def measure(engine: str, spec: str, path: str, args, out: ResultFile, tokenizer,
         if not args.keep_tmp:
             shutil.rmtree(run_dir, ignore_errors=True)
         out.add(flatten(record))
+
+
+def build_kernels(env: dict[str, str]) -> float:
+    """Seconds `python -m relay.execution.kernels` takes to build this CPU's kernels into the fresh
+    cache folder: the install step, timed apart from the first start (as llama.cpp's build is)."""
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "relay.execution.kernels"], env={**os.environ, **env}, check=True
+    )
+    return time.perf_counter() - started
 
 
 def flatten(record: dict[str, Any]) -> dict[str, Any]:
@@ -305,6 +319,7 @@ SERVER_COLUMNS = [
     ("model", "model_spec"),
     ("engine", "engine"),
     ("file GB", _gb("file_bytes"), 2),
+    ("kernel build (s)", lambda r: r.get("kernel_build_s") or "n/a"),
     ("ready 1st (s)", "ready_first_s"),
     ("ready 2nd (s)", "ready_second_s"),
     ("peak RSS 1st start (GB)", _gb("peak_rss_first"), 2),
