@@ -367,13 +367,13 @@ class GgufRows:
     @classmethod
     def build(cls, path: str) -> tuple[GgufRows, dict[str, np.ndarray]]:
         """The rows of the GGUF file at path, and the index that load() takes."""
-        from gguf import GGUFReader
+        from relay.execution.gguf_header import read_header
 
         table = []  # (data offset, qtype, rows, weights per row)
-        for t in GGUFReader(path).tensors:
-            qtype, k = int(t.tensor_type), int(t.shape[0])  # GGUF lists the row length first
+        for t in read_header(path).tensors.values():
+            qtype, k = t.qtype, t.shape[-1]
             if qtype in DECODERS and len(t.shape) == 2 and k % DECODERS[qtype][0] == 0:
-                table.append((int(t.data_offset), qtype, int(t.shape[1]), k))
+                table.append((t.offset, qtype, t.shape[0], k))
         table = np.array(table, dtype=np.int64).reshape(-1, 4)
         rows = cls.of(_map(path, table))
         index = dict(table=table, hashes=rows.hashes, owners=rows.owners, qtypes=_QTYPES)

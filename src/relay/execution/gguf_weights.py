@@ -24,19 +24,13 @@ import numpy as np
 import torch
 
 from relay.execution.gguf_blocks import DECODERS, RowBlocks, common_form, decode_rows, pack_rows
+from relay.execution.gguf_header import FileTensor, GgufHeader, read_header
 from relay.execution.layers import stand_in
 from relay.execution.weight_blocks import STRIP, BlockWeight
 
 logger = logging.getLogger(__name__)
 
 TABLE_FILE = "gguf_tensors.json"  # beside the config of a GGUF model (model_files.open_gguf)
-
-
-@dataclass(frozen=True)
-class FileTensor:
-    offset: int  # of its data, from the file's start
-    qtype: int  # gguf.GGMLQuantizationType
-    shape: tuple[int, ...]  # torch's order: [rows, weights per row] for a matrix
 
 
 class GgufFile:
@@ -47,18 +41,10 @@ class GgufFile:
         self.path, self.tensors, self.arch = path, tensors, arch  # arch: general.architecture
 
     @classmethod
-    def read(cls, path: str) -> GgufFile:
-        """The tensor table from the file itself (gguf's reader: parses every metadata field)."""
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        tensors = {
-            t.name: FileTensor(
-                int(t.data_offset), int(t.tensor_type), tuple(reversed(t.shape.tolist()))
-            )
-            for t in reader.tensors
-        }
-        return cls(path, tensors, reader.fields["general.architecture"].contents())
+    def read(cls, path: str, header: GgufHeader | None = None) -> GgufFile:
+        """The tensor table from the file's header (parsed here unless given)."""
+        header = header or read_header(path)
+        return cls(path, header.tensors, header.arch)
 
     @classmethod
     def from_table(cls, path: str, table: dict) -> GgufFile:

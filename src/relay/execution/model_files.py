@@ -12,6 +12,7 @@ it in one line at start-up, before any model loads.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import hashlib
@@ -251,22 +252,19 @@ def check_gguf(path: str) -> tuple[str, dict[str, Any]]:
     """Refuse a file that is not a whole GGUF checkpoint (not GGUF at all, a download cut short)
     or not of an architecture Relay serves from GGUF, before converting it: transformers fails on
     the first deep in a long traceback, and reads a Mixtral file as a Llama without its experts.
-    The gguf package's reader maps every tensor, so a truncated file fails here (~2 s for the
-    default model, once). Returns the config fields the file states that transformers' reader
+    A tensor whose data runs past the file's end (a truncated file) fails here. Returns the config fields the file states that transformers' reader
     drops (_UNREAD_GGUF_FIELDS), by their transformers names, with its architecture."""
-    from gguf import GGUFReader
+    from relay.execution.gguf_header import read_header
 
     try:
-        reader = GGUFReader(path)
-    except (
-        Exception
-    ) as e:  # whatever a parser of damaged bytes raises (ValueError, IndexError, ...)
+        header = read_header(path)
+    except (OSError, ValueError) as e:
         raise ModelFileError(
             f"{path} is not a whole GGUF file (truncated or damaged?): {e}"
         ) from None
 
     def field(key: str) -> Any:
-        return reader.fields[key].contents() if key in reader.fields else None
+        return header.metadata.get(key)
 
     arch = field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -281,10 +279,13 @@ def check_gguf(path: str) -> tuple[str, dict[str, Any]]:
             "without its experts: pass the model's HF directory (MixtralForCausalLM)"
         )
     stated = _stated_fields(arch, field)
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = header.tensors.get("rope_freqs.weight")
     if arch == "llama" and freqs is not None:
         theta = field("llama.rope.freq_base") or 10_000.0
-        stated |= llama3_rope(path, [float(f) for f in freqs.data], theta)
+        with open(path, "rb") as f:
+            f.seek(freqs.offset)
+            factors = array.array("f", f.read(freqs.nbytes()))  # F32, little-endian as GGUF
+        stated |= llama3_rope(path, [float(f) for f in factors], theta)
     return arch, stated
 
 
@@ -396,7 +397,8 @@ def _write_gguf_dir(gguf_path: str, out: str, stated: dict[str, Any]) -> None:
     GenerationConfig.from_model_config(config).to_json_file(
         os.path.join(out, "generation_config.json")
     )
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    # given the config, the tokenizer does not parse the file's metadata for it again
+    AutoTokenizer.from_pretrained(folder, gguf_file=name, config=config).save_pretrained(out)
     save_table(file, out)
     with open(os.path.join(out, GGUF_MARKER), "w") as f:
         source = {"source": os.path.realpath(gguf_path), "arch": file.arch, "stated": stated}
