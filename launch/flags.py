@@ -35,8 +35,9 @@ FLAG_HELP = {
     "tool_call_parser": (
         "the format tool calls are read in with tool_choice auto: hermes (<tool_call>{...}"
         '</tool_call>: Qwen, Hermes), llama3 (JSON {"name", "parameters"}), mistral '
-        "([TOOL_CALLS]), pythonic ([f(a=1)]) (default: from the chat template, hermes where it "
-        "does not say)"
+        "([TOOL_CALLS]), pythonic ([f(a=1)]), qwen3_coder (<function=...><parameter=...>: "
+        "Qwen3-Coder), deepseek_v3 / deepseek_v31 (<｜tool▁calls▁begin｜>: DeepSeek V3, R1 / V3.1), "
+        "harmony (gpt-oss channels) (default: from the chat template, hermes where it does not say)"
     ),
     "dtype": f"weight and KV dtype, one of {DTYPES}; auto = bfloat16 on GPUs and CPUs with bf16 dot products (AVX512-BF16 or AMX), else float32",
     "kv_cache_dtype": "KV cache dtype (auto = the model's); bfloat16 with float32 weights halves "

@@ -777,3 +777,23 @@ def test_constrained_answer_after_optional_reasoning_validates(engine):
     assert reason == "stop", out.text
     jsonschema.validate(json.loads(message["content"]), schema)
     assert engine.scheduler.stats().grammar["live_matchers"] == 0
+
+
+def test_forced_call_in_a_parsers_own_format_runs_and_reads_back(engine):
+    """A structural tag (SamplingParams.structural_tag: the chat route's forced call for
+    qwen3_coder, deepseek and harmony) compiles and rules the output like any constraint."""
+    from relay.api.chat_output import whole_message
+    from relay.api.tool_calls import NAMED, Tool, ToolCalling
+
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+    tools = ToolCalling((Tool("get_weather", None, params),), NAMED, "get_weather", "qwen3_coder")
+    (out,) = engine.generate(
+        ["What is the weather in Paris?"],
+        SamplingParams(max_new_tokens=96, temperature=0, structural_tag=tools.structural_tag()),
+    )
+    assert out.text.startswith("<tool_call>\n<function=get_weather>\n"), out.text
+    message, reason = whole_message(tools, None, out.text, out.finish_reason)
+    assert reason == "tool_calls", out.text
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]

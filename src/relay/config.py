@@ -23,7 +23,17 @@ QUANTIZATIONS = (None, "int8", "int4", "w8a8")
 SPECULATIVE_ALGORITHMS = (None, "ngram", "standalone")
 # The names of relay.api.reasoning.REASONING_PARSERS and relay.api.tool_parsers.PARSERS.
 REASONING_PARSERS = (None, "qwen3", "deepseek-r1")
-TOOL_CALL_PARSERS = (None, "hermes", "llama3", "mistral", "pythonic")
+TOOL_CALL_PARSERS = (
+    None,
+    "hermes",
+    "llama3",
+    "mistral",
+    "pythonic",
+    "qwen3_coder",
+    "deepseek_v3",
+    "deepseek_v31",
+    "harmony",
+)
 DRAFT_QUANTIZATIONS = (None, "none", "int8", "int4")
 
 

@@ -23,7 +23,9 @@ MAX_STOP_TOKEN_IDS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
 _I64 = 2**63
-CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# The kinds whose text is JSON holding JSON schemas: bounded in depth and in breadth.
+_SCHEMA_KINDS = ("json_schema", "structural_tag")
 
 
 # A JSON text's tokens for json_depth: a whole string (so a bracket inside one is not counted)
@@ -180,6 +182,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # An xgrammar structural tag (JSON text): set by the server only, for a forced tool call
+    # written in a parser's own format (relay.api.tool_parsers.forced_call_format).
+    structural_tag: str | None = None
     # A reasoning model's constraint rules only its answer: the output may first run free through
     # a reasoning block that ends with reasoning_close (e.g. "</think>"). reasoning_open "": the
     # output begins inside the block; otherwise the block is optional and opens with it.
@@ -329,7 +334,7 @@ class SamplingParams:
                     f"got {size}",
                 )
             if (
-                kind == "json_schema"
+                kind in _SCHEMA_KINDS
                 and max_depth is not None
                 and (depth := json_depth(text)) > max_depth
             ):
@@ -340,7 +345,7 @@ class SamplingParams:
                 )
             # Each property is a key and a ':': a text with no more ':' than the limit needs no parse.
             if (
-                kind == "json_schema"
+                kind in _SCHEMA_KINDS
                 and max_properties is not None
                 and text.count(":") > max_properties
             ):

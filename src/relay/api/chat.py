@@ -24,7 +24,7 @@ from relay.api.openai_common import (
 from relay.api.prompt_output import logprob
 from relay.api.reasoning import REASONING_PARSERS
 from relay.api.serving import Usage
-from relay.api.tool_parsers import NEEDS_SPECIAL_TOKENS
+from relay.api.tool_parsers import HARMONY, NEEDS_SPECIAL_TOKENS
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, Range, SamplingParams
 
@@ -83,19 +83,22 @@ def parse_chat(
         reasoning_parser = (
             None  # the template closed an empty block in the prompt: all output is answer
         )
+    if tool_call_parser == HARMONY:
+        # gpt-oss's channels carry the reasoning: the harmony parser splits it off, tools or not.
+        reasoning_parser = HARMONY
     tools = T.parse_tool_calling(body, tool_call_parser)
     grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
-    if grammar and reasoning_parser is not None:
+    if grammar and reasoning_parser in REASONING_PARSERS:
         # The constraint rules the answer after the reasoning, which runs free up to its close tag.
         grammar["reasoning_open"], grammar["reasoning_close"] = REASONING_PARSERS[
             reasoning_parser
         ].grammar_tags()
     if (
-        tools is not None
+        (tools is not None or tool_call_parser == HARMONY)
         and tool_call_parser in NEEDS_SPECIAL_TOKENS
         and body.get("skip_special_tokens") is None
     ):
-        kwargs["skip_special_tokens"] = False  # the format's call marker is a special token
+        kwargs["skip_special_tokens"] = False  # the format's markers are special tokens
     names = {
         "max_new_tokens": budget_key,
         "min_new_tokens": "min_tokens",
@@ -137,6 +140,8 @@ def _tool_constraint(
             f"'{key}' cannot be combined with tool_choice \"required\" or a named function, whose "
             "call already constrains the output",
         )
+    if tools.native_forced:  # the call written in the parser's own format
+        return {"structural_tag": tools.structural_tag()}, {"structural_tag": tools.schema_param()}
     return {"json_schema": json.dumps(tools.schema())}, {"json_schema": tools.schema_param()}
 
 

@@ -9,14 +9,21 @@ from typing import Any
 from relay.api.reasoning import REASONING_PARSERS, Reasoning, ReasoningSplitter
 from relay.api.tool_calls import ToolCalling
 from relay.api.tool_output import ArgsPiece, CallStart, OutputStream, Piece, assemble
+from relay.api.tool_parsers import HARMONY
 
-ChatPiece = Piece | Reasoning
+ChatPiece = Piece
 
 
 class ChatOutput:
+    """reasoning "harmony": the output is in gpt-oss's channels, which the harmony tool parser
+    splits into reasoning, content and calls in one pass (with or without tools)."""
+
     def __init__(self, tools: ToolCalling | None, reasoning: str | None):
-        self._splitter = ReasoningSplitter(REASONING_PARSERS[reasoning]) if reasoning else None
-        self._tools = OutputStream(tools) if tools is not None else None
+        harmony = reasoning == HARMONY
+        self._splitter = (
+            ReasoningSplitter(REASONING_PARSERS[reasoning]) if reasoning and not harmony else None
+        )
+        self._tools = OutputStream(tools) if tools is not None or harmony else None
 
     def feed(self, text: str) -> list[ChatPiece]:
         parts = self._splitter.feed(text) if self._splitter else [text]

@@ -6,13 +6,16 @@ How each tool_choice is served:
 - "none": the tools are ignored entirely; they are not rendered into the prompt and the output
   is not searched for calls (a model shown tools tends to call them anyway).
 - "auto" (the default when tools are given): the tools reach the chat template, the output is
-  free, and the server's tool-call parser (--tool-call-parser: hermes, llama3, mistral,
-  pythonic) finds calls in it; the rest, stripped, is the content.
+  free, and the server's tool-call parser (--tool-call-parser, relay.api.tool_parsers)
+  finds calls in it; the rest, stripped, is the content.
 - "required": the output is constrained to a JSON array of one or more
   {"name": <a tool's name>, "parameters": <its arguments>} objects (exactly one with
   parallel_tool_calls false).
 - a named function: the output is constrained to that function's parameters schema; the
   output is the call's arguments.
+  A parser with a format of its own for forced calls (qwen3_coder, deepseek_v3 / _v31,
+  harmony: tool_parsers.FORCED_CALL_FORMATS) constrains both to calls written in that format
+  instead (a structural tag), and reads them with the parser as it would an "auto" output.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay.api.fields import as_dict, bad, show
+from relay.api.tool_parsers import FORCED_CALL_FORMATS
 
 MAX_TOOLS = 128  # OpenAI's limit
 AUTO, REQUIRED, NAMED = "auto", "required", "named"
@@ -91,6 +95,22 @@ class ToolCalling:
             }
             return array if self.parallel else {**array, "maxItems": 1}
         return None
+
+    @property
+    def native_forced(self) -> bool:
+        """A forced call is written in the parser's own format (structural_tag), not as JSON."""
+        return self.constrained and self.parser in FORCED_CALL_FORMATS
+
+    def structural_tag(self) -> str:
+        """The xgrammar structural tag (JSON text) of a forced call in the parser's format."""
+        tools = [(t.name, t.arguments_schema) for t in self.tools]
+        named = self.named if self.mode == NAMED else None
+        fmt = FORCED_CALL_FORMATS[self.parser](tools, named, self.parallel)
+        return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+
+    def schemas(self) -> dict[str, Any]:
+        """Each tool's parameters schema, by name (for parsers that convert arguments by it)."""
+        return {t.name: t.arguments_schema for t in self.tools}
 
     def schema_param(self) -> str:
         """The API field a schema the grammar compiler refuses came from."""

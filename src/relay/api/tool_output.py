@@ -4,7 +4,8 @@ streams them (a call's id and name first, then its arguments in pieces).
 With tool_choice "auto" the output is free and the request's parser (--tool-call-parser,
 relay.api.tool_parsers) finds calls in it as it streams. A constrained output (tool_choice
 "required" or a named function) is JSON the grammar forced: held whole and parsed at the end,
-its calls arriving in the last chunks. With parallel_tool_calls false only the first call is
+its calls arriving in the last chunks; or, for a parser with a forced-call format of its own,
+calls in that format, read by the parser as they stream. With parallel_tool_calls false only the first call is
 kept (a forced call's grammar already allows only one).
 
 The whole-response parser is the streaming one fed the whole text, so a streamed response
@@ -18,9 +19,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.api.reasoning import Reasoning
 from relay.api.text_trim import Trim
 from relay.api.tool_calls import NAMED, ToolCalling
-from relay.api.tool_parsers import CallArgs, CallName, Event, make_parser
+from relay.api.tool_parsers import CallArgs, CallName, Event, Thought, make_parser
+from relay.api.tool_parsers.harmony import HarmonyParser
 
 
 def new_call_id() -> str:
@@ -54,7 +57,8 @@ class ArgsPiece:
     text: str
 
 
-Piece = str | CallStart | ArgsPiece  # content text, a call's start, or a piece of its arguments
+# Content text, a call's start, a piece of its arguments, or reasoning (harmony's analysis).
+Piece = str | CallStart | ArgsPiece | Reasoning
 
 
 @dataclass
@@ -86,14 +90,23 @@ def parse_output(calling: ToolCalling, text: str, finish_reason: str | None) -> 
 
 
 class OutputStream:
-    """One choice's output, fed as it streams; yields content and calls' pieces. An auto
-    output streams its content as it comes, holding back only what may start a call."""
+    """One choice's output, fed as it streams; yields content and calls' pieces (and reasoning,
+    for a format that carries it: harmony). An auto output, or a forced one written in the
+    parser's own format, streams its content as it comes, holding back only what may start a
+    call. calling None: a harmony output of a request without tools (its channels split, no
+    calls read)."""
 
-    def __init__(self, calling: ToolCalling):
+    def __init__(self, calling: ToolCalling | None):
         self.calling = calling
-        self._held = ""  # constrained: the output so far
-        self._parser = None if calling.constrained else make_parser(calling.parser)
+        self._held = ""  # constrained to JSON: the output so far
+        if calling is None:
+            self._parser = HarmonyParser(calls=False)
+        elif calling.constrained and not calling.native_forced:
+            self._parser = None
+        else:
+            self._parser = make_parser(calling.parser, calling.schemas())
         self._trim = Trim()
+        self._reasoning = Trim()
         self._calls = 0
         self._dropping = False  # parallel_tool_calls false: a call past the first is being dropped
 
@@ -127,6 +140,9 @@ class OutputStream:
             elif isinstance(e, CallArgs):
                 if not self._dropping and e.text:
                     out.append(ArgsPiece(self._calls - 1, e.text))
+            elif isinstance(e, Thought):
+                if text := self._reasoning.push(e.text):
+                    out.append(Reasoning(text))
             elif text := e if self._parser is None else self._trim.push(e):
                 out.append(text)
         return out

@@ -1,5 +1,6 @@
-"""Grammar-constrained decoding on xgrammar: a request's output matches a JSON schema, a regex
-or an EBNF grammar (SamplingParams.json_schema / regex / ebnf).
+"""Grammar-constrained decoding on xgrammar: a request's output matches a JSON schema, a regex,
+an EBNF grammar or a structural tag (SamplingParams.json_schema / regex / ebnf /
+structural_tag, the last set by the server for forced tool calls in a model's own format).
 
 Two processes take part, and only the scheduler imports xgrammar:
 - the scheduler compiles a constraint against the vocabulary (GrammarBackend: a pool of
@@ -323,6 +324,8 @@ class GrammarBackend:
             out = compiler.compile_json_schema(text, **_JSON_OPTIONS)
         elif kind == "regex":
             out = compiler.compile_regex(text)
+        elif kind == "structural_tag":
+            out = compiler.compile_structural_tag(text)
         else:
             out = compiler.compile_grammar(text)
         self._check_satisfiable(out)
@@ -403,13 +406,16 @@ def after_reasoning(kind: str, text: str, open_tag: str, close_tag: str) -> str:
 
     import xgrammar
 
-    if kind == "json_schema":
-        inner = xgrammar.Grammar.from_json_schema(text, **_JSON_OPTIONS)
-    elif kind == "regex":
-        inner = xgrammar.Grammar.from_regex(text)
+    if kind == "structural_tag":  # formats nest: the tag's own goes in as it is
+        answer = json.loads(text)["format"]
     else:
-        inner = xgrammar.Grammar.from_ebnf(text)
-    answer = {"type": "grammar", "grammar": str(inner)}
+        if kind == "json_schema":
+            inner = xgrammar.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+        elif kind == "regex":
+            inner = xgrammar.Grammar.from_regex(text)
+        else:
+            inner = xgrammar.Grammar.from_ebnf(text)
+        answer = {"type": "grammar", "grammar": str(inner)}
     reasoning = {
         "type": "sequence",
         "elements": [

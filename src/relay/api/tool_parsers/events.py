@@ -22,7 +22,12 @@ class CallArgs:
     text: str  # the next piece of the current call's arguments, JSON text
 
 
-Event = str | CallName | CallArgs
+@dataclass(frozen=True)
+class Thought:
+    text: str  # reasoning text the format carries itself (harmony's analysis channel)
+
+
+Event = str | CallName | CallArgs | Thought
 
 
 class ToolParser(Protocol):
@@ -33,6 +38,17 @@ class ToolParser(Protocol):
     def finish(self) -> list[Event]:
         """What is held at the end of the output (an unfinished block comes out as text)."""
         ...
+
+
+def first_of(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """(index, tag) of the earliest of tags in text; (-1, "") if none is there."""
+    found = [(i, t) for t in tags if (i := text.find(t)) >= 0]
+    return min(found, key=lambda f: f[0]) if found else (-1, "")
+
+
+def held_back(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the end of text that may be the start of one of tags."""
+    return max(partial_suffix(text, t) for t in tags)
 
 
 def partial_suffix(text: str, tag: str) -> int:
