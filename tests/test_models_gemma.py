@@ -90,11 +90,11 @@ def gemma3_config():
 CONFIGS = {"mistral": mistral_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
 
 
-def tiny_model_maker(tmp_path_factory, default_model_dir, configs: dict):
+def tiny_model_maker(tmp_path_factory, default_model_dir, configs: dict, finish=None):
     """A factory: name -> the directory of a seeded random model of configs[name]() (its norms
     randomised, Gemma's embedding scaled down by sqrt(hidden), which it multiplies by: else the
-    embedding drowns the layers), made once; the default model's tokenizer files beside it (the
-    prompts are token ids: any tokenizer will do)."""
+    embedding drowns the layers; then finish(model), where given, under no_grad), made once; the
+    default model's tokenizer files beside it (the prompts are token ids: any tokenizer will do)."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, str] = {}
@@ -111,6 +111,8 @@ def tiny_model_maker(tmp_path_factory, default_model_dir, configs: dict):
                         p.normal_(0.0, 0.3)
                 if config.model_type.startswith("gemma"):
                     model.model.embed_tokens.weight /= config.hidden_size**0.5
+                if finish is not None:
+                    finish(model)
             model.save_pretrained(path)
             for f in os.listdir(default_model_dir):
                 if f.startswith("tokenizer"):

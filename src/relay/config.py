@@ -302,7 +302,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's epsilon (StarCoder 2's LayerNorms: norm_epsilon)
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -347,6 +347,15 @@ class ModelConfig:
     local_rope_theta: float | None = (
         None  # Gemma 3: the sliding layers' rope base (default rope, no scaling)
     )
+    # Granite's multipliers: the embedding scaled by embedding_multiplier, each attention and MLP
+    # output by residual_multiplier before it joins the residual stream, the logits divided by
+    # logits_scaling; attention_multiplier scales the scores in place of head_dim ** -0.5.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+    # StarCoder 2 (use_bias): o_proj and the MLP's projections have biases too, not only q/k/v
+    o_proj_and_mlp_bias: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -375,6 +384,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def attention_windows(self, context_len: int) -> list[int | None]:

@@ -1,6 +1,7 @@
 """A checkpoint's config.json, as transformers writes it, read into ModelConfig's fields: the
-architecture (from model_type where architectures is missing), Gemma 2/3's text configs and
-rope, sliding windows per layer, soft-caps, and the mixture-of-experts fields.
+architecture (from model_type where architectures is missing), Gemma's text configs and
+rope, sliding windows per layer, soft-caps, Granite's multipliers, StarCoder 2's biases and
+LayerNorm epsilon, and the mixture-of-experts fields.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if arch == "Gemma3ForConditionalGeneration":
         cfg = gemma3_text_tower(cfg)
         arch = "Gemma3ForCausalLM"
-    if arch in GEMMA:
+    if arch in GEMMA or arch == "GemmaForCausalLM":
         cfg = gemma_config(arch, cfg)
+    if arch == "Starcoder2ForCausalLM":
+        _check_activation(arch, cfg.get("hidden_act") or "gelu_pytorch_tanh")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = rope_settings(cfg, arch, head_dim)  # refuses a rope type Relay does not implement
     eos = cfg.get("eos_token_id")
     qkv_bias_default = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    # StarCoder 2 names one flag for all its biases (transformers' default: on)
+    all_biases = arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True))
     return dict(
         architecture=arch,
         hidden_size=cfg["hidden_size"],
@@ -32,18 +37,23 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         vocab_size=cfg["vocab_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=cfg.get("rms_norm_eps")
+        or cfg.get("norm_epsilon")
+        or _DEFAULT_EPS.get(arch, 1e-6),
         rope_theta=rope.theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
         # Qwen2-MoE's config names its q/k/v biases qkv_bias
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))),
+        attention_bias=all_biases
+        or bool(cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))),
+        o_proj_and_mlp_bias=all_biases,
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         rope_scaling=rope.scaling,
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         partial_rotary_factor=rope.partial_rotary_factor,
+        **_granite_fields(arch, cfg),
         **_moe_fields(arch, cfg),
         **_attention_fields(arch, cfg),
     )
@@ -60,8 +70,15 @@ _ARCH_BY_TYPE = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
 }
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 1 has no soft-caps, windows or scalar
+# transformers' defaults where a config.json leaves them out
+_TIED_BY_DEFAULT = (*GEMMA, "GemmaForCausalLM", "Starcoder2ForCausalLM")
+_DEFAULT_EPS = {"Starcoder2ForCausalLM": 1e-5}
 # The architectures Relay runs: relay.execution.models.MODELS implements each (a test holds the two
 # equal). Named here, where torch is not imported, for the launcher (relay::http, which never
 # holds torch) to refuse another before any process starts.
@@ -79,7 +96,8 @@ def check_architecture(architecture: str) -> None:
 
 # Where a config names no layer_types, which layers slide (transformers' defaults): Gemma 2
 # alternates from layer 0, Gemma 3 makes every sliding_window_pattern-th layer global, Qwen2/3
-# (use_sliding_window) slide from max_window_layers on, Mistral, Mixtral and Phi-3 slide everywhere.
+# (use_sliding_window) slide from max_window_layers on, Mistral, Mixtral, Phi-3 and StarCoder 2
+# slide everywhere.
 _DEFAULT_LAYER_TYPES = {
     "Gemma2ForCausalLM": lambda cfg, i: (i + 1) % 2 != 0,
     "Gemma3ForCausalLM": lambda cfg, i: (i + 1) % cfg.get("sliding_window_pattern", 6) != 0,
@@ -127,11 +145,9 @@ def gemma_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     layer type ({"full_attention": ..., "sliding_attention": ...}), the released checkpoints
     rope_theta, rope_scaling (the global layers') and rope_local_base_freq."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(
-            f"config.json hidden_activation {act!r} is not supported for {arch}; Relay implements "
-            f"gelu_pytorch_tanh"
-        )
+    if arch == "GemmaForCausalLM" and act == "gelu":
+        act = "gelu_pytorch_tanh"  # Gemma 1's released configs: transformers reads it so
+    _check_activation(arch, act)
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(
             f"config.json use_bidirectional_attention is not supported for {arch}: Relay generates "
@@ -150,6 +166,29 @@ def gemma_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     flat["rope_parameters"] = params["full_attention"]
     flat["rope_local_base_freq"] = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
     return flat
+
+
+def _check_activation(arch: str, act: str) -> None:
+    """ValueError naming the activation unless it is the tanh-approximated GELU Relay runs."""
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"config.json hidden_activation {act!r} is not supported for {arch}; Relay implements "
+            f"gelu_pytorch_tanh"
+        )
+
+
+def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (transformers' defaults: 1, which change nothing)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias is not supported for GraniteForCausalLM")
+    return dict(
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+    )
 
 
 def _attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

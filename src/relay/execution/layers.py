@@ -53,6 +53,25 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * w + b (StarCoder 2's norms), with RMSNorm's interface."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.forward(residual), residual
+
+
 # float32 CPU GEMMs of at least this many rows go to oneDNN with a weight prepacked in its
 # blocked layout: 1.2-1.6x MKL's speed at 8-96 rows; below, MKL's GEMV path is faster. bfloat16
 # ones always do: 1.3-1.8x F.linear's speed at every row count on a Zen 4 (AVX512-BF16). (Where
@@ -347,18 +366,23 @@ class Linear(nn.Module):
         self.blocks: BlockWeight | None = None  # the weight's exact GGUF blocks (see weight_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a row-parallel layer adds its bias once, after the sum: every rank holds all of it
+        reduce = self.tp is not None and self.tp.size > 1
         y = cpu_matmul(
             x,
             self.weight,
             self.packed,
-            self.bias,
+            None if reduce else self.bias,
             self.int8,
             self.gemv,
             int4=self.int4,
             w8a8=self.w8a8,
             blocks=self.blocks,
         )
-        return self.tp.all_reduce(y) if self.tp is not None else y
+        if not reduce:
+            return y
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from relay.execution.models.gemma import GemmaForCausalLM
-from relay.execution.models.llama import LlamaForCausalLM
+from relay.execution.models.llama import LlamaForCausalLM, Starcoder2ForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
+from relay.execution.models.olmo2 import Olmo2ForCausalLM
 from relay.execution.models.phi3 import Phi3ForCausalLM
 from relay.hf_config import check_architecture
 
@@ -19,6 +20,10 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers: ModelConfig's fields
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }

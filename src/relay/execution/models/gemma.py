@@ -1,7 +1,9 @@
-"""Gemma 2 and Gemma 3, text only (Gemma2ForCausalLM, Gemma3ForCausalLM, and the text tower of
-Gemma3ForConditionalGeneration).
+"""Gemma 1, 2 and 3, text only (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, and the
+text tower of Gemma3ForConditionalGeneration).
 
-What they change in the Llama decoder:
+What Gemma 1 changes in the Llama decoder: the (1 + w) norms, the scaled embedding and GeGLU
+below, and head_dim may differ from hidden_size / heads; its layers have Llama's two norms.
+What Gemma 2 and 3 change besides:
 - every RMSNorm scales by (1 + w), in float32 before casting back (GemmaRMSNorm);
 - the embedding is multiplied by sqrt(hidden_size), rounded to the model's dtype first;
 - the MLP is GeGLU: gelu_pytorch_tanh(x W_gate) * (x W_up) W_down;
@@ -90,14 +92,22 @@ class GeGluMLP(MLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int):
+    """Gemma 2/3's layer (sandwich: norms before and after attention and the MLP), or Gemma 1's:
+    Llama's two norms, post_attention_layernorm the one before the MLP (the checkpoints' names)."""
+
+    def __init__(
+        self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, sandwich: bool
+    ):
         super().__init__()
+        self.sandwich = sandwich
         self.input_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.self_attn = GemmaAttention(mc, tp, dtype, layer_id)
         self.post_attention_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        if sandwich:
+            self.pre_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = GeGluMLP(mc, tp, dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        if sandwich:
+            self.post_feedforward_layernorm = GemmaRMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -113,6 +123,9 @@ class GemmaDecoderLayer(nn.Module):
             x = x[keep]
             if not h.shape[0]:
                 return h
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -137,7 +150,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.sliding = [w is not None for w in mc.layer_windows] or [False] * mc.num_layers
 
     def _make_layer(self, layer_id: int) -> nn.Module:
-        return GemmaDecoderLayer(self.config, self.tp, self.dtype, layer_id)
+        sandwich = self.config.architecture != "GemmaForCausalLM"  # Gemma 2 and 3
+        return GemmaDecoderLayer(self.config, self.tp, self.dtype, layer_id, sandwich)
 
     def forward(
         self,

@@ -1,9 +1,13 @@
-"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3.
+"""The Llama decoder family: Llama 2/3 (and SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3, Granite,
+StarCoder 2.
 
 The differences are config flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per head
 before the rotary embedding, Mistral's layers attend within a sliding window (ModelConfig.
-layer_windows: the attention backend masks it). q/k/v and gate/up are fused into one GEMM each. The
-mixture-of-experts models (models/moe.py) are this decoder with sparse feed-forward blocks.
+layer_windows: the attention backend masks it), Granite scales the embedding, each sublayer's
+output, the attention scores and the logits by its multipliers. StarCoder 2 (its own class below)
+has LayerNorms, biases on every projection and an ungated GELU MLP. q/k/v and gate/up are fused
+into one GEMM each. The mixture-of-experts models (models/moe.py) are this decoder with sparse
+feed-forward blocks.
 
 This module holds the model: its forward pass, its weights' forms (packed, quantized, GGUF
 blocks) and checkpoint loading. Its layers are in models/llama_layers.py; running them as one
@@ -25,6 +29,7 @@ from relay.execution.gguf_blocks import GgufRows
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_gemm, cpu_layers
 from relay.execution.layers import (
+    LayerNorm,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -36,7 +41,7 @@ from relay.execution.layers import (
     w8a8_weight,
 )
 from relay.execution.models import one_call_layers
-from relay.execution.models.llama_layers import MLP, DecoderLayer
+from relay.execution.models.llama_layers import MLP, DecoderLayer, UngatedMLP
 from relay.execution.weight_blocks import recover
 
 
@@ -77,7 +82,9 @@ class LlamaForCausalLM(nn.Module):
         ] = []  # the decoder layers' GEMM modules, once prompt_layers is set
 
     def _make_layer(self, layer_id: int) -> nn.Module:
-        return DecoderLayer(self.config, self.tp, self.dtype, layer_id, self._make_mlp(layer_id))
+        return DecoderLayer(
+            self.config, self.tp, self.dtype, layer_id, self._make_mlp(layer_id), self.Norm
+        )
 
     def _make_mlp(self, layer_id: int) -> nn.Module:
         """Layer layer_id's feed-forward block (a MoE model's sparse layers give theirs)."""
@@ -105,11 +112,11 @@ class LlamaForCausalLM(nn.Module):
         if chunks is not None and chunks[0] is attn and t > self._rows_off_panels():
             plan = attn.prompt_kernel_plan
             if plan is not None:
-                return chunks[1].run(self.embed_tokens(input_ids), positions, plan, keep)
+                return chunks[1].run(self.embed(input_ids), positions, plan, keep)
         rope = self.rotary.for_step(
             positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head
         )
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         last = len(self.layers) - 1
         index = (
             None if keep is None else torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
@@ -138,11 +145,16 @@ class LlamaForCausalLM(nn.Module):
         return hidden if keep is None else hidden[keep]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first layer's input (Gemma scales the embedding)."""
-        return self.embed_tokens(input_ids)
+        """The first layer's input (Granite and Gemma scale the embedding)."""
+        x = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return x if multiplier == 1.0 else x * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        # Granite divides them (not multiplies by the inverse), as transformers does
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def gemm_modules(self) -> list[Linear | VocabParallelEmbedding]:
         """Every module whose weight a GEMM reads: the linear layers and the LM head."""
@@ -169,11 +181,11 @@ class LlamaForCausalLM(nn.Module):
             self.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()
         )
         if self.fused_cpu_ops:
-            self.norm.fused = True
+            # the norms and MLPs that have a kernel (StarCoder 2's LayerNorms and MLP have none)
+            for part in (self.norm, *(p for layer in self.layers for p in layer.children())):
+                if hasattr(part, "fused"):
+                    part.fused = True
             for layer in self.layers:
-                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = (
-                    layer.mlp.fused
-                ) = True
                 if (
                     self.rotary.covers_head
                 ):  # the kernel rotates whole heads; a partial rotary stays in torch
@@ -304,8 +316,8 @@ class LlamaForCausalLM(nn.Module):
             n = module.weight.shape[0]
             module.weight.copy_(w[module.start : module.start + n])
             return name
-        if name == "norm.weight":
-            self.norm.weight.copy_(w)
+        if name in ("norm.weight", "norm.bias"):  # (StarCoder 2's LayerNorm has a bias)
+            getattr(self.norm, name[5:]).copy_(w)
             return name
         m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
         if m is None:
@@ -325,10 +337,25 @@ class LlamaForCausalLM(nn.Module):
             dest[offset : offset + count * d].copy_(w[start * d : (start + count) * d])
             return prefix + f"self_attn.qkv_proj.{kind}"
         if part == "self_attn.o_proj":
-            attn.o_proj.weight.copy_(w[:, sh.q_start * d : (sh.q_start + sh.q_count) * d])
-            return prefix + "self_attn.o_proj.weight"
+            if kind == "bias":  # every rank adds all of it, once, after the sum
+                attn.o_proj.bias.copy_(w)
+            else:
+                attn.o_proj.weight.copy_(w[:, sh.q_start * d : (sh.q_start + sh.q_count) * d])
+            return prefix + f"self_attn.o_proj.{kind}"
         if part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             return prefix + "mlp." + mlp.load(part[4:], w)
+        if part in ("mlp.c_fc", "mlp.c_proj"):
+            return prefix + "mlp." + mlp.load(f"{part[4:]}.{kind}", w)
         module = layer.get_submodule(part)  # input/post-attention norms, q/k norms
-        module.weight.copy_(w)
-        return prefix + part + ".weight"
+        getattr(module, kind).copy_(w)
+        return prefix + f"{part}.{kind}"
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    """StarCoder 2: Llama's decoder with LayerNorms (weight and bias), biases on q/k/v/o and the
+    MLP (use_bias), and the ungated MLP gelu_pytorch_tanh(x W_fc) W_proj."""
+
+    Norm = LayerNorm
+
+    def _make_mlp(self, layer_id: int) -> nn.Module:
+        return UngatedMLP(self.config, self.tp, self.dtype)

@@ -1,6 +1,8 @@
 """The Llama decoder layer and its parts: attention (q/k/v fused into one GEMM, Qwen3's q/k
 norms, rotary through torch or Relay's fused CPU kernel) and the SiLU-gated MLP (gate/up fused),
-each split over the tensor-parallel ranks. Gemma's and the MoE models' layers build on them.
+each split over the tensor-parallel ranks. Gemma's, OLMo 2's and the MoE models' layers build on
+them; Granite's (residual_multiplier) and StarCoder 2's (LayerNorms, biases everywhere, the
+ungated GELU MLP) are these with options.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
         self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = Linear(mc.hidden_size, sum(self.sizes), mc.attention_bias, dtype)
-        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, False, dtype, tp)
+        self.o_proj = Linear(self.num_heads * d, mc.hidden_size, mc.o_proj_and_mlp_bias, dtype, tp)
         self.qk_norm = mc.qk_norm
         if mc.qk_norm:
             self.q_norm = RMSNorm(d, mc.rms_norm_eps, dtype)
@@ -42,7 +44,7 @@ class Attention(nn.Module):
         """o_proj(attention) of every row, or of the rows in keep only (every row's keys and
         values still go into the cache)."""
         t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.project_qkv(x)
         nq, nk = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nk) * d :].view(t, nk, d)
         if self.rotary is not None:  # Relay's CPU kernels norm and rotate q and k in place, in qkv
@@ -69,6 +71,10 @@ class Attention(nn.Module):
             ]:  # no row's output is read: its keys and values were all it had to give
                 return out.new_empty(0, self.o_proj.weight.shape[0])
         return self.o_proj(out)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[q | k | v] of each row, as the rotary embedding takes them (OLMo 2 norms q and k here)."""
+        return self.qkv_proj(x)
 
 
 class MLP(nn.Module):
@@ -112,15 +118,58 @@ class MLP(nn.Module):
         return "gate_up_proj.weight"
 
 
+class UngatedMLP(nn.Module):
+    """gelu_pytorch_tanh(x W_fc + b_fc) W_proj + b_proj (StarCoder 2's c_fc and c_proj), split over
+    the ranks as the gated MLP: c_fc column-parallel, c_proj row-parallel (its bias added once)."""
+
+    def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.start, self.inter = split_evenly(mc.intermediate_size, tp.size, tp.rank)
+        bias = mc.o_proj_and_mlp_bias
+        self.c_fc = Linear(mc.hidden_size, self.inter, bias, dtype)
+        self.c_proj = Linear(self.inter, mc.hidden_size, bias, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+    def load(self, which: str, w: torch.Tensor) -> str:
+        """Copy this rank's slice of a checkpoint's c_fc or c_proj weight or bias in ("c_fc.weight",
+        ...); the name of the parameter it went to."""
+        start, n = self.start, self.inter
+        if which.startswith("c_fc."):  # this rank's features: rows of the weight, the bias's
+            part = w[start : start + n]
+        elif which == "c_proj.weight":
+            part = w[:, start : start + n]
+        else:  # c_proj.bias: every rank adds all of it, once, after the sum
+            part = w
+        self.get_parameter(which).copy_(part)
+        return which
+
+
 class DecoderLayer(nn.Module):
+    """Norm, attention, residual add; norm, MLP, residual add (the next layer's norm adds it).
+    norm: the norms' class (Llama's RMSNorm, StarCoder 2's LayerNorm). Granite scales each
+    sublayer's output by residual_multiplier before it joins the residual stream."""
+
     def __init__(
-        self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int, mlp: nn.Module
+        self,
+        mc: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        layer_id: int,
+        mlp: nn.Module,
+        norm: type[nn.Module] = RMSNorm,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.input_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.self_attn = Attention(mc, tp, dtype, layer_id)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
+        self.residual_multiplier = mc.residual_multiplier
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        # multiplied before the add, as transformers' Granite: residual + h * multiplier
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def forward(
         self,
@@ -142,5 +191,5 @@ class DecoderLayer(nn.Module):
             residual = residual[keep]
             if not h.shape[0]:
                 return h, residual
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(self._scaled(h), residual)
+        return self._scaled(self.mlp(h)), residual

@@ -32,7 +32,8 @@ def decode_layers(
     bfloat16 panels where it has them). None where the model does not qualify."""
     layers = model.layers
     eligible = (
-        model.fused_cpu_ops
+        computes_these_layers(model)
+        and model.fused_cpu_ops
         and model.rotary.covers_head
         and model.tp.collectives_in_c
         and attn.kv.layout == "HND"
@@ -74,6 +75,23 @@ def decode_layers(
     )
 
 
+def computes_these_layers(model: LlamaForCausalLM) -> bool:
+    """Whether every decoder layer is one the C call computes: RMS norms (Gemma's 1 + w too)
+    before attention and before a gated MLP, Gemma 2/3's also after each, q/k norms per head, and
+    the sublayers' outputs added to the residual stream as they are. Not OLMo 2's (no norm before
+    a sublayer; q/k normed over the whole projection), Granite's (outputs scaled by
+    residual_multiplier), StarCoder 2's (LayerNorms, an ungated MLP) or a MoE block's: those run
+    layer by layer."""
+    # kinds of norm, asked of their classes: a Gemma norm's kernel_weight exists only once folded
+    return all(
+        hasattr(type(getattr(layer, "input_layernorm", None)), "kernel_weight")
+        and hasattr(type(layer.post_attention_layernorm), "kernel_weight")
+        and hasattr(layer.mlp, "gate_up_proj")
+        and getattr(layer, "residual_multiplier", 1.0) == 1.0
+        for layer in model.layers
+    )
+
+
 def layer_weights(layer, gemm) -> cpu_layers.DecoderLayerWeights:
     """One decoder layer's weights as relay_decode_layers reads them (float32 norms, as their
     kernel multiplies: Gemma's 1 + w), a Llama layer's or a Gemma one's (its norms around the MLP)."""
@@ -111,7 +129,8 @@ def prompt_layers(
     the layers, bit for bit. modules: the decoder layers' GEMM modules. None where the model
     does not qualify."""
     eligible = (
-        model.fused_cpu_ops
+        computes_these_layers(model)
+        and model.fused_cpu_ops
         and model.rotary.covers_head
         and not model.config.qk_norm
         and model.tp.collectives_in_c
