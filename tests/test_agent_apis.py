@@ -1,17 +1,27 @@
 """The Responses and Messages APIs' pure parts, without a server: the previous_response_id
-store's bounds, the output blocks a streamed and a whole response share, and errors renamed
-to the client's field names."""
+store's bounds, the output blocks a streamed and a whole response share, the translation of
+their bodies into chat requests (errors renamed to the client's fields), and their event
+streams when a request fails mid-way."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import anthropic
+import openai
+import pydantic
 import pytest
 
+from relay.api.anthropic_output import message_events
 from relay.api.anthropic_request import parse_anthropic
 from relay.api.fields import ProtocolError
 from relay.api.output_blocks import CALL, REASONING, TEXT, BlockStream, Closed, Opened, whole_blocks
+from relay.api.responses_output import ResponseEvents
 from relay.api.responses_request import parse_responses
 from relay.api.responses_store import ResponseStore
 from relay.api.tool_calls import Tool, ToolCalling
+from relay.outputs import RequestOutput
 
 MODEL = "m"
 
@@ -85,3 +95,142 @@ def test_chat_errors_name_the_anthropic_field():
         parse, {"messages": msgs, "tools": tools, "tool_choice": {"type": "tool", "name": "g"}}
     )
     assert e.param == "tool_choice.name"
+
+
+def test_function_calls_in_a_row_are_one_assistant_turn_and_outputs_name_their_call():
+    parsed = parse_responses(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "b", "output": "2"},
+            ],
+        },
+        MODEL,
+        ResponseStore(),
+    )
+    system, user, turn, result = parsed.parsed.messages
+    assert (system["role"], user["content"]) == ("system", "Hi")
+    assert [c["id"] for c in turn["tool_calls"]] == ["a", "b"]
+    assert (result["role"], result["tool_call_id"], result["name"]) == ("tool", "b", "g")
+    assert [m["role"] for m in parsed.conversation] == ["user", "assistant", "tool"]
+
+
+def test_tool_results_come_before_the_text_of_their_turn_and_errors_say_so():
+    parsed = parse_anthropic(
+        {
+            "max_tokens": 4,
+            "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": ""},
+                        {"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "and?"},
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t",
+                            "content": "no",
+                            "is_error": True,
+                        },
+                    ],
+                },
+            ],
+        },
+        MODEL,
+    )
+    roles = [(m["role"], m["content"]) for m in parsed.messages]
+    assert roles == [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", ""),
+        ("tool", "Error: no"),
+        ("user", "and?"),
+    ]
+    assert parsed.messages[2]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+
+
+def _sse(records: list[RequestOutput], events) -> list[dict]:
+    """The events a stream of these records makes, as sent."""
+
+    async def outs():
+        for r in records:
+            yield 0, r
+
+    async def run():
+        return [chunk async for chunk in events(outs())]
+
+    out = []
+    for chunk in asyncio.run(run()):
+        head, data = chunk.decode().strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+FIRST = RequestOutput("r", text="Hel", prompt_tokens=3, completion_tokens=1)
+FAILED = RequestOutput("r", finish_reason="abort", error="boom", status=503)
+
+
+def test_a_response_failing_mid_stream_ends_with_error_and_response_failed():
+    req = parse_responses({"input": "Hi", "stream": True}, MODEL, ResponseStore())
+    kept = []
+    events = _sse([FIRST, FAILED], ResponseEvents(req, "resp-1", 0, MODEL, kept.append).events)
+    adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    for e in events:
+        adapter.validate_python(e)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"]["message"] == "boom"
+    assert kept == []  # a failed response is not stored
+
+
+def test_a_message_failing_mid_stream_ends_with_an_error_event():
+    parsed = parse_anthropic(
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}, MODEL
+    )
+    events = _sse([FIRST, FAILED], lambda outs: message_events(outs, parsed, "msg-1", MODEL))
+    adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    for e in events[:-1]:
+        adapter.validate_python(e)
+    assert [e["type"] for e in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "error",
+    ]
+    assert events[-1]["error"] == {"type": "overloaded_error", "message": "boom"}
+
+
+def test_anthropic_tool_choice_and_cache_control_read_as_chat_does():
+    parsed = parse_anthropic(
+        {
+            "max_tokens": 4,
+            "system": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"name": "f", "input_schema": {}, "cache_control": {"type": "ephemeral"}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        },
+        MODEL,
+    )
+    assert (parsed.tools.mode, parsed.tools.parallel) == ("required", False)
+    assert parsed.params.json_schema is not None  # the forced call's grammar
+
+
+def test_a_developer_message_is_a_system_message():
+    parsed = parse_responses(
+        {"input": [{"type": "message", "role": "developer", "content": "Be brief."}]},
+        MODEL,
+        ResponseStore(),
+    )
+    assert parsed.parsed.messages == [{"role": "system", "content": "Be brief."}]

@@ -141,7 +141,13 @@ def test_function_tool_round_trip_by_previous_response_id_and_by_items(oai, http
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = oai.responses.create(
-        model=MODEL, input=ask, tools=tools, tool_choice="required", max_output_tokens=40, **GREEDY
+        model=MODEL,
+        instructions="Call a tool.",  # not carried over: the replay below has none either
+        input=ask,
+        tools=tools,
+        tool_choice="required",
+        max_output_tokens=40,
+        **GREEDY,
     )
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.status == "completed"
@@ -377,7 +383,7 @@ def test_tool_use_round_trip_with_any_and_a_named_tool(claude, http):
     assert answer.stop_reason in ("end_turn", "max_tokens")
 
 
-def test_reasoning_is_a_thinking_block_whole_and_streamed(claude):
+def test_reasoning_is_a_thinking_block_and_output_config_a_schema(claude):
     kw = dict(
         model=MODEL,
         max_tokens=12,
@@ -392,6 +398,11 @@ def test_reasoning_is_a_thinking_block_whole_and_streamed(claude):
     with claude.messages.stream(**kw) as stream:
         deltas = [e.delta.thinking for e in stream if e.type == "content_block_delta"]
     assert "".join(deltas) == thinking.thinking
+
+    # Without thinking the schema rules the answer from its first token.
+    answer = claude.messages.create(**{**kw, "max_tokens": 30}, thinking={"type": "disabled"})
+    assert [b.type for b in answer.content] == ["text"] and answer.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(answer.content[0].text), WEATHER_PARAMS)
 
 
 def test_stop_sequences_end_the_message_and_say_which(claude):

@@ -26,7 +26,6 @@ from relay.api.output_blocks import (
     Block,
     BlockEvent,
     BlockStream,
-    Closed,
     Grew,
     Opened,
 )
@@ -35,6 +34,12 @@ from relay.api.serving import Choice, Usage
 from relay.outputs import RequestOutput
 
 _ID_PREFIX = {REASONING: "rs", TEXT: "msg", CALL: "fc"}
+# The events that grow and close each kind of item: <name>.delta, <name>.done.
+_DELTA = {
+    REASONING: "response.reasoning_text",
+    TEXT: "response.output_text",
+    CALL: "response.function_call_arguments",
+}
 
 
 def item_id(rid: str, block: Block) -> str:
@@ -183,67 +188,39 @@ class ResponseEvents:
     ) -> list[bytes]:
         block = e.block
         where = {"item_id": item_id(self.rid, block), "output_index": block.index}
+        if block.kind != CALL:  # a message's or reasoning item's one content part
+            where["content_index"] = 0
+        extra = {"logprobs": []} if block.kind == TEXT else {}
         if isinstance(e, Opened):
-            item = output_item(self.rid, block, "in_progress")
-            if block.kind != CALL:
-                item["content"] = []  # its part arrives in content_part.added
-            out = [self._event("response.output_item.added", output_index=block.index, item=item)]
-            if block.kind != CALL:
-                part = _empty_part(block.kind)
-                out.append(
-                    self._event("response.content_part.added", **where, content_index=0, part=part)
-                )
-            return out
+            return self._opened(block, where)
         if isinstance(e, Grew):
-            if block.kind == CALL:
-                return [
-                    self._event("response.function_call_arguments.delta", **where, delta=e.text)
-                ]
-            if block.kind == TEXT:
-                return [
-                    self._event(
-                        "response.output_text.delta",
-                        **where,
-                        content_index=0,
-                        delta=e.text,
-                        logprobs=[],
-                    )
-                ]
-            return [
-                self._event("response.reasoning_text.delta", **where, content_index=0, delta=e.text)
-            ]
-        assert isinstance(e, Closed)
+            return [self._event(f"{_DELTA[block.kind]}.delta", **where, delta=e.text, **extra)]
         item = output_item(self.rid, block, _item_status(block, blocks, finish_reason))
         if block.kind == CALL:
-            out = [
-                self._event(
-                    "response.function_call_arguments.done",
-                    **where,
-                    name=block.name,
-                    arguments=block.text,
-                )
-            ]
+            done = {"name": block.name, "arguments": block.text}
+            out = [self._event(f"{_DELTA[CALL]}.done", **where, **done)]
         else:
-            done = (
-                "response.output_text.done"
-                if block.kind == TEXT
-                else "response.reasoning_text.done"
-            )
-            extra = {"logprobs": []} if block.kind == TEXT else {}
             part = item["content"][0]
             out = [
-                self._event(done, **where, content_index=0, text=block.text, **extra),
-                self._event("response.content_part.done", **where, content_index=0, part=part),
+                self._event(f"{_DELTA[block.kind]}.done", **where, text=block.text, **extra),
+                self._event("response.content_part.done", **where, part=part),
             ]
         out.append(self._event("response.output_item.done", output_index=block.index, item=item))
         return out
+
+    def _opened(self, block: Block, where: dict[str, Any]) -> list[bytes]:
+        item = output_item(self.rid, block, "in_progress")
+        if block.kind == CALL:
+            return [self._event("response.output_item.added", output_index=block.index, item=item)]
+        item["content"] = []  # its part arrives in content_part.added
+        part = _text_part("") if block.kind == TEXT else {"type": "reasoning_text", "text": ""}
+        return [
+            self._event("response.output_item.added", output_index=block.index, item=item),
+            self._event("response.content_part.added", **where, part=part),
+        ]
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n".encode()
-
-
-def _empty_part(kind: str) -> dict[str, Any]:
-    return _text_part("") if kind == TEXT else {"type": "reasoning_text", "text": ""}

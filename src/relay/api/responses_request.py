@@ -108,9 +108,11 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Fields whose effect this server would silently drop."""
     if body.get("background"):
         raise bad("background", "'background' responses are not supported by this server")
-    for key in ("conversation", "prompt"):
+    for key in ("conversation", "prompt", "max_tool_calls"):
         if body.get(key) is not None:
             raise bad(key, f"'{key}' is not supported by this server")
+    if body.get("top_logprobs"):
+        raise bad("top_logprobs", "'top_logprobs' is not supported on /v1/responses")
     if body.get("truncation") not in (None, "disabled"):
         raise bad(
             "truncation",
