@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_utils import Server
+from tests.server_utils import Server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -277,6 +277,11 @@ RESPONSES_BAD = [
 @pytest.mark.parametrize("body,param", RESPONSES_BAD, ids=[p for _, p in RESPONSES_BAD])
 def test_a_malformed_responses_body_is_a_400_naming_its_path(http, body, param):
     assert_bad(http.post("/v1/responses", json=body), param)
+
+
+def test_an_input_too_long_for_the_context_is_a_400_naming_input(http):
+    r = http.post("/v1/responses", json={"input": "hello " * 10_000, "max_output_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 def test_the_agents_sdk_runs_a_tool_through_its_default_responses_model(server):
@@ -588,3 +593,32 @@ def test_fuzzed_bodies_get_an_answer_or_a_400_naming_a_field_never_a_server_erro
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err.get("param") or "'" in err["message"], err  # the field is named
+
+
+# ---- a client that leaves ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/responses", {"input": "Count to a thousand:", "max_output_tokens": 200}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Count:"}], "max_tokens": 200}),
+    ],
+)
+def test_a_stream_the_client_leaves_is_aborted(server, http, path, body):
+    def aborted() -> float:
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith('relay:aborted_requests_total{reason="client_disconnect"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = aborted()
+    with http.stream("POST", path, json={**body, "stream": True, "ignore_eos": True}) as r:
+        next(r.iter_lines())
+    wait_until(lambda: aborted() == before + 1, 15, "the disconnect counted")
+
+    def ended() -> bool:
+        info = http.get("/get_server_info").json()
+        return info["num_http_requests"] == 0 and info["scheduler"]["num_running"] == 0
+
+    wait_until(ended, 15, "the request ended in the scheduler")

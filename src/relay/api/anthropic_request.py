@@ -12,7 +12,8 @@ Translated:
 - tools {name, description, input_schema} -> function tools; tool_choice auto / any / tool /
   none -> "auto" / "required" / the named function / "none"; disable_parallel_tool_use ->
   parallel_tool_calls false;
-- max_tokens (required), stop_sequences, temperature (0 to 1), top_p, top_k, stream;
+- max_tokens (required), stop_sequences, temperature (0 to 1), top_p, top_k, stream, and
+  chat's extra sampling fields (min_p, seed, ignore_eos, ...);
 - output_config.format {"type": "json_schema", "schema"} -> response_format (structured
   output through the grammar, as chat's);
 - thinking {"type": "disabled"} -> chat_template_kwargs enable_thinking false (the model's
@@ -29,6 +30,7 @@ from typing import Any
 from relay.api import fields as F
 from relay.api.chat import parse_chat
 from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.openai_common import SAMPLING_KEYS
 from relay.api.renamed_fields import renamed, renamed_params, renames
 from relay.sampling_params import Range
 
@@ -47,6 +49,16 @@ _RENAMES = renames(
     ]
 )
 _TEMPERATURE = F.ranged("temperature", Range(0, 1))  # Anthropic's range
+# Passed to the chat parser as they are: Anthropic's sampling fields, and the vendor extras
+# (min_p, seed, ignore_eos, ...) a client sends in extra_body, as on chat completions.
+# `stop` is Anthropic's stop_sequences.
+_PASSED = (
+    "model",
+    "stream",
+    "priority",
+    "chat_template_kwargs",
+    *(key for key in SAMPLING_KEYS if key != "stop"),
+)
 
 
 def parse_anthropic(
@@ -69,7 +81,7 @@ def parse_anthropic(
         raise bad("max_tokens", "'max_tokens' is required")
     F.opt(body, "temperature", None, _TEMPERATURE)
     F.opt(body, "metadata", None, F.as_dict)
-    chat = {k: body[k] for k in ("model", "stream", "temperature", "top_p", "top_k") if k in body}
+    chat = {k: body[k] for k in _PASSED if k in body}
     chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     chat["max_tokens"] = None if counting else body.get("max_tokens")
     chat["stop"] = body.get("stop_sequences")
@@ -77,7 +89,8 @@ def parse_anthropic(
     chat.update(_tool_choice(body.get("tool_choice")))
     chat["response_format"] = _output_format(body.get("output_config"))
     if _thinking_disabled(body.get("thinking")):
-        chat["chat_template_kwargs"] = {"enable_thinking": False}
+        kwargs = F.opt(body, "chat_template_kwargs", {}, F.as_dict)
+        chat["chat_template_kwargs"] = {**kwargs, "enable_thinking": False}
     try:
         parsed = parse_chat(
             chat,

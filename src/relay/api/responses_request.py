@@ -98,7 +98,9 @@ def parse_responses(
         )
     except ProtocolError as e:
         raise renamed(e, _RENAMES) from None
-    parsed.param_names = renamed_params(parsed.param_names, _RENAMES)
+    # The tokenizer names the prompt `messages` when it cannot take it (too long for the
+    # context, a template that fails on it): here the prompt is the input.
+    parsed.param_names = {**renamed_params(parsed.param_names, _RENAMES), "messages": "input"}
     return ResponsesRequest(
         parsed, conversation, F.opt(body, "store", True, F.as_bool), _echo(body)
     )
