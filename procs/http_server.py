@@ -29,7 +29,15 @@ from ipc.messages import (
     TokenizeCall,
 )
 from ipc.sockets import HTTP, SCHEDULER, TOKENIZER, AsyncPull, endpoint, push, send
-from relay.api import admin, embeddings, openai, sglang, tokenization
+from relay.api import (
+    admin,
+    anthropic_messages,
+    embeddings,
+    openai,
+    responses,
+    sglang,
+    tokenization,
+)
 from relay.api.fields import ParsedRequest, ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
 from relay.api.request_id import RequestIdMiddleware, request_id, submitted
@@ -357,6 +365,6 @@ def build_app(client: ZmqEngineClient, guard: GuardConfig | None = None) -> Fast
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(ProtocolError(500, f"internal error: {type(e).__name__}", None))
 
-    for api in (openai, embeddings, sglang, tokenization, admin):
+    for api in (openai, responses, anthropic_messages, embeddings, sglang, tokenization, admin):
         api.add_routes(app, client)
     return app

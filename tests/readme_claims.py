@@ -108,6 +108,26 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         ("tests/test_lm_eval.py::test_lm_eval_local_completions_scores_as_its_hf_model_does",),
     ),
     (
+        "Serve agent clients",
+        "OpenAI's Responses API (`/v1/responses`: function tools, structured output, reasoning "
+        "items, streaming, `previous_response_id`) for the openai SDK and the OpenAI Agents SDK",
+        (
+            "tests/test_agent_apis_server.py::test_response_whole_streamed_and_the_sdk_stream_helper_agree",
+            "tests/test_agent_apis_server.py::test_function_tool_round_trip_by_previous_response_id_and_by_items",
+            "tests/test_agent_apis_server.py::test_structured_output_through_the_sdk_parse_helper",
+            "tests/test_agent_apis_server.py::test_reasoning_is_a_reasoning_item_whole_and_streamed",
+            "tests/test_agent_apis_server.py::test_the_agents_sdk_runs_a_tool_through_its_default_responses_model",
+        ),
+    ),
+    (
+        "Serve agent clients",
+        "Anthropic's Messages API (`/v1/messages`, `count_tokens`) for the anthropic SDK",
+        (
+            "tests/test_agent_apis_server.py::test_message_whole_streamed_and_counted_agree",
+            "tests/test_agent_apis_server.py::test_tool_use_round_trip_with_any_and_a_named_tool",
+        ),
+    ),
+    (
         "Serve embeddings",
         "`--is-embedding` answers OpenAI's `/v1/embeddings`",
         (

@@ -161,6 +161,30 @@ _MESSAGE = {
     },
 }
 
+_ANTHROPIC_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"anyOf": [_STR, {"type": "array", "items": {"type": "object"}}]},
+    },
+}
+_ANTHROPIC = {
+    "model": _STR,
+    "messages": {"type": "array", "items": _ANTHROPIC_MESSAGE, "minItems": 1},
+    "max_tokens": _CHAT_MAX_TOKENS,
+    "system": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+    "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+    "stream": _BOOL,
+    "temperature": _ranged("temperature", Range(0, 1)),
+    "top_p": _ranged("top_p"),
+    "top_k": _ranged("top_k"),
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"type": "object"},
+    "thinking": {"type": "object"},
+    "metadata": {"type": "object"},
+}
+
 BODIES: dict[str, dict[str, Any]] = {
     "completion": _object(
         {
@@ -264,6 +288,37 @@ BODIES: dict[str, dict[str, Any]] = {
         },
         ["input"],
     ),
+    # OpenAI's Responses API (relay.api.responses): input a string or a list of items.
+    "responses": _object(
+        {
+            "model": _STR,
+            "input": {
+                "anyOf": [_STR, {"type": "array", "items": {"type": "object"}, "minItems": 1}]
+            },
+            "instructions": _STR,
+            "previous_response_id": _STR,
+            "store": _BOOL,
+            "stream": _BOOL,
+            "max_output_tokens": _CHAT_MAX_TOKENS,
+            "temperature": _ranged("temperature", Range(0, 2)),
+            "top_p": _ranged("top_p"),
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "tool_choice": {},
+            "parallel_tool_calls": _BOOL,
+            "text": {"type": "object", "properties": {"format": {"type": "object"}}},
+            "reasoning": {"type": "object"},
+            "metadata": {"type": "object"},
+            "include": {"type": "array", "items": _STR},
+            "truncation": {"enum": ["disabled"]},
+            "user": _STR,
+        },
+        ["input"],
+    ),
+    # Anthropic's Messages API (relay.api.anthropic_messages).
+    "messages": _object(_ANTHROPIC, ["model", "messages", "max_tokens"]),
+    "count_tokens": _object(
+        {k: v for k, v in _ANTHROPIC.items() if k != "max_tokens"}, ["model", "messages"]
+    ),
 }
 
 
@@ -306,6 +361,23 @@ _WHY = {
 }
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": why, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    for code, why in _WHY.items()
+}
+# Anthropic's error shape (/v1/messages): the message names the field at fault.
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": _STR, "message": _STR},
+        },
+    },
+}
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": why, "content": {"application/json": {"schema": ANTHROPIC_ERROR_SCHEMA}}}
     for code, why in _WHY.items()
 }
 METRICS_RESPONSE: dict[int | str, dict[str, Any]] = {

@@ -96,6 +96,25 @@ def error_body(
     }
 
 
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape (/v1/messages): the message names the field at fault."""
+    kind = _ANTHROPIC_ERROR_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "api_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def bad(param: str | None, message: str) -> ProtocolError:
     return ProtocolError(400, message, param)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from relay.api.fields import ProtocolError, error_body
+from relay.api.fields import ProtocolError, anthropic_error_body, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -80,7 +80,7 @@ class RequestGuard:
             if scope["method"] == "POST":
                 receive = await self._buffered_body(scope, receive)
         except ProtocolError as e:
-            return await send_error(send, e)
+            return await send_error(send, e, anthropic=scope["path"].startswith("/v1/messages"))
         await self.app(scope, receive, send)
 
     def _check_headers(self, scope: Scope) -> None:
@@ -103,10 +103,8 @@ class RequestGuard:
                 "Origin",
                 "permission_error",
             )
-        if self._key is not None and scope["path"] != "/health":
-            given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, b"Bearer " + self._key):
-                raise ProtocolError(401, "missing or wrong API key", None, "authentication_error")
+        if self._key is not None and scope["path"] != "/health" and not self._authorized(headers):
+            raise ProtocolError(401, "missing or wrong API key", None, "authentication_error")
         if scope["method"] == "POST" and _has_body(headers):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
@@ -120,6 +118,15 @@ class RequestGuard:
                 not length.isdigit() or int(length) > self.cfg.max_body_bytes
             ):
                 raise _too_large(self.cfg.max_body_bytes)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        """The key as OpenAI clients send it (Authorization: Bearer) or Anthropic's
+        (x-api-key); both are compared in constant time."""
+        bearer = headers.get("authorization", "").encode("latin-1")
+        x_api_key = headers.get("x-api-key", "").encode("latin-1")
+        ok_bearer = hmac.compare_digest(bearer, b"Bearer " + self._key)
+        ok_x = hmac.compare_digest(x_api_key, self._key)
+        return ok_bearer or ok_x
 
     async def _buffered_body(self, scope: Scope, receive: Receive) -> Receive:
         """Read the whole body under the size limit and deadline; a receive that replays it
@@ -169,8 +176,14 @@ def _too_large(limit: int) -> ProtocolError:
     )
 
 
-async def send_error(send: Send, e: ProtocolError) -> None:
-    body = json.dumps(error_body(e.status, e.message, e.param, e.type)).encode()
+async def send_error(send: Send, e: ProtocolError, anthropic: bool = False) -> None:
+    """e as OpenAI's error body, or (anthropic: the /v1/messages routes) as Anthropic's."""
+    shaped = (
+        anthropic_error_body(e.status, e.message)
+        if anthropic
+        else error_body(e.status, e.message, e.param, e.type)
+    )
+    body = json.dumps(shaped).encode()
     await send(
         {
             "type": "http.response.start",

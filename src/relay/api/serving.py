@@ -178,16 +178,22 @@ def sse(obj: Any) -> bytes:
     )
 
 
+ErrorResponse = Callable[[ProtocolError], Response]
+
+
 async def whole(
-    client: EngineClient, api: ApiRequest, request: Request
+    client: EngineClient,
+    api: ApiRequest,
+    request: Request,
+    on_error: ErrorResponse = error_response,
 ) -> list[RequestOutput] | Response:
     """A non-streamed request's merged choices, or the response that replaces them (its
-    error, or 499 when the client left)."""
+    error as on_error shapes it, or 499 when the client left)."""
     pieces = await collect(client, api, request)
     if pieces is None:
         return Response(status_code=499)
     err = first_error(pieces)
-    return error_response(err) if err is not None else merge(pieces, len(api.rids))
+    return on_error(err) if err is not None else merge(pieces, len(api.rids))
 
 
 async def collect(client: EngineClient, api: ApiRequest, request: Request) -> list[Choice] | None:
@@ -212,10 +218,15 @@ SseEvents = Callable[[AsyncIterator[Choice]], AsyncIterator[bytes]]
 
 
 async def streamed(
-    client: EngineClient, api: ApiRequest, request: Request, events: SseEvents
+    client: EngineClient,
+    api: ApiRequest,
+    request: Request,
+    events: SseEvents,
+    on_error: ErrorResponse = error_response,
 ) -> Response:
-    """Wait for the first output (so a rejected request still gets its 4xx status), then
-    stream `events` of the records; a client that goes away aborts the request."""
+    """Wait for the first output (so a rejected request still gets its 4xx status, shaped by
+    on_error), then stream `events` of the records; a client that goes away aborts the
+    request."""
     try:
         first = await _race_disconnect(request, api.take())
     except BaseException:
@@ -227,7 +238,7 @@ async def streamed(
     err = first_error(first)
     if err is not None and err.status < 500:
         client.release(api, abort=True, reason="rejected")
-        return error_response(err)
+        return on_error(err)
     finished = False
 
     async def body():
