@@ -2,12 +2,15 @@
 Teacher-forced comparison with transformers.
 
 Runs transformers on a text with the checkpoint's weights, then with every GEMM weight replaced by
-Relay's int8 and int4 quantization of it (`relay.execution.layers.quantize_int8` / `quantize_int4`,
-dequantized), and for w8a8 also every decoder linear layer's input rounded as Relay's kernel rounds
-it (int8 per token, csrc/w8a8.c), and for int8 block activations the checkpoint's weights with every
-linear layer's input, the LM head's too, rounded to 8 bits per block of 32 (csrc/gemm_dot.c; this rounds
-Q4_1's m term's sums too, as llama.cpp does, which Relay takes exactly: an upper bound), and reports top-1 agreement of the next-token predictions, the
-mean KL divergence, and perplexity on the text.
+Relay's int8 and int4 quantization of it: on the CPU block kernels a float checkpoint's blocks
+(`relay.execution.quantized_blocks`: Q8_0's and Q4_1's rules per 32 inputs, float32 scales), with
+float and with int8 block activations; elsewhere (a GGUF file, `--disable-weight-blocks`) torch's
+kernels' (`relay.execution.layers.quantize_int8` / `quantize_int4`, dequantized). For w8a8 also
+every decoder linear layer's input rounded as Relay's kernel rounds it (int8 per token,
+csrc/w8a8.c), and for int8 block activations every linear layer's input, the LM head's too,
+rounded to 8 bits per block of 32 (csrc/gemm_dot.c; this rounds Q4_1's m term's sums too, as
+llama.cpp does, which Relay takes exactly: an upper bound). Reports top-1 agreement of the
+next-token predictions, the mean KL divergence, and perplexity on the text.
 
     python scripts/quant_quality.py                    # default model, README.md + docs/*.md
     python scripts/quant_quality.py --model-path DIR --text some.txt --max-tokens 4096
@@ -28,6 +31,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from relay.execution.layers import quantize_int4, quantize_int8, quantize_rows_int8
+    from relay.execution.quantized_blocks import dequantized
 
     def round_rows_int8(
         x: torch.Tensor,
@@ -68,9 +72,24 @@ def main() -> None:
     original = {name: p.data.clone() for name, p in model.named_parameters() if p.dim() == 2}
     int8 = lambda w: quantize_int8(w)[1]  # noqa: E731
     same = lambda w: w  # noqa: E731
+    q8_0 = lambda w: dequantized(w, "int8")  # noqa: E731
+    q4_1 = lambda w: dequantized(w, "int4")  # noqa: E731
+    blocks = "(--quantization {}: a float checkpoint on the block kernels)"
     schemes = [
-        ("int8, one scale per row", int8, None),
-        ("int4, scale and zero point per 32 inputs", lambda w: quantize_int4(w)[1], None),
+        (f"int8 blocks, Q8_0 per 32 inputs {blocks.format('int8')}", q8_0, None),
+        ("int8 blocks, int8 block activations (the default from AVX2 up)", q8_0, "blocks"),
+        (f"int4 blocks, Q4_1 per 32 inputs {blocks.format('int4')}", q4_1, None),
+        ("int4 blocks, int8 block activations (the default from AVX2 up)", q4_1, "blocks"),
+        (
+            "int8, one scale per row (torch's kernels: GGUF files, --disable-weight-blocks)",
+            int8,
+            None,
+        ),
+        (
+            "int4, torch's kernels (bfloat16 scale and zero point per 32 inputs)",
+            lambda w: quantize_int4(w)[1],
+            None,
+        ),
         ("w8a8: decoder GEMMs int8 x int8 (activations per token)", int8, "rows"),
         ("checkpoint weights, int8 block activations (--block-activations int8)", same, "blocks"),
     ]
@@ -84,7 +103,9 @@ def main() -> None:
                 ):  # every GEMM weight (a tied embedding with the LM head; w8a8 leaves it)
                     head = "embed_tokens" in name or "lm_head" in name
                     param.data = (
-                        original[name] if activations and head else quantize(original[name])
+                        original[name]
+                        if activations == "rows" and head
+                        else quantize(original[name])
                     )
             rounding = round_rows_int8 if activations == "rows" else round_blocks_int8
             hooks = [

@@ -256,6 +256,7 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         (
             "tests/test_quantization.py::test_default_model_int8_matches_transformers_on_the_quantized_weights",
             "tests/test_quantization.py::test_default_model_int4_is_still_the_model",
+            "tests/test_quantization.py::test_a_safetensors_model_quantized_at_load_is_served_from_blocks_alone",
             "tests/test_quantization.py::test_default_model_w8a8_is_still_the_model",
         ),
     ),

@@ -1,6 +1,8 @@
 """--quantization int8 (one scale per output row) and int4 (a scale and zero point per 32 input
 features): weight-only quantized weights on CPU; w8a8: int8 weights times activations quantized
-to int8 per row for GEMMs of at least W8A8_MIN_ROWS rows.
+to int8 per row for GEMMs of at least W8A8_MIN_ROWS rows. A float checkpoint on the block
+kernels is instead quantized at load into Q8_0 / Q4_1 blocks with no float copy (quantized_blocks:
+the tests at the end); the default model, a GGUF file, takes torch's kernels below.
 
 Small GEMMs (fewer than INT8_MAX_ROWS rows) run torch's int8 kernel; larger ones the float copy
 of the same quantized values. So with enough requests in a batch, greedy output equals
@@ -211,3 +213,164 @@ def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
     assert outs[0].text.startswith(" Paris"), outs[0].text
     assert calls and max(calls) >= W8A8_MIN_ROWS
     engine.check()
+
+
+# ---- a float checkpoint quantized at load into the CPU block kernels' forms (quantized_blocks) ----
+
+needs_blocks = pytest.mark.skipif(
+    not cpu_gemm.gemm_blocks_available(), reason="the block kernels are not built here"
+)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_blocks_round_each_block_of_32_to_its_grid(quantization):
+    """int4: d = (max - min) / 15 and m = min per 32 inputs; int8: d = max|w| / 127. Each weight
+    within half a step of d; a block of equal weights (d = 0) comes back exactly; a tied
+    embedding's rows (BlockRows) are the blocks' own, in either layout."""
+    from relay.execution.distributed import TPGroup
+    from relay.execution.quantized_blocks import BITS, BlockRows, quantize_weight
+
+    torch.manual_seed(0)
+    w = torch.randn(70, 96) * torch.logspace(-3, 1, 70)[:, None]
+    w[5, 32:64] = 0.25  # blocks of equal weights: d = 0 for int4 (and for int8 at 0)
+    w[6, :32] = 0
+    bits = BITS[quantization]
+    blocks = quantize_weight(w, bits, dot=False)
+    assert (blocks.bits, blocks.has_m) == (bits, bits == 4)
+    got = blocks.dequantize()
+    groups = w.view(70, 3, 32)
+    span = groups.amax(-1) - groups.amin(-1) if bits == 4 else 2 * groups.abs().amax(-1)
+    step = span / (15 if bits == 4 else 254)
+    err = (got - w).view(70, 3, 32).abs()
+    assert (err <= step[..., None] * 0.5 * (1 + 1e-5) + 1e-7).all()
+    assert torch.equal(got[6, :32], w[6, :32]) and not got.isnan().any()
+    if bits == 4:
+        assert torch.equal(got[5, 32:64], w[5, 32:64])
+    rows = torch.tensor([69, 0, 5, 33, 5])
+    for dot in (False, True):
+        lookup = BlockRows(quantize_weight(w, bits, dot), 0, torch.float32, TPGroup())
+        assert torch.equal(lookup.rows(rows), got[rows])
+
+
+def test_checkpoint_tensors_come_a_decoder_layer_at_a_time():
+    """after_each_layer: layer i is done once its last tensor is taken, before layer i + 1's."""
+    from relay.execution.model_loading import after_each_layer
+
+    names = ["model.layers.0.a", "model.layers.0.b", "model.layers.1.a", "model.norm.weight"]
+    events = []
+    for name, _ in after_each_layer(((n, None) for n in names), events.append):
+        events.append(name)
+    assert events == [names[0], names[1], 0, names[2], 1, names[3]]
+
+
+def quantized_reference(path: str, quantization: str):
+    """transformers' float32 model with every GEMM weight (a tied embedding with its head) the
+    blocks' dequantized values."""
+    from transformers import AutoModelForCausalLM
+
+    from relay.execution.quantized_blocks import dequantized
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    embedding = model.get_input_embeddings().weight  # float where untied
+    with torch.no_grad():
+        for p in model.parameters():  # (a tied weight once)
+            if p.dim() == 2 and (p is not embedding or model.config.tie_word_embeddings):
+                p.data = dequantized(p.data, quantization)
+    return model
+
+
+@needs_blocks
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "llama3"])
+def test_a_safetensors_model_quantized_at_load_is_served_from_blocks_alone(
+    tiny_model_dir, arch, quantization
+):
+    """Every GEMM weight becomes blocks with no float copy (a stand-in weight); a tied embedding
+    looks its rows up from the head's blocks, an untied one stays float; greedy output on the
+    exact block products (--block-activations float) equals transformers' on the blocks'
+    dequantized weights token for token."""
+    from relay.execution.layers import has_float_weight
+    from relay.execution.model_loading import weight_bytes
+    from relay.execution.quantized_blocks import BlockRows
+    from tests.test_engine import random_prompts
+
+    path = tiny_model_dir(arch)
+    engine = Engine(
+        path,
+        dtype="float32",
+        quantization=quantization,
+        kv_cache_gb=0.01,
+        block_activations="float",
+    )
+    model = engine.runner.model
+    gemms = model.gemm_modules()
+    assert all(m.blocks is not None and not has_float_weight(m) for m in gemms)
+    assert all(getattr(m, quantization) is None and m.packed is None for m in gemms)
+    tied = arch == "llama3"
+    assert isinstance(model.embed_tokens.lookup, BlockRows) == tied
+    assert has_float_weight(model.embed_tokens) != tied
+    floats = 4 * sum(m.weight.numel() for m in gemms)
+    assert sum(weight_bytes(m) for m in gemms) < (0.2 if quantization == "int4" else 0.3) * floats
+
+    prompts = random_prompts(1024, [3, 17, 40], seed=4)
+    ref = quantized_reference(path, quantization)
+    with torch.inference_mode():
+        want = [
+            ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == want
+    engine.check()
+
+
+def _quantized_step_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
+    from relay.config import EngineConfig, ModelConfig
+    from relay.execution.layers import has_float_weight
+    from relay.execution.model_runner import ModelRunner
+    from tests.test_model_runner import PS, prefill, spec
+
+    cfg = EngineConfig(
+        dtype="float32",
+        tp_size=tp.size,
+        page_size=PS,
+        kv_cache_gb=0.01,
+        block_activations="float",
+        quantization="int4",
+    )
+    runner = ModelRunner(cfg, model_dir, ModelConfig.from_dir(model_dir), tp)
+    assert all(not has_float_weight(m) for m in runner.model.gemm_modules())
+    batch = prefill([0], [prompt], [spec(0)])
+    return runner.step_logits(batch, batch.new_pages)[-1]
+
+
+@needs_blocks
+def test_two_tensor_parallel_ranks_quantize_their_shards_as_one_rank_does(tiny_model_dir, tmp_path):
+    """--tp 2: each rank quantizes its rows of q/k/v, gate/up and the tied head, and its whole
+    blocks of o's and down's inputs; its embedding rows come from its shard of the head's blocks
+    (the others' summed in): the all-reduced logits are one rank's."""
+    from relay.execution.distributed import TPGroup
+    from tests.test_engine import random_prompts
+    from tests.test_tp_shared_memory import run_ranks
+
+    path = tiny_model_dir("llama3")
+    prompt = random_prompts(1024, [20], seed=3)[0]
+    want = _quantized_step_logits(0, TPGroup(), path, prompt)
+    for got in run_ranks(_quantized_step_logits, tmp_path, path, prompt):
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@needs_blocks
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_the_one_call_decode_reads_quantized_blocks_as_the_layers_do(tiny_model_dir, quantization):
+    """With the default block activations (int8 from AVX2 up: the dot layout) a float32 model's
+    decode step runs in one C call on the quantized blocks, bit for bit what the layers compute."""
+    from tests.test_one_call_decoders import assert_decode_call_is_the_layers
+
+    path = tiny_model_dir("llama3")
+    engine = Engine(path, dtype="float32", quantization=quantization, kv_cache_gb=0.01)
+    runner = engine.runner
+    assert runner.model.use_decode_layers(runner.attn), "eligible for the C call"
+    assert_decode_call_is_the_layers(runner, runner.model.decode_layers)

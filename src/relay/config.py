@@ -52,9 +52,11 @@ class EngineConfig:
     # KV cache dtype; auto = the model's. bfloat16 under float32 weights halves the bytes
     # decode attention reads (CPU backend only).
     kv_cache_dtype: str = "auto"
-    # int8: weight-only int8 (CPU), one scale per output row; int4: weight-only 4-bit, a scale
-    # and zero point per 32 input features. Small decode batches read 2-4x fewer weight bytes;
-    # outputs are those of the quantized weights, not the checkpoint's.
+    # int8: weight-only int8 (CPU); int4: weight-only 4-bit, a scale and a minimum per 32 input
+    # features. A float checkpoint on the CPU block kernels is quantized at load into Q8_0 / Q4_1
+    # blocks with no float copy (relay/execution/quantized_blocks.py); elsewhere torch's kernels
+    # (int8: one scale per output row) beside float weights. Small decode batches read 2-4x fewer
+    # weight bytes; outputs are those of the quantized weights, not the checkpoint's.
     quantization: str | None = None
     device: str = "auto"  # auto: cuda when available, else cpu
     tp_size: int = 1

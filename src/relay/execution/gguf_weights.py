@@ -167,12 +167,11 @@ def load_llama(
     def gemm(module_name: str, parts: list[Part], hf_names: list[str]) -> None:
         module = model.get_submodule(module_name)
         if use_blocks:
-            module.blocks = read_blocks(file, parts, dot)
-            if module.blocks is not None:
-                module.blocks.round_bf16 = model.dtype == torch.bfloat16
+            blocks = read_blocks(file, parts, dot)
+            if blocks is not None:
+                install_blocks(module, blocks, model.dtype, keep_floats)
                 report.blocks.append(module_name)
                 if not keep_floats:
-                    module.weight = stand_in(module.weight.shape, module.weight.dtype)
                     loaded.add(module_name + ".weight")
                     return
         if module.blocks is None:
@@ -236,6 +235,17 @@ def load_llama(
     if missing:
         raise ValueError(f"{file.path} lacks weights for: {sorted(missing)[:8]}")
     return report
+
+
+def install_blocks(
+    module, blocks: BlockWeight, dtype: torch.dtype, keep_float: bool = False
+) -> None:
+    """The module's GEMMs read blocks (a bfloat16 model's may round x to bfloat16, as its own GEMMs
+    would); unless keep_float, its float weight becomes a stand-in with no storage (freed)."""
+    blocks.round_bf16 = dtype == torch.bfloat16
+    module.blocks = blocks
+    if not keep_float:
+        module.weight = stand_in(module.weight.shape, module.weight.dtype)
 
 
 # Per-layer tensors that stay float: (GGUF name, the model's parameter under layers.N.)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from relay.execution.kernels import cpu_gemm, isa
 from relay.execution.model_files import GgufSource, gguf_rows, gguf_source
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
+from relay.execution.quantized_blocks import BITS, BlockQuantizer
 from relay.execution.startup_timing import log_weight_blocks
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class ModelLoader:
         source = gguf_source(model_dir)
         if source is not None and self.cfg.load_format != "dummy":
             return self._load_gguf(source, model_dir, mc, quantization)
+        if self._quantizes_to_blocks(quantization):
+            return self._load_quantized_blocks(model_dir, mc, quantization)
         blocks = self._wants_weight_blocks(model_dir, quantization)
         # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
         # they are rounded: loaded into a float32 twin first.
@@ -73,6 +78,29 @@ class ModelLoader:
         release_free_memory()  # what decoding the file's blocks allocated and freed
         return model
 
+    def _load_quantized_blocks(
+        self, model_dir: str, mc: ModelConfig, quantization: str
+    ) -> torch.nn.Module:
+        """A float checkpoint with --quantization int4|int8 on the block kernels: each GEMM weight
+        quantized into blocks as soon as its decoder layer is loaded, its floats freed
+        (quantized_blocks), so that the whole float model is never held beside the blocks."""
+        model = self._new_model(mc, self.place.dtype)
+        quantizer = BlockQuantizer(model, quantization, self._int8_block_activations())
+
+        def quantize_layer(i: int) -> None:
+            quantizer.layer_done(i)
+            # the layer's freed floats back to the system: held in the heap, a 1B model's load
+            # peaked ~0.8 GB higher
+            release_free_memory()
+
+        self._fill_weights(model, model_dir, quantize_layer)
+        quantizer.finish()
+        self._finish(model, None)  # (floats left only where a shard cuts a block)
+        release_free_memory()  # what the freed float weights and the rounding left in the heap
+        if self.place.tp.is_leader:
+            quantizer.log(weight_bytes(model))
+        return model
+
     def _finish(self, model: torch.nn.Module, quantization: str | None) -> None:
         """Quantized, then (on CPU) packed for its GEMMs (the packed copy holds the quantized
         values) and on Relay's CPU kernels."""
@@ -81,6 +109,11 @@ class ModelLoader:
             if os.environ.get("RELAY_PACKED_GEMM", "1") != "0":
                 model.pack_for_cpu()
             model.use_cpu_kernels()
+
+    def _quantizes_to_blocks(self, quantization: str | None) -> bool:
+        """Whether --quantization quantizes a float checkpoint into blocks (quantized_blocks): int4
+        or int8 where the block kernels are usable; elsewhere torch's kernels (_quantize)."""
+        return quantization in BITS and self._block_kernels_usable(None)
 
     def _block_kernels_usable(self, quantization: str | None) -> bool:
         """Whether GEMMs may read GGUF blocks: on CPU, unquantized, not turned off, with the
@@ -118,16 +151,32 @@ class ModelLoader:
 
     def _build_model(self, model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         model = self._new_model(mc, dtype)
+        self._fill_weights(model, model_dir)
+        return model
+
+    def _fill_weights(
+        self,
+        model: torch.nn.Module,
+        model_dir: str,
+        layer_done: Callable[[int], None] | None = None,
+    ) -> None:
+        """The checkpoint's weights (or random ones: load_format dummy) into model; with
+        layer_done, the checkpoint a decoder layer at a time and layer_done(i) called once layer
+        i's tensors are all in (the model's other tensors come last)."""
         if self.cfg.load_format == "dummy":
             torch.manual_seed(self.cfg.seed)
             for name, p in model.named_parameters():
                 p.data.fill_(1.0) if "norm" in name else p.data.normal_(0.0, 0.02)
-        else:
-            with torch.no_grad():
-                model.load_weights(
-                    iter_safetensors(model_dir, show_progress=self.place.tp.is_leader)
-                )
-        return model
+            for i in range(len(model.layers) if layer_done else 0):
+                layer_done(i)
+            return
+        show = self.place.tp.is_leader
+        with torch.no_grad():
+            if layer_done is None:
+                model.load_weights(iter_safetensors(model_dir, show_progress=show))
+            else:
+                weights = iter_safetensors(model_dir, show_progress=show, by_layer=True)
+                model.load_weights(after_each_layer(weights, layer_done))
 
     def _wants_weight_blocks(self, model_dir: str, quantization: str | None) -> bool:
         """Whether to look for GGUF blocks in the checkpoint's GEMM weights: on CPU, unquantized,
@@ -171,20 +220,59 @@ def _quantize(model: torch.nn.Module, quantization: str | None) -> None:
         model.quantize_int4()
 
 
-def iter_safetensors(model_dir: str, show_progress: bool = True):
-    """(name, tensor) for every tensor of the checkpoint, with a progress bar."""
+def iter_safetensors(model_dir: str, show_progress: bool = True, by_layer: bool = False):
+    """(name, tensor) for every tensor of the checkpoint, with a progress bar; by_layer: decoder
+    layer 0's tensors first, then layer 1's, ..., then the rest (whatever files hold them)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    handles = [safe_open(f, framework="pt") for f in files]
-    names = [(h, k) for h in handles for k in h.keys()]
-    for h, k in tqdm(
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt") as h:
+            names += [(path, k) for k in h.keys()]
+    if by_layer:
+        names.sort(key=lambda pk: _layer_order(pk[1]))  # (stable: the files' order within a layer)
+    for path, k in tqdm(
         names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False
     ):
-        yield k, h.get_tensor(k)
+        # A file mapped for one tensor at a time: the pages read stay in the page cache, not in
+        # this process's resident memory (2 GB of a 1B bfloat16 checkpoint's, mapped for the load).
+        with safe_open(path, framework="pt") as h:
+            tensor = h.get_tensor(k)
+        yield k, tensor
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (model.layers.N....), or None."""
+    found = _LAYER.search(name)
+    return None if found is None else int(found.group(1))
+
+
+def _layer_order(name: str) -> tuple[bool, int]:
+    layer = layer_of(name)
+    return (layer is None, layer or 0)
+
+
+def after_each_layer(
+    weights: Iterable[tuple[str, torch.Tensor]], layer_done: Callable[[int], None]
+):
+    """weights (in layer order: iter_safetensors by_layer) as they are, calling layer_done(i) once
+    the consumer has taken the last of layer i's tensors and asks for the next."""
+    current = None
+    for name, tensor in weights:
+        layer = layer_of(name)
+        if current is not None and layer != current:
+            layer_done(current)
+        current = layer
+        yield name, tensor
+    if current is not None:
+        layer_done(current)
 
 
 def checkpoint_float32_bytes(model_dir: str) -> int:
