@@ -26,7 +26,7 @@ from relay.execution.weight_blocks import (
     MIN_FLAG,
     pack,
 )
-from tests.kernel_helpers import kernel_level  # noqa: F401 (a fixture)
+from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
 from tests.test_kquant_blocks import (  # noqa: F401 (q4_k_m_file: a fixture)
     gguf_floats,
     q4_k_m_file,
@@ -202,3 +202,19 @@ def test_a_q4_k_m_like_file_loads_q6_k_and_q5_k_in_six_bits(q4_k_m_file, monkeyp
         assert same_bits(six.dequantize(), eight.dequantize())
         x = torch.randn(3, six.in_features)
         assert same_bits(cpu_gemm.gemm_blocks(x, six), cpu_gemm.gemm_blocks(x, eight)), name
+
+
+@pytest.mark.parametrize("kind", ["q6_k", "q4_k+q6_k"])
+def test_single_rows_over_long_groups_give_the_same_bits_at_every_level(kind):
+    """At AVX-512 one row takes the 8-features-a-pass kernel where a group of 8 features' quants
+    is short (gemm_dot.c: YMM_MAX_GROUP_BYTES) and the 16-features one beyond (K 4096 here, in 6
+    and 8 bits): both forms, both kernels, every level give the same bits."""
+    eight, six, _ = six_pair(kind, 40, 4096, compact=True, seed=4)
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(5)) * 2
+    dot = []
+    for level in levels_here():
+        with held_at(level):
+            dot += [cpu_gemm.gemm_blocks(x, b) for b in (eight.to_dot(), six.to_dot())]
+            floats = [cpu_gemm.gemm_blocks(x, b) for b in (eight, six)]
+            assert same_bits(floats[1], floats[0]), level  # (float sums: the same per level)
+    assert all(same_bits(y, dot[0]) for y in dot)

@@ -311,7 +311,9 @@ SIX_BIT_QUANTS = True
 _WITH_MIN = (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K: the types whose blocks have a minimum
 
 
-def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | None:
+def read_blocks(
+    file: GgufFile, parts: list[Part], dot: bool, six_bits: bool | None = None
+) -> BlockWeight | None:
     """The parts' rows, one after the other, as one BlockWeight read by every GEMM of it, whatever
     its row count (no float weight to fall back on); None where some part has no block form.
     Decoded and packed CHUNK_ROWS rows at a time, so that what a load holds besides the blocks is
@@ -319,7 +321,7 @@ def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | N
     0.5 GB). Where every part is a k-quant (Q4_K, Q5_K, Q6_K) and a row-parallel shard's columns
     are whole super-blocks, the blocks keep the file's compact scales (KSCALES_FLAG,
     COMPACT_SCALES); elsewhere float32 d and m. 8-bit quants that fit are kept in 6 bits
-    (SIX_BIT_QUANTS)."""
+    (six_bits; None: SIX_BIT_QUANTS)."""
     first = [file.blocks(p.name, p.rows[:1], p.cols) for p in parts]
     if any(f is None for f in first):
         return None
@@ -327,7 +329,8 @@ def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | N
     compact = COMPACT_SCALES and form.kquant
     has_m = form.bits == 4 or any(file.tensors[p.name].qtype in _WITH_MIN for p in parts)
     qtypes = [file.tensors[p.name].qtype for p in parts]
-    six_bits = SIX_BIT_QUANTS and six_bit_form(qtypes, form.bits, form.group, has_m)
+    six_bits = SIX_BIT_QUANTS if six_bits is None else six_bits
+    six_bits = six_bits and six_bit_form(qtypes, form.bits, form.group, has_m)
     starts = np.cumsum([0] + [len(p.rows) for p in parts])
     n = int(starts[-1])
     out, done, unsigned = None, 0, True

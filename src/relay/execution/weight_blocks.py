@@ -128,6 +128,17 @@ class BlockWeight:
         narrowed = replace(self, bits=6, q=six, q_unsigned=False, dot=False)
         return narrowed.to_dot() if self.dot else narrowed
 
+    def to_eight_bits(self) -> BlockWeight:
+        """to_six_bits' inverse: the same weight's quants as int8 (the 8-bit form a benchmark
+        compares with), in this weight's layout."""
+        if self.bits != 6:
+            raise ValueError(f"only 6-bit quants widen to 8 bits, not {self.bits}-bit ones")
+        u = _six_values(strips_layout(self.q, 6) if self.dot else self.q)
+        q = (u.to(torch.int16) - SIX_OFFSET).to(torch.int8)
+        unsigned = bool(q.min() >= 0) and bool(q.max() <= 31)
+        wide = replace(self, bits=8, q=q, q_unsigned=unsigned, dot=False)
+        return wide.to_dot() if self.dot else wide
+
     def to_dot(self) -> BlockWeight:
         """The same blocks with q in the integer dot products' layout."""
         if self.dot:

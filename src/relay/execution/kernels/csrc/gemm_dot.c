@@ -47,6 +47,9 @@
 #ifndef DOT_AHEAD
 #define DOT_AHEAD 8  // blocks ahead the units (and d, m) are prefetched
 #endif
+#ifndef YMM_MAX_GROUP_BYTES
+#define YMM_MAX_GROUP_BYTES (16 << 10)  // AVX-512: single rows over groups this short run 8 features a pass
+#endif
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the float sums of
 // x per group of g inputs (32, or 16: the m term uses them exactly, as gemm_blocks.c does). Called
@@ -97,9 +100,15 @@ static inline int32_t load4(const int8_t* p) {
 // An integer vector over the same lanes as vec.h's vf: one int32 sum per output feature. A kernel
 // pass covers FEATS features: one group of 8 (AVX2), or two adjacent groups (AVX-512), whose units
 // lie group_bytes apart, so the same layout feeds both widths.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
 #define FEATS 16
+#if defined(__AVX512VNNI__)
 #define DOT_ROWS 8  // 32 registers: 8 int32 + 8 float accumulators + temporaries
+#else
+// without VNNI the multiplies' temporaries (VPMADDUBSW, VPMADDWD, 16-bit sums) need more: 8 rows in
+// one group ran 1.3-1.6x slower than two groups of 4 (Zen 4 held at x86-64-v4)
+#define DOT_ROWS 6
+#endif
 typedef __m512i vi;
 static inline vi units_load(const uint8_t* p, int64_t group_bytes) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
@@ -197,9 +206,15 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
     for (int64_t i = 0; i < R; i++) acc[i] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* ub = wq + b * block_bytes;
-        for (int64_t o = 0; o < block_bytes; o += 64) {  // block b + DOT_AHEAD's units (past the end: no fault)
-            _mm_prefetch((const char*)(ub + DOT_AHEAD * block_bytes + o), _MM_HINT_T0);
-            if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + DOT_AHEAD * block_bytes + o), _MM_HINT_T0);
+        // block b + DOT_AHEAD's units, past the unit's end the next unit's (at AVX2 the same bytes:
+        // its one stream runs on into the next; at AVX-512 the next unit's second stream starts
+        // group_bytes on: 1.1-1.2x at 1-8 rows on 2048-input Q4_K weights, Zen 4)
+        const int64_t ahead = b + DOT_AHEAD;
+        const uint8_t* pb = ahead < nb ? wq + ahead * block_bytes
+                                       : wq + (FEATS / FG) * group_bytes + (ahead - nb) * block_bytes;
+        for (int64_t o = 0; o < block_bytes; o += 64) {  // (past the weight's end: no fault)
+            _mm_prefetch((const char*)(pb + o), _MM_HINT_T0);
+            if (FEATS > FG) _mm_prefetch((const char*)(pb + group_bytes + o), _MM_HINT_T0);
         }
         if (ks) KS_PREFETCH(g, has_m, d, s, K, b + DOT_AHEAD, 3);  // its share of the strip's records
         else
@@ -368,9 +383,24 @@ static inline __attribute__((always_inline)) void dot_form(const int bits, const
 // form: blocks.h's (bits 4: Q4_1's d, m; 8: Q8_0's d, with MIN_FLAG an m, with G16_FLAG d and m per
 // 16 inputs, with U5_FLAG quants in 0..31), q in the dot layout above, K a multiple of 32. Every row
 // count: rows go in groups of at most DOT_ROWS over each FEATS features.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
+int relay_gemm_dot_ymm(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);  // gemm_dot_ymm.c
+#endif
+
 int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
     if (K % 32 || M < 1 || !form_valid(form) || (form_ks(form) && K % QK_K)) return 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
+    // One row over short groups (group_bytes: a group of 8 features' quants, YMM_MAX_GROUP_BYTES or
+    // fewer: 2048-input weights) runs 8 features a pass, as AVX2 does (with VNNI where the CPU has
+    // it): the same bits. Two groups a pass read two streams group_bytes apart, which on a 2-core
+    // Zen 4 at 1 row streamed 2048-input weights 1.2-1.4x slower than one stream (Q4_K, 6- and
+    // 8-bit Q6_K alike; better prefetching of the second stream did not close it), while longer
+    // rows (8192 inputs: 32 KiB and more apart) and 4 rows and more are 1.2-2x faster with two.
+    if (M == 1 && (K / 32) * form_block_bytes(form_bits(form)) / 4 <= YMM_MAX_GROUP_BYTES)
+        return relay_gemm_dot_ymm(form, q, d, m, x, x_stride, y, y_stride, M, N, K);
+#endif
     const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
     const int u5 = bits == 8 && (form & U5_FLAG);
     const int64_t nb = K / 32, ng = K / g, strips = (N + NS - 1) / NS, group_bytes = nb * form_block_bytes(bits) / 4;
