@@ -234,11 +234,24 @@ def ab_six_bits(runner: ModelRunner, args) -> None:
     if not modules:
         raise SystemExit("no weight here is in the 6-bit form")
     six = [m.blocks for m in modules]
-    ab_blocks(runner, args, modules, (six, [b.to_eight_bits() for b in six]), ("6-bit", "8-bit"))
+    libs = None
+    if (
+        args.ab_six_bits_lib
+    ):  # the 8-bit form's steps on another build (the commit before the 6-bit form)
+        from relay.execution.kernels import cpu as cpu_kernels
+
+        libs = (cpu_kernels.load(), cpu_kernels.bind(args.ab_six_bits_lib))
+    eight = "8-bit" + (f" ({os.path.basename(args.ab_six_bits_lib)})" if libs else "")
+    ab_blocks(
+        runner, args, modules, (six, [b.to_eight_bits() for b in six]), ("6-bit", eight), libs
+    )
 
 
-def ab_blocks(runner: ModelRunner, args, modules, forms, names) -> None:
-    """Steps with modules' blocks in each of two forms (the same outputs), alternating."""
+def ab_blocks(runner: ModelRunner, args, modules, forms, names, libs=None) -> None:
+    """Steps with modules' blocks in each of two forms (the same outputs), alternating; libs: each
+    form's kernel library (None: this checkout's for both)."""
+    from relay.execution.kernels import cpu as cpu_kernels
+
     model = runner.model
     ways = []
     for blocks in forms:
@@ -262,14 +275,20 @@ def ab_blocks(runner: ModelRunner, args, modules, forms, names) -> None:
     def medians(fn, reps: int) -> tuple[float, float]:
         times: tuple[list[float], list[float]] = ([], [])
         for rep in range(reps + 1):
-            for (blocks, one_call), out in zip(ways, times):
+            for i, ((blocks, one_call), out) in enumerate(zip(ways, times)):
                 for m, b in zip(modules, blocks):
                     m.blocks = b
                 model.decode_layers = one_call
+                if libs is not None:
+                    cpu_kernels.use(libs[i])
+                    runner.attn.kernel = libs[i] if runner.attn.kernel is not None else None
                 t0 = time.perf_counter()
                 fn()
                 if rep:  # the first of each: warm-up
                     out.append((time.perf_counter() - t0) * 1000)
+        if libs is not None:
+            cpu_kernels.use(libs[0])
+            runner.attn.kernel = libs[0] if runner.attn.kernel is not None else None
         return statistics.median(times[0]), statistics.median(times[1])
 
     print(
@@ -433,6 +452,12 @@ def main() -> None:
         "--ab-six-bits",
         action="store_true",
         help="compare the weights kept in 6 bits with the same blocks in 8 bits, step by step",
+    )
+    ap.add_argument(
+        "--ab-six-bits-lib",
+        metavar="LIB",
+        help="with --ab-six-bits: the 8-bit steps on this build of the kernel library (the commit"
+        " before the 6-bit form's: before and after in one process)",
     )
     ap.add_argument(
         "--ab-float-scales",
