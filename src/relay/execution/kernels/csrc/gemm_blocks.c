@@ -99,15 +99,26 @@ static inline __attribute__((always_inline)) void scale_block(const int64_t R, i
 // The 6-bit form's quants q = u - 32 of inputs 2p, 2p + 1 of a block (blk: its 768 bytes, blocks.h)
 // for features 16h .. 16h + 15, as float32: the low nibbles with their high 2 bits above them (a
 // 16-bit shift moves the next byte's bits in too; the mask keeps each byte's own).
+// The bytes q = u - 32 of inputs 2p (e) and 2p + 1 (o) for all 32 features of the strip at once
+// (then widened 16 at a time: six_pair).
+static inline void six_bytes(const uint8_t* blk, int64_t p, __m256i* e, __m256i* o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * NS));
+    __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 16 * NS + (p / 2) * NS));
+    if (p & 1) hb = _mm256_srli_epi16(hb, 4);
+    *e = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2)), off);
+    *o = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2)),
+                         off);
+}
+static inline __m512 six_half(__m256i v, int64_t h) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v)));
+}
 static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, __m512* even, __m512* odd) {
-    const __m128i low4 = _mm_set1_epi8(0x0f), top2 = _mm_set1_epi8(0x30), off = _mm_set1_epi8(32);
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + p * NS + 16 * h));
-    __m128i hb = _mm_loadu_si128((const __m128i*)(blk + 16 * NS + (p / 2) * NS + 16 * h));
-    if (p & 1) hb = _mm_srli_epi16(hb, 4);
-    const __m128i e = _mm_or_si128(_mm_and_si128(raw, low4), _mm_and_si128(_mm_slli_epi16(hb, 4), top2));
-    const __m128i o = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(_mm_slli_epi16(hb, 2), top2));
-    *even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(e, off)));
-    *odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(o, off)));
+    __m256i e, o;
+    six_bytes(blk, p, &e, &o);
+    *even = six_half(e, h);
+    *odd = six_half(o, h);
 }
 
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS]: d * q (+ m), rounded separately.
@@ -237,16 +248,18 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
                 }
             } else if (bits == 6) {  // inputs 2p, 2p + 1 of the sub-block's g, in order (as bits 8)
                 const uint8_t* blk = q + (s * nb + b) * 768;
-                for (int64_t p = sub * g / 2; p < (sub + 1) * g / 2; p++)
+                for (int64_t p = sub * g / 2; p < (sub + 1) * g / 2; p++) {
+                    __m256i e, o;
+                    six_bytes(blk, p, &e, &o);
                     for (int64_t h = 0; h < 2; h++) {
-                        __m512 even, odd;
-                        six_pair(blk, p, h, &even, &odd);
+                        const __m512 even = six_half(e, h), odd = six_half(o, h);
                         for (int64_t i = 0; i < R; i++) {
                             const float* xr = x + i * x_stride + b * 32 + 2 * p;
                             part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
                             part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
                         }
                     }
+                }
             } else {
                 const int64_t k0 = b * 32 + sub * g;
                 const int8_t* qb = (const int8_t*)q + (s * K + k0) * NS;
@@ -482,8 +495,19 @@ static inline __attribute__((always_inline)) void scale_block_p(const int64_t R,
 }
 
 // The 6-bit form's quants of inputs 2p, 2p + 1 of a block (blk: its 768 bytes) for features
-// VL * h .. VL * h + VL - 1, as floats (AVX-512's six_pair, a byte at a time).
+// VL * h .. VL * h + VL - 1, as floats (AVX-512's six_pair: at AVX2 the same steps on 8 bytes, in
+// generic C a byte at a time).
 static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, vf* even, vf* odd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m128i low4 = _mm_set1_epi8(0x0f), top2 = _mm_set1_epi8(0x30), off = _mm_set1_epi8(32);
+    const __m128i raw = _mm_loadl_epi64((const __m128i*)(blk + p * NS + VL * h));
+    __m128i hb = _mm_loadl_epi64((const __m128i*)(blk + 16 * NS + (p / 2) * NS + VL * h));
+    if (p & 1) hb = _mm_srli_epi16(hb, 4);
+    const __m128i e = _mm_or_si128(_mm_and_si128(raw, low4), _mm_and_si128(_mm_slli_epi16(hb, 4), top2));
+    const __m128i o = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(_mm_slli_epi16(hb, 2), top2));
+    *even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(e, off)));
+    *odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(o, off)));
+#else
     int8_t e[VL], o[VL];
     for (int64_t n = 0; n < VL; n++) {
         e[n] = (int8_t)six_strips_q(blk, 2 * p, VL * h + n);
@@ -491,6 +515,7 @@ static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, vf* even, 
     }
     *even = vf_from_i8(e);
     *odd = vf_from_i8(o);
+#endif
 }
 
 // Features of vector h of a strip that exist, `left` from the strip's start on: all VL, or fewer.
