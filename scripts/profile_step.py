@@ -26,6 +26,11 @@ N rows read those"), --ab-blocks-rows N gives its steps that one.
 compact scales (KSCALES_FLAG) against the same blocks with float32 d and m, step by step in turn:
 
     python scripts/profile_step.py --model-path model.Q4_K_M.gguf --batch 1 --ab-float-scales
+
+--ab-six-bits the same for the weights kept in 6 bits (a GGUF file's Q6_K, Q5_K) against the same
+blocks in the 8-bit form (--prefill 0: decode steps only):
+
+    python scripts/profile_step.py --model-path model.Q4_K_M.gguf --batch 1,4 --ab-six-bits --prefill 0
 """
 
 from __future__ import annotations
@@ -206,14 +211,50 @@ def ab_float_scales(runner: ModelRunner, args) -> None:
     """Decode steps and a prompt chunk on the k-quant weights' compact scales and on the same
     blocks with float32 d and m (BlockWeight.with_float_scales), alternating step by step (outputs
     are the same bit for bit: only the bytes read differ)."""
-    model = runner.model
-    modules = [m for m in model.gemm_modules() if m.blocks is not None and m.blocks.kscales]
+    modules = [m for m in runner.model.gemm_modules() if m.blocks is not None and m.blocks.kscales]
     if not modules:
         raise SystemExit("no weight here has compact k-quant scales")
     compact = [m.blocks for m in modules]
-    floats = [b.with_float_scales() for b in compact]
+    ab_blocks(
+        runner,
+        args,
+        modules,
+        (compact, [b.with_float_scales() for b in compact]),
+        ("compact", "float32 scales"),
+    )
+
+
+def ab_six_bits(runner: ModelRunner, args) -> None:
+    """Decode steps and a prompt chunk on the weights kept in 6 bits (gguf_weights.SIX_BIT_QUANTS:
+    a GGUF file's Q6_K, Q5_K, ...) and on the same blocks in the 8-bit form before it
+    (BlockWeight.to_eight_bits), alternating step by step (the same outputs bit for bit)."""
+    modules = [
+        m for m in runner.model.gemm_modules() if m.blocks is not None and m.blocks.bits == 6
+    ]
+    if not modules:
+        raise SystemExit("no weight here is in the 6-bit form")
+    six = [m.blocks for m in modules]
+    libs = None
+    if (
+        args.ab_six_bits_lib
+    ):  # the 8-bit form's steps on another build (the commit before the 6-bit form)
+        from relay.execution.kernels import cpu as cpu_kernels
+
+        libs = (cpu_kernels.load(), cpu_kernels.bind(args.ab_six_bits_lib))
+    eight = "8-bit" + (f" ({os.path.basename(args.ab_six_bits_lib)})" if libs else "")
+    ab_blocks(
+        runner, args, modules, (six, [b.to_eight_bits() for b in six]), ("6-bit", eight), libs
+    )
+
+
+def ab_blocks(runner: ModelRunner, args, modules, forms, names, libs=None) -> None:
+    """Steps with modules' blocks in each of two forms (the same outputs), alternating; libs: each
+    form's kernel library (None: this checkout's for both)."""
+    from relay.execution.kernels import cpu as cpu_kernels
+
+    model = runner.model
     ways = []
-    for blocks in (compact, floats):
+    for blocks in forms:
         for m, b in zip(modules, blocks):
             m.blocks = b
         one_call = model.decode_layers
@@ -222,39 +263,50 @@ def ab_float_scales(runner: ModelRunner, args) -> None:
             model.decode_layers[1].max_rows = one_call[1].max_rows
             one_call = model.decode_layers
         ways.append((blocks, one_call))
-    gb = [
-        sum(b.bytes_per_weight * b.out_features * b.in_features for b in w) / 1e9
-        for w in (compact, floats)
-    ]
+    everything = [m.blocks for m in model.gemm_modules() if m.blocks is not None]
+    others = sum(b.bytes_per_weight * b.out_features * b.in_features for b in everything)
+    others -= sum(b.bytes_per_weight * b.out_features * b.in_features for b in forms[-1])
+    gb = [sum(b.bytes_per_weight * b.out_features * b.in_features for b in w) / 1e9 for w in forms]
     print(
-        f"{len(modules)} weights with compact scales: {gb[0]:.3f} GB read per step, {gb[1]:.3f} with float32 scales"
+        f"{len(modules)} weights: {gb[0]:.3f} GB read per step {names[0]}, {gb[1]:.3f} {names[1]};"
+        f" every GEMM weight: {(others / 1e9 + gb[0]):.3f} GB vs {(others / 1e9 + gb[1]):.3f} GB"
     )
 
     def medians(fn, reps: int) -> tuple[float, float]:
         times: tuple[list[float], list[float]] = ([], [])
         for rep in range(reps + 1):
-            for (blocks, one_call), out in zip(ways, times):
+            for i, ((blocks, one_call), out) in enumerate(zip(ways, times)):
                 for m, b in zip(modules, blocks):
                     m.blocks = b
                 model.decode_layers = one_call
+                if libs is not None:
+                    cpu_kernels.use(libs[i])
+                    runner.attn.kernel = libs[i] if runner.attn.kernel is not None else None
                 t0 = time.perf_counter()
                 fn()
                 if rep:  # the first of each: warm-up
                     out.append((time.perf_counter() - t0) * 1000)
+        if libs is not None:
+            cpu_kernels.use(libs[0])
+            runner.attn.kernel = libs[0] if runner.attn.kernel is not None else None
         return statistics.median(times[0]), statistics.median(times[1])
 
-    print("\n| step | compact ms | float32 scales ms | float32 / compact |\n|---|---|---|---|")
+    print(
+        f"\n| step | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} |\n|---|---|---|---|"
+    )
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=4 * args.reps + 8)
         ours, theirs = medians(steps.decode, args.reps)
         print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
-    ours, theirs = medians(
-        prefill_chunk(runner, args.prefill, args.prefill_over), max(3, args.reps // 4)
-    )
-    print(
-        f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |"
-    )
+    if args.prefill:
+        ours, theirs = medians(
+            prefill_chunk(runner, args.prefill, args.prefill_over), max(3, args.reps // 4)
+        )
+        print(
+            f"| prefill {args.prefill}{over(args)} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |"
+        )
+    print(f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
 
 def over(args) -> str:
@@ -397,12 +449,23 @@ def main() -> None:
         "its checkout measured at start-up; this one's runner measures its own)",
     )
     ap.add_argument(
+        "--ab-six-bits",
+        action="store_true",
+        help="compare the weights kept in 6 bits with the same blocks in 8 bits, step by step",
+    )
+    ap.add_argument(
+        "--ab-six-bits-lib",
+        metavar="LIB",
+        help="with --ab-six-bits: the 8-bit steps on this build of the kernel library (the commit"
+        " before the 6-bit form's: before and after in one process)",
+    )
+    ap.add_argument(
         "--ab-float-scales",
         action="store_true",
         help="compare the k-quant weights' compact scales with float32 d and m, step by step",
     )
     args = ap.parse_args()
-    if not args.ab and not args.ab_float_scales:
+    if not args.ab and not args.ab_float_scales and not args.ab_six_bits:
         label_c_kernels()
     model_dir = resolve_model_dir(args.model_path)
     cfg = EngineConfig(
@@ -421,6 +484,8 @@ def main() -> None:
         return ab(runner, args)
     if args.ab_float_scales:
         return ab_float_scales(runner, args)
+    if args.ab_six_bits:
+        return ab_six_bits(runner, args)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
         steps = Steps(runner, b, args.context, args.shared_prefix, steps=2 * args.reps + 8)

@@ -319,15 +319,17 @@ def synthetic_rows(kind: str, n: int, k: int, rng: np.random.Generator) -> RowBl
     return RowBlocks(8, d, np.full_like(d, -0.0), rng.integers(-32, 32, (n, k)).astype(np.int8), 16)
 
 
+@pytest.mark.parametrize("six_bits", [False, True])
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
-    q8_0_file, kernel_level, activations
+    q8_0_file, kernel_level, activations, six_bits
 ):
     """A Qwen3 decode step of three requests in one C call (relay_decode_layers, each GEMM's form
     in LayerGemm.bits as it is) with every layer's GEMMs in a new form - q/k/v fused from 4-bit,
     4-bit and Q6_K rows (8-bit, scales per 16, minima), o Q6_K, gate/up Q5_K (5-bit with minima),
     down mixed Q4_K/Q8_0 (8-bit with minima, signed) - gives the layers' logits and KV bit for bit,
-    with float32 and with int8 activations, at each instruction-set level."""
+    with float32 and with int8 activations, at each instruction-set level; and with the forms
+    whose quants fit narrowed to 6 bits (all but down's)."""
     runner = one_call_engine(q8_0_file("qwen3")).runner
     rng = np.random.default_rng(0)
     a0 = runner.model.layers[0].self_attn
@@ -345,15 +347,18 @@ def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
             n, k = module.weight.shape
             rows = common_form([synthetic_rows(kind, r, k, rng) for kind, r in parts])
             blocks = pack(rows.bits, rows.d, rows.m, rows.q, n, k, group=rows.group)
+            if six_bits and module is not layer.mlp.down_proj:
+                blocks = blocks.to_six_bits()
             blocks.max_rows = module.blocks.max_rows
             module.weight.data = blocks.dequantize()
             module.packed = pack_for_cpu(module.weight)
             module.blocks = blocks.to_dot() if activations == "int8" else blocks
             forms.add(blocks.kernel_bits)
+    bits = 6 if six_bits else 8
     assert forms == {
-        8 | MIN_FLAG | GROUP16_FLAG,
-        8 | GROUP16_FLAG,
-        8 | MIN_FLAG | UNSIGNED_FLAG,
+        bits | MIN_FLAG | GROUP16_FLAG,
+        bits | GROUP16_FLAG,
+        bits | MIN_FLAG | (0 if six_bits else UNSIGNED_FLAG),
         8 | MIN_FLAG,
     }
     assert runner.model.use_decode_layers(runner.attn)
@@ -533,18 +538,19 @@ def q4_k_m_file(tmp_path_factory):
     shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
 
 
+# (8-bit quants in -32..31 narrowed to 6 bits: gguf_weights.SIX_BIT_QUANTS)
 LAYER_FORMS = [
-    8 | MIN_FLAG | GROUP16_FLAG | KS,  # q/k/v: Q4_K, Q4_K, Q6_K
+    6 | MIN_FLAG | GROUP16_FLAG | KS,  # q/k/v: Q4_K, Q4_K, Q6_K
     4 | KS,  # o: Q4_K
-    8 | MIN_FLAG | UNSIGNED_FLAG | KS,  # gate/up: Q5_K
-    8 | GROUP16_FLAG | KS,  # down: Q6_K
+    6 | MIN_FLAG | KS,  # gate/up: Q5_K
+    6 | GROUP16_FLAG | KS,  # down: Q6_K
 ]
 
 
 def test_a_q4_k_m_like_file_runs_on_its_blocks_as_transformers_runs_it(q4_k_m_file):
     """Every GEMM weight of the file is kept as blocks with the file's compact scales - q/k/v
-    fused from Q4_K and Q6_K rows in the mixed form - and the GEMMs reading them (float32
-    activations) give transformers' greedy output token for token."""
+    fused from Q4_K and Q6_K rows in the mixed form, the Q6_K and Q5_K ones in 6 bits - and the
+    GEMMs reading them (float32 activations) give transformers' greedy output token for token."""
     path, cfg = q4_k_m_file
     prompts = random_prompts(VOCAB_SIZE, [3, 17, 40])
     expected = greedy(transformers_on(path, "llama"), prompts)
@@ -556,7 +562,7 @@ def test_a_q4_k_m_like_file_runs_on_its_blocks_as_transformers_runs_it(q4_k_m_fi
         weight_block_rows=ALL_ROWS,
     )
     forms = [m.blocks and m.blocks.kernel_bits for m in engine.runner.model.gemm_modules()]
-    assert forms == LAYER_FORMS * cfg.num_hidden_layers + [8 | GROUP16_FLAG | KS], forms
+    assert forms == LAYER_FORMS * cfg.num_hidden_layers + [6 | GROUP16_FLAG | KS], forms
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
 
 

@@ -25,6 +25,12 @@ What a loader needs, for a GGUF tensor's rows (raw [rows, bytes per row]) of any
     parts = [decode_rows(raw, qtype, k) for raw, qtype in tensors]   # RowBlocks per tensor
     rows = common_form(parts)                                        # one form, rows concatenated
     blocks = pack_rows(rows, n, k)   # k-quants: compact scales (pack_kquant); else pack(...)
+
+An 8-bit form whose quants all lie in -32..31 (every type here but Q8_0: SIX_BIT_TYPES) with scales
+per 16 or a minimum is narrowed to 6 bits where it is packed (pack_rows' six_bits:
+BlockWeight.to_six_bits): Q6_K as 6.56 bits a weight with compact scales, as the file has it, not
+8.63. Q4_0's and Q5_0's (per 32, no minimum) stay 8-bit: a bfloat16 model's GEMMs of them round x
+to bfloat16 (csrc/gemm_blocks.c), which the 6-bit form does not.
 """
 
 from __future__ import annotations
@@ -191,6 +197,17 @@ def _q4_k(b: np.ndarray) -> RowBlocks:
     return RowBlocks(4, scale, low, q.reshape(n * 8, 32), BLOCK, *ints)
 
 
+# The types whose decoded quants all lie in -32..31 (Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K: all
+# but Q8_0), which the 6-bit form holds
+SIX_BIT_TYPES = frozenset((2, 6, 3, 7, 12, 13, 14))
+
+
+def six_bit_form(qtypes: list[int], bits: int, group: int, has_m: bool) -> bool:
+    """Whether a weight of these parts' types, lifted to (bits, group, has_m), is packed in 6 bits:
+    8-bit quants of types that fit, with scales per 16 or a minimum (see the module's docstring)."""
+    return bits == 8 and (group == 16 or has_m) and all(t in SIX_BIT_TYPES for t in qtypes)
+
+
 # type id (gguf.GGMLQuantizationType) -> (weights per block, bytes per block, decoder of blocks)
 DECODERS = {
     8: (32, 34, _q8_0),  # Q8_0
@@ -288,12 +305,30 @@ def common_form(parts: list[RowBlocks], form: tuple[int, int] | None = None) -> 
 
 
 def pack_rows(
-    rows: RowBlocks, n: int, k: int, has_m: bool | None = None, compact: bool = True
+    rows: RowBlocks,
+    n: int,
+    k: int,
+    has_m: bool | None = None,
+    compact: bool = True,
+    six_bits: bool | None = False,
 ) -> BlockWeight:
     """Rows in one form (common_form's) packed for the kernels: the compact k-quant form
     (weight_blocks.pack_kquant) where the rows carry integer scales and k is whole super-blocks,
     else float32 d and m (weight_blocks.pack); the same weights and outputs either way. has_m as
-    pack() takes it (None: the compact form has m where the rows have mins or are 4-bit)."""
+    pack() takes it (None: the compact form has m where the rows have mins or are 4-bit).
+    six_bits: the 8-bit quants narrowed to 6 bits (BlockWeight.to_six_bits; a ValueError where
+    they do not fit); None: where they fit and the form has scales per 16 or a minimum (a loader
+    that packs a weight in chunks decides from its types instead: six_bit_form)."""
+    blocks = _pack_rows(rows, n, k, has_m, compact)
+    if six_bits is None:
+        fits = rows.bits == 8 and (
+            rows.q.size == 0 or -32 <= int(rows.q.min()) <= int(rows.q.max()) < 32
+        )
+        six_bits = fits and (blocks.group == 16 or blocks.has_m)
+    return blocks.to_six_bits() if six_bits else blocks
+
+
+def _pack_rows(rows: RowBlocks, n: int, k: int, has_m: bool | None, compact: bool) -> BlockWeight:
     if compact and rows.kquant and k % QK_K == 0:
         return pack_kquant(
             rows.bits,
@@ -418,7 +453,7 @@ class GgufRows:
         rows = self._decode(found, w.shape[1])
         if rows is None:
             return None
-        blocks = pack_rows(rows, *w.shape)
+        blocks = pack_rows(rows, *w.shape, six_bits=None)
         return blocks if torch.equal(blocks.dequantize(), weight) else None
 
     def _owners(self, hashes: np.ndarray) -> np.ndarray | None:

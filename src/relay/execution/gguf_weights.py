@@ -23,7 +23,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from relay.execution.gguf_blocks import DECODERS, RowBlocks, common_form, decode_rows, pack_rows
+from relay.execution.gguf_blocks import (
+    DECODERS,
+    RowBlocks,
+    common_form,
+    decode_rows,
+    pack_rows,
+    six_bit_form,
+)
 from relay.execution.gguf_header import FileTensor, GgufHeader, read_header
 from relay.execution.layers import stand_in
 from relay.execution.weight_blocks import STRIP, BlockWeight
@@ -293,23 +300,33 @@ CHUNK_ROWS = 2048  # output rows decoded and packed at a time (a multiple of the
 # Weights all of whose parts are k-quants keep the file's compact scales (weight_blocks.pack_kquant):
 # the same outputs bit for bit from fewer bytes. False: float32 d and m (benchmarks' "before").
 COMPACT_SCALES = True
+# 8-bit quants that fit narrowed to 6 bits (gguf_blocks.six_bit_form: Q6_K, Q5_K, Q5_1, fused weights
+# with such parts): the same outputs bit for bit from 6.5 bits a weight, not 8.5. False: the 8-bit
+# form (benchmarks' "before").
+SIX_BIT_QUANTS = True
 _WITH_MIN = (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K: the types whose blocks have a minimum
 
 
-def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | None:
+def read_blocks(
+    file: GgufFile, parts: list[Part], dot: bool, six_bits: bool | None = None
+) -> BlockWeight | None:
     """The parts' rows, one after the other, as one BlockWeight read by every GEMM of it, whatever
     its row count (no float weight to fall back on); None where some part has no block form.
     Decoded and packed CHUNK_ROWS rows at a time, so that what a load holds besides the blocks is
     a chunk's decoded arrays, not a whole tensor's (a 128k-token LM head's int8 quants alone are
     0.5 GB). Where every part is a k-quant (Q4_K, Q5_K, Q6_K) and a row-parallel shard's columns
     are whole super-blocks, the blocks keep the file's compact scales (KSCALES_FLAG,
-    COMPACT_SCALES); elsewhere float32 d and m."""
+    COMPACT_SCALES); elsewhere float32 d and m. 8-bit quants that fit are kept in 6 bits
+    (six_bits; None: SIX_BIT_QUANTS)."""
     first = [file.blocks(p.name, p.rows[:1], p.cols) for p in parts]
     if any(f is None for f in first):
         return None
     form = common_form(first)
     compact = COMPACT_SCALES and form.kquant
     has_m = form.bits == 4 or any(file.tensors[p.name].qtype in _WITH_MIN for p in parts)
+    qtypes = [file.tensors[p.name].qtype for p in parts]
+    six_bits = SIX_BIT_QUANTS if six_bits is None else six_bits
+    six_bits = six_bits and six_bit_form(qtypes, form.bits, form.group, has_m)
     starts = np.cumsum([0] + [len(p.rows) for p in parts])
     n = int(starts[-1])
     out, done, unsigned = None, 0, True
@@ -321,7 +338,7 @@ def read_blocks(file: GgufFile, parts: list[Part], dot: bool) -> BlockWeight | N
             if max(c0, a) < min(c1, b)
         ]
         rows = common_form(pieces, (form.bits, form.group))
-        chunk = pack_rows(rows, c1 - c0, rows.q.shape[1], has_m, compact)
+        chunk = pack_rows(rows, c1 - c0, rows.q.shape[1], has_m, compact, six_bits)
         assert chunk.kscales == compact, "every chunk of a weight in one form"
         chunk = chunk.to_dot() if dot else chunk
         if out is None:  # the whole weight's arrays, filled a chunk's strips at a time

@@ -14,7 +14,10 @@ minimum or none (csrc/blocks.h):
     bits 8   w = d * q,     q int8                  Q8_0, Q4_0, Q5_0 (32); Q6_K (16)
     bits 8   w = d * q + m, q int8                  Q5_K, Q5_1 (32); fused weights of mixed types
 
-each product d * q and the sum + m rounded to float32 separately, as gguf's dequantizer does. The
+each product d * q and the sum + m rounded to float32 separately, as gguf's dequantizer does; and
+an 8-bit form whose quants all lie in -32..31 (Q6_K's, Q5_K's, a fused Q4_K/Q6_K q/k/v's) narrowed
+to 6 bits (to_six_bits: u = q + 32 in a 4-bit and a 2-bit plane, csrc/blocks.h), 6.5 bits a weight
+instead of 8.5, the same weights and the same GEMM outputs bit for bit. The
 types read from the file (gguf_blocks) are decoded into these forms there; a fused weight whose
 parts come in different types is lifted to one form (gguf_blocks.common_form) before pack().
 
@@ -51,8 +54,11 @@ class BlockWeight:
     """A [N, K] weight as blocks along K (scales per `group` inputs), in the kernel's strips of
     STRIP output features (feature-minor: see csrc/gemm_blocks.c). Built by pack()."""
 
-    bits: int  # 4: d * q + m, q 0..15; 8: d * q (+ m where has_m), q int8
-    q: torch.Tensor  # uint8 [strips, K / 2, STRIP] (inputs 2p, 2p + 1 in the low, high nibble) or int8 [strips, K, STRIP]
+    bits: int  # 4: d * q + m, q 0..15; 8: d * q (+ m where has_m), q int8; 6: as 8, q = u - 32
+    # uint8 [strips, K / 2, STRIP] (inputs 2p, 2p + 1 in the low, high nibble), int8 [strips, K, STRIP],
+    # or (bits 6) uint8 [strips, K / 32 * 24, STRIP] (csrc/blocks.h: per block 16 rows of nibble
+    # pairs, 8 of high 2 bits); in the dot layout [strips, bytes] (csrc/gemm_dot.c)
+    q: torch.Tensor
     # float32 [strips, K / group, STRIP]; with kscales uint8 [strips, K / 256, record bytes], the
     # records of csrc/blocks.h (ks_record_bytes: 768 for Q4_K/Q5_K, 640 for Q6_K)
     d: torch.Tensor
@@ -83,7 +89,7 @@ class BlockWeight:
         """What relay_gemm_blocks takes as `bits` (and the one-call decode step's LayerGemm.bits):
         4 or 8, with MIN_FLAG (bits 8 with m), GROUP16_FLAG, UNSIGNED_FLAG and DOT_FLAG (the dot
         layout) as the form has them. Q4_1's blocks are 4 and Q8_0's 8, as before the flags."""
-        flags = MIN_FLAG if self.bits == 8 and self.has_m else 0
+        flags = MIN_FLAG if self.bits != 4 and self.has_m else 0
         flags |= GROUP16_FLAG if self.group == 16 else 0
         flags |= UNSIGNED_FLAG if self.bits == 8 and self.q_unsigned else 0
         flags |= KSCALES_FLAG if self.kscales else 0
@@ -109,6 +115,30 @@ class BlockWeight:
         d, m = self.float_scales()
         return replace(self, d=d.contiguous(), m=m.contiguous(), kscales=False)
 
+    def to_six_bits(self) -> BlockWeight:
+        """The same 8-bit blocks with their quants (all in -32..31) in 6 bits: u = q + 32 as a
+        4-bit and a 2-bit plane (csrc/blocks.h), in this weight's layout. The kernels read them as
+        the 8-bit quants, to the same outputs bit for bit."""
+        if self.bits != 8:
+            raise ValueError(f"only 8-bit quants narrow to 6 bits, not {self.bits}-bit ones")
+        q = strips_layout(self.q, 8) if self.dot else self.q
+        if q.numel() and (int(q.min()) < -SIX_OFFSET or int(q.max()) >= SIX_OFFSET):
+            raise ValueError("quants outside -32..31 do not fit in 6 bits")
+        six = _six_strips((q.to(torch.int16) + SIX_OFFSET).to(torch.uint8))
+        narrowed = replace(self, bits=6, q=six, q_unsigned=False, dot=False)
+        return narrowed.to_dot() if self.dot else narrowed
+
+    def to_eight_bits(self) -> BlockWeight:
+        """to_six_bits' inverse: the same weight's quants as int8 (the 8-bit form a benchmark
+        compares with), in this weight's layout."""
+        if self.bits != 6:
+            raise ValueError(f"only 6-bit quants widen to 8 bits, not {self.bits}-bit ones")
+        u = _six_values(strips_layout(self.q, 6) if self.dot else self.q)
+        q = (u.to(torch.int16) - SIX_OFFSET).to(torch.int8)
+        unsigned = bool(q.min() >= 0) and bool(q.max() <= 31)
+        wide = replace(self, bits=8, q=q, q_unsigned=unsigned, dot=False)
+        return wide.to_dot() if self.dot else wide
+
     def to_dot(self) -> BlockWeight:
         """The same blocks with q in the integer dot products' layout."""
         if self.dot:
@@ -122,6 +152,8 @@ class BlockWeight:
         qs = strips_layout(self.q, self.bits) if self.dot else self.q
         if self.bits == 4:
             q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, k, STRIP).float()
+        elif self.bits == 6:
+            q = _six_values(qs).float() - SIX_OFFSET
         else:
             q = qs.float()
         d, m = self.float_scales()
@@ -137,12 +169,70 @@ def _nibbles(
     return torch.stack([q & 0x0F, q >> 4], dim=2).reshape(q.shape[0], -1, STRIP)
 
 
+SIX_OFFSET = 32  # the 6-bit form's u = q + 32
+
+
+def _six_strips(u: torch.Tensor) -> torch.Tensor:
+    """u 0..63 [S, K, STRIP] -> the 6-bit strips layout [S, K / 32 * 24, STRIP] (csrc/blocks.h):
+    per block the low nibbles of inputs 2p, 2p + 1 in row p's byte (bits 4's pairs), then row
+    16 + r's byte holding inputs 4r + j's high 2 bits at bits 2j."""
+    s, k, _ = u.shape
+    b = u.reshape(s, k // BLOCK, BLOCK, STRIP)
+    low = (b[:, :, 0::2] & 0x0F) | ((b[:, :, 1::2] & 0x0F) << 4)
+    hb = (b >> 4).reshape(s, k // BLOCK, 8, 4, STRIP)
+    high = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)
+    return torch.cat([low, high], dim=2).reshape(s, -1, STRIP)
+
+
+def _six_values(q: torch.Tensor) -> torch.Tensor:
+    """_six_strips' inverse: u uint8 [S, K, STRIP]."""
+    s, nb = q.shape[0], q.shape[1] // 24
+    b = q.reshape(s, nb, 24, STRIP)
+    low = torch.stack([b[:, :, :16] & 0x0F, b[:, :, :16] >> 4], dim=3)
+    high = torch.stack([(b[:, :, 16:] >> (2 * j)) & 3 for j in range(4)], dim=3)
+    return (
+        low.reshape(s, nb * BLOCK, STRIP) | (high.reshape(s, nb * BLOCK, STRIP) << 4)
+    ).contiguous()
+
+
+def _six_dot(u: torch.Tensor) -> torch.Tensor:
+    """u 0..63 [S, K, STRIP] -> the 6-bit dot layout [S, bytes] (csrc/gemm_dot.c): per group of
+    8 features and block, bits 4's 4 units of u's low nibbles, then H0 and H1: byte 4f + j of
+    H_t holds at bits 4v + 2h the high 2 bits of input 16t + 8v + 4h + j."""
+    s, k, _ = u.shape
+    nb = k // BLOCK
+    pairs = (u[:, 0::2] & 0x0F) | ((u[:, 1::2] & 0x0F) << 4)
+    low = dot_layout(pairs, 4).reshape(s, 4, nb, 128)
+    # k = 32 b + 16 t + 8 v + 4 h + j, feature 8 g + f -> [s, g, b, t, f, j, v, h]
+    hb = (u >> 4).reshape(s, nb, 2, 2, 2, 4, 4, 8).permute(0, 6, 1, 2, 7, 5, 3, 4)
+    high = hb[..., 0, 0] | (hb[..., 0, 1] << 2) | (hb[..., 1, 0] << 4) | (hb[..., 1, 1] << 6)
+    return torch.cat([low, high.reshape(s, 4, nb, 64)], dim=3).contiguous().reshape(s, -1)
+
+
+def _six_from_dot(q: torch.Tensor) -> torch.Tensor:
+    """_six_dot's inverse: u uint8 [S, K, STRIP]."""
+    s = q.shape[0]
+    nb = q.shape[1] // (4 * 192)
+    t = q.reshape(s, 4, nb, 192)
+    low = _nibbles(strips_layout(t[..., :128].reshape(s, -1), 4))
+    h = t[..., 128:].reshape(s, 4, nb, 2, 8, 4)  # g, b, t, f, j
+    fields = torch.stack([(h >> (2 * i)) & 3 for i in range(4)], dim=-1).reshape(
+        s, 4, nb, 2, 8, 4, 2, 2
+    )
+    high = fields.permute(0, 2, 3, 6, 7, 5, 1, 4).reshape(
+        s, nb * BLOCK, STRIP
+    )  # b, t, v, h, j, g, f
+    return (low | (high << 4)).contiguous()
+
+
 def dot_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Strips' quants ([S, K / 2, STRIP] 4-bit pairs or [S, K, STRIP] int8) in csrc/gemm_dot.c's
     layout: per strip 4 groups of 8 features, then blocks, then 32-byte units of 8 features x 4 bytes
     (8-bit: unit o holds inputs 4o .. 4o + 3 of the block, so units 0-3 are a group of 16's first
-    16 inputs whatever the group: the layout does not depend on it)."""
+    16 inputs whatever the group: the layout does not depend on it; 6-bit: _six_dot)."""
     s = q.shape[0]
+    if bits == 6:
+        return _six_dot(_six_values(q))
     if bits == 4:
         k = q.shape[1] * 2
         # k = 32 b + 8 o + 4 h + j, feature 8 g + f; byte = quant(h = 0) | quant(h = 1) << 4
@@ -156,6 +246,8 @@ def dot_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
 def strips_layout(q: torch.Tensor, bits: int) -> torch.Tensor:
     """dot_layout's inverse."""
     s = q.shape[0]
+    if bits == 6:
+        return _six_strips(_six_from_dot(q))
     if bits == 4:
         nb = q.shape[1] // (4 * 128)
         t = q.reshape(s, 4, nb, 4, 8, 4)  # g, b, o, f, j

@@ -24,6 +24,9 @@
 //
 // Layouts, per strip s (features 32s .. 32s + 31, rows past N zero): q4 [s][K / 2][32] bytes, byte
 // n of pair p holding feature n's weight 2p (low nibble) and 2p + 1 (high); q8 [s][K][32] int8;
+// q6 [s][K / 32][768] bytes (blocks.h: per block bits 4's 16 pairs of u = q + 32's low nibbles,
+// then 8 rows of their high 2 bits), each q = u - 32 becoming the float the 8-bit form's int8 does,
+// summed in the same order: the 6-bit form's outputs are the 8-bit form's bit for bit;
 // d, m [s][K / g][32] float32, g the group (32, or 16 with G16_FLAG); m only where the form has
 // one; with KS_FLAG, d is the k-quants' compact records instead (blocks.h) and each group's d and m
 // are computed from them as they are read (kscales.h: D * sc, -Dmin * mn, the dequantizer's float32
@@ -60,7 +63,7 @@ int relay_gemm_blocks_available(void) { return 1; }  // every level: AVX-512 bel
 // ~42 GB/s). g: the group d and m are per (a block is 32 / g groups of them).
 static inline void prefetch_block(int bits, int g, int has_m, int ks, const uint8_t* q, const float* d,
                                   const float* m, int64_t s, int64_t K, int64_t b) {
-    const int64_t nb = K / 32, per = 32 / g, qbytes = bits == 4 ? 16 * NS : 32 * NS;
+    const int64_t nb = K / 32, per = 32 / g, qbytes = form_block_bytes(bits);
     const char* qb = (const char*)q + (s * nb + b) * qbytes;  // strips of nb blocks, each qbytes
     for (int64_t o = 0; o < qbytes; o += 64) __builtin_prefetch(qb + o, 0, 0);
     if (ks) {  // KS_FLAG: the strip's records (kscales.h), an eighth of one per block
@@ -93,6 +96,31 @@ static inline __attribute__((always_inline)) void scale_block(const int64_t R, i
     }
 }
 
+// The 6-bit form's quants q = u - 32 of inputs 2p, 2p + 1 of a block (blk: its 768 bytes, blocks.h)
+// for features 16h .. 16h + 15, as float32: the low nibbles with their high 2 bits above them (a
+// 16-bit shift moves the next byte's bits in too; the mask keeps each byte's own).
+// The bytes q = u - 32 of inputs 2p (e) and 2p + 1 (o) for all 32 features of the strip at once
+// (then widened 16 at a time: six_pair).
+static inline void six_bytes(const uint8_t* blk, int64_t p, __m256i* e, __m256i* o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * NS));
+    __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 16 * NS + (p / 2) * NS));
+    if (p & 1) hb = _mm256_srli_epi16(hb, 4);
+    *e = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2)), off);
+    *o = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2)),
+                         off);
+}
+static inline __m512 six_half(__m256i v, int64_t h) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v)));
+}
+static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, __m512* even, __m512* odd) {
+    __m256i e, o;
+    six_bytes(blk, p, &e, &o);
+    *even = six_half(e, h);
+    *odd = six_half(o, h);
+}
+
 // Weights of strip s for inputs [k0, k0 + kn) into wbuf [kn][NS]: d * q (+ m), rounded separately.
 static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, const float* d, const float* m,
                           int64_t s, int64_t K, int64_t k0, int64_t kn, float* wbuf) {
@@ -114,11 +142,18 @@ static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, 
                     _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(dv, even), mv));
                     _mm512_storeu_ps(w + NS, _mm512_add_ps(_mm512_mul_ps(dv, odd), mv));
                 } else {
-                    const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
-                    __m512 w0 = _mm512_mul_ps(
-                        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk))));
-                    __m512 w1 = _mm512_mul_ps(
-                        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qk + NS)))));
+                    __m512 w0, w1;
+                    if (bits == 6) {
+                        six_pair(q + (s * (K / 32) + k / 32) * 768, (k % 32) / 2, h, &w0, &w1);
+                        w0 = _mm512_mul_ps(dv, w0);
+                        w1 = _mm512_mul_ps(dv, w1);
+                    } else {
+                        const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + 16 * h;
+                        w0 = _mm512_mul_ps(
+                            dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qk))));
+                        w1 = _mm512_mul_ps(
+                            dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qk + NS)))));
+                    }
                     if (has_m) {
                         w0 = _mm512_add_ps(w0, mv);
                         w1 = _mm512_add_ps(w1, mv);
@@ -204,6 +239,20 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
                         const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
                         const __m512 odd =
                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                        for (int64_t i = 0; i < R; i++) {
+                            const float* xr = x + i * x_stride + b * 32 + 2 * p;
+                            part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
+                            part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), odd, part[i][h]);
+                        }
+                    }
+                }
+            } else if (bits == 6) {  // inputs 2p, 2p + 1 of the sub-block's g, in order (as bits 8)
+                const uint8_t* blk = q + (s * nb + b) * 768;
+                for (int64_t p = sub * g / 2; p < (sub + 1) * g / 2; p++) {
+                    __m256i e, o;
+                    six_bytes(blk, p, &e, &o);
+                    for (int64_t h = 0; h < 2; h++) {
+                        const __m512 even = six_half(e, h), odd = six_half(o, h);
                         for (int64_t i = 0; i < R; i++) {
                             const float* xr = x + i * x_stride + b * 32 + 2 * p;
                             part[i][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), even, part[i][h]);
@@ -445,6 +494,30 @@ static inline __attribute__((always_inline)) void scale_block_p(const int64_t R,
     }
 }
 
+// The 6-bit form's quants of inputs 2p, 2p + 1 of a block (blk: its 768 bytes) for features
+// VL * h .. VL * h + VL - 1, as floats (AVX-512's six_pair: at AVX2 the same steps on 8 bytes, in
+// generic C a byte at a time).
+static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, vf* even, vf* odd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m128i low4 = _mm_set1_epi8(0x0f), top2 = _mm_set1_epi8(0x30), off = _mm_set1_epi8(32);
+    const __m128i raw = _mm_loadl_epi64((const __m128i*)(blk + p * NS + VL * h));
+    __m128i hb = _mm_loadl_epi64((const __m128i*)(blk + 16 * NS + (p / 2) * NS + VL * h));
+    if (p & 1) hb = _mm_srli_epi16(hb, 4);
+    const __m128i e = _mm_or_si128(_mm_and_si128(raw, low4), _mm_and_si128(_mm_slli_epi16(hb, 4), top2));
+    const __m128i o = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(_mm_slli_epi16(hb, 2), top2));
+    *even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(e, off)));
+    *odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(o, off)));
+#else
+    int8_t e[VL], o[VL];
+    for (int64_t n = 0; n < VL; n++) {
+        e[n] = (int8_t)six_strips_q(blk, 2 * p, VL * h + n);
+        o[n] = (int8_t)six_strips_q(blk, 2 * p + 1, VL * h + n);
+    }
+    *even = vf_from_i8(e);
+    *odd = vf_from_i8(o);
+#endif
+}
+
 // Features of vector h of a strip that exist, `left` from the strip's start on: all VL, or fewer.
 static inline int64_t lanes_live(int64_t left, int64_t h) {
     left -= VL * h;
@@ -490,6 +563,18 @@ static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, co
                         }
                     }
                 }
+            } else if (bits == 6) {  // inputs 2p, 2p + 1 of the sub-block's g, in order (as bits 8)
+                const uint8_t* blk = q + (s * nb + b) * 768;
+                for (int64_t p = sub * g / 2; p < (sub + 1) * g / 2; p++)
+                    for (int64_t h = 0; h < NV; h++) {
+                        vf even, odd;
+                        six_pair(blk, p, h, &even, &odd);
+                        for (int64_t i = 0; i < R; i++) {
+                            const float* xr = x + i * x_stride + b * 32 + 2 * p;
+                            part[i][h] = vf_fma(vf_set1(xr[0]), even, part[i][h]);
+                            part[i][h] = vf_fma(vf_set1(xr[1]), odd, part[i][h]);
+                        }
+                    }
             } else {
                 const int64_t k0 = b * 32 + sub * g;
                 const int8_t* qb = (const int8_t*)q + (s * K + k0) * NS;
@@ -525,8 +610,16 @@ static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, 
                     vf_store(w, vf_add(vf_mul(dv, even), mv));
                     vf_store(w + NS, vf_add(vf_mul(dv, odd), mv));
                 } else {
-                    const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + VL * h;
-                    vf w0 = vf_mul(dv, vf_from_i8(qk)), w1 = vf_mul(dv, vf_from_i8(qk + NS));
+                    vf w0, w1;
+                    if (bits == 6) {
+                        six_pair(q + (s * (K / 32) + k / 32) * 768, (k % 32) / 2, h, &w0, &w1);
+                        w0 = vf_mul(dv, w0);
+                        w1 = vf_mul(dv, w1);
+                    } else {
+                        const int8_t* qk = (const int8_t*)q + (s * K + k) * NS + VL * h;
+                        w0 = vf_mul(dv, vf_from_i8(qk));
+                        w1 = vf_mul(dv, vf_from_i8(qk + NS));
+                    }
                     if (has_m) {
                         w0 = vf_add(w0, mv);
                         w1 = vf_add(w1, mv);
@@ -617,7 +710,7 @@ int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m
     const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
     const int64_t strips = (N + NS - 1) / NS, ng = K / g;
 #if defined(__AVX512BF16__)
-    if (round_bf16 && g == 32 && (bits == 4 || !has_m) && (M >= BF16_MIN_ROWS || bits == 4)) {
+    if (round_bf16 && g == 32 && bits != 6 && (bits == 4 || !has_m) && (M >= BF16_MIN_ROWS || bits == 4)) {
         gemm_blocks_bf16(bits, ks, q, d, m, x, x_stride, y, y_stride, M, N, K);
         return 1;
     }
@@ -635,12 +728,20 @@ int relay_gemm_blocks(int form, const uint8_t* q, const float* d, const float* m
 #define GEMV_FORM(B, G, HM, KS) gemv_groups(B, G, HM, KS, q, d, m, s, K, x, x_stride, xsum, y, y_stride, M, N)
             if (ks) {  // each form compiled for itself, with its scales in KS_FLAG records or not
                 if (bits == 4) GEMV_FORM(4, 32, 1, 1);
+                else if (bits == 6 && g == 32 && !has_m) GEMV_FORM(6, 32, 0, 1);
+                else if (bits == 6 && g == 32) GEMV_FORM(6, 32, 1, 1);
+                else if (bits == 6 && !has_m) GEMV_FORM(6, 16, 0, 1);
+                else if (bits == 6) GEMV_FORM(6, 16, 1, 1);
                 else if (g == 32 && !has_m) GEMV_FORM(8, 32, 0, 1);
                 else if (g == 32) GEMV_FORM(8, 32, 1, 1);
                 else if (!has_m) GEMV_FORM(8, 16, 0, 1);
                 else GEMV_FORM(8, 16, 1, 1);
             } else {
                 if (bits == 4) GEMV_FORM(4, 32, 1, 0);
+                else if (bits == 6 && g == 32 && !has_m) GEMV_FORM(6, 32, 0, 0);
+                else if (bits == 6 && g == 32) GEMV_FORM(6, 32, 1, 0);
+                else if (bits == 6 && !has_m) GEMV_FORM(6, 16, 0, 0);
+                else if (bits == 6) GEMV_FORM(6, 16, 1, 0);
                 else if (g == 32 && !has_m) GEMV_FORM(8, 32, 0, 0);
                 else if (g == 32) GEMV_FORM(8, 32, 1, 0);
                 else if (!has_m) GEMV_FORM(8, 16, 0, 0);

@@ -24,6 +24,15 @@
 // sum of x over its group is added, as for Q4_1. x is rounded per 32 inputs whatever the group.
 // Quants in 0..31 (U5_FLAG) are multiplied as unsigned bytes directly; signed ones (Q6_K's -32..31,
 // Q8_0's) as |q| times x with q's sign, as Q8_0.
+//
+// The 6-bit form (blocks.h: u = q + 32 in 0..63, Q6_K's quants as the file has them) takes bits 4's
+// 4 units per block for u's low nibbles and two 32-byte units H0, H1 after them for the high 2 bits
+// (the 2-bit fields of unit o's low and high nibbles at bits 4 (o % 2) and 4 (o % 2) + 2 of H[o / 2]'s
+// bytes): per unit a shift and two masks put them above the nibbles, and the unsigned 0..63 bytes
+// go into VPDPBUSD (or VPMADDUBSW: 2 * 63 * 127 = 16,002, two of them 32,004 < 2^15 in 16 bits) as
+// they are; a group's integer sum then loses 32 times the group's sum of qx (an exact integer,
+// quantize_rows'), so it is the 8-bit form's sum of q . qx: the same outputs bit for bit, from
+// 6 bits a quant instead of 8.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +46,9 @@
 #define FG 8  // features per group (one 8 x int32 accumulator)
 #ifndef DOT_AHEAD
 #define DOT_AHEAD 8  // blocks ahead the units (and d, m) are prefetched
+#endif
+#ifndef YMM_MAX_GROUP_BYTES
+#define YMM_MAX_GROUP_BYTES (16 << 10)  // AVX-512: single rows over groups this short run 8 features a pass
 #endif
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the float sums of
@@ -54,8 +66,9 @@ static inline float group_sum(const float* xb, int64_t g) {
     return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
+// qs (NULL: not wanted): the integer sums of qx per group of g (the 6-bit form's offset term).
 static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t g, int8_t* qx, float* dx,
-                          float* xs) {
+                          float* xs, int32_t* qs) {
     const int64_t nb = K / 32, ng = K / g;
     _Pragma("omp for schedule(static)")
     for (int64_t i = 0; i < M; i++)
@@ -70,6 +83,11 @@ static void quantize_rows(const float* x, int64_t x_stride, int64_t M, int64_t K
             for (int64_t k = 0; k < 32; k += VL) vf_store_i8(qx + i * K + b * 32 + k, vf_mul(vf_load(xb + k), vf_set1(inv)));
             dx[i * nb + b] = top / 127.f;
             for (int64_t h = 0; h < 32 / g; h++) xs[i * ng + b * (32 / g) + h] = group_sum(xb + h * g, g);
+            for (int64_t h = 0; h < (qs ? 32 / g : 0); h++) {
+                int32_t t = 0;
+                for (int64_t k = 0; k < g; k++) t += qx[i * K + b * 32 + h * g + k];
+                qs[i * ng + b * (32 / g) + h] = t;
+            }
         }
 }
 
@@ -82,9 +100,15 @@ static inline int32_t load4(const int8_t* p) {
 // An integer vector over the same lanes as vec.h's vf: one int32 sum per output feature. A kernel
 // pass covers FEATS features: one group of 8 (AVX2), or two adjacent groups (AVX-512), whose units
 // lie group_bytes apart, so the same layout feeds both widths.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
 #define FEATS 16
+#if defined(__AVX512VNNI__)
 #define DOT_ROWS 8  // 32 registers: 8 int32 + 8 float accumulators + temporaries
+#else
+// without VNNI the multiplies' temporaries (VPMADDUBSW, VPMADDWD, 16-bit sums) need more: 8 rows in
+// one group ran 1.3-1.6x slower than two groups of 4 (Zen 4 held at x86-64-v4)
+#define DOT_ROWS 6
+#endif
 typedef __m512i vi;
 static inline vi units_load(const uint8_t* p, int64_t group_bytes) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
@@ -109,6 +133,16 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
 static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, x)); }
 static inline vi widen16(vi acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 static inline vi vi_add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_sub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vi vi_srli4(vi v) { return _mm512_srli_epi16(v, 4); }
+// the 6-bit form's u of a unit's low (six_lo) and high (six_hi) nibbles, hs its H unit shifted so that
+// the unit's fields are at bits 0-1 (low) and 2-3 (high) of each byte
+static inline vi six_lo(vi raw, vi hs) {
+    return _mm512_or_si512(vi_low4(raw), _mm512_and_si512(_mm512_slli_epi16(hs, 4), _mm512_set1_epi8(0x30)));
+}
+static inline vi six_hi(vi raw, vi hs) {
+    return _mm512_or_si512(vi_high4(raw), _mm512_and_si512(_mm512_slli_epi16(hs, 2), _mm512_set1_epi8(0x30)));
+}
 #elif defined(__AVX2__)
 #define FEATS 8
 #define DOT_ROWS 6  // 16 registers: 6 int32 + 6 float accumulators + temporaries
@@ -135,6 +169,14 @@ static inline vi dot_u8s8(vi acc, vi w, vi x) {
 static inline vi add_u4s8_16(vi acc16, vi w, vi x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
 static inline vi widen16(vi acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
 static inline vi vi_add32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vi_sub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vi vi_srli4(vi v) { return _mm256_srli_epi16(v, 4); }
+static inline vi six_lo(vi raw, vi hs) {
+    return _mm256_or_si256(vi_low4(raw), _mm256_and_si256(_mm256_slli_epi16(hs, 4), _mm256_set1_epi8(0x30)));
+}
+static inline vi six_hi(vi raw, vi hs) {
+    return _mm256_or_si256(vi_high4(raw), _mm256_and_si256(_mm256_slli_epi16(hs, 2), _mm256_set1_epi8(0x30)));
+}
 #endif
 
 #if defined(__AVX2__)
@@ -155,15 +197,24 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
                                                                const uint8_t* wq, int64_t group_bytes, const void* ds,
                                                                const float* ms, int64_t fo, const float* d, int64_t s,
                                                                const int8_t* qx, const float* dx, const float* xs,
-                                                               int64_t K, float* y, int64_t y_stride, int64_t live) {
-    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
+                                                               const int32_t* qs, int64_t K, float* y, int64_t y_stride,
+                                                               int64_t live) {
+    // units: 32-byte units of quants per block (bits 6: its nibbles'; the 2 high units follow them)
+    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 8 ? 8 : 4, sub_units = units / per;
+    const int64_t block_bytes = form_block_bytes(bits) / 4;  // per group of 8 features
     vf acc[DOT_ROWS];
     for (int64_t i = 0; i < R; i++) acc[i] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* ub = wq + b * units * 32;
-        for (int64_t o = 0; o < units * 32; o += 64) {  // block b + DOT_AHEAD's units (past the end: no fault)
-            _mm_prefetch((const char*)(ub + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
-            if (FEATS > FG) _mm_prefetch((const char*)(ub + group_bytes + DOT_AHEAD * units * 32 + o), _MM_HINT_T0);
+        const uint8_t* ub = wq + b * block_bytes;
+        // block b + DOT_AHEAD's units, past the unit's end the next unit's (at AVX2 the same bytes:
+        // its one stream runs on into the next; at AVX-512 the next unit's second stream starts
+        // group_bytes on: 1.1-1.2x at 1-8 rows on 2048-input Q4_K weights, Zen 4)
+        const int64_t ahead = b + DOT_AHEAD;
+        const uint8_t* pb = ahead < nb ? wq + ahead * block_bytes
+                                       : wq + (FEATS / FG) * group_bytes + (ahead - nb) * block_bytes;
+        for (int64_t o = 0; o < block_bytes; o += 64) {  // (past the weight's end: no fault)
+            _mm_prefetch((const char*)(pb + o), _MM_HINT_T0);
+            if (FEATS > FG) _mm_prefetch((const char*)(pb + group_bytes + o), _MM_HINT_T0);
         }
         if (ks) KS_PREFETCH(g, has_m, d, s, K, b + DOT_AHEAD, 3);  // its share of the strip's records
         else
@@ -192,6 +243,27 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
 #if SUM16
                 for (int64_t i = 0; i < R; i++) isum[i] = widen16(isum[i]);
 #endif
+            } else if (bits == 6) {  // u in 0..63 unsigned, a pair of units per H unit; then - 32 sum(qx)
+                for (int64_t o0 = h * sub_units; o0 < (h + 1) * sub_units; o0 += 2) {
+                    const vi hv = units_load(ub + 128 + (o0 / 2) * 32, group_bytes);
+                    for (int64_t v = 0; v < 2; v++) {
+                        const int64_t o = o0 + v;
+                        const vi raw = units_load(ub + o * 32, group_bytes), hs = v ? vi_srli4(hv) : hv;
+                        const vi lo = six_lo(raw, hs), hi = six_hi(raw, hs);
+                        for (int64_t i = 0; i < R; i++) {
+                            const int8_t* xr = qx + i * K + b * 32 + 8 * o;
+#if SUM16
+                            const vi t = add_u4s8_16(add_u4s8_16(vi_zero(), lo, vi_set1(load4(xr))), hi,
+                                                     vi_set1(load4(xr + 4)));
+                            isum[i] = vi_add32(isum[i], widen16(t));
+#else
+                            isum[i] = dot_u8s8(isum[i], lo, vi_set1(load4(xr)));
+                            isum[i] = dot_u8s8(isum[i], hi, vi_set1(load4(xr + 4)));
+#endif
+                        }
+                    }
+                }
+                for (int64_t i = 0; i < R; i++) isum[i] = vi_sub32(isum[i], vi_set1(32 * qs[i * ng + b * per + h]));
             } else if (u5 && SUM16) {  // unsigned quants 0..31: 4 units' pairs add up in 16 bits, then widen
                 for (int64_t o0 = h * sub_units; o0 < (h + 1) * sub_units; o0 += 4) {
                     vi raw[4];
@@ -237,15 +309,18 @@ static inline __attribute__((always_inline)) void dot_features(const int64_t R, 
 static inline void dot_features(const int64_t R, const int bits, const int g, const int has_m, const int u5,
                                 const int ks, const uint8_t* wq, int64_t group_bytes, const void* ds, const float* ms,
                                 int64_t fo, const float* d, int64_t s, const int8_t* qx, const float* dx,
-                                const float* xs, int64_t K, float* y, int64_t y_stride, int64_t live) {
+                                const float* xs, const int32_t* qs, int64_t K, float* y, int64_t y_stride,
+                                int64_t live) {
     (void)group_bytes;
     (void)d;
     (void)s;
     (void)u5;  // (the sums are the same, signed or not)
-    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 4 ? 4 : 8, sub_units = units / per;
+    (void)qs;  // (q = u - 32 taken as it is)
+    const int64_t nb = K / 32, ng = K / g, per = 32 / g, units = bits == 8 ? 8 : 4, sub_units = units / per;
+    const int64_t block_bytes = form_block_bytes(bits) / 4;
     float acc[DOT_ROWS][FG] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* ub = wq + b * units * 32;
+        const uint8_t* ub = wq + b * block_bytes;
         for (int64_t h = 0; h < per; h++) {
             int32_t isum[DOT_ROWS][FG] = {{0}};
             for (int64_t o = h * sub_units; o < (h + 1) * sub_units; o++)
@@ -256,6 +331,9 @@ static inline void dot_features(const int64_t R, const int bits, const int g, co
                             const int8_t* xr = qx + i * K + b * 32;
                             if (bits == 4)
                                 isum[i][f] += (byte & 15) * xr[8 * o + j] + (byte >> 4) * xr[8 * o + 4 + j];
+                            else if (bits == 6)
+                                isum[i][f] += six_dot_q(ub, o, f, j, 0) * xr[8 * o + j] +
+                                              six_dot_q(ub, o, f, j, 1) * xr[8 * o + 4 + j];
                             else
                                 isum[i][f] += (int8_t)byte * xr[4 * o + j];
                         }
@@ -276,7 +354,7 @@ static inline void dot_features(const int64_t R, const int bits, const int g, co
 #define DOT_CASE(RV)                                                                                               \
     case RV:                                                                                                       \
         dot_features(RV, bits, g, has_m, u5, ks, wq, group_bytes, ds, ms, fo, d, s, qx + r0 * K, dx + r0 * nb,      \
-                     xs + r0 * ng, K, y + r0 * y_stride + n0, y_stride, live);                                     \
+                     xs + r0 * ng, qs ? qs + r0 * ng : NULL, K, y + r0 * y_stride + n0, y_stride, live);           \
         break;
 
 // M rows over one work unit (FEATS features of strip s) of one form (constants where inlined), in
@@ -285,8 +363,8 @@ static inline __attribute__((always_inline)) void dot_form(const int bits, const
                                                            const int ks, const uint8_t* wq, int64_t group_bytes,
                                                            const float* d, const float* m, int64_t s,
                                                            const int8_t* qx, const float* dx, const float* xs,
-                                                           int64_t M, int64_t K, float* y, int64_t y_stride,
-                                                           int64_t n0, int64_t live) {
+                                                           const int32_t* qs, int64_t M, int64_t K, float* y,
+                                                           int64_t y_stride, int64_t n0, int64_t live) {
     const int64_t nb = K / 32, ng = K / g, row_groups = (M + DOT_ROWS - 1) / DOT_ROWS, fo = n0 - s * NS;
     const void* ds = strip_scales(ks, g, has_m, d, s, K);  // strip s's scales (kscales.h)
     const float* ms = has_m && !ks ? m + s * ng * NS : NULL;
@@ -305,19 +383,35 @@ static inline __attribute__((always_inline)) void dot_form(const int bits, const
 // form: blocks.h's (bits 4: Q4_1's d, m; 8: Q8_0's d, with MIN_FLAG an m, with G16_FLAG d and m per
 // 16 inputs, with U5_FLAG quants in 0..31), q in the dot layout above, K a multiple of 32. Every row
 // count: rows go in groups of at most DOT_ROWS over each FEATS features.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
+int relay_gemm_dot_ymm(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
+                       float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);  // gemm_dot_ymm.c
+#endif
+
 int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, const float* x, int64_t x_stride,
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
     if (K % 32 || M < 1 || !form_valid(form) || (form_ks(form) && K % QK_K)) return 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
+    // One row over short groups (group_bytes: a group of 8 features' quants, YMM_MAX_GROUP_BYTES or
+    // fewer: 2048-input weights) runs 8 features a pass, as AVX2 does (with VNNI where the CPU has
+    // it): the same bits. Two groups a pass read two streams group_bytes apart, which on a 2-core
+    // Zen 4 at 1 row streamed 2048-input weights 1.2-1.4x slower than one stream (Q4_K, 6- and
+    // 8-bit Q6_K alike; better prefetching of the second stream did not close it), while longer
+    // rows (8192 inputs: 32 KiB and more apart) and 4 rows and more are 1.2-2x faster with two.
+    if (M == 1 && (K / 32) * form_block_bytes(form_bits(form)) / 4 <= YMM_MAX_GROUP_BYTES)
+        return relay_gemm_dot_ymm(form, q, d, m, x, x_stride, y, y_stride, M, N, K);
+#endif
     const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
     const int u5 = bits == 8 && (form & U5_FLAG);
-    const int64_t nb = K / 32, ng = K / g, strips = (N + NS - 1) / NS, group_bytes = nb * 32 * (bits == 4 ? 4 : 8);
+    const int64_t nb = K / 32, ng = K / g, strips = (N + NS - 1) / NS, group_bytes = nb * form_block_bytes(bits) / 4;
     int8_t* qx = (int8_t*)malloc((size_t)(M * K));
     float* dx = (float*)malloc(sizeof(float) * (size_t)(M * nb));
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M * ng));
+    int32_t* qs = bits == 6 ? (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * ng)) : NULL;
     const int64_t per_strip = NS / FEATS;
     _Pragma("omp parallel")
     {
-    quantize_rows(x, x_stride, M, K, g, qx, dx, xs);  // (its omp for ends in a barrier)
+    quantize_rows(x, x_stride, M, K, g, qx, dx, xs, qs);  // (its omp for ends in a barrier)
     _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < strips * per_strip; u++) {
         const int64_t s = u / per_strip, n0 = s * NS + (u % per_strip) * FEATS;
@@ -328,9 +422,13 @@ int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, c
         // a minimum and scales per 32: elsewhere the quants go the signed way, to the same sums),
         // with its scales as float32 arrays or KS_FLAG records
 #define DOT_FORM(B, G, HM, U, KS) \
-    dot_form(B, G, HM, U, KS, wq, group_bytes, d, m, s, qx, dx, xs, M, K, y, y_stride, n0, live)
+    dot_form(B, G, HM, U, KS, wq, group_bytes, d, m, s, qx, dx, xs, qs, M, K, y, y_stride, n0, live)
         if (ks) {
             if (bits == 4) DOT_FORM(4, 32, 1, 0, 1);
+            else if (bits == 6 && g == 32 && !has_m) DOT_FORM(6, 32, 0, 0, 1);
+            else if (bits == 6 && g == 32) DOT_FORM(6, 32, 1, 0, 1);
+            else if (bits == 6 && !has_m) DOT_FORM(6, 16, 0, 0, 1);
+            else if (bits == 6) DOT_FORM(6, 16, 1, 0, 1);
             else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0, 1);
             else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1, 1);
             else if (g == 32) DOT_FORM(8, 32, 1, 0, 1);
@@ -338,6 +436,10 @@ int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, c
             else DOT_FORM(8, 16, 1, 0, 1);
         } else {
             if (bits == 4) DOT_FORM(4, 32, 1, 0, 0);
+            else if (bits == 6 && g == 32 && !has_m) DOT_FORM(6, 32, 0, 0, 0);
+            else if (bits == 6 && g == 32) DOT_FORM(6, 32, 1, 0, 0);
+            else if (bits == 6 && !has_m) DOT_FORM(6, 16, 0, 0, 0);
+            else if (bits == 6) DOT_FORM(6, 16, 1, 0, 0);
             else if (g == 32 && !has_m) DOT_FORM(8, 32, 0, 0, 0);
             else if (g == 32 && u5) DOT_FORM(8, 32, 1, 1, 0);
             else if (g == 32) DOT_FORM(8, 32, 1, 0, 0);
@@ -347,6 +449,7 @@ int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, c
 #undef DOT_FORM
     }
     }
+    free(qs);
     free(xs);
     free(dx);
     free(qx);

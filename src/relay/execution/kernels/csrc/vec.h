@@ -17,7 +17,9 @@
 
 #include "simd.h"
 
-#if defined(__AVX512F__)
+// VEC_YMM (defined before this header): the AVX2 body at an AVX-512 level too, for a kernel that
+// wants 8 lanes there (gemm_dot_ymm.c)
+#if defined(__AVX512F__) && !defined(VEC_YMM)
 #define VL 16
 typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
@@ -273,7 +275,7 @@ static inline void vf_transpose(vf* r) {
 }
 #endif
 
-#if !(defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+#if !(defined(__AVX2__) && defined(__FMA__)) || (defined(__AVX512F__) && !defined(VEC_YMM))
 // (AVX2's order is its own; elsewhere the natural one: dims 0..VL-1, then VL..2VL-1)
 static inline void vf_from_bf16_2(const uint16_t* p, vf* a, vf* b) {
     *a = vf_from_bf16(p);
