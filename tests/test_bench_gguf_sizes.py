@@ -271,6 +271,7 @@ def test_tables_and_flags():
             "model_spec": "1b-Q4_K_M",
             "file_bytes": 0.8e9,
             "disk_bytes_end": 4.3e9,
+            "kernel_build_s": 33.8,
             "starts": [
                 {"ready_s": 120.0, "peak_rss": 9e9, "disk_bytes": 4.3e9, "cpu_isa": "avx512bf16"},
                 {
@@ -289,7 +290,7 @@ def test_tables_and_flags():
     run |= {"output_throughput": 12.34, "median_ttft_ms": 812.4, "median_itl_ms": 80.0}
     lines = gguf_sizes.tables([server, failed, run]).split("\n")
     assert lines[2] == (
-        "| 1b-Q4_K_M | relay | 0.80 | 120.0 | 20.0 | 9.00 | 5.00 | 4.50 | 4.05 | "
+        "| 1b-Q4_K_M | relay | 0.80 | 33.8 | 120.0 | 20.0 | 9.00 | 5.00 | 4.50 | 4.05 | "
         "relay::tp0 4.40, relay::http 0.10 | 4.30 | avx512bf16 |"
     )
     assert lines[3].startswith("| 8b-Q8_0 | llamacpp | – |") and lines[3].endswith("| n/a |")
