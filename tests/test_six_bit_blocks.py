@@ -207,7 +207,7 @@ def test_a_q4_k_m_like_file_loads_q6_k_and_q5_k_in_six_bits(q4_k_m_file, monkeyp
 @pytest.mark.parametrize("kind", ["q6_k", "q4_k+q6_k"])
 def test_single_rows_over_long_groups_give_the_same_bits_at_every_level(kind):
     """At AVX-512 one row takes the 8-features-a-pass kernel where a group of 8 features' quants
-    is short (gemm_dot.c: YMM_MAX_GROUP_BYTES) and the 16-features one beyond (K 4096 here, in 6
+    is short (gemm_dot.c: YMM_MAX_K inputs) and the 16-features one beyond (K 4096 here, in 6
     and 8 bits): both forms, both kernels, every level give the same bits."""
     eight, six, _ = six_pair(kind, 40, 4096, compact=True, seed=4)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(5)) * 2
@@ -218,3 +218,20 @@ def test_single_rows_over_long_groups_give_the_same_bits_at_every_level(kind):
             floats = [cpu_gemm.gemm_blocks(x, b) for b in (eight, six)]
             assert same_bits(floats[1], floats[0]), level  # (float sums: the same per level)
     assert all(same_bits(y, dot[0]) for y in dot)
+
+
+@pytest.mark.parametrize("k", [2048, 4096])
+def test_single_q4_k_rows_give_the_same_bits_at_every_level(k):
+    """One row of a Q4_K weight at AVX-512 runs 8 features a pass up to gemm_dot.c's YMM_MAX_K
+    inputs and 16 beyond (an 8B model's 4096-input q/k/v, o and gate/up): every level the same
+    bits, and near the float product of gguf's own floats (x is rounded to 8 bits)."""
+    raw = raw_blocks(T.Q4_K, 40, k, 7)
+    w = pack_rows(common_form([decode_rows(raw, int(T.Q4_K), k)]), 40, k, compact=True)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8))
+    outs = []
+    for level in levels_here():
+        with held_at(level):
+            outs.append(cpu_gemm.gemm_blocks(x, w.to_dot()))
+    assert all(same_bits(y, outs[0]) for y in outs)
+    want = x @ gguf_floats(raw, T.Q4_K, k).T
+    assert torch.allclose(outs[0], want, rtol=0.02, atol=0.02 * want.abs().max().item())

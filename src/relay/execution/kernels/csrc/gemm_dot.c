@@ -47,8 +47,8 @@
 #ifndef DOT_AHEAD
 #define DOT_AHEAD 8  // blocks ahead the units (and d, m) are prefetched
 #endif
-#ifndef YMM_MAX_GROUP_BYTES
-#define YMM_MAX_GROUP_BYTES (16 << 10)  // AVX-512: single rows over groups this short run 8 features a pass
+#ifndef YMM_MAX_K
+#define YMM_MAX_K 2048  // AVX-512: single rows this short (in inputs) run 8 features a pass
 #endif
 
 // x's rows in 8 bits: per block of 32, dx = max |x| / 127, qx = round(x / dx); xs the float sums of
@@ -392,13 +392,14 @@ int relay_gemm_dot(int form, const uint8_t* q, const float* d, const float* m, c
                    float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
     if (K % 32 || M < 1 || !form_valid(form) || (form_ks(form) && K % QK_K)) return 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(VEC_YMM)
-    // One row over short groups (group_bytes: a group of 8 features' quants, YMM_MAX_GROUP_BYTES or
-    // fewer: 2048-input weights) runs 8 features a pass, as AVX2 does (with VNNI where the CPU has
-    // it): the same bits. Two groups a pass read two streams group_bytes apart, which on a 2-core
-    // Zen 4 at 1 row streamed 2048-input weights 1.2-1.4x slower than one stream (Q4_K, 6- and
-    // 8-bit Q6_K alike; better prefetching of the second stream did not close it), while longer
-    // rows (8192 inputs: 32 KiB and more apart) and 4 rows and more are 1.2-2x faster with two.
-    if (M == 1 && (K / 32) * form_block_bytes(form_bits(form)) / 4 <= YMM_MAX_GROUP_BYTES)
+    // One row over short rows (YMM_MAX_K inputs or fewer) runs 8 features a pass, as AVX2 does (with
+    // VNNI where the CPU has it): the same bits. Two groups a pass read two streams of quants, which
+    // on a 2-core Zen 4 at 1 row streamed 2048-input weights 1.2-1.4x slower than one stream (Q4_K,
+    // 6- and 8-bit Q6_K alike; better prefetching of the second stream did not close it), while
+    // longer rows and 4 rows and more are 1.2-2x faster with two. The rule is the row's length, not
+    // the streams' distance: 4096-input Q4_K weights (an 8B model's q/k/v, o, gate/up), 16 KiB apart
+    // as 2048-input 8-bit ones are, ran 1.22x faster with two (one thread, Zen 4).
+    if (M == 1 && K <= YMM_MAX_K)
         return relay_gemm_dot_ymm(form, q, d, m, x, x_stride, y, y_stride, M, N, K);
 #endif
     const int bits = form_bits(form), g = form_group(form), has_m = form_has_m(form), ks = form_ks(form);
