@@ -13,7 +13,16 @@ import shutil
 
 import torch
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble n of a word holds output ORDER[n]
+AWQ_ORDER = (
+    0,
+    2,
+    4,
+    6,
+    1,
+    3,
+    5,
+    7,
+)  # AutoAWQ's order_map: nibble n of a word holds output ORDER[n]
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -76,7 +85,9 @@ def quantize_groups(w: torch.Tensor, g_idx: torch.Tensor, sym: bool, min_zero: i
     g = g_idx.long()
     groups = int(g.max()) + 1
     lo = torch.full((w.shape[0], groups), float("inf")).scatter_reduce(1, g.expand_as(w), w, "amin")
-    hi = torch.full((w.shape[0], groups), -float("inf")).scatter_reduce(1, g.expand_as(w), w, "amax")
+    hi = torch.full((w.shape[0], groups), -float("inf")).scatter_reduce(
+        1, g.expand_as(w), w, "amax"
+    )
     if sym:  # zero point 8: q - 8 in -8..7
         s = (torch.maximum(hi.abs(), lo.abs()) / 7.5).half()
         z = torch.full_like(s, 8, dtype=torch.float32)
@@ -147,7 +158,13 @@ def int4_checkpoint(model, path: str, method: str, group: int, **opts) -> dict[s
         tensors |= {f"{name}.{part}": t.contiguous() for part, t in packed.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"))
     config = (
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
         if method == "awq"
         else {
             "quant_method": "gptq",

@@ -53,7 +53,9 @@ class CheckpointQuant:
         return f"{self.method} {self.bits}-bit {group}{act}{'' if self.sym else ' asym'}"
 
 
-def read_checkpoint_quant(cfg: dict[str, Any], model_dir: str | None = None) -> CheckpointQuant | None:
+def read_checkpoint_quant(
+    cfg: dict[str, Any], model_dir: str | None = None
+) -> CheckpointQuant | None:
     """The checkpoint's quantization (None: a float checkpoint), or a ValueError naming the method
     or setting Relay does not load."""
     qc = cfg.get("quantization_config")

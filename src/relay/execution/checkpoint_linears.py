@@ -56,7 +56,11 @@ def convert(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant)
         linear = unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"])
     elif quant.method == "gptq":
         linear = unpack_gptq(
-            parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), quant.zero_offset
+            parts["qweight"],
+            parts["qzeros"],
+            parts["scales"],
+            parts.get("g_idx"),
+            quant.zero_offset,
         )
     else:
         return fp8_weight(prefix, parts, quant)
@@ -97,9 +101,7 @@ def fp8_weight(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQua
     raise ValueError(f"fp8 checkpoint: {prefix} weight_scale of shape {list(scale.shape)}")
 
 
-def _block_scales(
-    scale: torch.Tensor, block: tuple[int, int], shape: torch.Size
-) -> torch.Tensor:
+def _block_scales(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
     """[ceil(n / rows), ceil(k / cols)] block scales spread over the [n, k] weight (the last
     blocks of a row or column may be partial)."""
     n, k = shape
