@@ -261,6 +261,14 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
         ),
     ),
     (
+        "Go faster where output may change slightly, or not at all",
+        "AWQ / GPTQ 4-bit checkpoints served from the CPU block kernels with no float copy",
+        (
+            "tests/test_quantized_checkpoints.py::test_4bit_checkpoints_are_exact_blocks_and_match_transformers",
+            "tests/test_quantized_checkpoints.py::test_off_the_block_kernels_4bit_weights_are_the_dequantized_floats",
+        ),
+    ),
+    (
         "Scale out",
         "`--tp N` (shared memory across one machine's CPU cores",
         (

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.checkpoint_quant import CheckpointQuant, read_checkpoint_quant
 from relay.hf_config import model_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -358,16 +359,19 @@ class ModelConfig:
     attention_multiplier: float | None = None
     # StarCoder 2 (use_bias): o_proj and the MLP's projections have biases too, not only q/k/v
     o_proj_and_mlp_bias: bool = False
+    # The checkpoint's own quantization (AWQ, GPTQ, FP8: relay.checkpoint_quant); None: floats
+    quantization: CheckpointQuant | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """A checkpoint's config.json (relay.hf_config reads it)."""
-        return cls(**model_fields(cfg))
+    def from_hf_dict(cls, cfg: dict[str, Any], model_dir: str | None = None) -> ModelConfig:
+        """A checkpoint's config.json (relay.hf_config reads it; relay.checkpoint_quant its
+        quantization_config, or the quantize_config.json beside it in model_dir)."""
+        return cls(**model_fields(cfg), quantization=read_checkpoint_quant(cfg, model_dir))
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
-            cfg = cls.from_hf_dict(json.load(f))
+            cfg = cls.from_hf_dict(json.load(f), path)
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_path):
             with open(gen_path) as f:

@@ -21,6 +21,7 @@ from relay.execution.model_files import GgufSource, gguf_rows, gguf_source
 from relay.execution.models import model_class
 from relay.execution.placement import Placement
 from relay.execution.quantized_blocks import BITS, BlockQuantizer
+from relay.execution.quantized_checkpoint import Int4BlockLoader, dequantized
 from relay.execution.startup_timing import log_weight_blocks
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class ModelLoader:
         source = gguf_source(model_dir)
         if source is not None and self.cfg.load_format != "dummy":
             return self._load_gguf(source, model_dir, mc, quantization)
+        if mc.quantization is not None and self.cfg.load_format != "dummy":
+            if mc.quantization.int4 and self._block_kernels_usable(quantization):
+                return self._load_int4_blocks(model_dir, mc)
+            if self.place.tp.is_leader:
+                logger.info("%s checkpoint: dequantized at load", mc.quantization.describe())
         if self._quantizes_to_blocks(quantization):
             return self._load_quantized_blocks(model_dir, mc, quantization)
         blocks = self._wants_weight_blocks(model_dir, quantization)
@@ -99,6 +105,20 @@ class ModelLoader:
         release_free_memory()  # what the freed float weights and the rounding left in the heap
         if self.place.tp.is_leader:
             quantizer.log(weight_bytes(model))
+        return model
+
+    def _load_int4_blocks(self, model_dir: str, mc: ModelConfig) -> torch.nn.Module:
+        """An AWQ or GPTQ checkpoint on the block kernels: each GEMM's 4-bit quants packed into
+        blocks once its decoder layer is in, with no float copy (quantized_checkpoint)."""
+        model = self._new_model(mc, self.place.dtype)
+        loader = Int4BlockLoader(model, mc.quantization, self._int8_block_activations())
+        show = self.place.tp.is_leader
+        with torch.no_grad():
+            loader.load(iter_safetensors(model_dir, show, by_layer=True), after_each_layer)
+        self._finish(model, None)  # (floats only where a module's groups cut its blocks)
+        release_free_memory()  # what unpacking the layers allocated and freed
+        if show:
+            loader.log(weight_bytes(model))
         return model
 
     def _finish(self, model: torch.nn.Module, quantization: str | None) -> None:
@@ -170,12 +190,16 @@ class ModelLoader:
             for i in range(len(model.layers) if layer_done else 0):
                 layer_done(i)
             return
-        show = self.place.tp.is_leader
+        show, quant = self.place.tp.is_leader, model.config.quantization
+        # a quantized checkpoint's layers come dequantized, a decoder layer at a time
+        by_layer = layer_done is not None or quant is not None
+        weights = iter_safetensors(model_dir, show_progress=show, by_layer=by_layer)
+        if quant is not None:
+            weights = dequantized(weights, quant, layer_of)
         with torch.no_grad():
             if layer_done is None:
-                model.load_weights(iter_safetensors(model_dir, show_progress=show))
+                model.load_weights(weights)
             else:
-                weights = iter_safetensors(model_dir, show_progress=show, by_layer=True)
                 model.load_weights(after_each_layer(weights, layer_done))
 
     def _wants_weight_blocks(self, model_dir: str, quantization: str | None) -> bool:

@@ -83,6 +83,11 @@ class BlockWeight:
     has_m: bool = True  # w = d * q + m (always for bits 4); else w = d * q and m is empty
     q_unsigned: bool = False  # bits 8 quants all in 0..31 (Q5_K, Q5_1): UNSIGNED_FLAG
     kscales: bool = False  # d is k-quant super-block records, not float32 scales: KSCALES_FLAG
+    # The blocks' inputs are x's in this order (int64 [K]): a GPTQ act-order weight's, whose
+    # groups are scattered over the inputs, gathered so that each block is one group's
+    # (quantized_checkpoint); cpu_gemm.gemm_blocks takes x's columns so, and the one-call decode
+    # step, which reads x as it is, does not take such a weight. None: x as it is.
+    in_perm: torch.Tensor | None = None
 
     @property
     def kernel_bits(self) -> int:
@@ -160,7 +165,12 @@ class BlockWeight:
         w = d.repeat_interleave(self.group, dim=1) * q
         if self.has_m:
             w = w + m.repeat_interleave(self.group, dim=1)
-        return w.permute(0, 2, 1).reshape(-1, k)[:n]
+        w = w.permute(0, 2, 1).reshape(-1, k)[:n]
+        if self.in_perm is None:
+            return w
+        unpermuted = torch.empty_like(w)
+        unpermuted[:, self.in_perm] = w  # (block column j holds input in_perm[j])
+        return unpermuted
 
 
 def _nibbles(

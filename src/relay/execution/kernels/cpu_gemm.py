@@ -136,6 +136,8 @@ def gemm_blocks_available() -> bool:
 def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     """x [M, K] float32 times a weight kept in GGUF blocks (relay.execution.weight_blocks) -> [M, N] float32.
     Only where gemm_blocks_available()."""
+    if w.in_perm is not None:  # (a contiguous copy, x's columns in the blocks' order)
+        x = x.index_select(1, w.in_perm)
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         x = x.float().contiguous()
     m = x.shape[0]

@@ -37,6 +37,7 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_ops
 from relay.execution.layers import RotaryEmbedding, StepRope
+from relay.execution.models.linear_slots import Slot
 from relay.execution.models.llama import LlamaForCausalLM
 from relay.execution.models.llama_layers import MLP, Attention
 
@@ -199,6 +200,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             return None
         tower = _TEXT_TOWER.fullmatch(name)
         return super()._load_one(tower.group(1) if tower else name, w)
+
+    def linear_slots(self, name: str) -> list[Slot] | None:
+        """Llama's, under the text tower's names too (Gemma 3's multimodal checkpoints)."""
+        tower = _TEXT_TOWER.fullmatch(name)
+        return super().linear_slots(tower.group(1) if tower else name)
 
     def use_cpu_kernels(self) -> None:
         """Relay's GEMM kernels; for a float32 model also its CPU norm (1 + w folded), q/k norm,

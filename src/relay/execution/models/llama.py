@@ -41,6 +41,7 @@ from relay.execution.layers import (
     w8a8_weight,
 )
 from relay.execution.models import one_call_layers
+from relay.execution.models.linear_slots import Slot
 from relay.execution.models.llama_layers import MLP, DecoderLayer, UngatedMLP
 from relay.execution.weight_blocks import recover
 
@@ -324,31 +325,43 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
         layer, part, kind = self.layers[int(m.group(1))], m.group(2), m.group(3)
         prefix = f"layers.{m.group(1)}."
-        attn, mlp, d = layer.self_attn, layer.mlp, self.config.head_dim
-        sh = attn.shard
-        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            which = part[-6]
-            start, count, offset = {
-                "q": (sh.q_start, sh.q_count, 0),
-                "k": (sh.kv_start, sh.kv_count, attn.sizes[0]),
-                "v": (sh.kv_start, sh.kv_count, attn.sizes[0] + attn.sizes[1]),
-            }[which]
-            dest = getattr(attn.qkv_proj, kind)
-            dest[offset : offset + count * d].copy_(w[start * d : (start + count) * d])
-            return prefix + f"self_attn.qkv_proj.{kind}"
-        if part == "self_attn.o_proj":
-            if kind == "bias":  # every rank adds all of it, once, after the sum
-                attn.o_proj.bias.copy_(w)
-            else:
-                attn.o_proj.weight.copy_(w[:, sh.q_start * d : (sh.q_start + sh.q_count) * d])
-            return prefix + f"self_attn.o_proj.{kind}"
-        if part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            return prefix + "mlp." + mlp.load(part[4:], w)
-        if part in ("mlp.c_fc", "mlp.c_proj"):
-            return prefix + "mlp." + mlp.load(f"{part[4:]}.{kind}", w)
+        slots = self.linear_slots(prefix + part)
+        if slots is not None:  # (one name: a fused checkpoint weight's parts go to one module)
+            return [slot.load(w, kind) for slot in slots][0]
         module = layer.get_submodule(part)  # input/post-attention norms, q/k norms
         getattr(module, kind).copy_(w)
         return prefix + f"{part}.{kind}"
+
+    def linear_slots(self, name: str) -> list[Slot] | None:
+        """Where this rank's part of the checkpoint's linear layer `name` (model.layers.0.self_attn.
+        q_proj) goes (linear_slots.Slot); None for a name that is not a decoder layer's GEMM."""
+        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)\.(.+)", name)
+        if m is None:
+            return None
+        i, part = int(m.group(1)), m.group(2)
+        prefix = f"layers.{i}."
+        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            return [self._qkv_slot(i, part[-6], 0)]
+        if part == "self_attn.o_proj":
+            attn, d = self.layers[i].self_attn, self.config.head_dim
+            heads = slice(attn.shard.q_start * d, (attn.shard.q_start + attn.shard.q_count) * d)
+            return [Slot(prefix + part, attn.o_proj, 0, slice(None), heads)]
+        mlp = self.layers[i].mlp
+        slot = mlp.slot(part[4:]) if part.startswith("mlp.") and hasattr(mlp, "slot") else None
+        return None if slot is None else [slot.under(prefix + "mlp.")]
+
+    def _qkv_slot(self, i: int, which: str, first_row: int) -> Slot:
+        """This rank's heads of layer i's q, k or v (`which`), whose rows start at first_row of
+        the checkpoint tensor (Phi-3's fused one: after q's, or q's and k's), into qkv_proj."""
+        attn, d = self.layers[i].self_attn, self.config.head_dim
+        sh = attn.shard
+        start, count, offset = {
+            "q": (sh.q_start, sh.q_count, 0),
+            "k": (sh.kv_start, sh.kv_count, attn.sizes[0]),
+            "v": (sh.kv_start, sh.kv_count, attn.sizes[0] + attn.sizes[1]),
+        }[which]
+        rows = slice(first_row + start * d, first_row + (start + count) * d)
+        return Slot(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj, offset, rows)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):

@@ -16,6 +16,7 @@ from relay.execution.attention.base import AttentionBackend
 from relay.execution.distributed import TPGroup, head_partition, split_evenly
 from relay.execution.kernels import cpu_ops
 from relay.execution.layers import Linear, RMSNorm, RotaryEmbedding, StepRope, apply_rotary
+from relay.execution.models.linear_slots import Slot
 
 
 class Attention(nn.Module):
@@ -109,13 +110,17 @@ class MLP(nn.Module):
     def load(self, which: str, w: torch.Tensor) -> str:
         """Copy this rank's slice of a checkpoint's full gate_proj, up_proj or down_proj weight in;
         the name of the parameter it went to."""
+        return self.slot(which).load(w)
+
+    def slot(self, which: str) -> Slot | None:
+        """Where this rank's slice of the checkpoint's gate_proj, up_proj or down_proj goes: its
+        features' rows of gate and up (side by side in gate_up_proj), their columns of down."""
         start, n = self.start, self.inter
+        mine = slice(start, start + n)
         if which == "down_proj":
-            self.down_proj.weight.copy_(w[:, start : start + n])
-            return "down_proj.weight"
-        offset = {"gate_proj": 0, "up_proj": n}[which]
-        self.gate_up_proj.weight[offset : offset + n].copy_(w[start : start + n])
-        return "gate_up_proj.weight"
+            return Slot("down_proj", self.down_proj, 0, slice(None), mine)
+        offset = {"gate_proj": 0, "up_proj": n}.get(which)
+        return None if offset is None else Slot("gate_up_proj", self.gate_up_proj, offset, mine)
 
 
 class UngatedMLP(nn.Module):
@@ -135,15 +140,16 @@ class UngatedMLP(nn.Module):
     def load(self, which: str, w: torch.Tensor) -> str:
         """Copy this rank's slice of a checkpoint's c_fc or c_proj weight or bias in ("c_fc.weight",
         ...); the name of the parameter it went to."""
-        start, n = self.start, self.inter
-        if which.startswith("c_fc."):  # this rank's features: rows of the weight, the bias's
-            part = w[start : start + n]
-        elif which == "c_proj.weight":
-            part = w[:, start : start + n]
-        else:  # c_proj.bias: every rank adds all of it, once, after the sum
-            part = w
-        self.get_parameter(which).copy_(part)
-        return which
+        module, kind = which.split(".")
+        return self.slot(module).load(w, kind)
+
+    def slot(self, which: str) -> Slot | None:
+        """Where this rank's slice of c_fc (its features' rows, and their biases) or c_proj (their
+        columns; its bias whole: every rank adds all of it, once, after the sum) goes."""
+        mine = slice(self.start, self.start + self.inter)
+        if which == "c_fc":
+            return Slot("c_fc", self.c_fc, 0, mine)
+        return Slot("c_proj", self.c_proj, 0, slice(None), mine) if which == "c_proj" else None
 
 
 class DecoderLayer(nn.Module):

@@ -40,7 +40,9 @@ def decode_layers(
         and attn.kv.k[0].device.type == "cpu"
         and getattr(attn, "kernel", None) is not None  # (its windows and soft-cap: the call's too)
         and all(
-            m.blocks is not None and getattr(m, "bias", None) is None
+            m.blocks is not None
+            and m.blocks.in_perm is None  # (an act-order weight's x is reordered: gemm_blocks)
+            and getattr(m, "bias", None) is None
             for m in model.gemm_modules()
             if m is not model.lm_head
         )
