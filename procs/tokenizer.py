@@ -122,7 +122,8 @@ def main(args: ProcArgs) -> None:
     to_sched = push(ctx, endpoint(args.ipc_dir, SCHEDULER))
     to_detok = push(ctx, endpoint(args.ipc_dir, DETOKENIZER))
     to_http = push(ctx, endpoint(args.ipc_dir, HTTP))
-    # The chat template says which tool-call format the model was taught (--tool-call-parser's default).
+    # The architecture or the chat template says which tool-call format the model was taught
+    # (--tool-call-parser's default: harmony for gpt-oss, which also splits off its reasoning).
     announce_ready(
         ctx,
         args.ipc_dir,
@@ -132,7 +133,8 @@ def main(args: ProcArgs) -> None:
                 "tool_call_parser": parser_for_template(
                     prep.tok.hf.chat_template
                     if isinstance(prep.tok.hf.chat_template, str)
-                    else None
+                    else None,
+                    mc.architecture,
                 )
             },
         ),

@@ -335,10 +335,14 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    # Attention beyond the Llama decoder's (Mistral, Mixtral, Phi-3, Gemma 2/3). layer_windows[i]:
-    # layer i's sliding window w (a query at position p attends the keys at p - w < j <= p, as
-    # transformers' sliding_window_overlay), None where it attends the whole context; [] where no
-    # layer has one.
+    # gpt-oss's experts: the clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate), the gate
+    # clamped to at most swiglu_limit and up to +-swiglu_limit (models/gpt_oss_moe.py)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
+    # Attention beyond the Llama decoder's (Mistral, Mixtral, Phi-3, Gemma 2/3, gpt-oss).
+    # layer_windows[i]: layer i's sliding window w (a query at position p attends the keys at
+    # p - w < j <= p, as transformers' sliding_window_overlay), None where it attends the whole
+    # context; [] where no layer has one.
     layer_windows: list[int | None] = field(default_factory=list)
     attn_logit_softcap: float | None = (
         None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
@@ -350,6 +354,8 @@ class ModelConfig:
     local_rope_theta: float | None = (
         None  # Gemma 3: the sliding layers' rope base (default rope, no scaling)
     )
+    # gpt-oss: each layer has a learned logit per query head in every softmax's denominator
+    attention_sinks: bool = False
     # Granite's multipliers: the embedding scaled by embedding_multiplier, each attention and MLP
     # output by residual_multiplier before it joins the residual stream, the logits divided by
     # logits_scaling; attention_multiplier scales the scores in place of head_dim ** -0.5.
@@ -410,9 +416,13 @@ class ModelConfig:
         return min(windows) if windows and None not in windows else None
 
     def masks_attention(self, context_len: int) -> bool:
-        """Whether attention needs more than a causal mask: a sliding window that can matter, or
-        soft-capped scores (what only the torch attention backend applies)."""
-        return bool(self.attention_windows(context_len)) or self.attn_logit_softcap is not None
+        """Whether attention needs more than a causal mask: a sliding window that can matter,
+        soft-capped scores or attention sinks (what only the torch attention backend applies)."""
+        return (
+            bool(self.attention_windows(context_len))
+            or self.attn_logit_softcap is not None
+            or self.attention_sinks
+        )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether layer layer_id's feed-forward block is sparse (transformers' rule for Qwen2/3-MoE)."""

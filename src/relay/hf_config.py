@@ -1,7 +1,7 @@
 """A checkpoint's config.json, as transformers writes it, read into ModelConfig's fields: the
 architecture (from model_type where architectures is missing), Gemma's text configs and
 rope, sliding windows per layer, soft-caps, Granite's multipliers, StarCoder 2's biases and
-LayerNorm epsilon, and the mixture-of-experts fields.
+LayerNorm epsilon, gpt-oss's defaults and attention sinks, and the mixture-of-experts fields.
 """
 
 from __future__ import annotations
@@ -21,13 +21,18 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = gemma_config(arch, cfg)
     if arch == "Starcoder2ForCausalLM":
         _check_activation(arch, cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    if arch == GPT_OSS:
+        cfg = gpt_oss_config(cfg)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = rope_settings(cfg, arch, head_dim)  # refuses a rope type Relay does not implement
     eos = cfg.get("eos_token_id")
-    qkv_bias_default = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    qkv_bias_default = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", GPT_OSS)
     # StarCoder 2 names one flag for all its biases (transformers' default: on)
     all_biases = arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True))
+    attention_bias = all_biases or bool(
+        cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))
+    )
     return dict(
         architecture=arch,
         hidden_size=cfg["hidden_size"],
@@ -44,9 +49,9 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
         # Qwen2-MoE's config names its q/k/v biases qkv_bias
-        attention_bias=all_biases
-        or bool(cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))),
-        o_proj_and_mlp_bias=all_biases,
+        attention_bias=attention_bias,
+        # gpt-oss's attention_bias covers o_proj too (its experts' biases are its own)
+        o_proj_and_mlp_bias=all_biases or (arch == GPT_OSS and attention_bias),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         rope_scaling=rope.scaling,
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -74,11 +79,13 @@ _ARCH_BY_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
+GPT_OSS = "GptOssForCausalLM"
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 1 has no soft-caps, windows or scalar
 # transformers' defaults where a config.json leaves them out
 _TIED_BY_DEFAULT = (*GEMMA, "GemmaForCausalLM", "Starcoder2ForCausalLM")
-_DEFAULT_EPS = {"Starcoder2ForCausalLM": 1e-5}
+_DEFAULT_EPS = {"Starcoder2ForCausalLM": 1e-5, GPT_OSS: 1e-5}
 # The architectures Relay runs: relay.execution.models.MODELS implements each (a test holds the two
 # equal). Named here, where torch is not imported, for the launcher (relay::http, which never
 # holds torch) to refuse another before any process starts.
@@ -100,6 +107,7 @@ def check_architecture(architecture: str) -> None:
 # slide everywhere.
 _DEFAULT_LAYER_TYPES = {
     "Gemma2ForCausalLM": lambda cfg, i: (i + 1) % 2 != 0,
+    GPT_OSS: lambda cfg, i: (i + 1) % 2 != 0,
     "Gemma3ForCausalLM": lambda cfg, i: (i + 1) % cfg.get("sliding_window_pattern", 6) != 0,
     "Qwen2ForCausalLM": lambda cfg, i: i >= cfg.get("max_window_layers", 28),
     "Qwen3ForCausalLM": lambda cfg, i: i >= cfg.get("max_window_layers", 28),
@@ -168,6 +176,29 @@ def gemma_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+# GptOssConfig's rope where a config.json names none (the released checkpoints name it): YaRN
+# stretching 4,096 positions 32 times over a base of 150,000.
+_GPT_OSS_ROPE = dict(
+    rope_type="yarn",
+    factor=32.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=4096,
+)
+
+
+def gpt_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A gpt-oss config.json with GptOssConfig's defaults where it leaves them out: its rope and
+    rope_theta, and the head size it fixes (64) rather than hidden_size / heads."""
+    cfg = dict(cfg)
+    if not cfg.get("rope_scaling") and not cfg.get("rope_parameters"):
+        cfg["rope_parameters"] = _GPT_OSS_ROPE
+    cfg.setdefault("rope_theta", 150000.0)
+    cfg.setdefault("head_dim", 64)
+    return cfg
+
+
 def _check_activation(arch: str, act: str) -> None:
     """ValueError naming the activation unless it is the tanh-approximated GELU Relay runs."""
     if act != "gelu_pytorch_tanh":
@@ -202,6 +233,8 @@ def _attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         )
     if arch == "Gemma3ForCausalLM":
         fields["local_rope_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
+    if arch == GPT_OSS:
+        fields["attention_sinks"] = True
     return fields
 
 
@@ -236,6 +269,14 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             moe_intermediate_size=cfg["intermediate_size"],
             moe_renormalize=True,
             moe_float32_weights=True,
+        )
+    if arch == GPT_OSS:  # (older configs name the top-k experts_per_token)
+        return dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or cfg["experts_per_token"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         )
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return dict(

@@ -21,7 +21,7 @@ def kv_and_attention(
     cfg: EngineConfig, place: Placement, mc: ModelConfig, num_pages: int, context_len: int
 ):
     """A KV pool of num_pages pages for this model's layers, and an attention backend on it (with
-    the model's sliding windows and soft-cap at this context length)."""
+    the model's sliding windows, soft-cap and sinks at this context length)."""
     return _pool(cfg, place, mc, num_pages, place.kv_dtype, context_len)
 
 
@@ -55,6 +55,7 @@ def _pool(
         scale=mc.attention_scale,
         windows=mc.attention_windows(context_len),
         softcap=mc.attn_logit_softcap,
+        sinks=mc.attention_sinks,
     )
     return kv, attn
 

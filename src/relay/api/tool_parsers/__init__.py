@@ -57,8 +57,16 @@ _TEMPLATE_MARKERS = (
 )
 
 
-def parser_for_template(template: str | None) -> str:
-    """The format a chat template asks tool calls in; hermes where it does not say."""
+# Architectures that write one format whatever template a directory ships or --chat-template
+# names: gpt-oss was trained on harmony alone (its channels carry the reasoning too).
+_ARCHITECTURE_FORMATS = {"GptOssForCausalLM": HARMONY}
+
+
+def parser_for_template(template: str | None, architecture: str | None = None) -> str:
+    """The format the model writes tool calls in: its architecture's own where it has one, else
+    what its chat template asks for; hermes where neither says."""
+    if architecture in _ARCHITECTURE_FORMATS:
+        return _ARCHITECTURE_FORMATS[architecture]
     for marker, name in _TEMPLATE_MARKERS:
         if template and marker in template:
             if name == "deepseek_v3" and "```json" not in template:

@@ -40,7 +40,7 @@ class AttentionBackend(ABC):
     # How the backend wants each layer's KV buffers laid out (see KVCache): "NHD" is
     # [slots, kv_heads, head_dim] (paged GPU kernels), "HND" is [kv_heads, slots, head_dim].
     kv_layout: str = "NHD"
-    # Whether the backend applies per-layer sliding windows and soft-capped scores
+    # Whether the backend applies per-layer sliding windows, soft-capped scores and attention sinks
     # (ModelConfig.masks_attention); one that does not refuses a model that needs them.
     masks_scores: bool = False
 
@@ -53,13 +53,16 @@ class AttentionBackend(ABC):
         scale: float,
         windows: list[int | None] | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ):
         """windows: each layer's sliding window (None: the whole context; no list: no layer has
-        one); softcap: scores become softcap * tanh(scores / softcap) before the softmax."""
-        if (windows or softcap is not None) and not self.masks_scores:
+        one); softcap: scores become softcap * tanh(scores / softcap) before the softmax; sinks:
+        the model's layers pass forward their attention sinks (gpt-oss)."""
+        if (windows or softcap is not None or sinks) and not self.masks_scores:
             raise ValueError(
-                f"the {self.name} attention backend applies no sliding window or attention "
-                f"soft-capping, which this model needs: use --attention-backend torch (or auto)"
+                f"the {self.name} attention backend applies no sliding window, attention "
+                f"soft-capping or attention sinks, which this model needs: use "
+                f"--attention-backend torch (or auto)"
             )
         self.kv = kv
         self.num_heads = num_heads
@@ -89,7 +92,10 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> torch.Tensor:
-        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
+        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim].
+        A backend that masks scores also takes sinks=: the layer's float32 [num_heads] attention
+        sinks, a logit per head in each row's softmax denominator that attends no value (gpt-oss);
+        only models built with sinks pass it."""
 
     # ---- CUDA graphs (decode only) --------------------------------------------------------
     # A backend that can be captured keeps its per-step metadata in static tensors: the

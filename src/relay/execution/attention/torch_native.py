@@ -9,12 +9,13 @@ and bf16 SDPA is 3-5x slower for single-token queries.) Prompt chunks go through
 request at a time, reading the cache as a view when the request's pages are consecutive.
 
 Models whose attention is masked beyond causal (per-layer sliding windows: Mistral, Mixtral,
-Phi-3, Gemma 2/3; soft-capped scores: Gemma 2) attend here and only here: every path a request
-takes (decode rows, prompt chunks, chunks after a prefix-cache hit, speculative verification) masks
-each layer's keys to its window and caps the scores. On CPU Relay's C attention kernels (decode,
-prompt chunks, shared-prefix cascade) take each layer's window and the cap as arguments, skipping
-the pages before a window; the torch code below applies them where the kernels do not run (no C
-compiler, a shape they refuse, GPUs).
+Phi-3, Gemma 2/3, gpt-oss; soft-capped scores: Gemma 2; attention sinks: gpt-oss) attend here and
+only here: every path a request takes (decode rows, prompt chunks, chunks after a prefix-cache hit,
+speculative verification) masks each layer's keys to its window, caps the scores and adds the
+sinks to the softmax. On CPU Relay's C attention kernels (decode, prompt chunks, shared-prefix
+cascade) take each layer's window, the cap and the sinks as arguments, skipping the pages before a
+window; the torch code below (and attention/scores.py) applies them where the kernels do not run
+(no C compiler, a shape they refuse, GPUs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relay.execution.attention import scores as scores_beyond
 from relay.execution.attention.base import AttentionBackend, StepMeta, register_backend
 from relay.execution.kernels import cpu as cpu_kernels
 from relay.execution.kernels import cpu_attention, cpu_layers
@@ -184,8 +186,14 @@ class TorchNativeBackend(AttentionBackend):
         return cpu_layers.PromptPlan(self.out_slots, self.ext_plan, self.dec_rows, self.dec_plan)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """sinks: the layer's float32 [num_heads] attention sinks (gpt-oss), or None."""
         if self.decode_kernel_plan is not None:
             # A pure decode step: the C kernel writes the new keys and values itself.
             return cpu_attention.decode_attention(
@@ -200,13 +208,14 @@ class TorchNativeBackend(AttentionBackend):
                 v,
                 self._window(layer),
                 self.softcap,
+                sinks,
             ).view(q.shape[0], -1)
         self.kv.write(layer, self.out_slots, k, v)
         if self.has_decode and self.dec_rows is None:  # a pure decode step
-            return self._decode(q, layer).view(q.shape[0], -1)
+            return self._decode(q, layer, sinks).view(q.shape[0], -1)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.has_decode:
-            out[self.dec_rows] = self._decode(q[self.dec_rows], layer)
+            out[self.dec_rows] = self._decode(q[self.dec_rows], layer, sinks)
         if self.ext_plan is None or not cpu_attention.extend_attention(
             self.kernel,
             self.ext_plan,
@@ -218,14 +227,15 @@ class TorchNativeBackend(AttentionBackend):
             self.scale,
             self._window(layer),
             self.softcap,
+            sinks,
         ):
             for p in self.prefills:
                 out[p.row : p.row + p.num_new] = self._prefill(
-                    q[p.row : p.row + p.num_new], p, layer
+                    q[p.row : p.row + p.num_new], p, layer, sinks
                 )
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer: int, sinks: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None:
             wide = q.dtype not in (torch.float32, torch.bfloat16)
             out = cpu_attention.decode_attention(
@@ -238,6 +248,7 @@ class TorchNativeBackend(AttentionBackend):
                 self.scale,
                 window=self._window(layer),
                 softcap=self.softcap,
+                sinks=sinks,
             )
             return out.to(q.dtype) if wide else out
         b, max_len = self.dec_shape
@@ -250,17 +261,20 @@ class TorchNativeBackend(AttentionBackend):
             self.kv.v[layer].index_select(1, self.dec_slots).view(hkv * b, max_len, d).to(q.dtype)
         )
         qg = q.view(b, hkv, group, d).transpose(0, 1).reshape(hkv * b, group, d)
-        scores = self._capped(
-            torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale
-        )  # [hkv * b, group, len]
+        scores = scores_beyond.capped(
+            torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale, self.softcap
+        ).view(hkv, b, group, max_len)
         mask = self.dec_masks[self._window(layer)]
         if mask is not None:
-            scores = (scores.view(hkv, b, group, max_len) + mask).view(hkv * b, group, max_len)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            scores = scores + mask
+        row_sinks = None if sinks is None else sinks.view(hkv, 1, group, 1)
+        probs = scores_beyond.softmax(scores, row_sinks).to(q.dtype).view(hkv * b, group, max_len)
         out = torch.bmm(probs, values).view(hkv, b, group, d)
         return out.transpose(0, 1).reshape(b, self.num_heads, d)
 
-    def _prefill(self, q: torch.Tensor, p: _Prefill, layer: int) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, p: _Prefill, layer: int, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(p.keys, slice):
             keys, values = self.kv.k[layer][:, p.keys], self.kv.v[layer][:, p.keys]
         else:
@@ -270,8 +284,10 @@ class TorchNativeBackend(AttentionBackend):
             )
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless the KV dtype differs
         mask = p.masks[self._window(layer)]
-        if self.softcap is not None:  # SDPA cannot cap scores
-            return self._capped_prefill(q, keys, values, mask)
+        if self.softcap is not None or sinks is not None:  # SDPA can do neither
+            return scores_beyond.scored_prefill(
+                q, keys, values, mask, self.scale, self.softcap, sinks
+            )
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),
@@ -282,26 +298,3 @@ class TorchNativeBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out.squeeze(0).transpose(0, 1)
-
-    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
-        """Soft-capped scores, as transformers' Gemma 2 computes them (a no-op without a cap)."""
-        if self.softcap is None:
-            return scores
-        return torch.tanh(scores / self.softcap) * self.softcap
-
-    def _capped_prefill(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """A prompt chunk's attention with soft-capped scores, the query heads that share a kv
-        head as the rows of one matrix (keys never repeated for GQA). q: [n, heads, d]; keys,
-        values: [kv_heads, seq_len, d]; mask as prefill_mask's."""
-        n, d, hkv = q.shape[0], self.head_dim, self.num_kv_heads
-        group, seq_len = self.num_heads // hkv, keys.shape[1]
-        if mask is None:  # plain causal from position 0: seq_len == n
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-        scores = self._capped(torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale)
-        scores = scores.view(hkv, group, n, seq_len).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, group * n, seq_len)
-        out = torch.bmm(probs, values).view(hkv, group, n, d)
-        return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, d)

@@ -139,6 +139,7 @@ def bind(path: str) -> ctypes.CDLL:
         f32, i32, i32,  # scale, io_bf16, kv_bf16
         i64, f32,  # sliding window (0: none), soft-cap (0: none)
         i64, p, p, p,  # cascade groups: count, first ranks, sizes, shared keys
+        p,  # float32 attention sinks per query head (NULL: none)
     ]
     lib.decode_attention.restype = None
     lib.extend_attention.argtypes = [
@@ -146,6 +147,7 @@ def bind(path: str) -> ctypes.CDLL:
         p, p, p, i64, p,  # q starts, prefix lengths, extend lengths, requests, out
         i64, i64, i64, i64, i64, f32, i32, i32,  # H, HKV, D, S, page size, scale, io_bf16, kv_bf16
         i64, f32,  # sliding window (0: none), soft-cap (0: none)
+        p,  # float32 attention sinks per query head (NULL: none)
     ]
     # fmt: on
     lib.extend_attention.restype = i32

@@ -3,7 +3,9 @@ csrc/extend_attention.c): a step's decode attention, with requests that share th
 attending that prefix once for all of them (cascade), and its prompt chunks' attention. A plan
 holds what every layer's call of one step shares; a layer's own call says its sliding window (a
 query at position p attends keys p - window < j <= p; the kernels never read the pages wholly
-before it) and its scores' soft-cap (score -> cap * tanh(score / cap) after the scale: Gemma 2).
+before it), its scores' soft-cap (score -> cap * tanh(score / cap) after the scale: Gemma 2) and
+its attention sinks (gpt-oss: a learned logit per query head in each row's softmax denominator,
+attending no value).
 """
 
 from __future__ import annotations
@@ -114,12 +116,13 @@ def decode_attention(
     new_v: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (rows may be strided: a view into qkv), float32 or bfloat16; k/v caches
     [HKV, S, D] float32 or bfloat16. new_k/new_v [B, HKV, D] (views into qkv, in q's dtype): the new
     token's keys and values, written into the cache at each request's last position first.
     window: the layer's sliding window (None: the whole context); softcap: its scores' cap (None:
-    none). Returns [B, H, D] in q's dtype."""
+    none); sinks: its float32 [H] sink logits (None: none). Returns [B, H, D] in q's dtype."""
     b, h, d = q.shape
     hkv, s, _ = k.shape
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -162,8 +165,17 @@ def decode_attention(
         plan.groups[0].data_ptr(),
         plan.groups[1].data_ptr(),
         plan.groups[2].data_ptr(),
+        _sinks_pointer(sinks, h),
     )
     return out
+
+
+def _sinks_pointer(sinks: torch.Tensor | None, heads: int) -> int:
+    """The kernels' sinks argument: a contiguous float32 [heads] tensor's address, 0 for none."""
+    if sinks is None:
+        return 0
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == heads
+    return sinks.data_ptr()
 
 
 class ExtendPlan:
@@ -194,10 +206,12 @@ def extend_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Attention of each planned request's new tokens (rows of q [T, H, D], strided rows allowed)
     over its cached prefix and themselves, written into out [T, H, D] (contiguous, q's dtype);
-    their keys and values must be in the cache already. window, softcap: as decode_attention's.
+    their keys and values must be in the cache already. window, softcap, sinks: as
+    decode_attention's.
     False if this shape is not supported."""
     t, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -226,5 +240,6 @@ def extend_attention(
             int(k.dtype == torch.bfloat16),
             window or 0,
             softcap or 0.0,
+            _sinks_pointer(sinks, h),
         )
     )

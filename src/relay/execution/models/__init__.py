@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from relay.execution.models.gemma import GemmaForCausalLM
+from relay.execution.models.gpt_oss import GptOssForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM, Starcoder2ForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
 from relay.execution.models.olmo2 import Olmo2ForCausalLM
@@ -26,6 +27,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, its MoE, MXFP4 experts
 }
 
 

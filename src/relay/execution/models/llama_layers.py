@@ -64,7 +64,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(
                 qkv[:, : (nq + nk) * d].view(t, nq + nk, d), rope.cos, rope.sin
             ).split([nq, nk], dim=1)
-        out = attn.forward(q, k, v, self.layer_id)
+        out = self.attend(attn, q, k, v)
         if keep is not None:
             out = out[keep]
             if not out.shape[
@@ -72,6 +72,12 @@ class Attention(nn.Module):
             ]:  # no row's output is read: its keys and values were all it had to give
                 return out.new_empty(0, self.o_proj.weight.shape[0])
         return self.o_proj(out)
+
+    def attend(
+        self, attn: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The backend's attention of this layer (gpt-oss's passes its sinks)."""
+        return attn.forward(q, k, v, self.layer_id)
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """[q | k | v] of each row, as the rotary embedding takes them (OLMo 2 norms q and k here)."""
@@ -154,8 +160,9 @@ class UngatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add (the next layer's norm adds it).
-    norm: the norms' class (Llama's RMSNorm, StarCoder 2's LayerNorm). Granite scales each
-    sublayer's output by residual_multiplier before it joins the residual stream."""
+    norm: the norms' class (Llama's RMSNorm, StarCoder 2's LayerNorm); attention: the attention's
+    (gpt-oss's has sinks). Granite scales each sublayer's output by residual_multiplier before it
+    joins the residual stream."""
 
     def __init__(
         self,
@@ -165,10 +172,11 @@ class DecoderLayer(nn.Module):
         layer_id: int,
         mlp: nn.Module,
         norm: type[nn.Module] = RMSNorm,
+        attention: type[Attention] = Attention,
     ):
         super().__init__()
         self.input_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.self_attn = Attention(mc, tp, dtype, layer_id)
+        self.self_attn = attention(mc, tp, dtype, layer_id)
         self.post_attention_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
         self.residual_multiplier = mc.residual_multiplier

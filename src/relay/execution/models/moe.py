@@ -42,7 +42,54 @@ class Router(nn.Module):
         )
 
 
-class SparseMoeBlock(nn.Module):
+class RoutedExperts(nn.Module):
+    """What every sparse block does with its routing: each token's top_k experts (self.experts)
+    run on it and their outputs sum, scaled by the routing weights (the rank's partial sums)."""
+
+    top_k: int
+    experts: nn.ModuleList
+
+    def experts_output(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(token): this rank's partial sums.
+        The (token, slot) pairs are sorted by expert, so each expert with tokens runs one GEMM over
+        its tokens' rows and adds them back, scaled, into their tokens' rows; experts ascending,
+        as transformers adds them (the same sums in the same order)."""
+        if x.shape[0] == 1:
+            return self._one_token_output(x, weights, experts)
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        scales = weights.flatten().index_select(0, order).unsqueeze(1)
+        counts = torch.bincount(
+            flat, minlength=len(self.experts)
+        ).tolist()  # the step's one host sync
+        end = 0
+        for expert, n in zip(self.experts, counts):
+            if not n:
+                continue
+            start, end = end, end + n
+            rows = tokens[start:end]
+            y = expert(x.index_select(0, rows)) * scales[start:end]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    def _one_token_output(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """experts_output of a single token (a batch-1 decode step): its k experts on x itself, no
+        sort, gather or scatter. Summed in ascending expert order from the first term (0 + a is a
+        exactly), so the bits are the grouped path's."""
+        out = None
+        for slot, e in sorted(enumerate(experts[0].tolist()), key=lambda pair: pair[1]):
+            y = (self.experts[e](x) * weights[:, slot : slot + 1]).to(x.dtype)
+            out = y if out is None else out + y
+        return out
+
+
+class SparseMoeBlock(RoutedExperts):
     def __init__(self, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.tp = tp
@@ -102,43 +149,9 @@ class SparseMoeBlock(nn.Module):
     def experts_output(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token): this rank's partial sums.
-        The (token, slot) pairs are sorted by expert, so each expert with tokens runs one GEMM over
-        its tokens' rows and adds them back, scaled, into their tokens' rows; experts ascending,
-        as transformers adds them (the same sums in the same order)."""
         if self.use_triton:
             return self._triton_output(x, weights, experts)
-        if x.shape[0] == 1:
-            return self._one_token_output(x, weights, experts)
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
-        scales = weights.flatten().index_select(0, order).unsqueeze(1)
-        counts = torch.bincount(
-            flat, minlength=len(self.experts)
-        ).tolist()  # the step's one host sync
-        end = 0
-        for expert, n in zip(self.experts, counts):
-            if not n:
-                continue
-            start, end = end, end + n
-            rows = tokens[start:end]
-            y = expert(x.index_select(0, rows)) * scales[start:end]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-    def _one_token_output(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-    ) -> torch.Tensor:
-        """experts_output of a single token (a batch-1 decode step): its k experts on x itself, no
-        sort, gather or scatter. Summed in ascending expert order from the first term (0 + a is a
-        exactly), so the bits are the grouped path's."""
-        out = None
-        for slot, e in sorted(enumerate(experts[0].tolist()), key=lambda pair: pair[1]):
-            y = (self.experts[e](x) * weights[:, slot : slot + 1]).to(x.dtype)
-            out = y if out is None else out + y
-        return out
+        return super().experts_output(x, weights, experts)
 
     def _triton_output(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor

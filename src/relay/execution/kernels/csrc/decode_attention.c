@@ -632,14 +632,16 @@ typedef struct {
 // at L - 1: p - window < j <= p), so its work items start there: chunks and pages wholly before the
 // window are never read, a group's shared chunks included where no request of the group sees them
 // (the rest take each request's own first key, per query row). softcap (0: none): scores ->
-// softcap * tanh(score / softcap) after the scale, before the softmax (Gemma 2).
+// softcap * tanh(score / softcap) after the scale, before the softmax (Gemma 2). sinks (NULL: none):
+// a learned logit per query head [H] that joins each row's softmax denominator and attends no value
+// (gpt-oss): added where the chunks merge, the one place a row's whole sum is known.
 void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_t k_stride, const void* new_v,
                       int64_t v_stride,
                       void* k, void* v, const int32_t* tables, const int64_t* lens,
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
                       int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16,
                       int64_t window, float softcap, int64_t n_groups, const int64_t* group_first,
-                      const int64_t* group_size, const int64_t* group_keys) {
+                      const int64_t* group_size, const int64_t* group_keys, const float* sinks) {
     const int64_t G = H / HKV;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const float cap2 = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;  // the cap in base 2 too
@@ -789,7 +791,9 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
             const int64_t h = pair / B, rank = pair % B, b = order[rank];
             const float* first = partial + (pair * C) * slot_floats;
             for (int64_t g = 0; g < G; g++) {
-                float mx = -INFINITY;
+                // the sink in base 2, as the scores (the largest term may be the sink's)
+                const float sink = sinks ? sinks[h * G + g] * 1.4426950408889634f : -INFINITY;
+                float mx = sink;
                 for (int64_t c = 0; c < C; c++) {
                     const float mc = first[c * slot_floats + G * D + g];
                     mx = mc > mx ? mc : mx;
@@ -805,6 +809,7 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                     total += w * lc;
                     for (int64_t d = 0; d < D; d++) o[d] += w * acc[g * D + d];
                 }
+                if (sinks) total += exp2f(sink - mx);
                 const float inv = total > 0.f ? 1.f / total : 0.f;
                 const int64_t row = (b * H + h * G + g) * D;
                 if (io_bf16)

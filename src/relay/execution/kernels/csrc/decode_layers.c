@@ -29,7 +29,7 @@ void decode_attention(const void* q, int64_t q_stride, const void* new_k, int64_
                       const int64_t* order, void* out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t S,
                       int64_t P, int64_t PS, int64_t chunk, float scale, int io_bf16, int kv_bf16,
                       int64_t window, float softcap, int64_t n_groups, const int64_t* group_first,
-                      const int64_t* group_size, const int64_t* group_keys);
+                      const int64_t* group_size, const int64_t* group_keys, const float* sinks);
 
 typedef struct {  // a [n, k] weight in blocks (BlockWeight) and maybe bfloat16 panels (cpu_layers.LayerGemm)
     int64_t bits;
@@ -105,7 +105,7 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
         decode_attention(s->qkv, qkv_n, s->qkv + s->nq * s->D, qkv_n, s->qkv + (s->nq + s->nk) * s->D, qkv_n,
                          L->k_cache, L->v_cache, s->tables, s->lens, s->order, s->attn, T, s->nq, s->nk, s->D, s->S,
                          s->P, s->PS, s->chunk, s->scale, 0, (int)s->kv_bf16, s->windows ? s->windows[l] : 0,
-                         s->softcap, s->n_groups, s->group_first, s->group_size, s->group_keys);
+                         s->softcap, s->n_groups, s->group_first, s->group_size, s->group_keys, NULL);
         if (!gemm(&L->o, s->attn, h, T)) return 0;
         if (s->tp && relay_shm_all_reduce(s->tp, h, T * H, 0) != 1) return 0;
         if (L->pre_mlp_norm) {  // Gemma: the attention's output normed, then added and normed again
@@ -132,7 +132,7 @@ int relay_decode_layers(const DecodeLayer* layers, int64_t num_layers, const Dec
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, const int32_t* tables,
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
-                     int io_bf16, int kv_bf16, int64_t window, float softcap);
+                     int io_bf16, int kv_bf16, int64_t window, float softcap, const float* sinks);
 
 typedef struct {  // one decoder layer: bfloat16 norms and panels ([N, K] weights), bfloat16 caches
     const uint16_t* input_norm;
@@ -206,14 +206,14 @@ static void attend(const PromptStep* s, const PromptLayer* L, int64_t window) {
         decode_attention(s->dec_q, width, NULL, 0, NULL, 0, L->k_cache, L->v_cache, s->dec_tables, s->dec_lens,
                          s->dec_order, s->dec_out, s->n_dec, s->nq, s->nk, s->D, s->S, s->dec_P, s->PS, s->chunk,
                          s->scale, 1, 1, window, s->softcap, s->n_groups, s->group_first, s->group_size,
-                         s->group_keys);
+                         s->group_keys, NULL);
         for (int64_t i = 0; i < s->n_dec; i++)
             memcpy(s->attn + s->dec_rows[i] * width, s->dec_out + i * width, sizeof(uint16_t) * (size_t)width);
     }
     if (s->R)
         extend_attention(s->qkv, qkv_n, L->k_cache, L->v_cache, s->ext_tables, s->ext_P, s->q_starts, s->prefix_lens,
                          s->extend_lens, s->R, s->attn, s->nq, s->nk, s->D, s->S, s->PS, s->scale, 1, 1, window,
-                         s->softcap);
+                         s->softcap, NULL);
 }
 
 // Rows keep[i] of a [*, width] bfloat16 matrix moved up to rows i (keep increasing: in place).

@@ -76,6 +76,18 @@ static inline void visible_keys(int64_t pos, int64_t window, int64_t* first, int
     *first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
+// The factor a query row's accumulator is multiplied by at the end: 1 / l, or with a sink (gpt-oss: a
+// learned logit per query head [H], in base 2 like m once scaled, that joins the softmax's denominator
+// and attends no value) scale / (l * scale + 2^(sink - max)) over the larger of m and the sink. A row
+// that saw no key gets 0.
+static inline float row_inverse(float m, float l, const float* sinks, int64_t head) {
+    if (!sinks) return l > 0.f ? 1.f / l : 0.f;
+    const float sink = sinks[head] * 1.4426950408889634f;
+    const float mx = m > sink ? m : sink;
+    const float scale = exp2f(m - mx);  // 0 where m is -inf (no key)
+    return scale / (l * scale + exp2f(sink - mx));
+}
+
 #if defined(__AVX512BF16__)
 // Which lanes of vector w of a tile's scores (keys 16w to 16w + 15) lie in [lo, hi).
 static inline __mmask16 span_mask(int64_t lo, int64_t hi, int64_t w) {
@@ -448,7 +460,8 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* first, cons
 
 static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, const uint16_t* k, const uint16_t* v,
                         const int32_t* table, int64_t prefix, int64_t q_start, uint16_t* out, int64_t H, int64_t G,
-                        int64_t D, int64_t S, int64_t PS, float qscale, int64_t window, float cap2, void* work) {
+                        int64_t D, int64_t S, int64_t PS, float qscale, int64_t window, float cap2,
+                        const float* sinks, void* work) {
     const int64_t rows = it->n * G, NC = D / 16;
     float* acc = (float*)work;            // [rows, D] in VPUNPCK order
     float* m = acc + rows * D;            // [rows]
@@ -468,7 +481,7 @@ static void extend_item(const Item* it, const uint16_t* q, int64_t q_stride, con
                 prefix + it->i0 + it->n, D, qscale, cap2, m, l, acc, scratch);
     for (int64_t rr = 0; rr < rows; rr++) {
         uint16_t* o = out + ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
-        const __m512 inv = _mm512_set1_ps(l[rr] > 0.f ? 1.f / l[rr] : 0.f);
+        const __m512 inv = _mm512_set1_ps(row_inverse(m[rr], l[rr], sinks, it->h * G + rr % G));
         for (int64_t c = 0; c < NC; c += 2) {
             __m512 first, second;
             unpack_order32(_mm512_loadu_ps(acc + rr * D + c * 16), _mm512_loadu_ps(acc + rr * D + c * 16 + 16),
@@ -704,7 +717,7 @@ static void scaled_rows(const void* const* qrows, int64_t rows, int64_t D, int i
 static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, const void* k, const void* v,
                             int io_bf16, int kv_bf16, const int32_t* table, int64_t prefix, int64_t q_start, void* out,
                             int64_t H, int64_t G, int64_t D, int64_t S, int64_t PS, float qscale, int64_t window,
-                            float cap2, float* work) {
+                            float cap2, const float* sinks, float* work) {
     const int64_t rows = it->n * G;
     const size_t qsz = io_bf16 ? 2 : 4, ksz = kv_bf16 ? 2 : 4;
     float* acc = work;             // [rows, D]
@@ -728,7 +741,7 @@ static void extend_item_f32(const Item* it, const void* q, int64_t q_stride, con
                     cap2, m, l, acc, kt);
     for (int64_t rr = 0; rr < rows; rr++) {
         const int64_t o = ((q_start + it->i0 + rr / G) * H + it->h * G + rr % G) * D;
-        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+        const float inv = row_inverse(m[rr], l[rr], sinks, it->h * G + rr % G);
         for (int64_t d = 0; d < D; d++) {
             const float x = acc[rr * D + d] * inv;
             if (io_bf16) ((uint16_t*)out)[o + d] = f32_to_bf16(x);
@@ -794,7 +807,7 @@ static int64_t item_block(const int64_t* extend_lens, int64_t R, int64_t HKV) {
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, const int32_t* tables,
                      int64_t P, const int64_t* q_starts, const int64_t* prefix_lens, const int64_t* extend_lens,
                      int64_t R, void* out, int64_t H, int64_t HKV, int64_t D, int64_t S, int64_t PS, float scale,
-                     int io_bf16, int kv_bf16, int64_t window, float softcap) {
+                     int io_bf16, int kv_bf16, int64_t window, float softcap, const float* sinks) {
     const int64_t G = H / HKV;
 #if defined(__AVX512BF16__)
     // VDPBF16PS on the raw values; a head_dim of an odd number of 16s takes the float tiles
@@ -830,12 +843,12 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
             if (bf16) {
                 extend_item(it, (const uint16_t*)q, q_stride, (const uint16_t*)k, (const uint16_t*)v, tables + it->r * P,
                             prefix_lens[it->r], q_starts[it->r], (uint16_t*)out, H, G, D, S, PS, qscale, window, cap2,
-                            work);
+                            sinks, work);
                 continue;
             }
 #endif
             extend_item_f32(it, q, q_stride, k, v, io_bf16, kv_bf16, tables + it->r * P, prefix_lens[it->r],
-                            q_starts[it->r], out, H, G, D, S, PS, qscale, window, cap2, (float*)work);
+                            q_starts[it->r], out, H, G, D, S, PS, qscale, window, cap2, sinks, (float*)work);
         }
         free(work);
     }
