@@ -1,7 +1,8 @@
 """A checkpoint's config.json, as transformers writes it, read into ModelConfig's fields: the
 architecture (from model_type where architectures is missing), Gemma's text configs and
 rope, sliding windows per layer, soft-caps, Granite's multipliers, StarCoder 2's biases and
-LayerNorm epsilon, and the mixture-of-experts fields.
+LayerNorm epsilon, and the mixture-of-experts fields (DeepSeek's, and its latent attention:
+relay.hf_deepseek).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.execution.rope import rope_settings
+from relay.hf_deepseek import DEEPSEEK, deepseek_fields
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -28,7 +30,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     qkv_bias_default = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     # StarCoder 2 names one flag for all its biases (transformers' default: on)
     all_biases = arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True))
-    return dict(
+    fields = dict(
         architecture=arch,
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -57,6 +59,9 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         **_moe_fields(arch, cfg),
         **_attention_fields(arch, cfg),
     )
+    if arch in DEEPSEEK:  # latent attention's pool head and softmax scale; DeepSeek's experts
+        fields.update(deepseek_fields(arch, cfg, rope))
+    return fields
 
 
 _ARCH_BY_TYPE = {
@@ -74,6 +79,8 @@ _ARCH_BY_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 1 has no soft-caps, windows or scalar
 # transformers' defaults where a config.json leaves them out

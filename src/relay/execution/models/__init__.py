@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from relay.execution.models.deepseek import DeepseekForCausalLM
 from relay.execution.models.gemma import GemmaForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM, Starcoder2ForCausalLM
 from relay.execution.models.moe import MoeForCausalLM
@@ -26,6 +27,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # latent attention (models/mla.py), MoE
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # V2's with its router (ModelConfig.moe_routing)
 }
 
 

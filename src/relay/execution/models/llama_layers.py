@@ -149,7 +149,8 @@ class UngatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add (the next layer's norm adds it).
     norm: the norms' class (Llama's RMSNorm, StarCoder 2's LayerNorm). Granite scales each
-    sublayer's output by residual_multiplier before it joins the residual stream."""
+    sublayer's output by residual_multiplier before it joins the residual stream. attention: the
+    attention module where it is not Llama's."""
 
     def __init__(
         self,
@@ -159,10 +160,12 @@ class DecoderLayer(nn.Module):
         layer_id: int,
         mlp: nn.Module,
         norm: type[nn.Module] = RMSNorm,
+        attention: nn.Module | None = None,
     ):
         super().__init__()
         self.input_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
-        self.self_attn = Attention(mc, tp, dtype, layer_id)
+        # Llama's attention, or another with its forward (DeepSeek's latent attention: models/mla.py)
+        self.self_attn = attention if attention is not None else Attention(mc, tp, dtype, layer_id)
         self.post_attention_layernorm = norm(mc.hidden_size, mc.rms_norm_eps, dtype)
         self.mlp = mlp  # the dense MLP, or a MoE block (models/moe.py)
         self.residual_multiplier = mc.residual_multiplier
