@@ -440,3 +440,50 @@ def test_released_configs():
     ]:
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_hf_dict({**V2_LITE_RELEASED, **change})
+
+
+@pytest.mark.slow
+def test_server_with_two_ranks_serves_v3_as_the_engine_does(model_dir):
+    """The server path under --tp 2 (rank processes on shared memory, the latent on both):
+    greedy completions of token-id prompts are the text of the offline Engine's tokens, which
+    are transformers' (the tests above)."""
+    from tests.server_utils import Server
+
+    path = model_dir("v3")
+    prompts = random_prompts([9, 30], seed=4)
+    want = Engine(path, dtype="float32", kv_cache_gb=0.05).generate(prompts, GREEDY)
+    server = Server(
+        "--model-path", path, "--dtype", "float32", "--kv-cache-gb", "0.05", "--tp", "2"
+    )
+    try:
+        with server.client() as c:
+            for p, w in zip(prompts, want):
+                body = {"prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == w.text
+    finally:
+        server.stop()
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path):
+    """A V3 checkpoint's layers past num_hidden_layers (num_nextn_predict_layers: its
+    multi-token-prediction module) are not loaded, as transformers does not load them: the
+    logits are the checkpoint's without them, quantized at load too (layer by layer)."""
+    from safetensors.torch import load_file, save_file
+
+    source = model_dir("v3")
+    for f in os.listdir(source):
+        if f != "model.safetensors":
+            os.symlink(os.path.join(source, f), tmp_path / f)
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    extra = {  # named as DeepSeek-V3's layer 61
+        "model.layers.3.eh_proj.weight": torch.randn(64, 128),
+        "model.layers.3.self_attn.kv_b_proj.weight": torch.randn(4 * (NOPE + V), RANK),
+        "model.layers.3.mlp.experts.0.up_proj.weight": torch.randn(32, 64),
+    }
+    save_file({**weights, **extra}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got, _ = prompt_logits(str(tmp_path))
+    torch.testing.assert_close(got, prompt_logits(source)[0], atol=0, rtol=0)
+    cfg = EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01, quantization="int8")
+    ModelRunner(cfg, str(tmp_path), ModelConfig.from_dir(str(tmp_path)))
