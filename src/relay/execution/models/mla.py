@@ -120,7 +120,7 @@ class MlaAttention(nn.Module):
         sh = self.shard
         heads = slice(sh.q_start, sh.q_start + sh.q_count)
         if name in ("q_proj", "q_b_proj"):
-            per_head = w.view(-1, self.nope + self.rope, w.shape[-1])[heads]
+            per_head = w.reshape(-1, self.nope + self.rope, w.shape[-1])[heads]
             rows = torch.cat(
                 [per_head[:, : self.nope], self._rope_rows(per_head[:, self.nope :])], 1
             )
@@ -132,7 +132,7 @@ class MlaAttention(nn.Module):
             getattr(self.kv_a_proj_with_mqa, kind).copy_(rows.view_as(w))
             return part
         if name == "kv_b_proj":  # per head: nope rows of W_UK, then v_dim rows of W_UV
-            per_head = w.view(-1, self.nope + self.v_dim, self.rank)[heads]
+            per_head = w.reshape(-1, self.nope + self.v_dim, self.rank)[heads]
             self.w_uk.copy_(per_head[:, : self.nope])
             self.w_uv.copy_(per_head[:, self.nope :])
             return ["w_uk", "w_uv"]
