@@ -67,7 +67,9 @@ def test_the_launcher_knows_the_architectures_the_models_implement():
 
     assert sorted(ARCHITECTURES) == sorted(MODELS)
     for check in (check_architecture, model_class):
-        with pytest.raises(ValueError, match="'GPTNeoXForCausalLM'.*Relay runs Gemma2ForCausalLM"):
+        with pytest.raises(
+            ValueError, match="'GPTNeoXForCausalLM'.*Relay runs DeepseekV2ForCausalLM"
+        ):
             check("GPTNeoXForCausalLM")
 
 

@@ -339,6 +339,28 @@ class ModelConfig:
     # clamped to at most swiglu_limit and up to +-swiglu_limit (models/gpt_oss_moe.py)
     swiglu_alpha: float = 1.702
     swiglu_limit: float | None = None
+    # How a sparse layer picks its experts: "softmax" (Qwen, Mixtral, DeepSeek V2's greedy top-k);
+    # DeepSeek V2's "group_limited_greedy" (the softmax's top-k within the moe_topk_group of
+    # moe_n_group expert groups whose best expert scores highest) and V3's "noaux_tc" (sigmoid
+    # scores; experts and groups (by their best two) chosen on the scores plus
+    # e_score_correction_bias, weighted by the scores alone). DeepSeek's weights are then
+    # multiplied by routed_scaling_factor, and its shared experts are added ungated.
+    moe_routing: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek V2/V3; kv_lora_rank 0: none). A token's keys and values
+    # are kv_lora_rank latent features (normed) and qk_rope_head_dim rotated key features shared
+    # by every head; the KV pool holds just those, as one head (num_kv_heads 1, head_dim
+    # kv_lora_rank + qk_rope_head_dim: what attention runs on once each head's key up-projection
+    # is folded into its query, models/mla.py), and the values are that head's first
+    # kv_lora_rank features, not a second tensor (latent_kv).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: q is one projection (V2-Lite); else low-rank, normed
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope features come as pairs (x0, x1), (x2, x3), ...
     # Attention beyond the Llama decoder's (Mistral, Mixtral, Phi-3, Gemma 2/3, gpt-oss).
     # layer_windows[i]: layer i's sliding window w (a query at position p attends the keys at
     # p - w < j <= p, as transformers' sliding_window_overlay), None where it attends the whole
@@ -358,7 +380,8 @@ class ModelConfig:
     attention_sinks: bool = False
     # Granite's multipliers: the embedding scaled by embedding_multiplier, each attention and MLP
     # output by residual_multiplier before it joins the residual stream, the logits divided by
-    # logits_scaling; attention_multiplier scales the scores in place of head_dim ** -0.5.
+    # logits_scaling; attention_multiplier scales the scores in place of head_dim ** -0.5 (also
+    # DeepSeek's softmax scale: relay.hf_deepseek).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -452,7 +475,15 @@ class ModelConfig:
         )
         return max(1, dense // (4 * q))  # QK^T and PV: 2 FLOPs each per query dim per key
 
+    @property
+    def latent_kv(self) -> bool:
+        """Whether the KV pool holds one tensor per layer, the values being the keys' first
+        kv_lora_rank features (multi-head latent attention)."""
+        return self.kv_lora_rank > 0
+
     def kv_bytes_per_token(self, itemsize: int, tp_size: int = 1) -> int:
-        """KV bytes one token takes on the busiest rank (kv heads may split unevenly)."""
+        """KV bytes one token takes on the busiest rank (kv heads may split unevenly; MLA's one
+        latent head is on every rank)."""
         kv_heads = max(1, -(-self.num_kv_heads // tp_size))
-        return 2 * self.num_layers * kv_heads * self.head_dim * itemsize
+        tensors = 1 if self.latent_kv else 2
+        return tensors * self.num_layers * kv_heads * self.head_dim * itemsize

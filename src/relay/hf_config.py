@@ -1,7 +1,8 @@
 """A checkpoint's config.json, as transformers writes it, read into ModelConfig's fields: the
 architecture (from model_type where architectures is missing), Gemma's text configs and
 rope, sliding windows per layer, soft-caps, Granite's multipliers, StarCoder 2's biases and
-LayerNorm epsilon, gpt-oss's defaults and attention sinks, and the mixture-of-experts fields.
+LayerNorm epsilon, gpt-oss's defaults and attention sinks, and the mixture-of-experts fields
+(DeepSeek's, and its latent attention: relay.hf_deepseek).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relay.execution.rope import rope_settings
+from relay.hf_deepseek import DEEPSEEK, deepseek_fields
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +35,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     attention_bias = all_biases or bool(
         cfg.get("attention_bias", cfg.get("qkv_bias", qkv_bias_default))
     )
-    return dict(
+    fields = dict(
         architecture=arch,
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -62,6 +64,9 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         **_moe_fields(arch, cfg),
         **_attention_fields(arch, cfg),
     )
+    if arch in DEEPSEEK:  # latent attention's pool head and softmax scale; DeepSeek's experts
+        fields.update(deepseek_fields(arch, cfg, rope))
+    return fields
 
 
 _ARCH_BY_TYPE = {
@@ -80,6 +85,8 @@ _ARCH_BY_TYPE = {
     "granite": "GraniteForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 GPT_OSS = "GptOssForCausalLM"
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 1 has no soft-caps, windows or scalar

@@ -34,8 +34,14 @@ def _pool(
     context_len: int,
 ):
     shard = head_partition(mc.num_heads, mc.num_kv_heads, place.tp.size, place.tp.rank)
+    # auto picks the torch backend for latent attention on CUDA too: its one kv head of
+    # kv_lora_rank + qk_rope_head_dim features (576 in the releases) was never run on the GPU
+    # kernels here
     attn_cls = backend_class(
-        cfg.attention_backend, place.device, place.dtype, mc.masks_attention(context_len)
+        cfg.attention_backend,
+        place.device,
+        place.dtype,
+        mc.masks_attention(context_len) or mc.latent_kv,
     )
     kv = KVCache(
         mc.num_layers,
@@ -46,6 +52,7 @@ def _pool(
         kv_dtype,
         place.device,
         layout=attn_cls.kv_layout,
+        values_are_keys=mc.latent_kv,
     )
     attn = attn_cls(
         kv=kv,

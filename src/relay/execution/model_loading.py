@@ -358,7 +358,8 @@ def log_memory(models: list[torch.nn.Module | None], kv) -> None:
 
     gib = 1 << 30
     weights = sum(weight_bytes(m) for m in models if m is not None)
-    pool = sum(t.untyped_storage().nbytes() for t in [*kv.k, *kv.v])
+    # each buffer once (a latent-attention pool's v is its k)
+    pool = sum({t.data_ptr(): t.untyped_storage().nbytes() for t in [*kv.k, *kv.v]}.values())
     rss = psutil.Process().memory_info().rss
     logger.info(
         "memory: weights %.2f GiB, KV pool %.2f GiB, other %.2f GiB (resident now %.2f GiB)",

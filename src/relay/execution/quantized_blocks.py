@@ -129,7 +129,10 @@ class BlockQuantizer:
         self.kept: list[str] = []  # modules on torch's kernels (a shard cuts a block)
 
     def layer_done(self, layer: int) -> None:
-        """Decoder layer `layer`'s GEMM weights are all loaded: quantize them."""
+        """Decoder layer `layer`'s GEMM weights are all loaded: quantize them. (A checkpoint's
+        layers past the decoder, DeepSeek V3's multi-token prediction, are not loaded.)"""
+        if layer >= len(self.model.layers):
+            return
         gemms = {id(m) for m in self.model.gemm_modules()}
         prefix = f"layers.{layer}."
         for name, module in self.model.layers[layer].named_modules(prefix=prefix.rstrip(".")):

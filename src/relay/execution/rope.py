@@ -137,7 +137,7 @@ def llama3_inv_freq(theta: float, dim: int, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -152,9 +152,9 @@ def yarn_inv_freq(
     if attention_factor is None:
         mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
         attention_factor = (
-            float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
             if mscale and mscale_all_dim
-            else _yarn_mscale(factor)
+            else yarn_mscale(factor)
         )
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 

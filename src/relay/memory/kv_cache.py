@@ -21,6 +21,9 @@ class KVCache:
     Layout "NHD": [num_pages * page_size, kv_heads, head_dim] (what paged GPU kernels read).
     Layout "HND": [kv_heads, num_pages * page_size, head_dim]: gathering a batch's slots
     then yields [kv_heads, tokens, head_dim], which batched matmuls take without a copy.
+
+    values_are_keys: one buffer per layer, v the same tensors as k (multi-head latent attention
+    caches a latent that is both: ModelConfig.latent_kv).
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         layout: str = "NHD",
+        values_are_keys: bool = False,
     ):
         if layout not in ("NHD", "HND"):
             raise ValueError(f"unknown KV layout {layout!r}")
@@ -43,7 +47,12 @@ class KVCache:
         slots = num_pages * page_size
         shape = (slots, kv_heads, head_dim) if layout == "NHD" else (kv_heads, slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values_are_keys = values_are_keys
+        self.v = (
+            self.k
+            if values_are_keys
+            else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [tokens, kv_heads, head_dim] for the given slots."""
@@ -52,7 +61,8 @@ class KVCache:
         if k.dtype != self.k[layer].dtype:
             k, v = k.to(self.k[layer].dtype), v.to(self.k[layer].dtype)
         self.k[layer].index_copy_(self._slot_dim, slots, k)
-        self.v[layer].index_copy_(self._slot_dim, slots, v)
+        if not self.values_are_keys:  # (v is k)
+            self.v[layer].index_copy_(self._slot_dim, slots, v)
 
 
 DEFAULT_CUDA_MEM_FRACTION = 0.85

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from relay.execution.models.deepseek import DeepseekForCausalLM
 from relay.execution.models.gemma import GemmaForCausalLM
 from relay.execution.models.gpt_oss import GptOssForCausalLM
 from relay.execution.models.llama import LlamaForCausalLM, Starcoder2ForCausalLM
@@ -28,6 +29,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, its MoE, MXFP4 experts
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # latent attention (models/mla.py), MoE
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # V2's with its router (ModelConfig.moe_routing)
 }
 
 

@@ -63,14 +63,7 @@ class LlamaForCausalLM(nn.Module):
             if mc.tie_word_embeddings
             else VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, dtype, tp)
         )
-        self.rotary = RotaryEmbedding(
-            mc.head_dim,
-            max_positions,
-            mc.rope_theta,
-            mc.rope_scaling,
-            mc.partial_rotary_factor,
-            mc.max_position_embeddings,
-        )
+        self.rotary = self._make_rotary(max_positions)
         self.fused_cpu_ops = False  # see pack_for_cpu
         self.decode_layers: tuple[AttentionBackend, cpu_layers.DecodeLayers] | None = (
             None  # use_decode_layers
@@ -81,6 +74,23 @@ class LlamaForCausalLM(nn.Module):
         self._layer_gemms: list[
             Linear
         ] = []  # the decoder layers' GEMM modules, once prompt_layers is set
+
+    def _make_rotary(self, max_positions: int) -> RotaryEmbedding:
+        """The rotary tables every layer shares (DeepSeek's rotate qk_rope_head_dim features only)."""
+        mc = self.config
+        return RotaryEmbedding(
+            mc.head_dim,
+            max_positions,
+            mc.rope_theta,
+            mc.rope_scaling,
+            mc.partial_rotary_factor,
+            mc.max_position_embeddings,
+        )
+
+    def _fused_rope(self) -> bool:
+        """Whether the layers rotate q and k with Relay's CPU kernel, which reads the tables at each
+        token's position itself (the step's rope then carries positions only)."""
+        return self.fused_cpu_ops and self.rotary.covers_head
 
     def _make_layer(self, layer_id: int) -> nn.Module:
         return DecoderLayer(
@@ -114,9 +124,7 @@ class LlamaForCausalLM(nn.Module):
             plan = attn.prompt_kernel_plan
             if plan is not None:
                 return chunks[1].run(self.embed(input_ids), positions, plan, keep)
-        rope = self.rotary.for_step(
-            positions, self.dtype, fused=self.fused_cpu_ops and self.rotary.covers_head
-        )
+        rope = self.rotary.for_step(positions, self.dtype, fused=self._fused_rope())
         x, residual = self.embed(input_ids), None
         last = len(self.layers) - 1
         index = (
@@ -186,10 +194,9 @@ class LlamaForCausalLM(nn.Module):
             for part in (self.norm, *(p for layer in self.layers for p in layer.children())):
                 if hasattr(part, "fused"):
                     part.fused = True
-            for layer in self.layers:
-                if (
-                    self.rotary.covers_head
-                ):  # the kernel rotates whole heads; a partial rotary stays in torch
+            # the kernel rotates whole heads; a partial rotary stays in torch
+            if self._fused_rope():
+                for layer in self.layers:
                     layer.self_attn.rotary = self.rotary
 
     def _use_gemm_kernels(self) -> None:

@@ -161,8 +161,9 @@ class UngatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add (the next layer's norm adds it).
     norm: the norms' class (Llama's RMSNorm, StarCoder 2's LayerNorm); attention: the attention's
-    (gpt-oss's has sinks). Granite scales each sublayer's output by residual_multiplier before it
-    joins the residual stream."""
+    (gpt-oss's has sinks; DeepSeek's is latent: models/mla.py), built with Llama's arguments.
+    Granite scales each sublayer's output by residual_multiplier before it joins the residual
+    stream."""
 
     def __init__(
         self,
