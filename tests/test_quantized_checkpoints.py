@@ -226,11 +226,17 @@ def test_a_checkpoint_quantization_relay_does_not_load_exits_2_naming_it(
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
         ({"quant_method": "awq", "bits": 4, "group_size": 0}, "group size 0"),
+        ({"quant_method": "mxfp4"}, "'mxfp4'"),  # gpt-oss's experts only (its own loader)
     ],
 )
 def test_quantization_configs_relay_does_not_load_are_named(config, named):
     with pytest.raises(ValueError, match=named):
         read_checkpoint_quant({"quantization_config": config})
+
+
+def test_gpt_oss_mxfp4_experts_are_left_to_its_model_loader():
+    gpt_oss = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    assert read_checkpoint_quant(gpt_oss) is None
 
 
 def test_an_autogptq_quantize_config_beside_config_json_is_read(tmp_path):

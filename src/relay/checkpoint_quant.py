@@ -8,6 +8,8 @@ line before any process starts, as for an architecture it does not run).
            not; checkpoint_format gptq stores each zero point minus 1 (AutoGPTQ's v1), gptq_v2 as is
     fp8    float8 e4m3 weights with a per-tensor (or per-row) weight_scale, or weight_scale_inv per
            weight_block_size block; activation scales (input_scale) are not used
+    mxfp4  gpt-oss only: its experts' *_blocks / *_scales, dequantized by the model's own loader
+           (execution/mxfp4.py); every other weight is a float, so this reads as no quantization
 
 relay.execution.quantized_checkpoint loads them. Torch is not imported here: the launcher, which
 never holds torch, reads this.
@@ -64,12 +66,20 @@ def read_checkpoint_quant(
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "mxfp4" and _is_gpt_oss(cfg):
+        return None
     if method not in METHODS:
         raise ValueError(
             f"quantization_config.quant_method {method or None!r} is not supported: Relay loads "
             f"awq, gptq and fp8 checkpoints (and quantizes float ones with --quantization)"
         )
     return {"awq": _awq, "gptq": _gptq, "fp8": _fp8}[method](qc)
+
+
+def _is_gpt_oss(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (
+        cfg.get("architectures") or []
+    )
 
 
 def _side_file(model_dir: str) -> dict[str, Any] | None:
