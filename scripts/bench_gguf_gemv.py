@@ -153,7 +153,7 @@ def main() -> None:
                 med = statistics.median(times[(weight, types, label), level, m])
                 print(
                     f"| {weight} | {types} | {n} x {k} | {label} {hex(bits)} |"
-                    f" {8 * size / (n * k):.2f} | {level} | {m} | {med * 1e6:.0f} |"
+                    f" {8 * size / (n * k):.4f} | {level} | {m} | {med * 1e6:.0f} |"
                     f" {size / med / 1e9:.1f} |"
                 )
 

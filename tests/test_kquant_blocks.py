@@ -47,6 +47,7 @@ from relay.execution.weight_blocks import (
     BlockWeight,
     pack,
     pack_kquant,
+    record_bytes,
 )
 from tests.gguf_files import VOCAB_SIZE, write_gguf
 from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
@@ -371,11 +372,11 @@ def test_a_decode_step_in_one_c_call_reads_the_new_forms_as_the_layers_do(
 KS = KSCALES_FLAG
 # all-k-quant weights: their compact kernel form, and the bits a weight it reads
 COMPACT = {
-    "q4_k": ([T.Q4_K], 4 | KS, 4.75),
-    "q5_k": ([T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.75),
-    "q6_k": ([T.Q6_K], 8 | GROUP16_FLAG | KS, 8.625),
-    "q4_k+q6_k": ([T.Q4_K, T.Q4_K, T.Q6_K], 8 | MIN_FLAG | GROUP16_FLAG | KS, 9.25),
-    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.75),
+    "q4_k": ([T.Q4_K], 4 | KS, 4.625),
+    "q5_k": ([T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.625),
+    "q6_k": ([T.Q6_K], 8 | GROUP16_FLAG | KS, 8.5625),
+    "q4_k+q6_k": ([T.Q4_K, T.Q4_K, T.Q6_K], 8 | MIN_FLAG | GROUP16_FLAG | KS, 9.125),
+    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG | KS, 8.625),
 }
 
 
@@ -408,8 +409,9 @@ def compact_weights() -> dict:
 @pytest.mark.parametrize("kind", COMPACT)
 def test_compact_scales_are_the_gguf_weights_in_fewer_bytes(kind):
     """decode_rows -> common_form -> pack_rows keeps the integer scales of all-k-quant weights:
-    the kernel form gets KSCALES_FLAG, the records read 0.625-1.25 bits a weight (Q4_K 4.75 in
-    all where the float32 scales made it 6, Q6_K 8.625 for 10), dequantize() gives every weight
+    the kernel form gets KSCALES_FLAG, the records read 0.5625-1.125 bits a weight (Q4_K 4.625
+    in all where the float32 scales made it 6, Q6_K 8.5625 for 10: D and -Dmin as float16, 2 bytes
+    per feature each, csrc/blocks.h), dequantize() gives every weight
     as gguf.quants does (signs of zero included) in both layouts, and with_float_scales() is the
     float32-scale form exactly."""
     old, new, w = compact_pair(kind, 40, 512)
@@ -417,6 +419,8 @@ def test_compact_scales_are_the_gguf_weights_in_fewer_bytes(kind):
     assert new.to_dot().kernel_bits == COMPACT[kind][1] | DOT_FLAG
     assert old.kernel_bits == COMPACT[kind][1] & ~KS
     assert new.bytes_per_weight * 8 == COMPACT[kind][2]
+    subs = 256 // new.group  # a record: float16 D (and -Dmin), int8 scales (and mins) per feature
+    assert new.d.shape[2] == record_bytes(new.group, new.has_m) == (1 + new.has_m) * (2 + subs) * 32
     assert new.d.dtype == torch.uint8 and new.m.numel() == 0
     for blocks in (new, new.to_dot()):
         assert same_bits(blocks.dequantize(), w)
@@ -512,6 +516,19 @@ def test_pack_kquant_without_mins_in_a_form_with_them_adds_minus_zero():
     assert same_bits(
         blocks.dequantize(), torch.from_numpy(gguf_floats(raw_blocks(T.Q6_K, 8, k), T.Q6_K, k))
     )
+
+
+def test_pack_kquant_refuses_a_super_scale_float16_cannot_hold():
+    """The records hold D and -Dmin as float16 (the file's own): a float32 one that float16 does not
+    hold exactly is refused, not rounded."""
+    k = 256
+    rows = decode_rows(raw_blocks(T.Q4_K, 8, k), int(T.Q4_K), k)
+    args = (rows.sub_scales, rows.sub_mins, rows.q, 8, k)
+    pack_kquant(4, rows.super_d, rows.super_dmin, *args)  # the file's values: exact
+    bad = np.array(rows.super_d, dtype=np.float32, copy=True)
+    bad.flat[3] = np.float32(1.0 + 2.0**-12)  # between two float16 values
+    with pytest.raises(ValueError, match="float16"):
+        pack_kquant(4, bad, rows.super_dmin, *args)
 
 
 # --- a Q4_K_M-like file, loaded on its compact blocks ---

@@ -37,11 +37,11 @@ from tests.test_kquant_blocks import (  # noqa: F401 (q4_k_m_file: a fixture)
 KS = KSCALES_FLAG
 # the parts' types, the 6-bit kernel form with float32 scales, and its bits a weight with compact ones
 SIX = {
-    "q6_k": ([T.Q6_K], 6 | GROUP16_FLAG, 6.625),
-    "q5_k": ([T.Q5_K], 6 | MIN_FLAG, 6.75),
+    "q6_k": ([T.Q6_K], 6 | GROUP16_FLAG, 6.5625),
+    "q5_k": ([T.Q5_K], 6 | MIN_FLAG, 6.625),
     "q5_1": ([T.Q5_1], 6 | MIN_FLAG, None),
-    "q4_k+q6_k": ([T.Q4_K, T.Q4_K, T.Q6_K], 6 | MIN_FLAG | GROUP16_FLAG, 7.25),
-    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 6 | MIN_FLAG, 6.75),
+    "q4_k+q6_k": ([T.Q4_K, T.Q4_K, T.Q6_K], 6 | MIN_FLAG | GROUP16_FLAG, 7.125),
+    "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 6 | MIN_FLAG, 6.625),
 }
 
 
@@ -81,7 +81,7 @@ def kinds_and_scales() -> list[tuple[str, bool]]:
 def test_six_bit_blocks_are_the_gguf_weights_in_fewer_bytes(kind, compact):
     """decode_rows -> common_form -> pack_rows(six_bits=True): the 6-bit kernel form, every weight
     as gguf.quants dequantizes it (signs of zero included) in the strips' and the dot layout, 2
-    bits a weight fewer than the 8-bit form (Q6_K with compact scales 6.625, as the file's 6.5625)."""
+    bits a weight fewer than the 8-bit form (Q6_K with compact scales 6.5625, the file's own)."""
     eight, six, w = six_pair(kind, 40, 512, compact)
     flags = KS if compact else 0
     assert six.kernel_bits == SIX[kind][1] | flags, hex(six.kernel_bits)

@@ -28,8 +28,8 @@ What a loader needs, for a GGUF tensor's rows (raw [rows, bytes per row]) of any
 
 An 8-bit form whose quants all lie in -32..31 (every type here but Q8_0: SIX_BIT_TYPES) with scales
 per 16 or a minimum is narrowed to 6 bits where it is packed (pack_rows' six_bits:
-BlockWeight.to_six_bits): Q6_K as 6.56 bits a weight with compact scales, as the file has it, not
-8.63. Q4_0's and Q5_0's (per 32, no minimum) stay 8-bit: a bfloat16 model's GEMMs of them round x
+BlockWeight.to_six_bits): Q6_K as 6.5625 bits a weight with compact scales, as the file has it,
+not 8.5625. Q4_0's and Q5_0's (per 32, no minimum) stay 8-bit: a bfloat16 model's GEMMs of them round x
 to bfloat16 (csrc/gemm_blocks.c), which the 6-bit form does not.
 """
 

@@ -23,10 +23,11 @@ parts come in different types is lifted to one form (gguf_blocks.common_form) be
 
 Weights whose every part is a k-quant (Q4_K, Q5_K, Q6_K; K whole super-blocks of 256) keep their
 scales as the file has them instead of float32 d and m per group (pack_kquant, KSCALES_FLAG): per
-strip and super-block a record of the float16 scale D and -Dmin as float32 and the sub-blocks'
-integer scales and mins (csrc/blocks.h), from which the kernels compute d = D * sc and
-m = -Dmin * mn per sub-block, the dequantizer's own float32 products: the same weights and the
-same outputs bit for bit, from 0.625-1.25 bits a weight of scales instead of 2-4.
+strip and super-block a record of the float16 scale D and -Dmin (float16 as in the file) and the
+sub-blocks' integer scales and mins (csrc/blocks.h), from which the kernels compute d = D * sc and
+m = -Dmin * mn per sub-block (D widened to float32 exactly), the dequantizer's own float32 products:
+the same weights and the same outputs bit for bit, from 0.5625-1.125 bits a weight of scales
+instead of 2-4.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class BlockWeight:
     # pairs, 8 of high 2 bits); in the dot layout [strips, bytes] (csrc/gemm_dot.c)
     q: torch.Tensor
     # float32 [strips, K / group, STRIP]; with kscales uint8 [strips, K / 256, record bytes], the
-    # records of csrc/blocks.h (ks_record_bytes: 768 for Q4_K/Q5_K, 640 for Q6_K)
+    # records of csrc/blocks.h (ks_record_bytes: 640 for Q4_K/Q5_K, 576 for Q6_K)
     d: torch.Tensor
     m: (
         torch.Tensor
@@ -411,7 +412,7 @@ def pack(
 
 def record_bytes(group: int, has_m: bool) -> int:
     """A KSCALES_FLAG record's bytes (csrc/blocks.h ks_record_bytes)."""
-    return (2 if has_m else 1) * (4 * STRIP + QK_K // group * STRIP)
+    return (2 if has_m else 1) * (2 * STRIP + QK_K // group * STRIP)
 
 
 def _record_scales(rec: torch.Tensor, group: int, has_m: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,8 +420,8 @@ def _record_scales(rec: torch.Tensor, group: int, has_m: bool) -> tuple[torch.Te
     s, nsb, _ = rec.shape
     subs = QK_K // group
 
-    def floats(at: int) -> torch.Tensor:  # [s, nsb, 1, STRIP]
-        return rec[..., at : at + 4 * STRIP].contiguous().view(torch.float32)[:, :, None]
+    def floats(at: int) -> torch.Tensor:  # [s, nsb, 1, STRIP]: the float16 D (-Dmin) as float32
+        return rec[..., at : at + 2 * STRIP].contiguous().view(torch.float16).float()[:, :, None]
 
     def ints(at: int) -> torch.Tensor:  # [s, nsb, subs, STRIP] as float32
         return (
@@ -431,12 +432,22 @@ def _record_scales(rec: torch.Tensor, group: int, has_m: bool) -> tuple[torch.Te
             .float()
         )
 
-    sc_at = 8 * STRIP if has_m else 4 * STRIP
+    sc_at = 4 * STRIP if has_m else 2 * STRIP
     d = (floats(0) * ints(sc_at)).reshape(s, nsb * subs, STRIP)
     if not has_m:
         return d, torch.zeros(s, 0, STRIP)
-    m = (floats(4 * STRIP) * ints(sc_at + subs * STRIP)).reshape(s, nsb * subs, STRIP)
+    m = (floats(2 * STRIP) * ints(sc_at + subs * STRIP)).reshape(s, nsb * subs, STRIP)
     return d, m
+
+
+def _exact_half(t: torch.Tensor, name: str) -> torch.Tensor:
+    """float32 t as float16, which must hold every value exactly (signs of zero included): a
+    record's D and -Dmin are the file's float16 values."""
+    h = t.half()
+    if not torch.equal(h.float().view(torch.int32), t.view(torch.int32)):
+        bad = t[h.float().view(torch.int32) != t.view(torch.int32)][0].item()
+        raise ValueError(f"super-block {name} {bad!r} is not a float16 value (a k-quant's are)")
+    return h
 
 
 def pack_kquant(
@@ -455,7 +466,8 @@ def pack_kquant(
     d = super_d * sub_scales and m = -(super_dmin * sub_mins), float32 products, exactly what
     pack() would hold as float32 arrays (gguf_blocks' decoders compute them so).
 
-    super_d, super_dmin: float32 [n, k / 256] (the float16 D, Dmin as float32); sub_scales,
+    super_d, super_dmin: float32 [n, k / 256] (the float16 D, Dmin as float32: the records hold them
+    as float16, and a value float16 cannot hold exactly is refused with a ValueError); sub_scales,
     sub_mins: integers in int8 range [n, k / group] (Q4_K/Q5_K 0..63, Q6_K -128..127); q as pack()
     takes it. super_dmin / sub_mins None (Q6_K): no minimum, or, where has_m, m = -0.0 (Dmin 0,
     mn 0: the -0.0 common_form gives a part without one). has_m: default bits 4 or sub_mins given.
@@ -467,11 +479,11 @@ def pack_kquant(
     if bits == 4 and not has_m:
         raise ValueError("bits 4 always has a minimum")
     nsb, ngrp = k // QK_K, k // group
-    f32 = [torch.as_tensor(super_d).float().reshape(n, nsb)]
+    f16 = [torch.as_tensor(super_d).float().reshape(n, nsb)]
     i8 = [torch.as_tensor(sub_scales).reshape(n, ngrp).to(torch.int8)]
     if has_m:
         dmin = torch.zeros(n, nsb) if super_dmin is None else torch.as_tensor(super_dmin).float()
-        f32.append(-dmin.reshape(n, nsb))
+        f16.append(-dmin.reshape(n, nsb))
         mins = torch.zeros(n, ngrp) if sub_mins is None else torch.as_tensor(sub_mins)
         i8.append(mins.reshape(n, ngrp).to(torch.int8))
     # today's form for the quants (d and m there are placeholders, replaced by the records)
@@ -488,7 +500,8 @@ def pack_kquant(
         t = t.reshape(strips, STRIP, nsb, per).permute(0, 2, 3, 1).contiguous()
         return t.view(torch.uint8).reshape(strips, nsb, -1)
 
-    parts = [strip_minor(t, 1) for t in f32] + [strip_minor(t, ngrp // nsb) for t in i8]
+    parts = [strip_minor(_exact_half(t, name), 1) for t, name in zip(f16, ("D", "-Dmin"))]
+    parts += [strip_minor(t, ngrp // nsb) for t in i8]
     rec = torch.cat(parts, dim=2).contiguous()
     assert rec.shape[2] == record_bytes(group, has_m)
     return replace(

@@ -24,17 +24,18 @@
 // bytes, features f = 0..31 of the strip minor throughout (16 or 8 of them one vector load), with
 // S = 256 / g sub-blocks (8 or 16):
 //
-//   float32 D[32]        the super-block's float16 scale, as a float32
-//   float32 ND[32]       -Dmin (only where the form has a minimum)
+//   float16 D[32]        the super-block's float16 scale, as the file has it
+//   float16 ND[32]       -Dmin (only where the form has a minimum)
 //   int8    sc[S][32]    the sub-blocks' scales (Q4_K / Q5_K 6-bit 0..63, Q6_K int8)
 //   int8    mn[S][32]    the sub-blocks' mins, 0..63 (only with a minimum)
 //
-// and sub-block t's d = D * (float)sc[t], m = ND * (float)mn[t]: float32 products, exactly the
+// and sub-block t's d = D * (float)sc[t], m = ND * (float)mn[t], D and ND widened to float32 (exact:
+// f16_to_f32, VCVTPH2PS): float32 products, exactly the
 // dequantizer's d * sc and -(dmin * mn) (a product's sign is the XOR of its factors', its magnitude
 // the same rounding), so a kernel computing them per sub-block reads the same d and m as the
 // float32 arrays hold, bit for bit. Rows without a minimum in a form with one: ND -0.0, mn 0 (m =
-// -0.0, as gguf_blocks.common_form has it). 768 bytes per 256 x 32 weights with m per 32 (0.75 bits
-// a weight), 640 for Q6_K (0.625), 1,280 per 16 with m (1.25).
+// -0.0, as gguf_blocks.common_form has it). 640 bytes per 256 x 32 weights with m per 32 (0.625 bits
+// a weight), 576 for Q6_K (0.5625), 1,152 per 16 with m (1.125).
 //
 // The 6-bit form's quants, u = q + 32 in 0..63, as a 4-bit plane (u's low nibbles, laid out as bits
 // 4's) and a 2-bit plane (u >> 4), per block of 32 inputs of a strip's features:
@@ -47,6 +48,8 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"  // f16_to_f32
 
 #define DOT_FLAG 0x100
 #define MIN_FLAG 0x200
@@ -66,9 +69,9 @@ static inline int form_valid(int form) {
 // bytes of a block of 32 inputs x 32 features (a strip's) in a form's quants, either layout
 static inline int64_t form_block_bytes(int bits) { return bits == 4 ? 512 : bits == 6 ? 768 : 1024; }
 // a KS_FLAG record's bytes, and where in it the sub-block scales and mins start
-static inline int64_t ks_record_bytes(int g, int has_m) { return (has_m ? 2 : 1) * (4 * 32 + (QK_K / g) * 32); }
-static inline int64_t ks_sc_at(int has_m) { return has_m ? 256 : 128; }
-static inline int64_t ks_mn_at(int g) { return 256 + (QK_K / g) * 32; }
+static inline int64_t ks_record_bytes(int g, int has_m) { return (has_m ? 2 : 1) * (2 * 32 + (QK_K / g) * 32); }
+static inline int64_t ks_sc_at(int has_m) { return has_m ? 128 : 64; }
+static inline int64_t ks_mn_at(int g) { return 128 + (QK_K / g) * 32; }
 
 // Sub-block gi's (g inputs, counted along K) scale and minimum of feature f from strip s's records
 // (rec: the strip's first): the float32 products above (scalar; the kernels' vectors do the same).
@@ -77,15 +80,15 @@ static inline const uint8_t* ks_record(const uint8_t* rec, int g, int has_m, int
 }
 static inline float ks_d1(const uint8_t* rec, int g, int has_m, int64_t gi, int64_t f) {
     const uint8_t* r = ks_record(rec, g, has_m, gi);
-    float dv;
-    memcpy(&dv, r + 4 * f, sizeof dv);
-    return dv * (float)(int8_t)r[ks_sc_at(has_m) + (gi % (QK_K / g)) * 32 + f];
+    uint16_t h;
+    memcpy(&h, r + 2 * f, sizeof h);
+    return f16_to_f32(h) * (float)(int8_t)r[ks_sc_at(has_m) + (gi % (QK_K / g)) * 32 + f];
 }
 static inline float ks_m1(const uint8_t* rec, int g, int64_t gi, int64_t f) {
     const uint8_t* r = ks_record(rec, g, 1, gi);
-    float nd;
-    memcpy(&nd, r + 128 + 4 * f, sizeof nd);
-    return nd * (float)(int8_t)r[ks_mn_at(g) + (gi % (QK_K / g)) * 32 + f];
+    uint16_t h;
+    memcpy(&h, r + 64 + 2 * f, sizeof h);
+    return f16_to_f32(h) * (float)(int8_t)r[ks_mn_at(g) + (gi % (QK_K / g)) * 32 + f];
 }
 
 // The 6-bit form's quant q = u - 32 (scalar: the generic code's, and the reference for the vectors'):

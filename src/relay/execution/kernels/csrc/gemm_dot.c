@@ -15,7 +15,7 @@
 // features: VPMADDUBSW + VPMADDWD (or VPDPBUSD) against those 4 inputs of x broadcast gives 8 int32
 // sums. d and m stay as gemm_blocks.c has them: float32 [s][K / g][32], g the group (blocks.h), or
 // with KS_FLAG the k-quants' compact records (blocks.h: per strip and super-block of 256 the float16
-// D and -Dmin as float32 and int8 sub-block scales and mins), from which each group's d = D * sc and
+// D and -Dmin and int8 sub-block scales and mins), from which each group's d = D * sc and
 // m = -Dmin * mn are computed in registers (kscales.h), the same float32 values the arrays hold.
 //
 // The k-quants' forms (blocks.h) take the 8-bit layout as it is: with scales per 16 inputs (Q6_K)

@@ -9,15 +9,16 @@
 #include "blocks.h"
 #include "vec.h"
 
-// sub-block gi's d (KS_FLAG): D * sc, one float32 product per lane, the dequantizer's
+// sub-block gi's d (KS_FLAG): D * sc, one float32 product per lane (the float16 D widened exactly),
+// the dequantizer's
 static inline vf ks_d(const void* rec, int g, int has_m, int64_t gi, int64_t f) {
     const uint8_t* r = ks_record((const uint8_t*)rec, g, has_m, gi);
-    return vf_mul(vf_load((const float*)r + f), vf_from_i8((const int8_t*)r + ks_sc_at(has_m) + (gi % (QK_K / g)) * 32 + f));
+    return vf_mul(vf_from_f16((const uint16_t*)r + f), vf_from_i8((const int8_t*)r + ks_sc_at(has_m) + (gi % (QK_K / g)) * 32 + f));
 }
 // and its m: -Dmin * mn
 static inline vf ks_m(const void* rec, int g, int64_t gi, int64_t f) {
     const uint8_t* r = ks_record((const uint8_t*)rec, g, 1, gi);
-    return vf_mul(vf_load((const float*)r + 32 + f), vf_from_i8((const int8_t*)r + ks_mn_at(g) + (gi % (QK_K / g)) * 32 + f));
+    return vf_mul(vf_from_f16((const uint16_t*)r + 32 + f), vf_from_i8((const int8_t*)r + ks_mn_at(g) + (gi % (QK_K / g)) * 32 + f));
 }
 // strip s's d: its float32 [K / g][32] or its K / 256 records
 static inline const void* strip_scales(int ks, int g, int has_m, const float* d, int64_t s, int64_t K) {

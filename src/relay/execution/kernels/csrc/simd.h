@@ -15,6 +15,23 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+// A float16 (IEEE binary16) as float32: exact for every value (normals, subnormals, signed zeros;
+// inf and NaN kept), portable C for any level (the k-quants' compact scales, blocks.h).
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+        const float v = (float)man * 0x1p-24f;
+        memcpy(&bits, &v, sizeof bits);
+    } else {
+        bits = (e == 31 ? 0x7f800000u : (e + 112) << 23) | man << 13;
+    }
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);

@@ -57,6 +57,8 @@ static inline vf vf_from_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 static inline void vf_store_bf16(uint16_t* p, vf v) { _mm256_storeu_si256((__m256i*)p, vcvt_bf16(v)); }
+// VL float16 values as floats (exact)
+static inline vf vf_from_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 // VL floats rounded to the nearest integer (ties to even, as lrintf), stored as int8 (|v| <= 127)
 static inline void vf_store_i8(int8_t* p, vf v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 // the first n < VL lanes (the rest read as 0 / left alone)
@@ -117,6 +119,7 @@ static inline void vf_from_nibbles(const uint8_t* p, vf* lo, vf* hi) {
 static inline vf vf_from_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+static inline vf vf_from_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
 static inline void vf_store_bf16(uint16_t* p, vf v) {  // round to nearest even (no NaN inputs here)
     __m256i bits = _mm256_castps_si256(v);
     bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
@@ -251,6 +254,15 @@ static inline vf vf_from_bf16(const uint16_t* p) {
     vi_ bits = __builtin_convertvector(h, vi_) << 16;
     vf r;
     memcpy(&r, &bits, sizeof r);
+    return r;
+}
+static inline vf vf_from_f16(const uint16_t* p) {  // no F16C here: simd.h's exact scalar conversion
+    vf r;
+    for (int i = 0; i < VL; i++) {
+        uint16_t h;
+        memcpy(&h, p + i, sizeof h);
+        r[i] = f16_to_f32(h);
+    }
     return r;
 }
 static inline void vf_store_bf16(uint16_t* p, vf v) {
