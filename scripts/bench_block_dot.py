@@ -16,6 +16,7 @@ they come from memory, not the last-level cache:
 
     python scripts/bench_block_dot.py --gemv --level avx512
     python scripts/bench_block_dot.py --gemv --forms Q4_K,Q6_K
+    python scripts/bench_block_dot.py --gemv --forms Q4_K --shapes 6144x4096,28672x4096 --threads 2
 """
 
 from __future__ import annotations
@@ -105,14 +106,16 @@ def read_bytes(w: BlockWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.q, w.d, w.m))
 
 
-def gemv_table(reps: int, rounds: int, llc_bytes: int, threads: int, forms: list[str]) -> None:
+def gemv_table(
+    reps: int, rounds: int, llc_bytes: int, threads: int, forms: list[str], shapes: list
+) -> None:
     """Each (shape, form, activations) timed in `rounds` rounds taken in turn (a loaded host's
     drift spread over all), each round `reps` x 5 calls; GB/s at the median and best call time.
     On one thread the time is the calling thread's CPU time (the kernel runs on it alone): on a
     shared host wall time also counts the turns other processes take on the core."""
     clock = time.thread_time if threads == 1 else time.perf_counter
     calls, sizes = {}, {}
-    for n, k in GEMV_SHAPES:
+    for n, k in shapes:
         x = torch.randn(1, k)
         for form, compact in (
             (f, c) for f in forms for c in ((False, True) if "_K" in f else (False,))
@@ -168,6 +171,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="--gemv: rounds over every case in turn")
     ap.add_argument("--llc-mb", type=int, default=32, help="last-level cache to stream past")
     ap.add_argument("--forms", default=",".join(GEMV_FORMS), help="--gemv: which forms")
+    ap.add_argument(
+        "--shapes",
+        default=",".join(f"{n}x{k}" for n, k in GEMV_SHAPES),
+        help="--gemv: N x K weights, e.g. an 8B's 6144x4096,28672x4096,4096x14336",
+    )
     args = ap.parse_args()
     cpu.use(cpu.build_level(args.level)) if args.level else cpu.load()
     torch.set_num_threads(args.threads)
@@ -177,7 +185,10 @@ def main() -> None:
             f"level {args.level or 'native'}, {args.threads} thread(s); GB/s at the median (best)"
             f" call of {args.rounds} rounds x {args.reps} x 5, by {clock}"
         )
-        gemv_table(args.reps, args.rounds, args.llc_mb << 20, args.threads, args.forms.split(","))
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+        gemv_table(
+            args.reps, args.rounds, args.llc_mb << 20, args.threads, args.forms.split(","), shapes
+        )
         return
     print(f"level {args.level or 'native'}, 1 thread; ms, median of {args.reps} x 5 calls")
     print("| weight | rows | float | int8 | float / int8 |\n|---|---|---|---|---|")

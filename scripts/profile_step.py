@@ -195,6 +195,8 @@ def ab(runner: ModelRunner, args) -> None:
         ours, theirs = ab_medians(runner, other, steps.decode, args.reps, args.ab_blocks_rows)
         print(f"| decode b={b} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.3f} |")
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
+    if not args.prefill:  # --prefill 0: decode steps only
+        return
     ours, theirs = ab_medians(
         runner,
         other,
