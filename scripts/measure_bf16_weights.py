@@ -67,10 +67,17 @@ def main() -> None:
     cfg = EngineConfig(num_threads=args.threads, kv_cache_gb=0.05, context_length=256)
     runner = ModelRunner(cfg, args.dir, ModelConfig.from_dir(args.dir))
     w = weight_bytes(runner.model)
+    # oneDNN-packed copies: counted by weight_bytes since this change, missed by it before
+    packed = sum(
+        m.packed.numel() * m.packed.element_size()
+        for m in runner.model.gemm_modules()
+        if isinstance(m.packed, torch.Tensor) and m.packed.is_mkldnn
+    )
     rss = psutil.Process().memory_info().rss
     ms = decode_ms(runner, args.steps)
     print(
-        f"level {isa.level()} dtype {runner.model.dtype} weights {w / 2**20:.1f} MiB "
+        f"level {isa.level()} dtype {runner.model.dtype} weight_bytes {w / 2**20:.1f} MiB "
+        f"(oneDNN-packed among or beside them {packed / 2**20:.1f} MiB) "
         f"rss {rss / 2**20:.1f} MiB decode(b=1) {ms:.2f} ms"
     )
 
