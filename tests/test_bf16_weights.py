@@ -40,6 +40,7 @@ def test_widening_gemm_is_float32_gemm_on_the_widened_weights(kernel_level, m, n
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     alone = cpu_gemm.gemm_widen(x[-1:], w, bias)
     torch.testing.assert_close(alone, ref[-1:], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert cpu_gemm.gemm_widen(x[:0], w).shape == (0, n)  # (a step whose rows all left)
 
 
 def tiny_llama(tied: bool):

@@ -174,9 +174,13 @@ def gemm_widen(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     m = x.shape[0]
     y = torch.empty(m, w.shape[0], dtype=torch.float32)
     lib = cpu._lib
-    if lib is None or not lib.relay_gemm_widen(
-        x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), y.stride(0), m, *w.shape
-    ):
+    done = m == 0 or (
+        lib is not None
+        and lib.relay_gemm_widen(
+            x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), y.stride(0), m, *w.shape
+        )
+    )
+    if not done:
         y = x @ w.float().T
     return y if bias is None else y.add_(bias)
 
