@@ -24,11 +24,19 @@ PAGE = 4
 
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 100, 64), (3, 33, 70), (8, 64, 256), (9, 77, 200), (13, 40, 129), (70, 96, 512)],
+    [
+        (1, 100, 64),
+        (1, 37, 4104),  # (K past gemm_widen.c's SHORT_K: one row takes NF weight rows at a time)
+        (3, 33, 70),
+        (8, 64, 256),
+        (9, 77, 200),
+        (13, 40, 129),
+        (70, 96, 512),
+    ],
 )
 def test_widening_gemm_is_float32_gemm_on_the_widened_weights(kernel_level, m, n, k):
-    """At every level this CPU reaches, the GEMVs (up to 8 rows) and the tiles (more), with K's
-    tail past a whole vector and features past a strip's end: float32 products of the same
+    """At every level this CPU reaches, the GEMVs (up to 8 rows; one or NF weight rows at a time)
+    and the tiles (more), with K's tail past a whole vector and features past a strip's or NF's end: float32 products of the same
     weights, summed in another order (a tight tolerance: float32 rounding, not bfloat16's)."""
     torch.manual_seed(m * n + k)
     x = torch.randn(m, k + 3)[:, :k]  # rows apart by more than K: x_stride is honoured
