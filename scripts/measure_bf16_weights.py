@@ -35,11 +35,11 @@ def make(path: str, shape: str) -> None:
     save_random_model(path, cfg, dtype=torch.bfloat16)
 
 
-def decode_ms(runner, steps: int) -> float:
-    """Median batch-1 decode step time (ms) after a 32-token prompt."""
+def step_ms(runner, steps: int, prompt: int) -> tuple[float, float]:
+    """The prompt step's time and the median batch-1 decode step's after it (ms)."""
     from scripts.runner_steps import Sequences
 
-    seqs = Sequences([list(range(2, 34))], runner.page_size)
+    seqs = Sequences([list(range(2, 2 + prompt))], runner.page_size)
     times = []
     for _ in range(steps + 1):
         batch = seqs.batch()
@@ -48,7 +48,7 @@ def decode_ms(runner, steps: int) -> float:
         times.append(time.perf_counter() - start)
         seqs.done(batch)
         seqs.append([int(logits.argmax(-1)[0])])
-    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+    return 1e3 * times[0], 1e3 * sorted(times[1:])[len(times[1:]) // 2]
 
 
 def main() -> None:
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--make", choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt", type=int, default=32, help="the prompt's tokens")
     args = ap.parse_args()
     if args.make and not os.path.exists(os.path.join(args.dir, "config.json")):
         make(args.dir, args.make)
@@ -74,11 +75,11 @@ def main() -> None:
         if isinstance(m.packed, torch.Tensor) and m.packed.is_mkldnn
     )
     rss = psutil.Process().memory_info().rss
-    ms = decode_ms(runner, args.steps)
+    prompt_ms, ms = step_ms(runner, args.steps, args.prompt)
     print(
         f"level {isa.level()} dtype {runner.model.dtype} weight_bytes {w / 2**20:.1f} MiB "
         f"(oneDNN-packed among or beside them {packed / 2**20:.1f} MiB) "
-        f"rss {rss / 2**20:.1f} MiB decode(b=1) {ms:.2f} ms"
+        f"rss {rss / 2**20:.1f} MiB prompt({args.prompt}) {prompt_ms:.1f} ms decode(b=1) {ms:.2f} ms"
     )
 
 
