@@ -151,6 +151,10 @@ def cpu_matmul(
             x.to(torch.bfloat16).contiguous(), int4.packed, int4.group, int4.scales_and_zeros
         ).to(x.dtype)
         return y if bias is None else y + bias
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        # a float32 model's bfloat16 weight (LlamaForCausalLM.keep_bf16_weights): widened in registers
+        y = cpu_gemm.gemm_widen(x, weight, bias)
+        return y if out_dtype in (None, torch.float32) else y.to(out_dtype)
     if gemv and x.shape[0] <= cpu_gemm.GEMM_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
         return cpu_gemm.gemm_bf16(x, weight, bias, out_dtype or torch.bfloat16)
     if int8 is not None and x.shape[0] < INT8_MAX_ROWS:
@@ -394,6 +398,9 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = [split_evenly(vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.start, n = split_evenly(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(n, dim, dtype=dtype), requires_grad=False)
+        # the rows it returns: the model's dtype, where the table is kept in bfloat16 beside a
+        # float32 model (LlamaForCausalLM.keep_bf16_weights: only the rows looked up are widened)
+        self.dtype = dtype
         self.packed: torch.Tensor | cpu_gemm.Bf16Panels | None = (
             None  # for the LM head, like Linear.packed
         )
@@ -409,10 +416,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.lookup is not None:
             return self.lookup(ids)
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.dtype)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.dtype)
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 

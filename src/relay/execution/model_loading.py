@@ -19,7 +19,7 @@ from relay.execution.gguf_weights import open_file
 from relay.execution.kernels import cpu_gemm, isa
 from relay.execution.model_files import GgufSource, gguf_rows, gguf_source
 from relay.execution.models import model_class
-from relay.execution.placement import Placement
+from relay.execution.placement import Placement, cpu_has_fast_bf16
 from relay.execution.quantized_blocks import BITS, BlockQuantizer
 from relay.execution.quantized_checkpoint import Int4BlockLoader, dequantized
 from relay.execution.startup_timing import log_weight_blocks
@@ -47,6 +47,8 @@ class ModelLoader:
                 logger.info("%s checkpoint: dequantized at load", mc.quantization.describe())
         if self._quantizes_to_blocks(quantization):
             return self._load_quantized_blocks(model_dir, mc, quantization)
+        if self._keeps_bf16_weights(model_dir, mc, quantization):
+            return self._load_bf16_weights(model_dir, mc)
         blocks = self._wants_weight_blocks(model_dir, quantization)
         # A bfloat16 model's blocks are recovered from the checkpoint's float32 values, before
         # they are rounded: loaded into a float32 twin first.
@@ -83,6 +85,43 @@ class ModelLoader:
             model.limit_weight_blocks(self._weight_block_rows(model.dtype))
         release_free_memory()  # what decoding the file's blocks allocated and freed
         return model
+
+    def _load_bf16_weights(self, model_dir: str, mc: ModelConfig) -> torch.nn.Module:
+        """A float32 model whose GEMM weights and embedding stay the checkpoint's bfloat16
+        (LlamaForCausalLM.keep_bf16_weights): no float32 copy, no oneDNN-packed one."""
+        model = self._new_model(mc, self.place.dtype)
+        model.keep_bf16_weights()
+        self._fill_weights(model, model_dir)
+        self._finish(model, None)
+        if self.place.tp.is_leader:
+            logger.info(
+                "bfloat16 checkpoint: weights kept in bfloat16 (%.2f GiB), widened to float32 in "
+                "the GEMMs (this CPU has no bfloat16 dot products)",
+                weight_bytes(model) / (1 << 30),
+            )
+        return model
+
+    def _keeps_bf16_weights(
+        self, model_dir: str, mc: ModelConfig, quantization: str | None
+    ) -> bool:
+        """Whether a float32 model keeps a bfloat16 checkpoint's GEMM weights and embedding in
+        bfloat16 (_load_bf16_weights): on a CPU without bfloat16 dot products (placement.
+        pick_dtype gives it float32 there), from a checkpoint whose GEMM weights are all
+        bfloat16, unquantized, with Relay's widening GEMM built. A float32 copy holds the same
+        values in twice the memory (and its oneDNN-packed copy twice again); the widening GEMV
+        reads half float32's bytes per decode step. Where the CPU has bfloat16 dot products a
+        float32 model (asked for by --dtype) keeps its float32 weights and oneDNN's GEMMs."""
+        return (
+            self.place.on_cpu
+            and self.place.dtype == torch.float32
+            and not cpu_has_fast_bf16()
+            and quantization is None
+            and mc.quantization is None
+            and self.cfg.load_format != "dummy"
+            and hasattr(model_class(mc.architecture), "keep_bf16_weights")
+            and checkpoint_gemm_dtypes(model_dir) == {"BF16"}
+            and cpu_gemm.gemm_widen_available()
+        )
 
     def _load_quantized_blocks(
         self, model_dir: str, mc: ModelConfig, quantization: str
@@ -299,6 +338,20 @@ def after_each_layer(
         layer_done(current)
 
 
+def checkpoint_gemm_dtypes(model_dir: str) -> set[str]:
+    """The safetensors dtypes (F32, BF16, ...) of the checkpoint's GEMM weights (*proj.weight),
+    read from the files' headers."""
+    from safetensors import safe_open
+
+    found = set()
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("proj.weight"):
+                    found.add(f.get_slice(name).get_dtype())
+    return found
+
+
 def checkpoint_float32_bytes(model_dir: str) -> int:
     """The bytes of the checkpoint's float32 tensors (what a float32 twin of the model holds);
     0 if its GEMM weights are stored in another dtype."""
@@ -334,7 +387,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
 
     def add(t) -> None:
-        if isinstance(t, torch.Tensor) and t.numel() and 0 not in t.stride():
+        if isinstance(t, torch.Tensor) and t.is_mkldnn:
+            # oneDNN's blocked copy (pack_for_cpu) has no storage to ask (and strides (1, 0)):
+            # its elements, at least what it holds
+            seen[id(t)] = t.numel() * t.element_size()
+        elif isinstance(t, torch.Tensor) and t.numel() and 0 not in t.stride():
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         elif isinstance(t, (tuple, list)):

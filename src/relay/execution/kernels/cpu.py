@@ -168,6 +168,9 @@ def bind(path: str) -> ctypes.CDLL:
     lib.relay_gemm_blocks.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i64, i32]
     lib.relay_gemm_blocks.restype = i32
     lib.relay_gemm_blocks_available.restype = i32
+    lib.relay_gemm_widen.argtypes = [p, i64, p, p, i64, i64, i64, i64]
+    lib.relay_gemm_widen.restype = i32
+    lib.relay_gemm_widen_available.restype = i32
     lib.relay_quantize_rows.argtypes = [p, i64, i64, i32, p, p]
     lib.relay_dequantize_rows.argtypes = [p, i64, i64, p, p, p, i32, p, i32]
     lib.relay_apply_bitmask.argtypes = [p, i64, p, p, i64, i64, i64]

@@ -1,7 +1,7 @@
 """Relay's C GEMM kernels: small-batch bfloat16 GEMMs (csrc/gemm_bf16.c), bfloat16 GEMMs on
 prepacked panels (VDPBF16PS, or AMX tiles: csrc/gemm_amx.c), GEMMs on GGUF blocks
-(csrc/gemm_blocks.c) and int8 x int8 GEMMs around torch._int_mm (w8a8); and which of them run
-on this CPU.
+(csrc/gemm_blocks.c), float32 GEMMs on bfloat16 weights widened in registers (csrc/gemm_widen.c)
+and int8 x int8 GEMMs around torch._int_mm (w8a8); and which of them run on this CPU.
 """
 
 from __future__ import annotations
@@ -157,6 +157,32 @@ def gemm_blocks(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         int(w.round_bf16),
     )
     return y
+
+
+def gemm_widen_available() -> bool:
+    lib = cpu.load()
+    return lib is not None and bool(lib.relay_gemm_widen_available())
+
+
+def gemm_widen(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32; another dtype is widened first) times w [N, K] bfloat16 (+ bias) -> [M, N]
+    float32, each weight widened to float32 in registers (csrc/gemm_widen.c). Where the kernel is
+    not built, torch on a float32 copy of w (the same products)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    w = w.contiguous()  # (a view of the weight as it is: the checkpoint's rows are contiguous)
+    m = x.shape[0]
+    y = torch.empty(m, w.shape[0], dtype=torch.float32)
+    lib = cpu._lib
+    done = m == 0 or (
+        lib is not None
+        and lib.relay_gemm_widen(
+            x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), y.stride(0), m, *w.shape
+        )
+    )
+    if not done:
+        y = x @ w.float().T
+    return y if bias is None else y.add_(bias)
 
 
 def int8_matmul(

@@ -176,9 +176,22 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Give every GEMM weight a oneDNN-blocked copy (CPU only; costs one more copy of the
-        weights in memory, buys ~1.3x on batched GEMMs)."""
+        weights in memory, buys ~1.3x on batched GEMMs). Not a bfloat16 weight of a float32 model
+        (keep_bf16_weights): its GEMMs read it as it is."""
         for module in self.gemm_modules():
-            module.packed = pack_for_cpu(module.weight) if has_float_weight(module) else None
+            packs = has_float_weight(module) and module.weight.dtype == self.dtype
+            module.packed = pack_for_cpu(module.weight) if packs else None
+
+    def keep_bf16_weights(self) -> None:
+        """Hold the GEMM weights and the embedding in bfloat16 in a float32 model, before a
+        bfloat16 checkpoint loads into them (ModelLoader: a CPU without bfloat16 dot products):
+        the checkpoint's values as they are in half a float32 copy's memory. Their GEMMs widen
+        them in registers (layers.cpu_matmul: cpu_gemm.gemm_widen), the float32 products of the
+        same weights; the embedding widens the rows it looks up (a tied LM head is that table)."""
+        modules = {id(m): m for m in [self.embed_tokens, *self.gemm_modules()]}
+        for module in modules.values():
+            bf16 = torch.empty_like(module.weight, dtype=torch.bfloat16)
+            module.weight = nn.Parameter(bf16, requires_grad=False)
 
     def use_cpu_kernels(self) -> None:
         """Relay's own CPU kernels where this CPU and dtype have them: the small-batch bfloat16
