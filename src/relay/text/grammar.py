@@ -12,7 +12,8 @@ Two processes take part, and only the scheduler imports xgrammar:
   and advances the request's matcher with every token the request emits. Shipping compiled
   grammars between processes would not pay: deserialising one costs as much as compiling it,
   and a wide object's many times more (see COMPILE_WORKERS);
-- the sampler sets disallowed tokens' logits to -inf (relay.execution.step_sampling.apply_token_masks: plain torch).
+- the sampler sets disallowed tokens' logits to -inf (apply_token_masks, plain torch, in
+  relay.execution.step_sampling).
 
 xgrammar imports torch (and its tvm_ffi tries to), so the scheduler imports it, and with it
 torch (~200 MB resident), only when the first constrained request arrives; a server that never
