@@ -13,7 +13,7 @@ from ipc import messages as m
 from relay.config import EngineConfig
 from relay.outputs import PromptLogprobs, RequestOutput
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import (
+from relay.step import (
     BatchInput,
     BatchOutput,
     EmbedChunk,

@@ -60,6 +60,7 @@ from launch.dp_replicas import (
 )
 from launch.flags import check_model_config, engine_config
 from launch.front import Front, FrontThread
+from launch.ports import PortUnavailable, bind_port
 from procs.common import child_pythonpath, set_title, setup_logging, terminate
 
 logger = logging.getLogger("relay.dp")
@@ -302,7 +303,6 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
     front door; the router's metrics port free: the router binds it once the replicas are up),
     the cache directory and the model, for the replicas. Returns the --port socket."""
     from launch.model_dir import resolve_model_dir_apart
-    from launch.serve import bind_port
     from relay.execution.model_files import ModelFileError, check_cache_dir
 
     check_cache_dir()
@@ -320,7 +320,6 @@ def startup_checks(ns: argparse.Namespace, model_path: str | None) -> socket.soc
 
 
 def serve_dp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from launch.serve import PortUnavailable
     from relay.execution.model_files import ModelFileError, model_name
 
     set_title("relay::dp")

@@ -27,6 +27,7 @@ from launch.children import Child, Launcher
 from launch.flags import build_parser, check_model_config, engine_config
 from launch.model_dir import resolve_model_dir_apart
 from launch.multinode import NodeLink, plan_from_args
+from launch.ports import PortUnavailable, bind_port
 from procs.common import proc_label, set_title, setup_logging
 from relay.api.guard import (
     GuardConfig,
@@ -37,6 +38,7 @@ from relay.api.guard import (
     raise_fd_limit,
 )
 from relay.config import EngineConfig, ModelConfig
+from relay.execution.draft_check import check_draft_model
 from relay.execution.kernels import isa
 from relay.execution.model_files import (
     ModelFileError,
@@ -44,29 +46,11 @@ from relay.execution.model_files import (
     model_name,
 )
 from relay.optional_features import missing_features
-from relay.scheduling.speculative.draft_check import check_draft_model
 
 logger = logging.getLogger("relay.launch")
 
 
 # ---- HTTP -------------------------------------------------------------------------------
-class PortUnavailable(Exception):
-    pass
-
-
-def bind_port(host: str, port: int, what: str = "HTTP") -> socket.socket:
-    """A TCP socket bound to host:port as uvicorn binds one, at start-up: a taken port stops the
-    server in a second, before any model loads (uvicorn then listens on this socket)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise PortUnavailable(f"cannot serve {what} on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
 def serve_http(
     ns: argparse.Namespace,
     cfg: EngineConfig,

@@ -38,8 +38,9 @@ from relay.api import (
     sglang,
     tokenization,
 )
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.guard import GuardConfig, RequestGuard
+from relay.api.parsed_request import ParsedRequest
 from relay.api.request_id import RequestIdMiddleware, request_id, submitted
 from relay.api.serving import ApiRequest, error_response
 from relay.health import HEARTBEAT_INTERVAL, Heartbeats

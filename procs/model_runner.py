@@ -20,7 +20,7 @@ from ipc.nodes import NodePlan
 from ipc.sockets import RUNNER_RESULT, endpoint, pull, push, runner_inbox, send
 from procs.common import ProcArgs, announce_ready, child_main
 from relay.config import ModelConfig
-from relay.scheduling.batch import BatchOutput
+from relay.step import BatchOutput
 
 logger = logging.getLogger(__name__)
 

@@ -44,13 +44,10 @@ from relay.config import ModelConfig
 from relay.lifecycle import Tombstones
 from relay.outputs import FinishReason, RequestOutput, error_output
 from relay.sampling_params import InvalidParam
-from relay.scheduling.batch import BatchInput, BatchOutput
-from relay.scheduling.overlap import OverlapPolicy
-from relay.scheduling.pooling import Pooling
+from relay.scheduling.factory import make_scheduler, overlap_policy
 from relay.scheduling.request import Req
-from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import StepLoop
-from relay.text.grammar import make_backend
+from relay.step import BatchInput, BatchOutput
 from relay.text.tokenizer import Tokenizer, eos_ids
 
 logger = logging.getLogger(__name__)
@@ -81,9 +78,6 @@ class SchedulerLoop:
         mc = ModelConfig.from_dir(args.model_dir)
         tokenizer_path = args.engine_config.tokenizer_path or args.model_dir
         eos = eos_ids(mc, Tokenizer(tokenizer_path, without_torch=True))
-        # Loads nothing until the first constrained request: xgrammar imports torch, which this
-        # process otherwise never holds (relay.text.grammar).
-        grammars = make_backend(tokenizer_path, mc.vocab_size, eos)
         info = self._wait_for_runner()
         # The step budget and page size as the runner resolved them for its device.
         cfg = dataclasses.replace(
@@ -91,25 +85,22 @@ class SchedulerLoop:
             chunked_prefill_size=info["chunked_prefill_size"],
             page_size=info["page_size"],
         )
-        self.sched = Scheduler(
+        self.sched = make_scheduler(
             cfg,
+            mc,
+            args.model_dir,
+            eos,
             info["num_pages"],
             info["context_len"],
-            eos,
+            info["kv_window"],
             on_finish=log_request if cfg.log_requests else None,
-            attention_break_even=mc.attention_break_even(),
-            grammars=grammars,
-            long_rope_after=mc.long_rope_after,
-            pooling=Pooling.from_dir(args.model_dir) if cfg.is_embedding else None,
-            kv_window=info["kv_window"],
         )
         self.info = {**info, "eos_token_ids": eos}
         self.early_aborts = Tombstones(
             ABORT_TOMBSTONE_SECONDS, clock=time.time
         )  # sent_at is http's wall clock
         self.last_check = time.monotonic()
-        policy = OverlapPolicy(not cfg.disable_overlap_schedule, cfg.overlap_min_share)
-        self.loop = StepLoop(self.sched, self, policy, self.publish)
+        self.loop = StepLoop(self.sched, self, overlap_policy(cfg), self.publish)
         self.step_started: float | None = None  # when the oldest step out started running
         self.sent = {
             "runner_bytes": 0,
@@ -136,7 +127,7 @@ class SchedulerLoop:
             # A compiling grammar wakes no socket: look again soon while one is.
             poller.poll(
                 timeout=COMPILE_POLL_SECONDS * 1000
-                if self.sched.compiling
+                if self.sched.grammar_waits.compiling
                 else IDLE_CHECK_SECONDS * 1000
             )
 
@@ -231,11 +222,11 @@ class SchedulerLoop:
             }
             return ControlReply(msg.call_id, True, data)
         if msg.kind == "flush_cache":
-            if self.sched.running or self.sched.num_waiting:
+            if self.sched.has_work:
                 return ControlReply(
                     msg.call_id, False, {"error": "requests are running; flush when idle"}
                 )
-            self.sched.cache.reset()
+            self.sched.kv.cache.reset()
             return ControlReply(msg.call_id, True, {})
         return ControlReply(msg.call_id, False, {"error": f"unknown control {msg.kind!r}"})
 

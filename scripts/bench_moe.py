@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from relay.config import EngineConfig, ModelConfig  # noqa: E402
 from relay.execution.model_runner import ModelRunner  # noqa: E402
 from relay.execution.models.moe import SparseMoeBlock  # noqa: E402
-from relay.scheduling.batch import BatchInput  # noqa: E402
+from relay.step import BatchInput  # noqa: E402
 
 PROMPT = 64
 

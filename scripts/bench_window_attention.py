@@ -123,7 +123,7 @@ def model_step(args) -> None:
 
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.model_runner import ModelRunner
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     with tempfile.TemporaryDirectory() as path:
         gemma3_model(path, args.window)

@@ -285,7 +285,7 @@ def decode_runner(model: str, backend: str, max_bs: int, kv_cache_gb: float):
 def cmd_decode_speed(args) -> None:
     from relay.config import ModelConfig
     from relay.sampling_params import SamplingParams
-    from relay.scheduling.batch import SamplingSpec
+    from relay.step import SamplingSpec
     from scripts.runner_steps import Sequences
 
     mc = ModelConfig.from_dir(args.model)
@@ -351,7 +351,7 @@ def cmd_profile(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from relay.sampling_params import SamplingParams
-    from relay.scheduling.batch import SamplingSpec
+    from relay.step import SamplingSpec
     from scripts.runner_steps import Sequences
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)

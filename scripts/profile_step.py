@@ -51,7 +51,7 @@ from relay.config import EngineConfig, ModelConfig  # noqa: E402
 from relay.execution.model_files import resolve_model_dir  # noqa: E402
 from relay.execution.model_runner import ModelRunner  # noqa: E402
 from relay.sampling_params import SamplingParams  # noqa: E402
-from relay.scheduling.batch import BatchInput, SamplingSpec  # noqa: E402
+from relay.step import BatchInput, SamplingSpec  # noqa: E402
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
     ("gemm", ("linear", "mm", "addmm", "matmul", "_weight_int", "relay::gemm")),

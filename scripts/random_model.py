@@ -12,10 +12,11 @@ import torch
 def _default_tokenizer_dir() -> str | None:
     """The default model's converted directory, if it already exists (never converts)."""
     try:
+        from relay.cache_dir import cache_dir
         from relay.execution import model_files
 
         gguf = model_files.default_model_file()
-        out = os.path.join(model_files.cache_dir(), "gguf", model_files._gguf_key(gguf))
+        out = os.path.join(cache_dir(), "gguf", model_files._gguf_key(gguf))
         return out if os.path.exists(os.path.join(out, model_files.CONVERTED_MARKER)) else None
     except Exception:
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 
 class Sequences:

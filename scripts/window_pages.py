@@ -61,8 +61,8 @@ def measure(tokens: int, window: int, page_size: int, prompt_len: int, no_cache:
         held: list[int] = []
 
         def watched(batch):
-            alloc = sched.allocator
-            held.append(alloc.capacity - alloc.num_free - sched.cache.evictable_pages)
+            alloc = sched.kv.allocator
+            held.append(alloc.capacity - alloc.num_free - sched.kv.cache.evictable_pages)
             return forward(batch)
 
         engine.runner.forward = watched

@@ -16,9 +16,9 @@ from relay.scheduling.adaptive_batching import (
     LatencyWindow,
     StepCostModel,
 )
-from relay.scheduling.batch import BatchOutput
 from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
+from relay.step import BatchOutput
 
 BASE, PER_DECODE, PER_PREFILL = (
     0.008,
@@ -106,7 +106,7 @@ class Sim:
         batch = self.s.schedule()
         if batch is None:
             return
-        decoding = {r.rid for r in self.s.running if not r.in_prefill}
+        decoding = {r.rid for r in self.s.table.running if not r.in_prefill}
         rows = {self.s.builder.inflight[batch.step].reqs[i].rid for i in range(len(batch.sids))}
         assert decoding <= rows, "every decoding request gets its token every step"
         prefill = sum(n for n, p in zip(batch.extend_lens, batch.prefix_lens) if n > 1)

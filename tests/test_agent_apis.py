@@ -15,7 +15,7 @@ import pytest
 
 from relay.api.anthropic_output import message_events
 from relay.api.anthropic_request import parse_anthropic
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.output_blocks import CALL, REASONING, TEXT, BlockStream, Closed, Opened, whole_blocks
 from relay.api.responses_output import ResponseEvents
 from relay.api.responses_request import parse_responses

@@ -11,7 +11,7 @@ import pytest
 
 from relay.api.chat import parse_chat
 from relay.api.chat_output import ChatOutput, whole_message
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.reasoning import REASONING_PARSERS, Reasoning
 from relay.api.tool_calls import AUTO, Tool, ToolCalling
 from relay.api.tool_output import assemble

@@ -19,7 +19,7 @@ from ipc.codec import WIRE_TYPES, decode, encode
 from relay.config import EngineConfig
 from relay.outputs import PromptLogprobs, RequestOutput
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import (
+from relay.step import (
     BatchInput,
     BatchOutput,
     EmbedChunk,

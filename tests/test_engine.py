@@ -203,7 +203,7 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
     """With overlap_min_share=0 the engine builds step N+1 before it processes step N (as the
     server does where overlap pays): greedy and seeded outputs, stops, min_new_tokens, penalties
     and logprobs come out as in lockstep, through retraction in a tight pool too."""
-    from relay.scheduling.batch import PENDING_TOKEN
+    from relay.step import PENDING_TOKEN
     from tests.conftest import TINY_VOCAB
 
     prompts = random_prompts(TINY_VOCAB, [3, 9, 17, 30, 44, 57, 64, 12])

@@ -25,7 +25,7 @@ from ipc.sockets import (
     remove_stale_ipc_dirs,
 )
 from procs.http_server import ZmqEngineClient
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.guard import (
     GuardConfig,
     RequestGuard,
@@ -33,6 +33,7 @@ from relay.api.guard import (
     close_idle_connections,
     default_allowed_hosts,
 )
+from relay.api.parsed_request import ParsedRequest
 from relay.health import Heartbeats
 from relay.sampling_params import SamplingParams
 

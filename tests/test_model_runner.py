@@ -8,7 +8,7 @@ import pytest
 from relay.config import EngineConfig, ModelConfig
 from relay.execution.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import PENDING_TOKEN, BatchInput, SamplingSpec
+from relay.step import PENDING_TOKEN, BatchInput, SamplingSpec
 from tests.conftest import TINY_VOCAB
 from tests.kernel_helpers import cpu_kernels_or_skip
 

@@ -34,7 +34,7 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 from tests.conftest import TINY_VOCAB
 from tests.helpers.ranks import run_ranks
 from tests.kernel_helpers import cpu_kernels_or_skip

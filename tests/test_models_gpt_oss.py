@@ -31,7 +31,7 @@ from relay.execution import mxfp4
 from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu, cpu_attention
 from relay.execution.model_runner import ModelRunner
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 VOCAB, PS, NEW = 1024, 4, 16
 YARN = dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False)

@@ -225,7 +225,7 @@ def test_tiny_moe_models_match_transformers(tiny_model_dir, arch):
 
 
 def prompt_batch(prompts: list[list[int]]):
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     tables, first = [], 1
     for p in prompts:

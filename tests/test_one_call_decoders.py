@@ -19,7 +19,7 @@ from relay import Engine
 from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.kernels import cpu_layers, cpu_ops
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 from tests.gguf_files import VOCAB_SIZE, write_gguf
 from tests.kernel_helpers import kernel_level  # noqa: F401 (a fixture)
 from tests.test_engine import random_prompts

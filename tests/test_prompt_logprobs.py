@@ -12,7 +12,7 @@ import torch
 
 from relay import Engine, SamplingParams
 from relay.api.completions import completion_chunk, completion_response, parse_completion
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.generate import generate_response, parse_generate
 from relay.api.prompt_output import PromptView
 from relay.outputs import PromptLogprobs, RequestOutput

@@ -19,16 +19,12 @@ from relay.api.batched_prompts import PromptBatch
 from relay.api.chat import chat_chunk, chat_response, parse_chat, parsed_chat_chunks
 from relay.api.chat_output import ChatOutput
 from relay.api.completions import completion_chunk, completion_response, parse_completion
-from relay.api.fields import (
-    MAX_JSON_DEPTH,
-    ParsedRequest,
-    ProtocolError,
-    decode_json_body,
-    error_body,
-)
+from relay.api.errors import ProtocolError, error_body
 from relay.api.generate import generate_response, parse_abort, parse_generate
 from relay.api.generate_batch import is_batch, parse_batch
+from relay.api.json_body import MAX_JSON_DEPTH, decode_json_body
 from relay.api.openai_common import usage_chunk
+from relay.api.parsed_request import ParsedRequest
 from relay.api.serving import SSE_DONE, ApiRequest, Usage, sse
 from relay.api.tool_output import CallStart, OutputStream, assemble, parse_output
 from relay.outputs import RequestOutput

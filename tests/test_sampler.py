@@ -1,4 +1,4 @@
-"""Unit tests for relay.execution.sampler (Sampler, seeded_uniform) and relay.scheduling.batch.SamplingSpec.
+"""Unit tests for relay.execution.sampler (Sampler, seeded_uniform) and relay.step.SamplingSpec.
 
 Everything runs on CPU on tiny vocabularies. Statistical checks draw from fixed seeds, so
 they are deterministic: the bounds are loose enough to hold for any reasonable sampler and
@@ -14,7 +14,7 @@ import torch
 
 from relay.execution.sampler import Sampler, SampleResult, seeded_uniform
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import SamplingSpec
+from relay.step import SamplingSpec
 
 V = 8
 # Distinct values (no ties), both signs, so penalties on positive and negative logits show.

@@ -32,10 +32,10 @@ from relay.config import EngineConfig
 from relay.memory.kv_allocator import FREED_PAGE, pages_behind_window
 from relay.outputs import FinishReason, RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
 from relay.scheduling.request import Req, Status
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.scheduler_stats import step_log_line
+from relay.step import PENDING_TOKEN, BatchInput, BatchOutput
 
 VOCAB = 64
 EOS = 63
@@ -143,8 +143,8 @@ class Harness:
             return None
         if batch is not None:
             self.steps += 1
-            by_sid = {r.sid: r for r in self.s.running}
-            assert len(by_sid) == len(self.s.running), "two running requests share a sid"
+            by_sid = {r.sid: r for r in self.s.table.running}
+            assert len(by_sid) == len(self.s.table.running), "two running requests share a sid"
             assert len(set(batch.sids)) == len(batch.sids), "a request is twice in one batch"
             reqs = [by_sid[sid] for sid in batch.sids]
             self._validate(batch, reqs)
@@ -166,7 +166,7 @@ class Harness:
     def _validate(self, batch: BatchInput, reqs: list[Req]) -> None:
         assert 0 < batch.num_tokens <= self.budget, "step over the token budget"
         assert len(reqs) <= self.cfg.max_running_requests
-        assert len(self.s.running) <= self.cfg.max_running_requests
+        assert len(self.s.table.running) <= self.cfg.max_running_requests
         assert sum(batch.extend_lens) == batch.num_tokens
         assert len(set(batch.released_sids)) == len(batch.released_sids)
         # The runner drops released sids before it installs the new specs and page tables.
@@ -182,7 +182,7 @@ class Harness:
                 by_sid[spec.sid].num_retractions and spec.output_ids == by_sid[spec.sid].output_ids
             ), "a spec for a sid that is still live"
             self.specs[spec.sid] = spec
-        tree_pages = set(self.s.cache.check())
+        tree_pages = set(self.s.kv.cache.check())
         pos = 0
         for i, req in enumerate(reqs):
             p, n = batch.prefix_lens[i], batch.extend_lens[i]
@@ -255,12 +255,17 @@ class Harness:
 
     def assert_idle(self) -> None:
         s = self.s
-        assert not s.has_work and not s.running and s.num_waiting == 0 and not s.reqs
+        assert (
+            not s.has_work
+            and not s.table.running
+            and len(s.table.waiting) == 0
+            and not s.table.reqs
+        )
         s.check()
         st_ = s.stats()
         assert st_.kv_locked_tokens == 0
         assert st_.kv_free_tokens + st_.kv_cached_tokens == st_.kv_total_tokens
-        assert s.cache.locked_pages == 0
+        assert s.kv.cache.locked_pages == 0
 
     # ---- expectations ---------------------------------------------------------------
     def outputs(self, rid: str) -> list[int]:
@@ -288,13 +293,13 @@ class Harness:
             assert ev.finish_reason == FinishReason.LENGTH
             assert ev.matched_stop is None
             # The next step would need KV for all seq_len tokens: past the pool it cannot run.
-            seq_len, pool = len(req.prompt_ids) + len(out), self.s.allocator.capacity * self.ps
+            seq_len, pool = len(req.prompt_ids) + len(out), self.s.kv.allocator.capacity * self.ps
             assert (
                 len(out) == p.max_new_tokens or seq_len == self.s.context_len or seq_len == pool + 1
             ), "stopped early for no reason"
         # Never past a limit, and not stopped one token late.
         assert len(out) <= p.max_new_tokens and len(req.prompt_ids) + len(out) <= self.s.context_len
-        assert len(req.prompt_ids) + len(out) <= self.s.allocator.capacity * self.ps + 1
+        assert len(req.prompt_ids) + len(out) <= self.s.kv.allocator.capacity * self.ps + 1
 
 
 def fake_logprob(token: int) -> float:
@@ -426,7 +431,7 @@ def test_runner_error_aborts_the_batch():
     assert {e.rid for e in events} == {"a", "b"}
     assert all(e.finish_reason == FinishReason.ABORT and e.error == "boom" for e in events)
     h.s.check()
-    assert [r.rid for r in h.s.reqs.values()] == ["waiting"]  # not in the batch: unharmed
+    assert [r.rid for r in h.s.table.reqs.values()] == ["waiting"]  # not in the batch: unharmed
     h.run()
 
 
@@ -508,7 +513,7 @@ def test_decodes_are_in_every_step_and_share_the_budget_with_prefill():
     h.add("long", prompt(90, 9), max_new_tokens=2, ignore_eos=True)
     saw_prefill = 0
     while h.s.has_work:
-        decoding = {r.rid for r in h.s.running if not r.in_prefill}
+        decoding = {r.rid for r in h.s.table.running if not r.in_prefill}
         batch = h.step()
         reqs = h.batches[-1][1]
         in_batch = {r.rid for r in reqs}
@@ -705,7 +710,7 @@ def test_max_running_requests_is_respected():
     while h.s.has_work:
         h.step()
         peak = max(peak, len(h.batches[-1][1]))
-        assert len(h.s.running) <= 3
+        assert len(h.s.table.running) <= 3
     assert peak == 3
     for rid in h.reqs:
         h.assert_finished_correctly(rid)
@@ -772,7 +777,7 @@ def test_high_priority_arrival_retracts_a_lower_priority_request():
     h.add("low", prompt(30, 1), priority=0, max_new_tokens=12, ignore_eos=True)
     h.step()
     h.step()
-    assert [r.rid for r in h.s.running] == ["low"]
+    assert [r.rid for r in h.s.table.running] == ["low"]
     h.add("high", prompt(30, 2), priority=5, max_new_tokens=4, ignore_eos=True)
     h.step()
     assert [r.rid for r in h.batches[-1][1]] == ["high"]
@@ -836,7 +841,7 @@ def test_high_priority_arrival_with_a_cached_prefix_and_a_long_prompt_preempts()
     warm = prompt(16, 3)
     h.add("warm", warm, max_new_tokens=1, ignore_eos=True)
     h.run()
-    assert h.s.cache.evictable_pages == 4  # warm's prompt stays cached
+    assert h.s.kv.cache.evictable_pages == 4  # warm's prompt stays cached
     h.add("low", prompt(23, 1), priority=0, max_new_tokens=30, ignore_eos=True)  # 6 pages
     for _ in range(5):
         h.step()
@@ -855,7 +860,7 @@ def test_high_priority_arrival_takes_a_slot_at_max_running():
     h.step()
     h.add("h", prompt(5, 3), priority=1, max_new_tokens=3, ignore_eos=True)
     h.step()
-    assert {r.rid for r in h.s.running} == {"l1", "h"}  # the newest low one made room
+    assert {r.rid for r in h.s.table.running} == {"l1", "h"}  # the newest low one made room
     assert h.reqs["l2"].num_retractions == 1
     h.run()
     for rid in h.reqs:
@@ -915,7 +920,7 @@ def record_retractions(s: Scheduler) -> list[tuple[str, str, list[int], int]]:
     def spy(victim: Req) -> None:
         retract(victim)
         s.check()
-        log.append((victim.rid, victim.status, list(victim.pages), s.cache.evictable_pages))
+        log.append((victim.rid, victim.status, list(victim.pages), s.kv.cache.evictable_pages))
 
     s.table.retract = spy
     return log
@@ -1247,7 +1252,7 @@ class HarnessRunner:
         self.h, self.outs = h, deque()
 
     def submit(self, batch: BatchInput) -> None:
-        by_sid = {r.sid: r for r in self.h.s.running}
+        by_sid = {r.sid: r for r in self.h.s.table.running}
         reqs = [by_sid[sid] for sid in batch.sids]
         self.h._validate(batch, reqs)
         self.h.batches.append((batch, reqs))
@@ -1327,7 +1332,7 @@ def test_overlap_abort_and_retraction_while_two_steps_are_out():
     h = Harness(depth=2, eos=(), page_size=4, num_pages=12, budget=32)  # 44 KV tokens
     h.add("a", prompt(10, 1), max_new_tokens=30)
     h.add("b", prompt(10, 2), max_new_tokens=30)
-    while h.s.allocator.num_free > 1:
+    while h.s.kv.allocator.num_free > 1:
         h.step()
     assert len(h.inflight) == 1 and h.reqs["b"].inflight_steps == 1
     h.add("hi", prompt(10, 3), max_new_tokens=8, priority=5)  # retracts b, whose step is out

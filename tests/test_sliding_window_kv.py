@@ -17,7 +17,7 @@ from relay.execution.batch_checks import BatchChecker
 from relay.execution.kernels.cpu_attention import DecodePlan
 from relay.memory.kv_allocator import FREED_PAGE
 from relay.outputs import FinishReason
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 from tests.conftest import TINY_VOCAB
 from tests.test_engine import random_prompts, reference
 from tests.test_models_gemma import COMMON, tiny_model_maker
@@ -28,7 +28,9 @@ WINDOW, PS = 16, 4
 
 def held_pages(sched) -> int:
     """Pages the running requests hold: neither free nor evictable in the prefix cache."""
-    return sched.allocator.capacity - sched.allocator.num_free - sched.cache.evictable_pages
+    return (
+        sched.kv.allocator.capacity - sched.kv.allocator.num_free - sched.kv.cache.evictable_pages
+    )
 
 
 def run_watching(h: Harness) -> list[int]:
@@ -85,7 +87,7 @@ def test_finish_caches_only_the_leading_run_of_held_pages(depth):
     h.add("long", long_prompt, max_new_tokens=30, ignore_eos=True)
     h.add("short", short_prompt, max_new_tokens=5, ignore_eos=True)
     run_watching(h)
-    assert h.s.cache.cached_pages == WINDOW // PS + (6 + 5 - 1) // PS
+    assert h.s.kv.cache.cached_pages == WINDOW // PS + (6 + 5 - 1) // PS
     long_seq = long_prompt + h.outputs("long")
     h.add("again", long_seq[:50], max_new_tokens=4, ignore_eos=True)
     h.add("short again", short_prompt + h.outputs("short")[:4], max_new_tokens=4, ignore_eos=True)
@@ -103,12 +105,12 @@ def test_a_request_sharing_a_cached_prefix_keeps_it_cached_and_drops_its_own_pag
     base = prompt(12, 5)
     h.add("first", base, max_new_tokens=2, ignore_eos=True)
     run_watching(h)
-    cached = h.s.cache.cached_pages
+    cached = h.s.kv.cache.cached_pages
     h.add("second", base + prompt(4, 6), max_new_tokens=60, ignore_eos=True)
     held = run_watching(h)
     assert h.final["second"].cached_tokens == 12
     assert max(held[-20:]) <= WINDOW // PS + 1
-    assert h.s.cache.cached_pages >= cached  # the shared prefix is still there
+    assert h.s.kv.cache.cached_pages >= cached  # the shared prefix is still there
     h.add("third", base + [7], max_new_tokens=2, ignore_eos=True)
     run_watching(h)
     assert h.final["third"].cached_tokens == 12
@@ -123,7 +125,7 @@ def test_abort_mid_generation_returns_every_page(depth):
     h.add("b", prompt(9, 8), max_new_tokens=300, ignore_eos=True)
     for _ in range(80):
         h.step()
-    assert all(r.dropped_pages > 0 for r in h.s.running), "both ran past their windows"
+    assert all(r.dropped_pages > 0 for r in h.s.table.running), "both ran past their windows"
     h.step(abort_mid_step=["a"])
     h.abort("b")
     h.run()  # the steps still out come back; then every page is free or cached (assert_idle)

@@ -15,10 +15,10 @@ from scipy.stats import chi2_contingency, chisquare
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig
 from relay.execution.sampler import Sampler
-from relay.scheduling.batch import BatchOutput, SamplingSpec
 from relay.scheduling.request import Req
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.speculative import NgramIndex
+from relay.step import BatchOutput, SamplingSpec
 
 
 # ---- n-gram proposals -------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_scheduler_appends_accepted_tokens_and_frees_rejected_proposals_pages():
     run_step(sched, lambda i, p: [4])  # the prompt
     batch, records = run_step(sched, lambda i, p: p[:1] + [42])  # keep one proposal, then 42
     assert batch.spec_lens == [4] and batch.proposed_ids == [5, 6, 7, 1]
-    req = sched.reqs["a"]
+    req = sched.table.reqs["a"]
     assert records[0].token_ids == [5, 42] and req.output_ids == [4, 5, 42]
     assert req.kv_len == req.seq_len - 1
     assert len(req.pages) == -(-req.kv_len // 4), (
@@ -191,7 +191,7 @@ def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
     _, records = run_step(sched, lambda i, p: [p[0], 99, 7])  # 99 is EOS
     assert records[0].token_ids == [1, 99] and records[0].finish_reason == "stop"
     assert records[0].completion_tokens == 3
-    assert not sched.running and sched.stats().kv_locked_tokens == 0
+    assert not sched.table.running and sched.stats().kv_locked_tokens == 0
     sched.check()
 
 
@@ -312,7 +312,7 @@ def test_no_kv_leaks_after_many_requests_with_aborts_and_stops(tiny_model_dir):
     while sched.has_work:
         batch = sched.schedule()
         sched.process_output(batch, engine.runner.forward(batch))
-        for rid in list(sched.reqs):
+        for rid in list(sched.table.reqs):
             if rng.random() < 0.01:
                 sched.abort(rid)
     assert sched.stats().spec["spec_verify_rows"] > 0

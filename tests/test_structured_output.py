@@ -17,12 +17,13 @@ import torch
 from relay import Engine, SamplingParams
 from relay.api.chat import parse_chat
 from relay.api.completions import parse_completion
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
 from relay.api.generate import parse_generate
 from relay.config import EngineConfig, ModelConfig
+from relay.execution.step_sampling import apply_token_masks
 from relay.sampling_params import InvalidParam, json_depth, widest_object
 from relay.scheduling.request import Req
-from relay.text.grammar import COMPILE_WORKERS, apply_token_masks, make_backend
+from relay.text.grammar import COMPILE_WORKERS, make_backend
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -268,7 +269,7 @@ def test_abort_while_compiling_or_running_frees_the_matcher(engine):
     )
     sched.add_request(Req("gone", [1, 2, 3], SamplingParams(max_new_tokens=8, json_schema=gone)))
     assert sched.abort("gone").finish_reason == "abort"
-    sched.wait_for_constraints()
+    sched.grammar_waits.wait()
     sched.poll_constraints()
     batch = sched.schedule()
     assert batch.token_masks  # the ready one runs with a mask
@@ -311,7 +312,7 @@ def _run(engine, done) -> list:
         if batch is not None:
             records += sched.process_output(batch, engine.runner.forward(batch))
         else:
-            sched.wait_for_constraints()
+            sched.grammar_waits.wait()
     return records
 
 
@@ -330,9 +331,9 @@ def test_plain_requests_run_while_grammars_compile(engine, held_compiles):
             )
         )
     sched.add_request(Req("plain", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0)))
-    records = _run(engine, lambda: "plain" not in sched.reqs)
+    records = _run(engine, lambda: "plain" not in sched.table.reqs)
     assert [r.finish_reason for r in records if r.rid == "plain"][-1] == "length"
-    assert all(sched.reqs[rid].grammar_compiling for rid in held)
+    assert all(sched.table.reqs[rid].grammar_compiling for rid in held)
     held_compiles.set()
     records = _run(engine, lambda: not sched.has_work)
     assert {r.rid for r in records if r.finished and r.error is None} == set(held)

@@ -80,7 +80,7 @@ def test_ranks_without_shared_memory_fall_back_to_gloo_together(tmp_path):
 def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.model_runner import ModelRunner
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
     from tests.test_weight_blocks import step_each_way
 
     runner = ModelRunner(

@@ -185,7 +185,7 @@ def test_decode_steps_in_one_c_call_equal_the_layer_by_layer_path(default_model_
     bfloat16 KV cache."""
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     runner = ModelRunner(
         EngineConfig(dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_gb=0.05),
@@ -223,7 +223,7 @@ def test_a_decode_step_in_one_c_call_applies_each_layers_window_and_the_cap(defa
     windows and cap, and differ from the same step attending the whole context."""
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     mc = ModelConfig.from_dir(default_model_dir)
     mc.layer_windows = [40 if i % 2 == 0 else None for i in range(mc.num_layers)]
@@ -256,7 +256,7 @@ def test_a_bfloat16_decode_step_in_one_c_call_reads_the_layers_panels(default_mo
     if not cpu_gemm.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
     from relay.config import EngineConfig, ModelConfig
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     runner = ModelRunner(
         # (float activations: the float GEMMs win past the blocks' few rows, so the weights
@@ -299,7 +299,7 @@ def test_steps_with_prompt_chunks_in_one_c_call_equal_the_layer_by_layer_path(
     if not cpu_gemm.panels_preferred():
         pytest.skip("bfloat16 GEMMs run on oneDNN here")
     from relay.config import EngineConfig, ModelConfig
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     runner = ModelRunner(
         # (float activations: the float GEMMs win past the blocks' few rows, so the weights
@@ -509,7 +509,7 @@ def test_a_bfloat16_model_decodes_on_the_checkpoints_exact_blocks(default_model_
     block activations x's rounding outweighs that: the blocks' bfloat16 activations are held.)"""
     blocks_or_skip()
     from relay.config import EngineConfig, ModelConfig
-    from relay.scheduling.batch import BatchInput
+    from relay.step import BatchInput
 
     runners = [
         ModelRunner(

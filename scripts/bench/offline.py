@@ -50,7 +50,7 @@ def bench_relay(args, prompts, out_lens) -> dict:
     engine = Engine(args.model_path, **kw)
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in out_lens]
     engine.generate(prompts[:2], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)  # warm-up
-    engine.scheduler.cache.reset()
+    engine.scheduler.kv.cache.reset()
     _sync(args)
     t = time.perf_counter()
     outs = engine.generate(prompts, params)

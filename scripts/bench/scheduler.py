@@ -63,9 +63,9 @@ def offline(concurrency: int, steps: int = 400, warmup: int = 100) -> dict:
     from ipc.messages import OutputBatch
     from relay.config import EngineConfig
     from relay.sampling_params import SamplingParams
-    from relay.scheduling.batch import BatchOutput
     from relay.scheduling.request import Req
     from relay.scheduling.scheduler import Scheduler
+    from relay.step import BatchOutput
 
     s = Scheduler(
         EngineConfig(page_size=16, chunked_prefill_size=256, max_running_requests=256),

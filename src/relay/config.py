@@ -89,7 +89,7 @@ class EngineConfig:
     # before it queues: compile time grows about as the cube of the depth, which the byte limit
     # does not bound (2-core box, xgrammar 0.2.9: nested objects 129 levels 0.04 s, 257 0.2 s,
     # 513 1.4 s, 1601 (43 KB) 54 s; nested arrays 129 levels 0.12 s, 257 0.62 s). 128 admits
-    # every schema a request body may carry as an object (api.fields.MAX_JSON_DEPTH is 64, and
+    # every schema a request body may carry as an object (api.json_body.MAX_JSON_DEPTH is 64, and
     # a forced tool call's wrapping adds at most 5), so it bites on schemas sent as JSON text.
     # Regexes and EBNF grammars are not limited: 990 nested parentheses compile in under 0.04 s,
     # and xgrammar's parser refuses about 1000 and more at once.
@@ -312,7 +312,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     rope_scaling: dict[str, Any] | None = (
-        None  # relay.execution.rope.rope_settings's: None is the default rope
+        None  # relay.rope.rope_settings's: None is the default rope
     )
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -412,7 +412,7 @@ class ModelConfig:
     @property
     def long_rope_after(self) -> int | None:
         """LongRoPE's original_max_position_embeddings: sequences longer than this rotate with the
-        long factors (relay.execution.rope); None for every other rope."""
+        long factors (relay.rope); None for every other rope."""
         s = self.rope_scaling or {}
         return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
 

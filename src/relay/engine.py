@@ -20,13 +20,10 @@ from relay.execution.model_files import resolve_model_dir
 from relay.execution.model_runner import ModelRunner
 from relay.outputs import RequestOutput
 from relay.sampling_params import InvalidParam, SamplingParams
-from relay.scheduling.overlap import OverlapPolicy
-from relay.scheduling.pooling import Pooling
+from relay.scheduling.factory import make_scheduler, overlap_policy
 from relay.scheduling.request import Req
-from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.step_loop import InProcessRunner, StepLoop
 from relay.text.detokenizer import Detokenizer, DetokenizeSpec
-from relay.text.grammar import make_backend
 from relay.text.tokenizer import PromptPreparer, Tokenizer, eos_ids
 
 Prompt = Union[str, Sequence[int]]  # noqa: UP007 (a runtime alias: `|` on typing.Sequence needs 3.10 generics)
@@ -51,17 +48,14 @@ class Engine:
         self.runner = ModelRunner(self.config, model_dir, mc)
         self.prompts = PromptPreparer(self.tokenizer, self.runner.context_len, mc.vocab_size)
         eos = eos_ids(mc, self.tokenizer)
-        grammars = make_backend(self.config.tokenizer_path or model_dir, mc.vocab_size, eos)
-        self.scheduler = Scheduler(
+        self.scheduler = make_scheduler(
             self.runner.cfg,
+            mc,
+            model_dir,
+            eos,
             self.runner.num_pages,
             self.runner.context_len,
-            eos,
-            attention_break_even=mc.attention_break_even(),
-            grammars=grammars,
-            long_rope_after=mc.long_rope_after,
-            pooling=Pooling.from_dir(model_dir) if self.config.is_embedding else None,
-            kv_window=self.runner.kv_window,
+            self.runner.kv_window,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
@@ -97,24 +91,19 @@ class Engine:
         loop = StepLoop(
             self.scheduler,
             InProcessRunner(self.runner),
-            self._overlap_policy(),
+            # Here the runner runs in this thread, so the policy keeps lockstep unless
+            # overlap_min_share is 0 (which tests use to run that path).
+            overlap_policy(self.config),
             lambda records: self._publish(records, results),
         )
         while loop.busy:
             if not loop.step():
-                if self.scheduler.compiling:
-                    self.scheduler.wait_for_constraints()
+                if self.scheduler.grammar_waits.compiling:
+                    self.scheduler.grammar_waits.wait()
                 elif not loop.outputs:
                     raise RuntimeError("scheduler has work but scheduled nothing")
             loop.flush()
         return list(results.values())
-
-    def _overlap_policy(self) -> OverlapPolicy:
-        """The server's (relay.scheduling.overlap). Here the runner runs in this thread, so the
-        policy keeps lockstep unless overlap_min_share is 0 (which tests use to run that path)."""
-        return OverlapPolicy(
-            not self.config.disable_overlap_schedule, self.config.overlap_min_share
-        )
 
     def _publish(self, records: list[RequestOutput], results: dict[str, RequestOutput]) -> None:
         """Detokenize the records into the merged results; stop the requests a stop string ended."""

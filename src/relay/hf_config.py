@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.execution.rope import rope_settings
 from relay.hf_deepseek import DEEPSEEK, deepseek_fields
+from relay.rope import rope_settings
 
 
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.execution.rope import RopeSettings, yarn_mscale
+from relay.rope import RopeSettings, yarn_mscale
 
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 

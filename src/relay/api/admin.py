@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relay.api.docs import ERROR_RESPONSES, METRICS_RESPONSE
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError
+from relay.api.parsed_request import ParsedRequest
 from relay.api.serving import EngineClient, collect, error_response
 from relay.sampling_params import SamplingParams
 

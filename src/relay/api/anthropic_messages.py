@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from relay.api import fields as F
 from relay.api.anthropic_output import error_response, message, message_events
 from relay.api.anthropic_request import parse_anthropic
 from relay.api.docs import ANTHROPIC_ERROR_RESPONSES, request_body
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError
+from relay.api.json_body import decode_json_body
 from relay.api.output_blocks import whole_blocks
+from relay.api.parsed_request import ParsedRequest
 from relay.api.serving import EngineClient, Usage, refuse_if_embedding, streamed, whole
 from relay.text.tokenize_query import TokenizeQuery
 
@@ -53,7 +54,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
 async def _parse(request: Request, client: EngineClient, counting: bool = False) -> ParsedRequest:
     refuse_if_embedding(client)
     return parse_anthropic(
-        F.decode_json_body(await request.body()),
+        decode_json_body(await request.body()),
         client.served_model,
         counting=counting,
         vocab_size=client.vocab_size,

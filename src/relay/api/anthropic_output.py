@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from relay.api.fields import ParsedRequest, ProtocolError, anthropic_error_body
+from relay.api.errors import ProtocolError, anthropic_error_body
 from relay.api.output_blocks import (
     REASONING,
     TEXT,
@@ -29,6 +29,7 @@ from relay.api.output_blocks import (
     Closed,
     Grew,
 )
+from relay.api.parsed_request import ParsedRequest
 from relay.api.serving import Choice, Usage
 from relay.outputs import RequestOutput
 

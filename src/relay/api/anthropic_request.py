@@ -27,11 +27,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from relay.api import fields as F
 from relay.api.chat import parse_chat
-from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.errors import ProtocolError, bad, show
+from relay.api.json_body import require_object
 from relay.api.openai_common import SAMPLING_KEYS
+from relay.api.parsed_request import ParsedRequest
 from relay.api.renamed_fields import renamed, renamed_params, renames
+from relay.api.typed_fields import as_bool, as_dict, opt, ranged
 from relay.sampling_params import Range
 
 _RENAMES = renames(
@@ -48,7 +50,7 @@ _RENAMES = renames(
         (r"messages.*", "messages"),
     ]
 )
-_TEMPERATURE = F.ranged("temperature", Range(0, 1))  # Anthropic's range
+_TEMPERATURE = ranged("temperature", Range(0, 1))  # Anthropic's range
 # Passed to the chat parser as they are: Anthropic's sampling fields, and the vendor extras
 # (min_p, seed, ignore_eos, ...) a client sends in extra_body, as on chat completions.
 # `stop` is Anthropic's stop_sequences.
@@ -73,14 +75,14 @@ def parse_anthropic(
     tool_call_parser: str = "hermes",
 ) -> ParsedRequest:
     """counting: /v1/messages/count_tokens, which takes no max_tokens."""
-    body = F.require_object(body)
+    body = require_object(body)
     for key in ("container", "mcp_servers"):
         if body.get(key):
             raise bad(key, f"'{key}' is not supported by this server")
     if not counting and body.get("max_tokens") is None:
         raise bad("max_tokens", "'max_tokens' is required")
-    F.opt(body, "temperature", None, _TEMPERATURE)
-    F.opt(body, "metadata", None, F.as_dict)
+    opt(body, "temperature", None, _TEMPERATURE)
+    opt(body, "metadata", None, as_dict)
     chat = {k: body[k] for k in _PASSED if k in body}
     chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     chat["max_tokens"] = None if counting else body.get("max_tokens")
@@ -89,7 +91,7 @@ def parse_anthropic(
     chat.update(_tool_choice(body.get("tool_choice")))
     chat["response_format"] = _output_format(body.get("output_config"))
     if _thinking_disabled(body.get("thinking")):
-        kwargs = F.opt(body, "chat_template_kwargs", {}, F.as_dict)
+        kwargs = opt(body, "chat_template_kwargs", {}, as_dict)
         chat["chat_template_kwargs"] = {**kwargs, "enable_thinking": False}
     try:
         parsed = parse_chat(
@@ -122,7 +124,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         path = f"messages.{i}"
-        message = F.as_dict(message, path)
+        message = as_dict(message, path)
         role = message.get("role")
         if role not in ("user", "assistant"):
             raise bad(f"{path}.role", f"'{path}.role' must be user or assistant, got {show(role)}")
@@ -144,7 +146,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 def _blocks(content: list[Any], path: str, allowed: tuple[str, ...]):
     """(block, its path) for each block, its type one of allowed."""
     for j, block in enumerate(content):
-        block = F.as_dict(block, f"{path}.{j}")
+        block = as_dict(block, f"{path}.{j}")
         if block.get("type") not in allowed:
             raise bad(
                 f"{path}.{j}.type",
@@ -164,7 +166,7 @@ def _user_turn(content: list[Any], path: str) -> list[dict[str, Any]]:
         call_id = _string(block, "tool_use_id", where, empty_ok=False)
         result = block.get("content", "")
         text = result if isinstance(result, str) else _texts(result, f"{where}.content")
-        if F.opt(block, "is_error", False, lambda v, _: F.as_bool(v, f"{where}.is_error")):
+        if opt(block, "is_error", False, lambda v, _: as_bool(v, f"{where}.is_error")):
             text = "Error: " + text
         results.append({"role": "tool", "tool_call_id": call_id, "content": text})
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
@@ -177,7 +179,7 @@ def _assistant_turn(content: list[Any], path: str) -> dict[str, Any]:
         if block["type"] == "text":
             texts.append(_string(block, "text", where))
         elif block["type"] == "tool_use":
-            arguments = F.as_dict(block.get("input"), f"{where}.input")
+            arguments = as_dict(block.get("input"), f"{where}.input")
             call_id = _string(block, "id", where, empty_ok=False)
             name = _string(block, "name", where, empty_ok=False)
             function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
@@ -209,7 +211,7 @@ def _chat_tools(value: Any) -> Any:
         return value  # the chat parser refuses what is not a list
     tools = []
     for i, tool in enumerate(value):
-        tool = F.as_dict(tool, f"tools.{i}")
+        tool = as_dict(tool, f"tools.{i}")
         if tool.get("type") not in (None, "custom"):
             raise bad(
                 f"tools.{i}.type",
@@ -229,7 +231,7 @@ def _tool_choice(value: Any) -> dict[str, Any]:
     """tool_choice and parallel_tool_calls for the chat body."""
     if value is None:
         return {}
-    choice = F.as_dict(value, "tool_choice")
+    choice = as_dict(value, "tool_choice")
     kind = choice.get("type")
     out: dict[str, Any] = {}
     if kind in ("auto", "none"):
@@ -243,11 +245,11 @@ def _tool_choice(value: Any) -> dict[str, Any]:
             "tool_choice.type",
             f"'tool_choice.type' must be auto, any, tool or none, got {show(kind)}",
         )
-    disable = F.opt(
+    disable = opt(
         choice,
         "disable_parallel_tool_use",
         False,
-        lambda v, _: F.as_bool(v, "tool_choice.disable_parallel_tool_use"),
+        lambda v, _: as_bool(v, "tool_choice.disable_parallel_tool_use"),
     )
     if disable:
         out["parallel_tool_calls"] = False
@@ -259,10 +261,10 @@ def _output_format(value: Any) -> dict[str, Any] | None:
     same grammar path); output_config.effort has no effect here."""
     if value is None:
         return None
-    fmt = F.as_dict(value, "output_config").get("format")
+    fmt = as_dict(value, "output_config").get("format")
     if fmt is None:
         return None
-    fmt = F.as_dict(fmt, "output_config.format")
+    fmt = as_dict(fmt, "output_config.format")
     if fmt.get("type") != "json_schema":
         raise bad(
             "output_config.format.type",
@@ -279,7 +281,7 @@ _THINKING = ("enabled", "disabled", "adaptive", "between_tools")
 def _thinking_disabled(value: Any) -> bool:
     if value is None:
         return False
-    kind = F.as_dict(value, "thinking").get("type")
+    kind = as_dict(value, "thinking").get("type")
     if kind not in _THINKING:
         raise bad(
             "thinking.type",

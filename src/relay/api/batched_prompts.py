@@ -24,9 +24,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from relay.api import completions, openai_common
-from relay.api import fields as F
-from relay.api.completions import Prompt
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError, error_body
+from relay.api.parsed_request import ParsedRequest, Prompt
 from relay.api.prompt_output import PromptView
 from relay.api.request_id import submitted
 from relay.api.serving import (
@@ -210,7 +209,7 @@ async def _events(
     last: list[RequestOutput | None] = [None] * total
     async for index, r in outs:
         if r.error is not None:
-            yield sse(F.error_body(r.status, r.error, r.param))
+            yield sse(error_body(r.status, r.error, r.param))
             return
         view = views[index // parsed.n] if last[index] is None else None  # the prompt first
         chunk = completions.completion_chunk(rid, created, model, index, r, offsets[index], view)

@@ -8,11 +8,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from relay.api import fields as F
+from relay.api import sampling_fields
 from relay.api import tool_calls as T
 from relay.api.chat_messages import chat_template_kwargs, parse_messages
 from relay.api.chat_output import ChatOutput, piece_delta, whole_message
-from relay.api.fields import ParsedRequest, bad
+from relay.api.errors import bad
+from relay.api.json_body import require_object
 from relay.api.openai_common import (
     OPENAI_RULES,
     SAMPLING_KEYS,
@@ -21,20 +22,23 @@ from relay.api.openai_common import (
     reject_unsupported,
     top_alternatives,
 )
+from relay.api.parsed_request import MAX_N, ParsedRequest
 from relay.api.prompt_output import logprob
 from relay.api.reasoning import REASONING_PARSERS
+from relay.api.sampling_fields import sampling_kwargs, validated
 from relay.api.serving import Usage
 from relay.api.tool_parsers import HARMONY, NEEDS_SPECIAL_TOKENS
+from relay.api.typed_fields import as_bool, as_int, opt, ranged
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, Range, SamplingParams
 
 # A chat answer has at least one token; a completion may have none (echo's prompt logprobs).
-_CHAT_MAX_TOKENS = F.ranged("max_new_tokens", Range(1, MAX_NEW_TOKENS, integer=True))
+_CHAT_MAX_TOKENS = ranged("max_new_tokens", Range(1, MAX_NEW_TOKENS, integer=True))
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
-    want = F.opt(body, "logprobs", False, F.as_bool)
-    top = F.opt(body, "top_logprobs", 0, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    want = opt(body, "logprobs", False, as_bool)
+    top = opt(body, "top_logprobs", 0, lambda v, p: as_int(v, p, 0, MAX_TOP_LOGPROBS))
     if top and not want:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
     return {"logprobs": want, "top_logprobs": top} if want else {}
@@ -57,7 +61,7 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 def parse_chat(
     body: Any,
     served_model: str,
-    max_n: int = F.MAX_N,
+    max_n: int = MAX_N,
     vocab_size: int | None = None,
     max_constraint_bytes: int | None = None,
     max_constraint_depth: int | None = None,
@@ -68,14 +72,14 @@ def parse_chat(
     """POST /v1/chat/completions. Without max_tokens the answer may fill the context.
     reasoning_parser and tool_call_parser: the server's --reasoning-parser and
     --tool-call-parser (relay.api.reasoning, relay.api.tool_parsers)."""
-    body = F.require_object(body)
+    body = require_object(body)
     common = common_fields(body, served_model, max_n)
     reject_unsupported(body, _CHAT_UNSUPPORTED)
     messages = parse_messages(body.get("messages"))
     budget_key, max_tokens = max_tokens_field(
         body, ("max_completion_tokens", "max_tokens"), _CHAT_MAX_TOKENS
     )
-    kwargs = F.sampling_kwargs(body, SAMPLING_KEYS, OPENAI_RULES)
+    kwargs = sampling_kwargs(body, SAMPLING_KEYS, OPENAI_RULES)
     kwargs["max_new_tokens"] = max_tokens
     kwargs.update(_chat_logprobs(body))
     chat_kwargs = chat_template_kwargs(body)
@@ -87,7 +91,9 @@ def parse_chat(
         # gpt-oss's channels carry the reasoning: the harmony parser splits it off, tools or not.
         reasoning_parser = HARMONY
     tools = T.parse_tool_calling(body, tool_call_parser)
-    grammar, param_names = _tool_constraint(tools, *F.constraint(body, response_format=True))
+    grammar, param_names = _tool_constraint(
+        tools, *sampling_fields.constraint(body, response_format=True)
+    )
     if grammar and reasoning_parser in REASONING_PARSERS:
         # The constraint rules the answer after the reasoning, which runs free up to its close tag.
         grammar["reasoning_open"], grammar["reasoning_close"] = REASONING_PARSERS[
@@ -104,7 +110,7 @@ def parse_chat(
         "min_new_tokens": "min_tokens",
         "top_logprobs": "top_logprobs",
     }
-    params = F.validated(
+    params = validated(
         SamplingParams(**kwargs, **grammar),
         names | param_names,
         vocab_size,

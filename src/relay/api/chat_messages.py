@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.api import fields as F
 from relay.api import tool_calls as T
-from relay.api.fields import bad, show
+from relay.api.errors import bad, show
+from relay.api.typed_fields import as_bool, as_dict, opt
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Keys of HF apply_chat_template that would collide with the tokenizer's own call or let a
@@ -86,13 +86,11 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    extra = F.opt(body, "chat_template_kwargs", {}, F.as_dict)
+    extra = opt(body, "chat_template_kwargs", {}, as_dict)
     for key in extra:
         if key in _RESERVED_TEMPLATE_KWARGS:
             raise bad(f"chat_template_kwargs.{key}", f"'chat_template_kwargs.{key}' may not be set")
     kwargs = dict(extra)
     add = body.get("add_generation_prompt", kwargs.get("add_generation_prompt"))
-    kwargs["add_generation_prompt"] = (
-        True if add is None else F.as_bool(add, "add_generation_prompt")
-    )
+    kwargs["add_generation_prompt"] = True if add is None else as_bool(add, "add_generation_prompt")
     return kwargs

@@ -5,10 +5,11 @@ its text, and its tokens first in logprobs)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-from relay.api import fields as F
-from relay.api.fields import MAX_PROMPTS, ParsedRequest, ProtocolError, bad, show
+from relay.api import sampling_fields
+from relay.api.errors import ProtocolError, bad, show
+from relay.api.json_body import require_object
 from relay.api.openai_common import (
     OPENAI_RULES,
     SAMPLING_KEYS,
@@ -17,6 +18,7 @@ from relay.api.openai_common import (
     reject_unsupported,
     top_alternatives,
 )
+from relay.api.parsed_request import MAX_N, MAX_PROMPTS, ParsedRequest, Prompt
 from relay.api.prompt_output import (
     PromptView,
     echo_logprobs,
@@ -24,17 +26,14 @@ from relay.api.prompt_output import (
     logprob,
     vllm_prompt_logprobs,
 )
+from relay.api.sampling_fields import FIELD_RULES, sampling_kwargs, validated
 from relay.api.serving import EngineClient, Usage
+from relay.api.typed_fields import as_bool, as_int, as_token_ids, opt
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from relay.text.tokenize_query import TokenizeQuery
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-class Prompt(NamedTuple):
-    text: str | None
-    input_ids: list[int] | None
 
 
 def parse_prompts(value: Any, vocab_size: int | None) -> list[Prompt]:
@@ -55,7 +54,7 @@ def _prompt(value: Any, param: str, vocab_size: int | None) -> Prompt:
             raise bad(param, f"'{param}' must not be empty")
         return Prompt(value, None)
     if isinstance(value, list):
-        return Prompt(None, F.as_token_ids(value, param, allow_empty=False, vocab_size=vocab_size))
+        return Prompt(None, as_token_ids(value, param, allow_empty=False, vocab_size=vocab_size))
     raise bad(param, f"'{param}' must be a string or a list of token ids, got {show(value)}")
 
 
@@ -83,8 +82,8 @@ def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
     """logprobs N: the output tokens' (and with echo the prompt's) with the N likeliest;
     vLLM's prompt_logprobs M: the prompt's with the M likeliest. The prompt's are computed
     once, with the larger top list."""
-    k = F.opt(body, "logprobs", None, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
-    m = F.opt(body, "prompt_logprobs", None, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    k = opt(body, "logprobs", None, lambda v, p: as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    m = opt(body, "prompt_logprobs", None, lambda v, p: as_int(v, p, 0, MAX_TOP_LOGPROBS))
     out: dict[str, Any] = {} if k is None else {"logprobs": True, "top_logprobs": k}
     prompt_tops = [n for n in (k if echo else None, m) if n is not None]
     if prompt_tops:
@@ -104,7 +103,7 @@ _COMPLETION_NAMES = {
 def parse_completion(
     body: Any,
     served_model: str,
-    max_n: int = F.MAX_N,
+    max_n: int = MAX_N,
     vocab_size: int | None = None,
     max_constraint_bytes: int | None = None,
     max_constraint_depth: int | None = None,
@@ -113,19 +112,19 @@ def parse_completion(
     """POST /v1/completions. Token ids (prompt, stop_token_ids) are checked against
     vocab_size when it is given, an output constraint's size, nesting and breadth against
     max_constraint_bytes, max_constraint_depth and max_constraint_properties."""
-    body = F.require_object(body)
+    body = require_object(body)
     common = common_fields(body, served_model, max_n)
     reject_unsupported(body, {**_COMPLETION_UNSUPPORTED, "best_of": lambda v: v == common["n"]})
     if body.get("prompt") is None:
         raise bad("prompt", "'prompt' is required")
     prompts = parse_prompts(body["prompt"], vocab_size)
-    _, max_tokens = max_tokens_field(body, ("max_tokens",), F.FIELD_RULES["max_new_tokens"])
-    kwargs = F.sampling_kwargs(body, SAMPLING_KEYS, OPENAI_RULES)
+    _, max_tokens = max_tokens_field(body, ("max_tokens",), FIELD_RULES["max_new_tokens"])
+    kwargs = sampling_kwargs(body, SAMPLING_KEYS, OPENAI_RULES)
     kwargs["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    echo = F.opt(body, "echo", False, F.as_bool)
+    echo = opt(body, "echo", False, as_bool)
     kwargs.update(_completion_logprobs(body, echo))
-    grammar, param_names = F.constraint(body, response_format=True)
-    params = F.validated(
+    grammar, param_names = sampling_fields.constraint(body, response_format=True)
+    params = validated(
         SamplingParams(**kwargs, **grammar),
         _COMPLETION_NAMES | param_names,
         vocab_size,

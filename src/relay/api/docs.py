@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.api.fields import MAX_INPUTS, MAX_N, MAX_PROMPTS
+from relay.api.parsed_request import MAX_INPUTS, MAX_N, MAX_PROMPTS
 from relay.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,

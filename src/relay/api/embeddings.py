@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from relay.api import fields as F
 from relay.api.docs import ERROR_RESPONSES, request_body
-from relay.api.fields import MAX_INPUTS, ParsedRequest, ProtocolError, bad, show
+from relay.api.errors import ProtocolError, bad, show
+from relay.api.json_body import decode_json_body, require_object
 from relay.api.openai_common import check_model
+from relay.api.parsed_request import MAX_INPUTS, ParsedRequest
 from relay.api.serving import EngineClient, error_response, whole
+from relay.api.typed_fields import as_int, as_token_ids, opt
 from relay.outputs import RequestOutput
 from relay.sampling_params import SamplingParams
 
@@ -47,7 +49,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
             if not client.server_info.get("is_embedding"):
                 raise ProtocolError(400, _NOT_EMBEDDING)
             ask = parse_embeddings(
-                F.decode_json_body(await request.body()),
+                decode_json_body(await request.body()),
                 client.served_model,
                 client.vocab_size,
                 client.server_info.get("hidden_size"),
@@ -68,7 +70,7 @@ def parse_embeddings(
     body: Any, served_model: str, vocab_size: int | None = None, hidden_size: int | None = None
 ) -> EmbeddingsRequest:
     """POST /v1/embeddings: a 400 naming the field for anything it cannot embed as asked."""
-    body = F.require_object(body)
+    body = require_object(body)
     check_model(body, served_model)
     if body.get("input") is None:
         raise bad("input", "'input' is required")
@@ -77,7 +79,7 @@ def parse_embeddings(
     if fmt not in ENCODING_FORMATS:
         raise bad("encoding_format", f"'encoding_format' must be float or base64, got {show(fmt)}")
     top = hidden_size or 2**31 - 1
-    dimensions = F.opt(body, "dimensions", None, lambda v, p: F.as_int(v, p, 1, top))
+    dimensions = opt(body, "dimensions", None, lambda v, p: as_int(v, p, 1, top))
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", f"'user' must be a string, got {show(body['user'])}")
     parsed = ParsedRequest(
@@ -122,7 +124,7 @@ def _one_input(x: Any, i: int, vocab_size: int | None) -> str | list[int]:
             "input", f"'input' item {i} must be a string or a list of token ids, got {show(x)}"
         )
     try:
-        return F.as_token_ids(x, "input", allow_empty=False, vocab_size=vocab_size)
+        return as_token_ids(x, "input", allow_empty=False, vocab_size=vocab_size)
     except ProtocolError as e:
         raise bad("input", f"'input' item {i}: {e.message}") from None
 

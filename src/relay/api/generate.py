@@ -7,10 +7,20 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from relay.api import fields as F
-from relay.api.fields import ParsedRequest, bad, show
+from relay.api import typed_fields
+from relay.api.errors import bad, show
+from relay.api.json_body import require_object
+from relay.api.parsed_request import MAX_N, ParsedRequest
 from relay.api.prompt_output import logprob, sglang_input_logprobs
+from relay.api.sampling_fields import (
+    CONSTRAINT_KEYS,
+    FIELD_RULES,
+    constraint,
+    sampling_kwargs,
+    validated,
+)
 from relay.api.serving import Usage
+from relay.api.typed_fields import as_bool, as_dict, as_int, as_token_ids
 from relay.outputs import RequestOutput
 from relay.sampling_params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -78,7 +88,7 @@ def _input(fields: PromptFields, vocab_size: int | None) -> tuple[str | None, li
     key = input_key(fields.body)
     name, value = fields.name(key), fields.get(key)
     if key == "input_ids":
-        return None, F.as_token_ids(value, name, allow_empty=False, vocab_size=vocab_size)
+        return None, as_token_ids(value, name, allow_empty=False, vocab_size=vocab_size)
     if not isinstance(value, str) or not value:
         raise bad(name, f"'{name}' must be a non-empty string, got {show(value)}")
     return value, None
@@ -86,12 +96,12 @@ def _input(fields: PromptFields, vocab_size: int | None) -> tuple[str | None, li
 
 def _sampling(fields: PromptFields, max_n: int) -> tuple[dict[str, Any], int, dict[str, Any]]:
     name = fields.name("sampling_params")
-    sp = fields.opt("sampling_params", {}, F.as_dict)
+    sp = fields.opt("sampling_params", {}, as_dict)
     for key in sp:
-        if key not in _KEYS and key != "n" and key not in F.CONSTRAINT_KEYS:
+        if key not in _KEYS and key != "n" and key not in CONSTRAINT_KEYS:
             raise bad(f"{name}.{key}", f"unknown sampling parameter '{name}.{key}'")
-    kwargs = F.sampling_kwargs(sp, _KEYS, F.FIELD_RULES, f"{name}.")
-    n = F.opt(sp, "n", 1, lambda v, _: F.as_int(v, f"{name}.n", 1, max_n))
+    kwargs = sampling_kwargs(sp, _KEYS, FIELD_RULES, f"{name}.")
+    n = typed_fields.opt(sp, "n", 1, lambda v, _: as_int(v, f"{name}.n", 1, max_n))
     kwargs.setdefault("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     return kwargs, n, sp
 
@@ -99,9 +109,9 @@ def _sampling(fields: PromptFields, max_n: int) -> tuple[dict[str, Any], int, di
 def _logprobs(fields: PromptFields) -> dict[str, Any]:
     """return_logprob: the output tokens' logprobs, with the top_logprobs_num likeliest; and
     from logprob_start_len on (-1: not) the prompt's (within the prompt: the tokenizer checks)."""
-    want = fields.opt("return_logprob", False, F.as_bool)
-    top = fields.opt("top_logprobs_num", 0, lambda v, p: F.as_int(v, p, 0, MAX_TOP_LOGPROBS))
-    start = fields.opt("logprob_start_len", -1, lambda v, p: F.as_int(v, p, -1, MAX_NEW_TOKENS))
+    want = fields.opt("return_logprob", False, as_bool)
+    top = fields.opt("top_logprobs_num", 0, lambda v, p: as_int(v, p, 0, MAX_TOP_LOGPROBS))
+    start = fields.opt("logprob_start_len", -1, lambda v, p: as_int(v, p, -1, MAX_NEW_TOKENS))
     # SGLang ignores top_logprobs_num and logprob_start_len unless return_logprob is set.
     if not want:
         return {}
@@ -120,7 +130,7 @@ def as_rid(value: Any, param: str) -> str:
 
 def parse_prompt(
     fields: PromptFields,
-    max_n: int = F.MAX_N,
+    max_n: int = MAX_N,
     vocab_size: int | None = None,
     max_constraint_bytes: int | None = None,
     max_constraint_depth: int | None = None,
@@ -132,7 +142,7 @@ def parse_prompt(
     kwargs, n, sp = _sampling(fields, max_n)
     kwargs.update(_logprobs(fields))
     sampling = fields.name("sampling_params")
-    grammar, constraint_names = F.constraint(sp, f"{sampling}.")
+    grammar, constraint_names = constraint(sp, f"{sampling}.")
     top = fields.name("top_logprobs_num")
     # This prompt's names for the fields that the parser, the tokenizer (which calls the prompt
     # and its budget as the OpenAI routes do) and the submit refuse.
@@ -144,9 +154,9 @@ def parse_prompt(
         "logprob_start_len": fields.name("logprob_start_len"),
         "rid": fields.name("rid"),
     }
-    params = F.validated(
+    params = validated(
         SamplingParams(**kwargs, **grammar),
-        {f: f"{sampling}.{f}" for f in F.FIELD_RULES} | own,
+        {f: f"{sampling}.{f}" for f in FIELD_RULES} | own,
         vocab_size,
         max_constraint_bytes,
         max_constraint_depth,
@@ -157,21 +167,24 @@ def parse_prompt(
 
 def request_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The fields that hold for the whole request, however many prompts it has."""
-    return {"stream": F.opt(body, "stream", False, F.as_bool), "priority": F.priority(body)}
+    return {
+        "stream": typed_fields.opt(body, "stream", False, as_bool),
+        "priority": typed_fields.priority(body),
+    }
 
 
 def parse_generate(body: Any, **limits: Any) -> ParsedRequest:
     """POST /generate with one prompt (a batch: relay.api.generate_batch). limits: the
     keywords of parse_prompt (max_n, vocab_size, max_constraint_*)."""
-    body = F.require_object(body)
+    body = require_object(body)
     parsed = parse_prompt(PromptFields(body), **limits)
-    rid = F.opt(body, "rid", None, as_rid)
+    rid = typed_fields.opt(body, "rid", None, as_rid)
     return dataclasses.replace(parsed, rid=rid, **request_fields(body))
 
 
 def parse_abort(body: Any) -> str:
     """POST /abort_request: the request id to end."""
-    rid = F.require_object(body).get("rid")
+    rid = require_object(body).get("rid")
     if not isinstance(rid, str) or not rid:
         raise bad("rid", "'rid' must be a non-empty string")
     return rid

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from relay.api.fields import MAX_PROMPTS, ParsedRequest, bad, show
+from relay.api.errors import bad, show
 from relay.api.generate import (
     LOGPROB_FIELDS,
     PER_PROMPT,
@@ -27,6 +27,7 @@ from relay.api.generate import (
     parse_prompt,
     request_fields,
 )
+from relay.api.parsed_request import MAX_PROMPTS, ParsedRequest
 
 
 @dataclass

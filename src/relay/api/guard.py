@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from relay.api.fields import ProtocolError, anthropic_error_body, error_body
+from relay.api.errors import ProtocolError, anthropic_error_body, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 
 from relay.api import batched_prompts
-from relay.api import fields as F
 from relay.api.chat import chat_chunk, chat_response, parse_chat, parsed_chat_chunks
 from relay.api.chat_output import ChatOutput
 from relay.api.completions import (
@@ -25,8 +24,10 @@ from relay.api.completions import (
     prompt_view,
 )
 from relay.api.docs import ERROR_RESPONSES, request_body
-from relay.api.fields import ParsedRequest, ProtocolError
+from relay.api.errors import ProtocolError, error_body
+from relay.api.json_body import decode_json_body
 from relay.api.openai_common import usage_chunk
+from relay.api.parsed_request import ParsedRequest
 from relay.api.prompt_output import PromptView
 from relay.api.serving import (
     SSE_DONE,
@@ -80,7 +81,7 @@ async def _serve(
     try:
         refuse_if_embedding(client)
         parsed = parse(
-            F.decode_json_body(await request.body()),
+            decode_json_body(await request.body()),
             client.served_model,
             vocab_size=client.vocab_size,
             max_constraint_bytes=client.max_constraint_bytes,
@@ -127,7 +128,7 @@ async def _events(
     )
     async for index, r in outs:
         if r.error is not None:
-            yield sse(F.error_body(r.status, r.error, r.param))
+            yield sse(error_body(r.status, r.error, r.param))
             return
         if kind == "completion":
             prompt = None if started[index] else view  # the prompt comes in the first chunk

@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from relay.api import fields as F
-from relay.api.fields import ProtocolError, bad, show
+from relay.api import typed_fields
+from relay.api.errors import ProtocolError, bad, show
+from relay.api.sampling_fields import FIELD_RULES
 from relay.api.serving import Usage
+from relay.api.typed_fields import as_bool, as_dict, as_int, opt, ranged
 from relay.outputs import RequestOutput
 from relay.sampling_params import Range
 
 # OpenAI caps temperature at 2 (SGLang's native API does not).
-OPENAI_RULES = {**F.FIELD_RULES, "temperature": F.ranged("temperature", Range(0, 2))}
+OPENAI_RULES = {**FIELD_RULES, "temperature": ranged("temperature", Range(0, 2))}
 # OpenAI body key -> SamplingParams field (max_tokens and logprobs are handled apart).
 SAMPLING_KEYS = {
     "temperature": "temperature",
@@ -63,17 +65,17 @@ def reject_unsupported(body: dict[str, Any], unsupported: dict[str, Callable[[An
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = F.opt(body, "stream", False, F.as_bool)
+    stream = opt(body, "stream", False, as_bool)
     options = body.get("stream_options")
     if options is None:
         return stream, False
     if not stream:
         raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    return stream, F.opt(
-        F.as_dict(options, "stream_options"),
+    return stream, opt(
+        as_dict(options, "stream_options"),
         "include_usage",
         False,
-        lambda v, _: F.as_bool(v, "stream_options.include_usage"),
+        lambda v, _: as_bool(v, "stream_options.include_usage"),
     )
 
 
@@ -84,8 +86,8 @@ def common_fields(body: dict[str, Any], served_model: str, max_n: int) -> dict[s
     return {
         "stream": stream,
         "include_usage": include_usage,
-        "priority": F.priority(body),
-        "n": F.opt(body, "n", 1, lambda v, p: F.as_int(v, p, 1, max_n)),
+        "priority": typed_fields.priority(body),
+        "n": opt(body, "n", 1, lambda v, p: as_int(v, p, 1, max_n)),
     }
 
 

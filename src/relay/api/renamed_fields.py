@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
 
 Renames = list[tuple[re.Pattern[str], str]]
 

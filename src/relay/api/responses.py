@@ -13,9 +13,9 @@ import time
 
 from fastapi import FastAPI, Request
 
-from relay.api import fields as F
 from relay.api.docs import ERROR_RESPONSES, request_body
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError
+from relay.api.json_body import decode_json_body
 from relay.api.output_blocks import Block, assistant_message, whole_blocks
 from relay.api.responses_output import ResponseEvents, response_object
 from relay.api.responses_request import ResponsesRequest, parse_responses
@@ -42,7 +42,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
 def _parse(body: bytes, client: EngineClient, store: ResponseStore) -> ResponsesRequest:
     refuse_if_embedding(client)
     return parse_responses(
-        F.decode_json_body(body),
+        decode_json_body(body),
         client.served_model,
         store,
         vocab_size=client.vocab_size,

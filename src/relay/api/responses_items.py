@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relay.api.fields import bad, show
+from relay.api.errors import bad, show
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")

@@ -15,13 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.api import fields as F
 from relay.api.chat import parse_chat
-from relay.api.fields import ParsedRequest, ProtocolError, bad, show
+from relay.api.errors import ProtocolError, bad, show
+from relay.api.json_body import require_object
 from relay.api.openai_common import SAMPLING_KEYS
+from relay.api.parsed_request import ParsedRequest
 from relay.api.renamed_fields import renamed, renamed_params, renames
 from relay.api.responses_items import input_messages
 from relay.api.responses_store import ResponseStore
+from relay.api.typed_fields import as_bool, as_dict, opt
 
 # Chat field -> the Responses field it was translated from.
 _RENAMES = renames(
@@ -70,7 +72,7 @@ def parse_responses(
     reasoning_parser: str | None = None,
     tool_call_parser: str = "hermes",
 ) -> ResponsesRequest:
-    body = F.require_object(body)
+    body = require_object(body)
     _refuse_unsupported(body)
     previous = _previous(body, store)
     conversation = previous + input_messages(body.get("input"))
@@ -101,9 +103,7 @@ def parse_responses(
     # The tokenizer names the prompt `messages` when it cannot take it (too long for the
     # context, a template that fails on it): here the prompt is the input.
     parsed.param_names = {**renamed_params(parsed.param_names, _RENAMES), "messages": "input"}
-    return ResponsesRequest(
-        parsed, conversation, F.opt(body, "store", True, F.as_bool), _echo(body)
-    )
+    return ResponsesRequest(parsed, conversation, opt(body, "store", True, as_bool), _echo(body))
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -151,7 +151,7 @@ def _chat_tools(value: Any) -> Any:
         return value  # the chat parser refuses what is not a list
     tools = []
     for i, tool in enumerate(value):
-        tool = F.as_dict(tool, f"tools[{i}]")
+        tool = as_dict(tool, f"tools[{i}]")
         if tool.get("type") != "function":
             raise bad(
                 f"tools[{i}].type",
@@ -181,10 +181,10 @@ def _response_format(text: Any) -> Any:
     chat's response_format."""
     if text is None:
         return None
-    fmt = F.as_dict(text, "text").get("format")
+    fmt = as_dict(text, "text").get("format")
     if fmt is None:
         return None
-    fmt = F.as_dict(fmt, "text.format")
+    fmt = as_dict(fmt, "text.format")
     if fmt.get("type") != "json_schema":
         return fmt
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
@@ -197,7 +197,7 @@ def _echo(body: dict[str, Any]) -> dict[str, Any]:
     reasoning effort has no effect here (docs/api.md)."""
     text = body.get("text") or {}
     for key in ("metadata", "reasoning"):
-        F.opt(body, key, None, F.as_dict)
+        opt(body, key, None, as_dict)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", f"'user' must be a string, got {show(body['user'])}")
     return {
@@ -206,8 +206,8 @@ def _echo(body: dict[str, Any]) -> dict[str, Any]:
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": body.get("previous_response_id"),
-        "temperature": F.opt(body, "temperature", 1.0, lambda v, _: v),
-        "top_p": F.opt(body, "top_p", 1.0, lambda v, _: v),
+        "temperature": opt(body, "temperature", 1.0, lambda v, _: v),
+        "top_p": opt(body, "top_p", 1.0, lambda v, _: v),
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "text": {"format": text.get("format") or {"type": "text"}},

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from relay.api.fields import ParsedRequest, ProtocolError, error_body
+from relay.api.errors import ProtocolError, error_body
+from relay.api.parsed_request import ParsedRequest
 from relay.metrics import RequestTimer, ServerMetrics
 from relay.outputs import RequestOutput
 

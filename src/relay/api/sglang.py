@@ -10,12 +10,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from relay.api import fields as F
 from relay.api.batched_prompts import answer, submit_all
 from relay.api.docs import ERROR_RESPONSES, request_body
-from relay.api.fields import ProtocolError
+from relay.api.errors import ProtocolError, error_body
 from relay.api.generate import generate_response, parse_abort, parse_generate
 from relay.api.generate_batch import is_batch, parse_batch
+from relay.api.json_body import decode_json_body, require_object
 from relay.api.serving import (
     SSE_DONE,
     Choice,
@@ -34,7 +34,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
     async def generate(request: Request):
         try:
             refuse_if_embedding(client)
-            body = F.require_object(F.decode_json_body(await request.body()))
+            body = require_object(decode_json_body(await request.body()))
             if is_batch(body):
                 return await _serve_batch(request, client, body)
             parsed = parse_generate(body, **_limits(client))
@@ -56,7 +56,7 @@ def add_routes(app: FastAPI, client: EngineClient) -> None:
     @app.post("/abort_request", openapi_extra=request_body("abort"), responses=ERROR_RESPONSES)
     async def abort_request(request: Request):
         try:
-            rid = parse_abort(F.decode_json_body(await request.body()))
+            rid = parse_abort(decode_json_body(await request.body()))
         except ProtocolError as e:
             return error_response(e)
         return {"success": True, "found": client.abort(rid)}
@@ -96,7 +96,7 @@ async def _events(
     so_far: dict[int, RequestOutput] = {}
     async for index, r in outs:
         if r.error is not None:
-            yield sse(F.error_body(r.status, r.error, r.param))
+            yield sse(error_body(r.status, r.error, r.param))
             return
         acc = so_far.setdefault(index, RequestOutput(r.rid))
         acc.extend(r)

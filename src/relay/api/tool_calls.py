@@ -25,8 +25,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from relay.api.fields import as_dict, bad, show
+from relay.api.errors import bad, show
 from relay.api.tool_parsers import FORCED_CALL_FORMATS
+from relay.api.typed_fields import as_dict
 
 MAX_TOOLS = 128  # OpenAI's limit
 AUTO, REQUIRED, NAMED = "auto", "required", "named"

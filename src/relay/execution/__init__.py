@@ -1,2 +1,3 @@
 """Execution: running the model (model runner, layers, models, attention backends, kernels,
-sampler, CUDA graphs, tensor-parallel communication, weight loading)."""
+sampler, the speculative draft model, CUDA graphs, tensor-parallel communication, weight
+loading)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relay.memory.kv_allocator import FREED_PAGE, pages_behind_window
-from relay.scheduling.batch import PENDING_TOKEN, BatchInput
+from relay.step import PENDING_TOKEN, BatchInput
 
 
 @dataclass(frozen=True)

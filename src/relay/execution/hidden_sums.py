@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from relay.scheduling.batch import BatchInput, EmbedChunk, EmbedSpan
+from relay.step import BatchInput, EmbedChunk, EmbedSpan
 
 
 def span_rows(batch: BatchInput) -> list[int]:

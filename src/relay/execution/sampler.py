@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relay.scheduling.batch import SamplingSpec
+from relay.step import SamplingSpec
 
 _MASK64 = (1 << 64) - 1
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from relay.execution.layers import PathTiming, crossover, has_float_weight
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 logger = logging.getLogger(__name__)
 

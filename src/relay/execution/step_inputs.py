@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from relay.execution.attention.base import StepMeta
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 
 def prepare_step(

@@ -8,9 +8,10 @@ import logging
 import numpy as np
 import torch
 
+from relay.execution.kernels import cpu as cpu_kernels
+from relay.execution.kernels import cpu_ops
 from relay.execution.sampler import Sampler, SampleResult
-from relay.scheduling.batch import BatchInput, BatchOutput
-from relay.text.grammar import apply_token_masks
+from relay.step import BatchInput, BatchOutput
 
 logger = logging.getLogger(__name__)
 
@@ -189,3 +190,28 @@ def _scatter(
         row_errors=row_errors,
         spec_token_ids=None if res.spec_token_ids is None else pick(res.spec_token_ids, []),
     )
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
+    """Set logits[rows[i], t] to -inf for every token t that masks[i] (xgrammar's bitmask:
+    bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed.
+    (Its grammar matchers are relay.text.grammar's.)"""
+    blob = bytearray(b"".join(masks))
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and cpu_kernels.load() is not None
+    ):
+        words = torch.frombuffer(blob, dtype=torch.int32).view(len(rows), -1)
+        cpu_ops.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
+        return
+    bits = np.unpackbits(
+        np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little"
+    )
+    allowed = torch.from_numpy(bits).to(logits.device).bool()
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import BatchInput, SamplingSpec
+from relay.step import BatchInput, SamplingSpec
 
 WARM_UP_SIDS = (-2, -1)  # request handles of the start-up warm-up; the scheduler's are >= 0
 

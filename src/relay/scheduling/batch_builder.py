@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from relay.scheduling import pooling, prompt_logprobs
-from relay.scheduling.batch import BatchInput, SamplingSpec
+from relay.scheduling import embedding, prompt_logprobs
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req
 from relay.scheduling.request_table import RequestTable
 from relay.scheduling.speculative.planner import SpecPlanner, SpecRow
 from relay.scheduling.step_cost import StepCost
+from relay.step import BatchInput, SamplingSpec
 
 if TYPE_CHECKING:
     from relay.text.grammar import GrammarBackend
@@ -91,7 +91,7 @@ class BatchBuilder:
             prompt_logprob_spans=self._spans(
                 batch, lambda r: r.prompt_logprobs is not None, prompt_logprobs.span
             ),
-            embed_spans=self._spans(batch, lambda r: r.pooled is not None, pooling.span),
+            embed_spans=self._spans(batch, lambda r: r.pooled is not None, embedding.span),
             **self._spec_fields(batch, spec_rows),
         )
         self._count_in(batch, out.sample)

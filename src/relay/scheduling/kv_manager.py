@@ -21,7 +21,7 @@ import sys
 
 from relay.memory.kv_allocator import FREED_PAGE, PageAllocator, pages_behind_window
 from relay.memory.radix_cache import RadixCache
-from relay.scheduling import pooling, prompt_logprobs
+from relay.scheduling import embedding, prompt_logprobs
 from relay.scheduling.long_rope import LongRopeBoundary
 from relay.scheduling.request import Req
 
@@ -209,4 +209,4 @@ class KVManager:
 def cache_limit(req: Req, limit: int) -> int:
     """How many leading tokens of req the prefix cache may serve, at most limit: not the
     positions it must still compute to score (prompt logprobs) or pool (an embedding)."""
-    return pooling.cache_limit(req, prompt_logprobs.cache_limit(req, limit))
+    return embedding.cache_limit(req, prompt_logprobs.cache_limit(req, limit))

@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relay.outputs import FinishReason, RequestOutput
-from relay.scheduling import pooling, prompt_logprobs
+from relay.scheduling import embedding, prompt_logprobs
 from relay.scheduling.adaptive_batching import StepLimits
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.batch_builder import StepInFlight
 from relay.scheduling.kv_manager import KVManager
 from relay.scheduling.request import Req, Status
 from relay.scheduling.request_table import RequestTable
 from relay.scheduling.speculative import SpecStats
+from relay.step import BatchInput, BatchOutput
 
 if TYPE_CHECKING:
     from relay.text.grammar import GrammarBackend
@@ -80,7 +80,7 @@ class OutputProcessor:
             if i in scored and i in spans:
                 prompt_logprobs.collect(req, spans[i], scored[i], batch.prefix_lens[i])
             if i in sums and i in pool_spans:
-                pooling.collect(req, pool_spans[i], sums[i], batch.prefix_lens[i])
+                embedding.collect(req, pool_spans[i], sums[i], batch.prefix_lens[i])
             if token is not None:
                 req.pending -= 1
                 more = out.spec_token_ids[j - 1] if out.spec_token_ids else []
@@ -166,7 +166,7 @@ class OutputProcessor:
         """Finish a request that asked nothing of the output, with its embedding if it is one."""
         reason = FinishReason.LENGTH
         if req.pooled is not None:
-            record.embedding = pooling.finish(req)
+            record.embedding = embedding.finish(req)
             if record.embedding is None:
                 req.error = "the embedding lacks the hidden states of some prompt positions"
                 reason = FinishReason.ABORT

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from relay.scheduling.batch import PromptLogprobChunk, PromptLogprobSpan
 from relay.scheduling.request import Req
+from relay.step import PromptLogprobChunk, PromptLogprobSpan
 
 logger = logging.getLogger(__name__)
 

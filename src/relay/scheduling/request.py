@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from relay.memory.radix_cache import RadixNode
 from relay.outputs import PromptLogprobs
 from relay.sampling_params import SamplingParams
-from relay.scheduling.batch import PENDING_TOKEN
+from relay.step import PENDING_TOKEN
 
 if TYPE_CHECKING:
     from relay.scheduling.pooling import PoolState

@@ -35,7 +35,6 @@ from relay.config import EngineConfig
 from relay.outputs import FinishReason, RequestOutput
 from relay.sampling_params import InvalidParam, check_prompt_length
 from relay.scheduling.adaptive_batching import make_limits
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.batch_builder import BatchBuilder
 from relay.scheduling.decode import DecodeManager
 from relay.scheduling.grammar_waits import GrammarWaits
@@ -50,11 +49,9 @@ from relay.scheduling.request_table import RequestTable
 from relay.scheduling.scheduler_stats import SchedulerStats
 from relay.scheduling.speculative import SpecStats
 from relay.scheduling.step_cost import StepCost
+from relay.step import BatchInput, BatchOutput
 
 if TYPE_CHECKING:
-    from relay.memory.kv_allocator import PageAllocator
-    from relay.memory.radix_cache import RadixCache
-    from relay.scheduling.speculative.planner import SpecPlanner
     from relay.text.grammar import GrammarBackend
 
 
@@ -108,44 +105,10 @@ class Scheduler:
     def now(self) -> float:
         return self.clock()
 
-    # ---- what callers read ------------------------------------------------------------
-    @property
-    def running(self) -> list[Req]:
-        return self.table.running
-
-    @property
-    def reqs(self) -> dict[str, Req]:
-        """Every request not yet finished, by rid."""
-        return self.table.reqs
-
-    @property
-    def cache(self) -> RadixCache:
-        return self.kv.cache
-
-    @property
-    def allocator(self) -> PageAllocator:
-        return self.kv.allocator
-
-    @property
-    def page_size(self) -> int:
-        return self.kv.page_size
-
-    @property
-    def spec(self) -> SpecPlanner | None:
-        return self.decode.spec
-
-    @property
-    def last_step_seconds(self) -> float:
-        """The runner's time for the step processed last."""
-        return self.outputs.last_step_seconds
-
+    # ---- what callers read (the rest they read from the parts: table, kv, decode, ...) ----
     @property
     def has_work(self) -> bool:
         return bool(self.table.running or len(self.table.waiting))
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.table.waiting)
 
     # ---- requests in and out ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -156,11 +119,12 @@ class Scheduler:
             raise InvalidParam("prompt", "the prompt is empty")
         check_prompt_length(len(req.prompt_ids), self.context_len)
         need = self.kv.pages_for(len(req.prompt_ids) + 1)
-        if need > self.allocator.capacity:
+        capacity, page_size = self.kv.allocator.capacity, self.kv.page_size
+        if need > capacity:
             raise InvalidParam(
                 "prompt",
-                f"the prompt needs {need * self.page_size} KV tokens; the pool "
-                f"holds {self.allocator.capacity * self.page_size}",
+                f"the prompt needs {need * page_size} KV tokens; the pool "
+                f"holds {capacity * page_size}",
             )
         if req.params.embed:
             if self.pooling is None:
@@ -177,16 +141,6 @@ class Scheduler:
         those whose grammar failed (it does not parse, or matches nothing) or has not compiled
         by its deadline (grammar_compile_timeout), returning their records."""
         return self.grammar_waits.poll()
-
-    @property
-    def compiling(self) -> bool:
-        """Some request waits for its grammar to compile (poll_constraints() soon)."""
-        return self.grammar_waits.compiling
-
-    def wait_for_constraints(self) -> None:
-        """Block until a compiling grammar is compiled or the first compile deadline passes
-        (the offline engine, when nothing else can run; poll_constraints() then)."""
-        self.grammar_waits.wait()
 
     def abort(self, rid: str) -> RequestOutput | None:
         """End a request wherever it is, freeing its KV; its last record, or None if it is
@@ -263,7 +217,7 @@ class Scheduler:
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        ps, kv, table = self.page_size, self.kv, self.table
+        ps, kv, table = self.kv.page_size, self.kv, self.table
         return SchedulerStats(
             num_running=len(table.running),
             num_waiting=len(table.waiting),
@@ -274,7 +228,7 @@ class Scheduler:
             prompt_tokens_total=self.prefill.prompt_tokens_total,
             cached_prompt_tokens_total=self.prefill.cached_tokens_total,
             num_retractions_total=table.retractions_total,
-            spec=self.spec_stats.to_dict() if self.spec is not None else None,
+            spec=self.spec_stats.to_dict() if self.decode.spec is not None else None,
             adaptive=self.limits.to_dict(),
             grammar=self.grammar_waits.stats(self.builder.mask_seconds, self.outputs.step_seconds),
         )

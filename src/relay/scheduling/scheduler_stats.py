@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 
 @dataclass

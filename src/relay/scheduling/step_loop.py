@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from relay.outputs import RequestOutput
-from relay.scheduling.batch import BatchInput, BatchOutput
 from relay.scheduling.overlap import OverlapPolicy
 from relay.scheduling.scheduler import Scheduler
 from relay.scheduling.scheduler_stats import step_log_line
+from relay.step import BatchInput, BatchOutput
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +107,12 @@ class StepLoop:
         done = self.inflight.popleft()
         self.outputs.extend(self.sched.process_output(done, out))
         if self.sched.cfg.log_steps:
-            logger.info(step_log_line(done, self.sched.last_step_seconds, self.sched.stats()))
+            logger.info(
+                step_log_line(done, self.sched.outputs.last_step_seconds, self.sched.stats())
+            )
         self.flush()
         self.work["busy_seconds"] += time.perf_counter() - start
         self.policy.record(
-            self.work["busy_seconds"] - self._busy_mark, self.sched.last_step_seconds
+            self.work["busy_seconds"] - self._busy_mark, self.sched.outputs.last_step_seconds
         )
         self._busy_mark = self.work["busy_seconds"]

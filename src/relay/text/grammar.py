@@ -12,7 +12,8 @@ Two processes take part, and only the scheduler imports xgrammar:
   and advances the request's matcher with every token the request emits. Shipping compiled
   grammars between processes would not pay: deserialising one costs as much as compiling it,
   and a wide object's many times more (see COMPILE_WORKERS);
-- the sampler sets disallowed tokens' logits to -inf (apply_token_masks: plain torch).
+- the sampler sets disallowed tokens' logits to -inf (apply_token_masks, plain torch, in
+  relay.execution.step_sampling).
 
 xgrammar imports torch (and its tvm_ffi tries to), so the scheduler imports it, and with it
 torch (~200 MB resident), only when the first constrained request arrives; a server that never
@@ -451,34 +452,3 @@ def make_backend(
     if importlib.util.find_spec("xgrammar") is None:
         return None
     return GrammarBackend(tokenizer_path, vocab_size, stop_token_ids)
-
-
-def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
-    """Set logits[rows[i], t] to -inf for every token t that masks[i] (xgrammar's bitmask:
-    bit t % 32 of int32 word t // 32) disallows. Tokens past the mask's width are disallowed.
-    (The model runner's: it has torch.)"""
-    import numpy as np
-    import torch
-
-    from relay.execution.kernels import cpu as cpu_kernels
-    from relay.execution.kernels import cpu_ops
-
-    blob = bytearray(b"".join(masks))
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.stride(1) == 1
-        and cpu_kernels.load() is not None
-    ):
-        words = torch.frombuffer(blob, dtype=torch.int32).view(len(rows), -1)
-        cpu_ops.apply_bitmask(logits, torch.tensor(rows, dtype=torch.int64), words)
-        return
-    bits = np.unpackbits(
-        np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), -1), axis=1, bitorder="little"
-    )
-    allowed = torch.from_numpy(bits).to(logits.device).bool()
-    vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -25,9 +25,9 @@ import tempfile
 
 import torch
 
+from relay.cache_dir import cache_dir
 from relay.execution.kernels import isa
 from relay.execution.kernels.isa import cpu_flags
-from relay.execution.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
   layer 0 by default), with biases on q, k, v and o;
 - a mixture of experts of its own (models/gpt_oss_moe.py: the router's bias and top-k-then-softmax,
   the experts' biases and clamped SwiGLU), stored in MXFP4 in the released checkpoints;
-- YaRN rope (relay.execution.rope; config defaults in relay.hf_config.gpt_oss_config).
+- YaRN rope (relay.rope; config defaults in relay.hf_config.gpt_oss_config).
 
 Half its layers attend the whole context, so no KV page is freed behind the window (as Gemma 2:
 ModelConfig.kv_window). Its steps run layer by layer: the one-call C decoder layers know dense

@@ -6,21 +6,18 @@ and use_prompt_layers install what these build.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from relay.execution.attention.base import AttentionBackend
 from relay.execution.kernels import cpu_attention, cpu_gemm, cpu_layers
 from relay.execution.layers import Linear
 
-if TYPE_CHECKING:
-    from relay.execution.models.llama import LlamaForCausalLM
+# `model` below is a relay.execution.models.llama.LlamaForCausalLM (or a subclass), which
+# imports this module: it is typed as the nn.Module it is.
 
 
-def decode_layers(
-    model: LlamaForCausalLM, attn: AttentionBackend
-) -> cpu_layers.DecodeLayers | None:
+def decode_layers(model: nn.Module, attn: AttentionBackend) -> cpu_layers.DecodeLayers | None:
     """Pure decode steps over attn's KV cache as one C call (cpu_layers.DecodeLayers),
     where everything a layer does is a Relay CPU kernel: every GEMM weight in GGUF blocks, no
     biases (q/k norms, Gemma's norms, GeGLU and per-layer rotary tables are the call's too), one rank or CPU ranks on shared memory (TPGroup.shm: the call then
@@ -77,7 +74,7 @@ def decode_layers(
     )
 
 
-def computes_these_layers(model: LlamaForCausalLM) -> bool:
+def computes_these_layers(model: nn.Module) -> bool:
     """Whether every decoder layer is one the C call computes: RMS norms (Gemma's 1 + w too)
     before attention and before a gated MLP, Gemma 2/3's also after each, q/k norms per head, and
     the sublayers' outputs added to the residual stream as they are. Not OLMo 2's (no norm before
@@ -120,7 +117,7 @@ def layer_weights(layer, gemm) -> cpu_layers.DecoderLayerWeights:
 
 
 def prompt_layers(
-    model: LlamaForCausalLM, attn: AttentionBackend, modules: list[Linear]
+    model: nn.Module, attn: AttentionBackend, modules: list[Linear]
 ) -> cpu_layers.PromptLayers | None:
     """Steps with prompt chunks over attn's KV cache as one C call (cpu_layers.PromptLayers),
     where everything a layer does is a Relay CPU kernel on bfloat16 activations: a bfloat16

@@ -1,5 +1,5 @@
 """Phi-3, Phi-3.5-mini and Phi-4-mini (Phi3ForCausalLM): Llama's decoder layers, with q/k/v and
-gate/up already fused in the checkpoint, LongRoPE (relay.execution.rope) and, in Phi-4-mini, a rope over
+gate/up already fused in the checkpoint, LongRoPE (relay.rope) and, in Phi-4-mini, a rope over
 part of each head (partial_rotary_factor 0.75).
 
 The fused checkpoint tensors are placed here as their q, k, v, gate and up parts (linear_slots):

@@ -104,10 +104,10 @@ class BatchInput:
     catchup_lens: list[int] = field(default_factory=list)
     draft_prefix_lens: list[int] = field(default_factory=list)
     # Constrained decoding: batch row -> bitmask of the tokens its next token may be
-    # (relay.text.grammar.apply_token_masks); such rows never speculate.
+    # (relay.execution.step_sampling.apply_token_masks); such rows never speculate.
     token_masks: dict[int, bytes] = field(default_factory=dict)
     # LongRoPE models: per row, whether its tokens rotate with the long factors everywhere (its
-    # sequence is longer than original_max_position_embeddings: relay.execution.rope); empty: no row does.
+    # sequence is longer than original_max_position_embeddings: relay.rope); empty: no row does.
     rope_long: list[bool] = field(default_factory=list)
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     embed_spans: list[EmbedSpan] = field(default_factory=list)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from relay.execution.sampler import Sampler
-from relay.scheduling.batch import BatchInput
+from relay.step import BatchInput
 
 # (model, attention backend, batch, page tables) -> float32 logits of the rows that sample.
 RunModel = Callable[[torch.nn.Module, object, BatchInput, list[list[int]]], torch.Tensor]
