@@ -315,6 +315,17 @@ def over(args) -> str:
     return f" over {args.prefill_over}" if args.prefill_over else ""
 
 
+def prefill_row(runner: ModelRunner, args) -> tuple:
+    """The prompt chunk's row of the table: its median, tok/s and a layer-by-layer breakdown."""
+    n = args.prefill
+    chunk = prefill_chunk(runner, n, args.prefill_over)
+    ms = timed(chunk, max(3, args.reps // 4))
+    with layer_by_layer(runner):
+        layered = timed(chunk, max(3, args.reps // 4))
+        cats = {"layer by layer": layered, **breakdown(chunk, args.top)}
+    return f"prefill {n}{over(args)}", ms, n / ms * 1000, cats
+
+
 def prefill_chunk(runner: ModelRunner, n: int, prefix: int = 0):
     """One n-token prompt chunk over `prefix` cached tokens (filled once; a shared system prompt's
     case), to time again and again."""
@@ -504,19 +515,8 @@ def main() -> None:
                 )
             )
         runner.forward(BatchInput(0, [], [], [], [], [], [], [], [], released_sids=list(range(b))))
-    n = args.prefill
-    chunk = prefill_chunk(runner, n, args.prefill_over)
-    ms = timed(chunk, max(3, args.reps // 4))
-    with layer_by_layer(runner):
-        layered = timed(chunk, max(3, args.reps // 4))
-        rows.append(
-            (
-                f"prefill {n}{over(args)}",
-                ms,
-                n / ms * 1000,
-                {"layer by layer": layered, **breakdown(chunk, args.top)},
-            )
-        )
+    if args.prefill:  # --prefill 0: decode steps only
+        rows.append(prefill_row(runner, args))
     cats = ["layer by layer", "gemm", "attention", "small ops", "sampler", "python/dispatch (rest)"]
     print("\n| step | ms (median) | tok/s | " + " | ".join(cats) + " |")
     print("|" + "---|" * (3 + len(cats)))
