@@ -37,6 +37,7 @@
 
 #include "blocks.h"
 #include "kscales.h"
+#include "float_tile.h"
 #include "vec.h"
 
 #define NS 32  // output features per strip
@@ -477,7 +478,7 @@ static void gemm_blocks_bf16(int bits, int ks, const uint8_t* q, const float* d,
 // NV vectors per strip, the same sums in the same order per lane as the AVX-512 code, so every
 // level computes each output from the same products (summed in lanes of another width).
 #define NV (NS / VL)
-#define MB_P 6  // rows per register tile: 2 vectors of 6 rows are 12 of AVX2's 16 registers
+#define MB_P TILE_ROWS_MAX  // rows per register tile (float_tile.h)
 
 // acc[i] += d * part[i] (+ m * the group's sum of row i's x, where the form has m), as scale_block.
 static inline __attribute__((always_inline)) void scale_block_p(const int64_t R, int ks, int g, int has_m,
@@ -516,17 +517,6 @@ static inline void six_pair(const uint8_t* blk, int64_t p, int64_t h, vf* even, 
     *even = vf_from_i8(e);
     *odd = vf_from_i8(o);
 #endif
-}
-
-// Features of vector h of a strip that exist, `left` from the strip's start on: all VL, or fewer.
-static inline int64_t lanes_live(int64_t left, int64_t h) {
-    left -= VL * h;
-    return left >= VL ? VL : left > 0 ? left : 0;
-}
-
-static inline void store_live(float* y, vf v, int64_t live) {
-    if (live == VL) vf_store(y, v);
-    else if (live > 0) vf_store_n(y, v, live);
 }
 
 static inline __attribute__((always_inline)) void gemv_strip(const int64_t R, const int bits, const int g,
@@ -632,36 +622,7 @@ static inline void unpack(int bits, int g, int has_m, int ks, const uint8_t* q, 
     }
 }
 
-// y[m0 .. m0 + R, features h0 * VL .. (h0 + 2) * VL of the strip] (+)= x . wbuf, R <= MB_P rows.
-static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
-                                                       int64_t m0, const float* wbuf, int64_t h0, int64_t k0,
-                                                       int64_t kn, float* y, int64_t y_stride, int64_t n0, int64_t N,
-                                                       int first) {
-    const float* xr[MB_P];
-    for (int64_t i = 0; i < R; i++) xr[i] = x + (m0 + i) * x_stride + k0;
-    const int64_t live0 = lanes_live(N - n0, h0), live1 = lanes_live(N - n0, h0 + 1);
-    vf acc[MB_P][2];
-    for (int64_t i = 0; i < R; i++) {
-        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
-        acc[i][0] = first || !live0 ? vf_zero() : live0 == VL ? vf_load(yr) : vf_load_n(yr, live0);
-        acc[i][1] = first || !live1 ? vf_zero() : live1 == VL ? vf_load(yr + VL) : vf_load_n(yr + VL, live1);
-    }
-    for (int64_t k = 0; k < kn; k++) {
-        const vf w0 = vf_load(wbuf + k * NS + VL * h0), w1 = vf_load(wbuf + k * NS + VL * (h0 + 1));
-        for (int64_t i = 0; i < R; i++) {
-            const vf xv = vf_set1(xr[i][k]);
-            acc[i][0] = vf_fma(xv, w0, acc[i][0]);
-            acc[i][1] = vf_fma(xv, w1, acc[i][1]);
-        }
-    }
-    for (int64_t i = 0; i < R; i++) {
-        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
-        store_live(yr, acc[i][0], live0);
-        store_live(yr + VL, acc[i][1], live1);
-    }
-}
-
-#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, first); break;
+#define TILE_ROWS(RV) case RV: float_tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, first); break;
 
 static void tiles(const float* x, int64_t x_stride, int64_t M, const float* wbuf, int64_t k0, int64_t kn, float* y,
                   int64_t y_stride, int64_t n0, int64_t N, int first) {

@@ -20,6 +20,7 @@
 // row of x runs over it, MB rows at a time.
 #include <stdint.h>
 
+#include "float_tile.h"
 #include "vec.h"
 
 #define GEMV_ROWS 4  // rows of x per pass of the GEMV over a weight row (2 accumulators each)
@@ -29,7 +30,7 @@
 #define NS 32  // output features per strip of the tiles
 #define NV (NS / VL)
 #define KC 256  // inputs widened into wbuf at a time (a multiple of VL; 128 was ~3 % slower at AVX2)
-#define MB 6  // rows per register tile: 2 vectors x 6 rows = 12 accumulators
+#define MB TILE_ROWS_MAX  // rows per register tile (float_tile.h): 2 vectors x 6 rows = 12 accumulators
 
 int relay_gemm_widen_available(void) { return 1; }  // every level: vec.h's body for it
 
@@ -141,45 +142,7 @@ static void widen_strip(const uint16_t* w, int64_t n0, int64_t N, int64_t K, int
     }
 }
 
-static inline int64_t lanes_live(int64_t left, int64_t h) {
-    left -= VL * h;
-    return left >= VL ? VL : left > 0 ? left : 0;
-}
-
-static inline void store_live(float* y, vf v, int64_t live) {
-    if (live == VL) vf_store(y, v);
-    else if (live > 0) vf_store_n(y, v, live);
-}
-
-// y[m0 .. m0 + R, features VL * h0 .. VL * (h0 + 2) of the strip] (+)= x . wbuf, R <= MB rows; the
-// partial sums of earlier chunks of K wait in y (first: this is the first chunk).
-static inline __attribute__((always_inline)) void tile(const int64_t R, const float* x, int64_t x_stride,
-                                                       int64_t m0, const float* wbuf, int64_t h0, int64_t k0,
-                                                       int64_t kn, float* y, int64_t y_stride, int64_t n0, int64_t N,
-                                                       int first) {
-    const int64_t live0 = lanes_live(N - n0, h0), live1 = lanes_live(N - n0, h0 + 1);
-    vf acc[MB][2];
-    for (int64_t i = 0; i < R; i++) {
-        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
-        acc[i][0] = first || !live0 ? vf_zero() : live0 == VL ? vf_load(yr) : vf_load_n(yr, live0);
-        acc[i][1] = first || !live1 ? vf_zero() : live1 == VL ? vf_load(yr + VL) : vf_load_n(yr + VL, live1);
-    }
-    for (int64_t k = 0; k < kn; k++) {
-        const vf w0 = vf_load(wbuf + k * NS + VL * h0), w1 = vf_load(wbuf + k * NS + VL * (h0 + 1));
-        for (int64_t i = 0; i < R; i++) {
-            const vf xv = vf_set1(x[(m0 + i) * x_stride + k0 + k]);
-            acc[i][0] = vf_fma(xv, w0, acc[i][0]);
-            acc[i][1] = vf_fma(xv, w1, acc[i][1]);
-        }
-    }
-    for (int64_t i = 0; i < R; i++) {
-        float* yr = y + (m0 + i) * y_stride + n0 + VL * h0;
-        store_live(yr, acc[i][0], live0);
-        store_live(yr + VL, acc[i][1], live1);
-    }
-}
-
-#define TILE_ROWS(RV) case RV: tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, k0 == 0); break;
+#define TILE_ROWS(RV) case RV: float_tile(RV, x, x_stride, m0, wbuf, h0, k0, kn, y, y_stride, n0, N, k0 == 0); break;
 
 static void tiles(const float* x, int64_t x_stride, const uint16_t* w, float* y, int64_t y_stride, int64_t M,
                   int64_t N, int64_t K) {
