@@ -523,7 +523,6 @@ def test_overload_answers_503():
             overlap = c.get("/get_server_info", headers=auth).json()["scheduler"]["overlap"]
             pays = overlap["busy_ms"] >= overlap["min_share"] * overlap["step_ms"]
             assert overlap["enabled"] and overlap["depth"] == (2 if pays else 1), overlap
-            assert overlap["busy_ms"] >= overlap["min_share"] * overlap["step_ms"]
     finally:
         s.stop()
 
