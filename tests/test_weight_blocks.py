@@ -428,6 +428,18 @@ def test_the_block_rows_rule_takes_the_nearest_measured_level_below(monkeypatch)
     assert rule.block_rows("generic", f32, True) == rule.ALL_ROWS
 
 
+def test_int8_activations_keep_every_gemm_on_the_blocks_at_every_level():
+    """The defaults' greedy output is the same alone and in a crowded step (README) only where a
+    GEMM's path does not change with its row count: with int8 block activations (the default from
+    AVX2 up) every level's rule keeps every GEMM of a prompt chunk on the blocks, AMX's too."""
+    from relay.execution import block_rows as rule
+    from relay.execution.kernels.isa import LEVELS
+
+    for level in LEVELS[1:]:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert rule.block_rows(level, dtype, True) == rule.ALL_ROWS, (level, dtype)
+
+
 @pytest.mark.slow
 def test_which_gemms_read_the_blocks_is_a_fixed_rule_not_a_timing(default_model_dir, monkeypatch):
     """Start-up times no GEMMs to choose between blocks and float weights (a timing moved with the

@@ -22,6 +22,10 @@ ALL_ROWS = 256
 # to 256 rows, at every level but AMX's, whose bfloat16 tiles win from 6 rows; with float
 # activations the blocks win to 160-192 rows in float32 and at 1-2 rows in bfloat16; plain C blocks
 # (generic) never beat the float path.
+# AMX with int8 activations (the default there) still takes the blocks for every GEMM: a float path
+# from 6 rows rounds a request's activations differently in a crowded step than alone, which broke
+# the defaults' reproducible greedy output (README), and kept a float copy of every GEMM weight
+# beside its blocks. What that costs a prompt: docs/benchmarks.md (AMX Xeon, 2026-12-06).
 MEASURED: dict[tuple[str, torch.dtype, bool], int] = {
     ("generic", torch.float32, False): 0,
     ("avx2", torch.float32, True): ALL_ROWS,
@@ -33,7 +37,7 @@ MEASURED: dict[tuple[str, torch.dtype, bool], int] = {
     ("avx512bf16", torch.bfloat16, True): ALL_ROWS,
     ("avx512bf16", torch.bfloat16, False): 2,
     ("amx", torch.float32, True): ALL_ROWS,
-    ("amx", torch.bfloat16, True): 4,
+    ("amx", torch.bfloat16, True): ALL_ROWS,
     ("amx", torch.bfloat16, False): 2,
 }
 
