@@ -328,7 +328,7 @@ def test_the_server_steers_its_limits_under_load_and_shows_them():
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.server_utils import Server
+    from tests.helpers.server_utils import Server
 
     s = Server("--load-format", "dummy-null", "--target-itl-ms", "0.05", "--adaptive-window-s", "2")
     try:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_utils import Server, wait_until
+from tests.helpers.server_utils import Server, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 from relay.execution.attention.base import StepMeta
 from relay.execution.attention.torch_native import TorchNativeBackend
 from relay.memory.kv_cache import KVCache
-from tests.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
+from tests.helpers.kernel_helpers import cpu_kernels_or_skip, kernel_level  # noqa: F401 (a fixture)
 
 PAGE = 4
 

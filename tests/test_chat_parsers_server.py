@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.server_utils import Server
+from tests.helpers.server_utils import Server
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relay.execution.kernels import cpu, cpu_attention, isa
-from tests.kernel_helpers import (  # noqa: F401 (bf16_level, kernel_level: fixtures)
+from tests.helpers.kernel_helpers import (  # noqa: F401 (bf16_level, kernel_level: fixtures)
     bf16_level,
     cpu_kernels_or_skip,
     decode_rounding,

@@ -21,7 +21,7 @@ import torch
 
 from relay import Engine, SamplingParams
 from relay.scheduling.pooling import Pooling
-from tests.server_utils import Server, wait_until
+from tests.helpers.server_utils import Server, wait_until
 
 VOCAB = 49152  # llama-fullvocab: text inputs tokenize into its vocabulary
 CONTEXT = 512

@@ -18,7 +18,7 @@ from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.gguf_blocks import GgufRows, SourceTensor
 from relay.execution.weight_blocks import recover
-from tests.gguf_files import VOCAB_SIZE, quantize_q4_k, write_gguf
+from tests.helpers.gguf_files import VOCAB_SIZE, quantize_q4_k, write_gguf
 from tests.test_engine import random_prompts
 from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
 
@@ -88,7 +88,7 @@ def test_weights_not_in_the_file_stay_float():
 
 
 def test_quantize_q4_k_writes_what_gguf_reads_back():
-    """The test files' Q4_K writer (tests/gguf_files.py) against gguf's dequantizer: close to the
+    """The test files' Q4_K writer (tests/helpers/gguf_files.py) against gguf's dequantizer: close to the
     weights it quantized (so its files are models, not noise)."""
     w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32) * 0.05
     back = dequantize(quantize_q4_k(w), T.Q4_K)

@@ -2,7 +2,7 @@
 transformers runs them; a Mixtral file (which it cannot read) refused in one line.
 
 Each case is a tiny seeded random-weight model (hidden 64, a byte-level BPE vocabulary of ~300
-tokens) written as a GGUF file the way llama.cpp writes it (tests/gguf_files.py). The file is first
+tokens) written as a GGUF file the way llama.cpp writes it (tests/helpers/gguf_files.py). The file is first
 checked to hold the model it was written from: transformers reads it back to the same logits. Relay
 serves a Llama, Mistral, Qwen2 or Qwen3 file from the file's own tensors (gguf_weights) and converts
 the others once (relay/execution/model_files.py); its greedy float32 output equals transformers'
@@ -26,7 +26,7 @@ from relay import Engine, SamplingParams
 from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.model_files import ModelFileError, resolve_model_dir
-from tests.gguf_files import VOCAB_SIZE, write_gguf
+from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
 from tests.test_engine import random_prompts
 from tests.test_startup_checks import assert_one_line_error, serve
 
@@ -323,7 +323,7 @@ def test_server_serves_a_gguf_file_as_transformers_runs_it(gguf_file):
     vocabulary as transformers' GGUF tokenizer does, completed greedily with its tokens' text."""
     from transformers import AutoTokenizer
 
-    from tests.server_utils import assert_served_completions_equal
+    from tests.helpers.server_utils import assert_served_completions_equal
 
     path = gguf_file("qwen2")
     texts = ["The capital of France is", "Once upon a time, hello world and"]

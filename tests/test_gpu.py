@@ -37,7 +37,7 @@ from relay.execution.attention.flashinfer_backend import page_csr, qo_indptr
 from relay.execution.attention.torch_native import TorchNativeBackend, page_slots
 from relay.execution.cuda_graph import capture_batch_sizes, pad_decode_meta, padded_batch_size
 from relay.memory.kv_cache import num_pages_for_budget
-from tests import gpu_helpers as gh
+from tests.helpers import gpu_helpers as gh
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -472,7 +472,7 @@ def test_triton_kernels_in_interpreter(tiny_gpu_model):
         "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")]),
     }
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu_helpers.py"), tiny_gpu_model],
+        [sys.executable, os.path.join(ROOT, "tests", "helpers", "gpu_helpers.py"), tiny_gpu_model],
         env=env,
         cwd=ROOT,
         capture_output=True,

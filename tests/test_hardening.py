@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from tests.server_utils import Server, wait_until
+from tests.helpers.server_utils import Server, wait_until
 
 pytestmark = pytest.mark.slow
 

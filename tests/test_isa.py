@@ -85,7 +85,7 @@ def test_the_launcher_refuses_an_unknown_level_before_anything_starts(monkeypatc
 def test_a_server_held_to_avx2_serves_and_says_so(monkeypatch, default_model_dir):
     """The whole server as an AVX2-only CPU runs it (a Zen 3): kernels built for avx2, torch held,
     the default model's answer unchanged, and the level on /get_server_info and in the log."""
-    from tests.server_utils import Server
+    from tests.helpers.server_utils import Server
 
     if not isa.at_least("avx2"):
         pytest.skip("this CPU does not reach avx2")

@@ -49,8 +49,8 @@ from relay.execution.weight_blocks import (
     pack_kquant,
     record_bytes,
 )
-from tests.gguf_files import VOCAB_SIZE, write_gguf
-from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
+from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
+from tests.helpers.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
 from tests.test_engine import random_prompts
 from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
 from tests.test_one_call_decoders import (  # noqa: F401 (q8_0_file: a fixture)

@@ -1,6 +1,6 @@
 """lm-eval-harness as a real client of prompt logprobs: its `local-completions` model, pointed
 at a server's /v1/completions with token-id prompts, one per request and four per request (a
-list of prompts), scores a tiny multiple-choice task (tests/lm_eval_task: a YAML and a jsonl read
+list of prompts), scores a tiny multiple-choice task (tests/helpers/lm_eval_task: a YAML and a jsonl read
 by datasets' local json builder; it runs with no network) as lm-eval's own `hf` model scores it
 on the same weights.
 
@@ -15,13 +15,13 @@ import os
 import pytest
 import yaml
 
-from tests.server_utils import Server
+from tests.helpers.server_utils import ROOT, Server
 
 pytestmark = pytest.mark.slow
 lm_eval = pytest.importorskip("lm_eval")
 TaskManager = pytest.importorskip("lm_eval.tasks").TaskManager
 
-TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_task")
+TASK_DIR = os.path.join(ROOT, "tests", "helpers", "lm_eval_task")
 TASK = "relay_tiny_mc"
 SERVED = "tiny"
 

@@ -10,7 +10,7 @@ from relay.execution.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
 from relay.step import PENDING_TOKEN, BatchInput, SamplingSpec
 from tests.conftest import TINY_VOCAB
-from tests.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.kernel_helpers import cpu_kernels_or_skip
 
 PS = 4
 

@@ -36,8 +36,8 @@ from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.step import BatchInput
 from tests.conftest import TINY_VOCAB
+from tests.helpers.kernel_helpers import cpu_kernels_or_skip
 from tests.helpers.ranks import run_ranks
-from tests.kernel_helpers import cpu_kernels_or_skip
 
 PS = 4
 NEW = 12
@@ -447,7 +447,7 @@ def test_server_with_two_ranks_serves_v3_as_the_engine_does(model_dir):
     """The server path under --tp 2 (rank processes on shared memory, the latent on both):
     greedy completions of token-id prompts are the text of the offline Engine's tokens, which
     are transformers' (the tests above)."""
-    from tests.server_utils import Server
+    from tests.helpers.server_utils import Server
 
     path = model_dir("v3")
     prompts = random_prompts([9, 30], seed=4)

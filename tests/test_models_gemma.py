@@ -28,7 +28,7 @@ from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.memory.kv_cache import KVCache
 from tests.conftest import TINY_VOCAB
-from tests.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.kernel_helpers import cpu_kernels_or_skip
 from tests.test_engine import check_three_ways, random_prompts, reference
 from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch
 from tests.test_tp_shared_memory import run_ranks
@@ -266,7 +266,7 @@ def test_two_ranks_compute_the_logits_of_one(tmp_path, model_dir, name):
 def test_server_serves_gemma2_as_transformers_does(model_dir):
     """The server path: greedy completions of token-id prompts, past the window, are the text of
     transformers' tokens (the Engine's, which are transformers' token for token)."""
-    from tests.server_utils import assert_served_completions_equal
+    from tests.helpers.server_utils import assert_served_completions_equal
 
     path = model_dir("gemma2")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)

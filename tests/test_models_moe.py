@@ -317,7 +317,7 @@ def test_two_ranks_compute_the_logits_of_one(tmp_path, tiny_model_dir, arch):
 
 @pytest.mark.slow
 def test_server_serves_a_moe_model_as_the_engine_does(tiny_model_dir):
-    from tests.server_utils import assert_served_completions_equal
+    from tests.helpers.server_utils import assert_served_completions_equal
 
     path = tiny_model_dir("qwen2_moe")
     prompts = random_prompts(TINY_VOCAB, [9, 30], seed=4)

@@ -367,7 +367,7 @@ def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(m
     kernel computes what torch does to rounding)."""
     from relay.config import EngineConfig
     from relay.execution.model_runner import ModelRunner
-    from tests.kernel_helpers import cpu_kernels_or_skip
+    from tests.helpers.kernel_helpers import cpu_kernels_or_skip
     from tests.test_model_runner import PS, prefill, spec
 
     cpu_kernels_or_skip()

@@ -26,7 +26,7 @@ from launch.flags import build_parser
 from launch.multinode import NodeLink, PeerWatch, gloo_env, interface_for, plan_from_args
 from relay import Engine, SamplingParams
 from relay.config import EngineConfig
-from tests.server_utils import ROOT, Server, alive, wait_until
+from tests.helpers.server_utils import ROOT, Server, alive, wait_until
 
 
 def parse(*flags: str) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Qwen3 and Gemma 2/3 decode steps in one C call (csrc/decode_layers.c): q/k norms, Gemma's
 (1 + w) norms around attention and the MLP, GeGLU, each layer's rotary tables. Their kernels
 against torch at every instruction-set level this CPU reaches; tiny Q8_0 GGUF files of each model
-(tests/gguf_files.py) decoded through the one-call path, bit for bit as the layers called one by
+(tests/helpers/gguf_files.py) decoded through the one-call path, bit for bit as the layers called one by
 one and greedy-equal to transformers on the same file.
 """
 
@@ -20,8 +20,8 @@ from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.kernels import cpu_layers, cpu_ops
 from relay.step import BatchInput
-from tests.gguf_files import VOCAB_SIZE, write_gguf
-from tests.kernel_helpers import kernel_level  # noqa: F401 (a fixture)
+from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
+from tests.helpers.kernel_helpers import kernel_level  # noqa: F401 (a fixture)
 from tests.test_engine import random_prompts
 from tests.test_gguf_models import GREEDY, NEW_TOKENS, greedy, random_model, transformers_on
 from tests.test_weight_blocks import step_each_way

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from relay.execution import model_files
-from tests.server_utils import ROOT, Server
+from tests.helpers.server_utils import ROOT, Server
 
 FRONT = ("relay::http", "relay::tokenizer", "relay::sched", "relay::detok")
 
@@ -220,7 +220,7 @@ def test_the_launcher_converts_a_gguf_file_in_a_child(tmp_path, monkeypatch):
     """A GGUF file's first conversion (it imports torch) runs in a child process; the launcher
     only finds the converted directory. A file that does not convert is one ModelFileError."""
     from launch.model_dir import needs_conversion, resolve_model_dir_apart
-    from tests.gguf_files import write_gguf
+    from tests.helpers.gguf_files import write_gguf
     from tests.test_gguf_models import random_model
 
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))

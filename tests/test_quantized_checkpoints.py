@@ -1,6 +1,6 @@
 """AWQ, GPTQ and FP8 checkpoints (relay.checkpoint_quant, relay.execution.quantized_checkpoint):
 tiny ones made here by quantizing a random Llama and packing it in each format's own layout
-(tests/quantized_checkpoints.py), loaded by Relay and compared with transformers running the
+(tests/helpers/quantized_checkpoints.py), loaded by Relay and compared with transformers running the
 float32 weights they stand for.
 
 On the block kernels a 4-bit checkpoint's weights are blocks with no float copy, equal to the
@@ -22,7 +22,7 @@ from relay.checkpoint_quant import read_checkpoint_quant
 from relay.config import ModelConfig
 from relay.execution.layers import has_float_weight
 from relay.execution.packed_int4 import unpack_awq, unpack_gptq
-from tests import quantized_checkpoints as qc
+from tests.helpers import quantized_checkpoints as qc
 from tests.test_engine import GREEDY, NEW_TOKENS, random_prompts
 from tests.test_quantization import needs_blocks
 from tests.test_startup_checks import assert_one_line_error, serve

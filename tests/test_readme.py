@@ -1,4 +1,4 @@
-"""README.md's claims: each has a test (tests/readme_claims.py), and what the README shows runs.
+"""README.md's claims: each has a test (tests/helpers/readme_claims.py), and what the README shows runs.
 
 Its Python examples against a server and offline, its install script's order, and the claims of its
 opening that no other file tests: the defaults' greedy output is reproducible, `--deterministic` is
@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from tests.readme_claims import CLAIMS
-from tests.server_utils import ROOT, Server
+from tests.helpers.readme_claims import CLAIMS
+from tests.helpers.server_utils import ROOT, Server
 
 README = os.path.join(ROOT, "README.md")
 

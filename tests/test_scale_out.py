@@ -33,7 +33,7 @@ from launch.flags import build_parser
 from launch.front import Front, RequestParser
 from relay.api import request_id as rid_mod
 from relay.metrics import ServerMetrics
-from tests.server_utils import ROOT, Server, alive, free_port, wait_until
+from tests.helpers.server_utils import ROOT, Server, alive, free_port, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.server_utils import Server, wait_until
+from tests.helpers.server_utils import Server, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from procs.common import terminate
-from tests.server_utils import Server, alive, wait_until
+from tests.helpers.server_utils import Server, alive, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from relay.execution.weight_blocks import (
     MIN_FLAG,
     pack,
 )
-from tests.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
+from tests.helpers.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
 from tests.test_kquant_blocks import (  # noqa: F401 (q4_k_m_file: a fixture)
     gguf_floats,
     q4_k_m_file,

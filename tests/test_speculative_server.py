@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from relay import Engine, SamplingParams
-from tests.server_utils import ROOT, Server
+from tests.helpers.server_utils import ROOT, Server
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 
 from relay.execution import model_files
 from relay.execution.model_files import ModelFileError, resolve_model_dir
-from tests.server_utils import ROOT, wait_until
+from tests.helpers.server_utils import ROOT, wait_until
 
 
 def serve(*flags: str, cache_dir: str | None = None) -> subprocess.CompletedProcess:

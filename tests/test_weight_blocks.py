@@ -14,7 +14,7 @@ from relay.execution.kernels import cpu, cpu_gemm, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
-from tests.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
+from tests.helpers.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
     cpu_kernels_or_skip,
     held_at,
     kernel_level,

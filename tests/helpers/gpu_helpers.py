@@ -7,7 +7,7 @@ with TRITON_INTERPRET=1) and scripts/gpu_check.py.
   live in scripts/runner_steps.py and scripts/random_model.py (scripts/gpu_check.py needs them and
   scripts import nothing from tests) and are re-exported here for the tests.
 
-    TRITON_INTERPRET=1 python tests/gpu_helpers.py     # the interpreter cases, on CPU
+    TRITON_INTERPRET=1 python tests/helpers/gpu_helpers.py     # the interpreter cases, on CPU
 """
 
 from __future__ import annotations

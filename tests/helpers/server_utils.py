@@ -14,7 +14,7 @@ import httpx
 
 from procs.common import terminate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_LINE = "Relay is ready"
 
 
