@@ -94,7 +94,7 @@ def check_three_ways(
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
 def test_tiny_models_match_transformers(tiny_model_dir, arch):
-    from tests.conftest import TINY_VOCAB
+    from tests.helpers.tiny_models import TINY_VOCAB
 
     prompts = random_prompts(TINY_VOCAB, [3, 5, 8, 13, 17, 24, 31, 40, 57, 64])
     # 2 layers x 2 kv heads x head_dim x 2 (k, v) x 4 bytes per token; ~40 pages of 4 tokens.
@@ -204,7 +204,7 @@ def test_overlap_scheduling_gives_the_same_outputs_as_lockstep(tiny_model_dir):
     server does where overlap pays): greedy and seeded outputs, stops, min_new_tokens, penalties
     and logprobs come out as in lockstep, through retraction in a tight pool too."""
     from relay.step import PENDING_TOKEN
-    from tests.conftest import TINY_VOCAB
+    from tests.helpers.tiny_models import TINY_VOCAB
 
     prompts = random_prompts(TINY_VOCAB, [3, 9, 17, 30, 44, 57, 64, 12])
     params = [

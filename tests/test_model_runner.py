@@ -9,8 +9,8 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.model_runner import ModelRunner
 from relay.sampling_params import SamplingParams
 from relay.step import PENDING_TOKEN, BatchInput, SamplingSpec
-from tests.conftest import TINY_VOCAB
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.tiny_models import TINY_VOCAB
 
 PS = 4
 

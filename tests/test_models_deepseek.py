@@ -35,9 +35,9 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.step import BatchInput
-from tests.conftest import TINY_VOCAB
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
 from tests.helpers.ranks import run_ranks
+from tests.helpers.tiny_models import TINY_VOCAB
 
 PS = 4
 NEW = 12

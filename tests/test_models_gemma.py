@@ -27,8 +27,8 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.memory.kv_cache import KVCache
-from tests.conftest import TINY_VOCAB
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.tiny_models import TINY_VOCAB
 from tests.test_engine import check_three_ways, random_prompts, reference
 from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch
 from tests.test_tp_shared_memory import run_ranks

@@ -27,7 +27,7 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_layers
 from relay.execution.model_runner import ModelRunner
 from relay.execution.models import olmo2
-from tests.conftest import TINY_VOCAB
+from tests.helpers.tiny_models import TINY_VOCAB
 from tests.test_engine import GREEDY, check_three_ways, random_prompts, reference
 from tests.test_models_gemma import COMMON, PS, tiny_model_maker
 from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch

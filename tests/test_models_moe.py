@@ -23,7 +23,7 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.distributed import TPGroup
 from relay.execution.model_runner import ModelRunner
 from relay.execution.models.moe import MoeForCausalLM, SparseMoeBlock
-from tests.conftest import TINY_VOCAB, _tiny_config
+from tests.helpers.tiny_models import TINY_VOCAB, tiny_config
 from tests.test_engine import check_three_ways, random_prompts
 from tests.test_tp_shared_memory import run_ranks
 
@@ -74,7 +74,7 @@ def test_moe_block_equals_transformers_block_with_ties_and_idle_experts(arch, dt
     router probabilities tie (two experts share a router row), and over a step of 1-3 tokens,
     where most experts get no token at all (and run no GEMM)."""
     torch.manual_seed(0)
-    config = _tiny_config(arch)
+    config = tiny_config(arch)
     hf = hf_block(arch, config).to(dtype)
     mine = relay_block(arch, config, hf, dtype)
     calls: list[int] = []
@@ -211,7 +211,7 @@ def test_tiny_moe_models_match_transformers(tiny_model_dir, arch):
     """Greedy float32 output equals transformers' generate, token for token: a batch of prompts,
     again from the prefix cache, and in a KV pool small enough to force retraction."""
     prompts = random_prompts(TINY_VOCAB, [3, 5, 8, 13, 17, 24, 31, 40, 57, 64])
-    config = _tiny_config(arch)
+    config = tiny_config(arch)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     small = 40 * PS * (config.num_hidden_layers * 2 * head_dim * 2 * 4) / (1 << 30)  # ~40 pages
     check_three_ways(
@@ -339,7 +339,7 @@ def triton_path_matches_torch_path() -> None:
     for arch in ARCHS:
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
             torch.manual_seed(0)
-            config = _tiny_config(arch)
+            config = tiny_config(arch)
             block = relay_block(arch, config, hf_block(arch, config).to(dtype), dtype)
             x = torch.randn(40, config.hidden_size).to(dtype)
             for rows in (x, x[3:6], x[:1]):

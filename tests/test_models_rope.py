@@ -19,7 +19,7 @@ from relay import Engine, SamplingParams
 from relay.config import ModelConfig
 from relay.execution.model_files import ModelFileError, resolve_model_dir
 from relay.rope import ROPE_TYPES, rope_settings
-from tests.conftest import TINY_VOCAB
+from tests.helpers.tiny_models import TINY_VOCAB
 from tests.test_engine import random_prompts, reference
 from tests.test_startup_checks import assert_one_line_error, serve
 

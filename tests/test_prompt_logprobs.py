@@ -52,7 +52,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def prompts():
-    from tests.conftest import TINY_VOCAB
+    from tests.helpers.tiny_models import TINY_VOCAB
 
     rng = random.Random(1)
     shared = [rng.randrange(2, TINY_VOCAB - 2) for _ in range(40)]

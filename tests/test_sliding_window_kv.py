@@ -18,7 +18,7 @@ from relay.execution.kernels.cpu_attention import DecodePlan
 from relay.memory.kv_allocator import FREED_PAGE
 from relay.outputs import FinishReason
 from relay.step import BatchInput
-from tests.conftest import TINY_VOCAB
+from tests.helpers.tiny_models import TINY_VOCAB
 from tests.test_engine import random_prompts, reference
 from tests.test_models_gemma import COMMON, tiny_model_maker
 from tests.test_scheduler import Harness, prompt
