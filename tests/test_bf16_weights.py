@@ -15,8 +15,8 @@ from relay.execution.kernels import cpu_gemm, isa
 from relay.execution.model_loading import weight_bytes
 from relay.execution.model_runner import ModelRunner
 from scripts.runner_steps import run_greedy
+from tests.helpers.engine_checks import random_prompts, reference
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip, held_at, kernel_level  # noqa: F401 (a fixture)
-from tests.test_engine import random_prompts, reference
 
 VOCAB = 512
 PAGE = 4

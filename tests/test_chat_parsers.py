@@ -5,7 +5,6 @@ calls; their request fields and flags; the grammar that lets reasoning run befor
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -14,13 +13,12 @@ from relay.api.chat_output import ChatOutput, whole_message
 from relay.api.errors import ProtocolError
 from relay.api.reasoning import REASONING_PARSERS, Reasoning
 from relay.api.tool_calls import AUTO, Tool, ToolCalling
-from relay.api.tool_output import assemble
 from relay.api.tool_parsers import PARSERS, parser_for_template
 from relay.config import REASONING_PARSERS as REASONING_NAMES
 from relay.config import TOOL_CALL_PARSERS as TOOL_NAMES
 from relay.config import EngineConfig
+from tests.helpers.parser_checks import MODEL, PARIS, read, splits
 
-MODEL = "m"
 WEATHER = {
     "type": "function",
     "function": {
@@ -35,32 +33,6 @@ WEATHER = {
 NOW = {"type": "function", "function": {"name": "now"}}
 
 
-def splits(text: str):
-    """The text whole, split at every point in two, one character at a time, and at random."""
-    yield [text]
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-    yield list(text)
-    rng = random.Random(len(text))
-    for _ in range(10):
-        cuts = (
-            sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6))) if len(text) > 1 else []
-        )
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-
-
-def read(tools: ToolCalling | None, reasoning: str | None, deltas: list[str], finish: str = "stop"):
-    """(reasoning, content, [(name, arguments)], finish_reason) of a streamed choice."""
-    out, pieces = ChatOutput(tools, reasoning), []
-    for d in deltas:
-        pieces += out.feed(d)
-    rest, reason = out.finish(finish)
-    pieces += rest
-    content, calls = assemble([p for p in pieces if not isinstance(p, Reasoning)])
-    thought = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    return thought or None, content or None, [(c.name, c.arguments) for c in calls], reason
-
-
 def auto(parser: str, parallel: bool = True) -> ToolCalling:
     return ToolCalling((Tool("get_weather"), Tool("now")), AUTO, parser=parser, parallel=parallel)
 
@@ -72,7 +44,6 @@ def test_config_names_are_the_registries():
 
 # ---- tool-call parsers -------------------------------------------------------------------------
 
-PARIS = '{"city": "Paris"}'
 TOOL_OUTPUTS = [
     # (parser, text, content, calls)
     (

@@ -18,9 +18,9 @@ from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.gguf_blocks import GgufRows, SourceTensor
 from relay.execution.weight_blocks import recover
+from tests.helpers.engine_checks import random_prompts
 from tests.helpers.gguf_files import VOCAB_SIZE, quantize_q4_k, write_gguf
-from tests.test_engine import random_prompts
-from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
+from tests.helpers.gguf_models import COMMON, GREEDY, greedy, transformers_on
 
 
 def q4_k_raw(rows: int, k: int, seed: int = 0) -> np.ndarray:

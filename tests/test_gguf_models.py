@@ -26,68 +26,20 @@ from relay import Engine, SamplingParams
 from relay.execution import model_files
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.model_files import ModelFileError, resolve_model_dir
+from tests.helpers.engine_checks import random_prompts
 from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
-from tests.test_engine import random_prompts
-from tests.test_startup_checks import assert_one_line_error, serve
+from tests.helpers.gguf_models import (
+    COMMON,
+    GREEDY,
+    greedy,
+    random_model,
+    transformers_on,
+)
+from tests.helpers.server_utils import assert_one_line_error, serve
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
-NEW_TOKENS = 12
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.3,
-    tie_word_embeddings=False,
-    pad_token_id=VOCAB_SIZE - 1,  # (Phi-3's default, 32000, is past this vocabulary)
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-# Gemma: tied embeddings (llama.cpp writes no output tensor for it), a window of 8 tokens that the
-# prompts run past; Gemma 3 with 6 layers, where its fixed pattern makes the 6th global, and that
-# layer's rope scaled (as Gemma 3 4B to 27B's: linear).
-GEMMA = {**COMMON, "tie_word_embeddings": True, "sliding_window": 8}
 
 
-def config(name: str):
-    import transformers as t
-
-    return {
-        "llama": lambda: t.LlamaConfig(**COMMON),
-        "llama-q8_0": lambda: t.LlamaConfig(**COMMON),
-        # llama.cpp writes Mistral as "llama": transformers reads it back as a Llama, no window
-        "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=None),
-        "qwen2": lambda: t.Qwen2Config(**COMMON),
-        "qwen3": lambda: t.Qwen3Config(**{**COMMON, "head_dim": 32}),
-        "qwen2_moe": lambda: t.Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=48),
-        # norm_topk_prob: as the released models (transformers' reader sets it: llama.cpp's rule)
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, **MOE, norm_topk_prob=True),
-        "phi3": lambda: t.Phi3Config(**COMMON),
-        "gemma2": lambda: t.Gemma2Config(
-            **GEMMA, attn_logit_softcapping=4.0, final_logit_softcapping=3.0
-        ),
-        "gemma3": lambda: t.Gemma3TextConfig(
-            **{**GEMMA, "num_hidden_layers": 6},
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        ),
-    }[name]()
-
-
-# What each file states that transformers' GGUF reader drops (model_files._UNREAD_GGUF_FIELDS).
-TOLD = {
-    "qwen3": ("head_dim",),
-    "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
-    "qwen3_moe": ("moe_intermediate_size",),
-    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
-    "gemma3": ("rope_parameters",),
-}
 CASES = [
     "llama",
     "llama-q8_0",
@@ -100,45 +52,6 @@ CASES = [
     "gemma2",
     "gemma3",
 ]
-
-
-def random_model(name: str) -> torch.nn.Module:
-    """Seeded random weights; Gemma's norms randomised too (a fresh model's are 0, where 1 + w and
-    llama.cpp's stored w + 1 would not differ) and its embedding scaled down by sqrt(hidden), which
-    it multiplies by."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32)
-    if name.startswith("gemma"):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "norm" in n:
-                    p.normal_(0.0, 0.3)
-            model.model.embed_tokens.weight /= COMMON["hidden_size"] ** 0.5
-    return model
-
-
-def transformers_on(path: str, name: str):
-    """transformers' own model from the GGUF file, told what the file states that it drops."""
-    from transformers import AutoModelForCausalLM
-
-    told = {k: getattr(config(name), k) for k in TOLD.get(name, ())}
-    folder, file = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, dtype=torch.float32, **told
-    ).eval()
-
-
-def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    model.generation_config.eos_token_id = None  # compare full-length outputs
-    with torch.inference_mode():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
 
 
 @pytest.fixture
@@ -214,7 +127,7 @@ def _gguf_step_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.layers import has_float_weight
     from relay.execution.model_runner import ModelRunner
-    from tests.test_model_runner import PS, prefill, spec
+    from tests.helpers.runner_batches import PS, prefill, spec
 
     cfg = EngineConfig(
         dtype="float32",
@@ -237,7 +150,7 @@ def test_a_gguf_file_over_two_tensor_parallel_ranks_computes_what_one_rank_does(
     permutation is undone), gate/up and the LM head, and its whole blocks of o and down's inputs;
     the all-reduced logits are one rank's."""
     from relay.execution.distributed import TPGroup
-    from tests.test_tp_shared_memory import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     model_dir = resolve_model_dir(gguf_file("llama-q8_0"))
     prompt = random_prompts(VOCAB_SIZE, [20], seed=3)[0]

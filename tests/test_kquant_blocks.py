@@ -14,17 +14,15 @@ super-block falls back to float32 scales."""
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
 
 from relay import Engine
-from relay.execution import gguf_weights, model_files
+from relay.execution import gguf_weights
 from relay.execution.block_rows import ALL_ROWS
 from relay.execution.gguf_blocks import (
     DECODERS,
@@ -49,16 +47,24 @@ from relay.execution.weight_blocks import (
     pack_kquant,
     record_bytes,
 )
-from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
-from tests.helpers.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
-from tests.test_engine import random_prompts
-from tests.test_gguf_models import COMMON, GREEDY, greedy, transformers_on
-from tests.test_one_call_decoders import (  # noqa: F401 (q8_0_file: a fixture)
+from tests.helpers.block_checks import (
     assert_decode_call_is_the_layers,
-    one_call_engine,
-    q8_0_file,
+    gguf_floats,
+    int8_rounded_product,
+    raw_blocks,
+    same_bits,
 )
-from tests.test_weight_blocks import int8_rounded_product
+from tests.helpers.engine_checks import random_prompts
+from tests.helpers.gguf_files import VOCAB_SIZE
+from tests.helpers.gguf_models import (  # noqa: F401 (q4_k_m_file, q8_0_file: fixtures)
+    GREEDY,
+    greedy,
+    one_call_engine,
+    q4_k_m_file,
+    q8_0_file,
+    transformers_on,
+)
+from tests.helpers.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
 
 # the fused weights' part types, and the kernel form (BlockWeight.kernel_bits) their rows take
 KINDS = {
@@ -70,37 +76,6 @@ KINDS = {
     "q4_k+q5_k": ([T.Q4_K, T.Q5_K], 8 | MIN_FLAG | UNSIGNED_FLAG),
     "q6_k+q8_0": ([T.Q6_K, T.Q8_0], 8 | GROUP16_FLAG),
 }
-
-
-def raw_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random raw blocks of qtype [rows, bytes per row] (as tests/test_gguf_blocks.q4_k_raw makes
-    Q4_K's): random quants, sub-block scales and mins, and small float16 scales (weights ~0.1), as
-    a quantizer could write them (a Q8_0 quant is never -128)."""
-    per, size, _ = DECODERS[int(qtype)]
-    rng = np.random.default_rng(seed)
-    n = rows * k // per
-    b = rng.integers(0, 256, (n, size), dtype=np.uint8)
-
-    def f16(lo: float, hi: float, count: int) -> np.ndarray:
-        return rng.uniform(lo, hi, (n, count)).astype(np.float16).view(np.uint8)
-
-    if qtype == T.Q6_K:
-        b[:, 208:210] = f16(2e-5, 6e-5, 1)  # d; the int8 scales (-128..127) are random bytes
-    elif qtype in (T.Q4_K, T.Q5_K):
-        b[:, 0:4] = f16(2e-5, 2e-4, 2)  # d, dmin (times 6-bit scales and mins)
-    elif qtype == T.Q5_1:
-        b[:, 0:2], b[:, 2:4] = f16(1e-3, 5e-3, 1), f16(-0.08, 0.0, 1)
-    elif qtype == T.Q8_0:
-        b[:, 0:2] = f16(1e-4, 1e-3, 1)
-        b[:, 2:] = np.maximum(b[:, 2:].view(np.int8), -127).view(np.uint8)
-    else:
-        raise ValueError(qtype)
-    return b.reshape(rows, -1)
-
-
-def gguf_floats(raw: np.ndarray, qtype: T, k: int) -> np.ndarray:
-    """The weight as transformers' GGUF reader gives it (gguf.quants.dequantize)."""
-    return dequantize(raw, qtype).reshape(len(raw), k)
 
 
 def kind_weight(kind: str, rows: int, k: int, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
@@ -116,10 +91,6 @@ def kind_weight(kind: str, rows: int, k: int, seed: int = 0) -> tuple[BlockWeigh
     return pack(form.bits, form.d, form.m, form.q, n, k, group=form.group), torch.from_numpy(
         np.concatenate(floats)
     )
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -532,27 +503,6 @@ def test_pack_kquant_refuses_a_super_scale_float16_cannot_hold():
 
 
 # --- a Q4_K_M-like file, loaded on its compact blocks ---
-
-Q4_K_M = {
-    **{"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K},
-    **{"ffn_gate": T.Q5_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K},
-    **{"output": T.Q6_K, "token_embd": T.Q8_0},
-}
-
-
-@pytest.fixture(scope="module")
-def q4_k_m_file(tmp_path_factory):
-    """A tiny Llama written as llama.cpp writes a Q4_K_M / Q5_K_M file (Q4_K q/k/o, Q6_K v, down and
-    output, Q5_K gate/up, Q8_0 embedding; hidden 256 and MLP 512: whole super-blocks), with the
-    transformers model's greedy output on it; its converted directory removed afterwards."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
-    path = str(tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf")
-    write_gguf(path, AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), qtype=Q4_K_M)
-    yield path, cfg
-    shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
 
 
 # (8-bit quants in -32..31 narrowed to 6 bits: gguf_weights.SIX_BIT_QUANTS)

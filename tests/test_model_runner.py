@@ -7,12 +7,10 @@ import pytest
 
 from relay.config import EngineConfig, ModelConfig
 from relay.execution.model_runner import ModelRunner
-from relay.sampling_params import SamplingParams
-from relay.step import PENDING_TOKEN, BatchInput, SamplingSpec
+from relay.step import PENDING_TOKEN, BatchInput
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.runner_batches import PS, prefill, spec
 from tests.helpers.tiny_models import TINY_VOCAB
-
-PS = 4
 
 
 @pytest.fixture(scope="module")
@@ -22,34 +20,6 @@ def runner(tiny_model_dir):
         EngineConfig(dtype="float32", page_size=PS, kv_cache_gb=0.01),
         path,
         ModelConfig.from_dir(path),
-    )
-
-
-def spec(sid: int, **params) -> SamplingSpec:
-    p = SamplingParams(temperature=0, **params)
-    return SamplingSpec(sid, p, sorted(set(p.stop_token_ids)))
-
-
-def prefill(
-    sids: list[int], prompts: list[list[int]], specs: list[SamplingSpec], step: int = 1
-) -> BatchInput:
-    tables, first = [], 1
-    for p in prompts:
-        n = -(-len(p) // PS)
-        tables.append(list(range(first, first + n)))
-        first += n
-    return BatchInput(
-        step=step,
-        sids=sids,
-        input_ids=[t for p in prompts for t in p],
-        prefix_lens=[0] * len(sids),
-        extend_lens=[len(p) for p in prompts],
-        page_starts=[0] * len(sids),
-        new_pages=tables,
-        sample=[True] * len(sids),
-        output_lens=[0] * len(sids),
-        new_specs=specs,
-        released_sids=[],
     )
 
 

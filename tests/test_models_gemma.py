@@ -27,28 +27,18 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
 from relay.memory.kv_cache import KVCache
+from tests.helpers.engine_checks import check_three_ways, random_prompts, reference
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
-from tests.helpers.tiny_models import TINY_VOCAB
-from tests.test_engine import check_three_ways, random_prompts, reference
-from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch
-from tests.test_tp_shared_memory import run_ranks
-
-WINDOW = 8
-PS = 4
-COMMON = dict(
-    vocab_size=TINY_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.3,
-    eos_token_id=TINY_VOCAB - 1,
-    bos_token_id=1,
-    pad_token_id=0,
-    sliding_window=WINDOW,
+from tests.helpers.model_families import (
+    COMMON,
+    LOGIT_PROMPTS,
+    PS,
+    WINDOW,
+    prompt_batch,
+    tiny_model_maker,
 )
+from tests.helpers.ranks import run_ranks
+from tests.helpers.tiny_models import TINY_VOCAB
 
 
 def mistral_config():
@@ -88,39 +78,6 @@ def gemma3_config():
 
 
 CONFIGS = {"mistral": mistral_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
-
-
-def tiny_model_maker(tmp_path_factory, default_model_dir, configs: dict, finish=None):
-    """A factory: name -> the directory of a seeded random model of configs[name]() (its norms
-    randomised, Gemma's embedding scaled down by sqrt(hidden), which it multiplies by: else the
-    embedding drowns the layers; then finish(model), where given, under no_grad), made once; the
-    default model's tokenizer files beside it (the prompts are token ids: any tokenizer will do)."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict[str, str] = {}
-
-    def make(name: str) -> str:
-        if name not in made:
-            torch.manual_seed(0)
-            path = str(tmp_path_factory.mktemp(name))
-            config = configs[name]()
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if "norm" in n:
-                        p.normal_(0.0, 0.3)
-                if config.model_type.startswith("gemma"):
-                    model.model.embed_tokens.weight /= config.hidden_size**0.5
-                if finish is not None:
-                    finish(model)
-            model.save_pretrained(path)
-            for f in os.listdir(default_model_dir):
-                if f.startswith("tokenizer"):
-                    shutil.copy(os.path.join(default_model_dir, f), path)
-            made[name] = path
-        return made[name]
-
-    return make
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Granite, OLMo 2, Gemma 1 and StarCoder 2 compute what transformers does.
 
-Tiny seeded random-weight checkpoints from transformers' config classes (test_models_gemma's
+Tiny seeded random-weight checkpoints from transformers' config classes (model_families'
 maker: norms randomised, Gemma's embedding scaled down): greedy float32 output token for token
 through the offline Engine (prompt chunks, again from the prefix cache, under retraction), prompt
 logits (Granite's logits_scaling changes no greedy token), each detail that is easy to miss shown
@@ -27,13 +27,11 @@ from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_layers
 from relay.execution.model_runner import ModelRunner
 from relay.execution.models import olmo2
+from tests.helpers.block_checks import assert_decode_call_is_the_layers, blocks_or_skip, gguf_q8_0
+from tests.helpers.engine_checks import GREEDY, check_three_ways, random_prompts, reference
+from tests.helpers.model_families import COMMON, LOGIT_PROMPTS, PS, prompt_batch, tiny_model_maker
+from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny_models import TINY_VOCAB
-from tests.test_engine import GREEDY, check_three_ways, random_prompts, reference
-from tests.test_models_gemma import COMMON, PS, tiny_model_maker
-from tests.test_models_moe import LOGIT_PROMPTS, prompt_batch
-from tests.test_one_call_decoders import assert_decode_call_is_the_layers
-from tests.test_tp_shared_memory import run_ranks
-from tests.test_weight_blocks import blocks_or_skip, gguf_q8_0
 
 SHAPE = {k: v for k, v in COMMON.items() if k not in ("sliding_window", "head_dim")}
 HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # but Gemma 1's

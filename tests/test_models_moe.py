@@ -23,9 +23,10 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.distributed import TPGroup
 from relay.execution.model_runner import ModelRunner
 from relay.execution.models.moe import MoeForCausalLM, SparseMoeBlock
+from tests.helpers.engine_checks import check_three_ways, random_prompts
+from tests.helpers.model_families import LOGIT_PROMPTS, prompt_batch
+from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny_models import TINY_VOCAB, tiny_config
-from tests.test_engine import check_three_ways, random_prompts
-from tests.test_tp_shared_memory import run_ranks
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral"]
 PS = 4
@@ -222,32 +223,6 @@ def test_tiny_moe_models_match_transformers(tiny_model_dir, arch):
         chunked_prefill_size=48,
         kv_cache_gb=0.01,
     )
-
-
-def prompt_batch(prompts: list[list[int]]):
-    from relay.step import BatchInput
-
-    tables, first = [], 1
-    for p in prompts:
-        n = -(-len(p) // PS)
-        tables.append(list(range(first, first + n)))
-        first += n
-    n = len(prompts)
-    batch = BatchInput(
-        step=0,
-        sids=list(range(n)),
-        input_ids=[t for p in prompts for t in p],
-        prefix_lens=[0] * n,
-        extend_lens=[len(p) for p in prompts],
-        page_starts=[0] * n,
-        new_pages=tables,
-        sample=[True] * n,
-        output_lens=[0] * n,
-    )
-    return batch, tables
-
-
-LOGIT_PROMPTS = random_prompts(TINY_VOCAB, [7, 19, 33], seed=5)
 
 
 def runner_logits(

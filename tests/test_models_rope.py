@@ -19,9 +19,9 @@ from relay import Engine, SamplingParams
 from relay.config import ModelConfig
 from relay.execution.model_files import ModelFileError, resolve_model_dir
 from relay.rope import ROPE_TYPES, rope_settings
+from tests.helpers.engine_checks import random_prompts, reference
+from tests.helpers.server_utils import assert_one_line_error, serve
 from tests.helpers.tiny_models import TINY_VOCAB
-from tests.test_engine import random_prompts, reference
-from tests.test_startup_checks import assert_one_line_error, serve
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_greedy_output_equals_transformers(model_dir, name):
     (transformers' generate then recomputes the sequence with the long factors, and Relay too),
     prompts of 40 and 70 start past it. The dynamic-NTK model decodes past max_position_embeddings
     (transformers recomputes its base for each token decoded there)."""
-    from tests.test_engine import check_three_ways
+    from tests.helpers.engine_checks import check_three_ways
 
     lengths = [3, 9, 13, 25, 31, 40, 70] if "longrope" in name else [3, 9, 17, 25, 31, 40]
     head_dim = 32 if name == "qwen3-yarn" else 16
@@ -368,7 +368,7 @@ def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(m
     from relay.config import EngineConfig
     from relay.execution.model_runner import ModelRunner
     from tests.helpers.kernel_helpers import cpu_kernels_or_skip
-    from tests.test_model_runner import PS, prefill, spec
+    from tests.helpers.runner_batches import PS, prefill, spec
 
     cpu_kernels_or_skip()
     path = model_dir("phi3-longrope")
@@ -398,7 +398,7 @@ def test_the_cpu_rope_kernel_reads_the_long_factor_rows_as_the_torch_path_does(m
 def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
     from relay.config import EngineConfig
     from relay.execution.model_runner import ModelRunner
-    from tests.test_model_runner import PS, prefill, spec
+    from tests.helpers.runner_batches import PS, prefill, spec
 
     runner = ModelRunner(
         EngineConfig(dtype="float32", tp_size=2, page_size=PS, kv_cache_gb=0.01),
@@ -415,7 +415,7 @@ def _phi3_last_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch
 def test_phi3_over_two_tensor_parallel_ranks_computes_transformers_logits(tmp_path, model_dir):
     """--tp 2: each rank loads its share of the fused qkv_proj and gate_up_proj; the all-reduced
     logits of a 40-token prompt (past the original length) are transformers'."""
-    from tests.test_tp_shared_memory import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     path = model_dir("phi3-longrope")
     prompt = random_prompts(TINY_VOCAB, [40], seed=7)[0]

@@ -7,24 +7,23 @@ one and greedy-equal to transformers on the same file.
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 
-from relay import Engine
-from relay.execution import model_files
-from relay.execution.block_rows import ALL_ROWS
 from relay.execution.kernels import cpu_layers, cpu_ops
-from relay.step import BatchInput
-from tests.helpers.gguf_files import VOCAB_SIZE, write_gguf
+from tests.helpers.block_checks import assert_decode_call_is_the_layers
+from tests.helpers.engine_checks import random_prompts
+from tests.helpers.gguf_files import VOCAB_SIZE
+from tests.helpers.gguf_models import (  # noqa: F401 (q8_0_file: a fixture)
+    GREEDY,
+    NEW_TOKENS,
+    greedy,
+    one_call_engine,
+    q8_0_file,
+    transformers_on,
+)
 from tests.helpers.kernel_helpers import kernel_level  # noqa: F401 (a fixture)
-from tests.test_engine import random_prompts
-from tests.test_gguf_models import GREEDY, NEW_TOKENS, greedy, random_model, transformers_on
-from tests.test_weight_blocks import step_each_way
 
 MODELS = ["qwen3", "gemma2", "gemma3"]
 
@@ -56,38 +55,6 @@ def test_head_norm_norms_each_q_and_k_head_in_place_and_leaves_v(kernel_level, h
     assert torch.equal(got[:, nq + nk :], heads[:, nq + nk :])
 
 
-@pytest.fixture
-def q8_0_file(tmp_path):
-    """A factory: model name (test_gguf_models' configs) -> a Q8_0 GGUF file of it; each file's
-    converted directory is removed from Relay's cache afterwards."""
-    made = []
-
-    def make(name: str) -> str:
-        path = str(tmp_path / name / f"{name}.gguf")
-        os.makedirs(os.path.dirname(path))
-        write_gguf(path, random_model(name), qtype=gguf.GGMLQuantizationType.Q8_0)
-        made.append(path)
-        return path
-
-    yield make
-    for path in made:
-        shutil.rmtree(model_files.converted_dir(path), ignore_errors=True)
-
-
-def one_call_engine(path: str) -> Engine:
-    """An engine on the file whose decode steps all run in one C call: start-up times the call
-    against the layers (which a tiny model's layers can win); eligible is what is tested here."""
-    engine = Engine(
-        path,
-        dtype="float32",
-        kv_cache_gb=0.01,
-        block_activations="float",
-        weight_block_rows=ALL_ROWS,
-    )
-    assert engine.runner.model.use_decode_layers(engine.runner.attn), "eligible for the C call"
-    return engine
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_output_through_the_one_call_decode_equals_transformers(
     q8_0_file, name, monkeypatch
@@ -117,23 +84,3 @@ def test_a_decode_step_in_one_c_call_is_the_layers_bit_for_bit(q8_0_file, kernel
     runner = one_call_engine(q8_0_file(name)).runner
     fast = runner.model.decode_layers
     assert_decode_call_is_the_layers(runner, fast)
-
-
-def assert_decode_call_is_the_layers(runner, fast) -> None:
-    """Three requests prefilled (20, 5 and 30 tokens), then one decode step of all three run in
-    one C call (fast: the model's decode_layers) and by the layers one by one: the same logits
-    and the same keys and values written, bit for bit."""
-    ids = random_prompts(VOCAB_SIZE, [20, 5, 30], seed=1)
-    tables = [[1, 2], [3], [4, 5]]
-    for i, prompt in enumerate(ids):
-        n = len(prompt)
-        runner.step_logits(
-            BatchInput(0, [i], prompt, [0], [n], [0], [tables[i]], [True], [0]), [tables[i]]
-        )
-    lens = [len(p) for p in ids]
-    step = BatchInput(
-        0, [0, 1, 2], [5, 6, 7], lens, [1] * 3, [0] * 3, [[]] * 3, [True] * 3, [1] * 3
-    )
-    (call, kv_call), (layered, kv_layered) = step_each_way(runner, step, tables, (fast, None))
-    assert torch.equal(call, layered)
-    assert all(torch.equal(a, b) for a, b in zip(kv_call, kv_layered))

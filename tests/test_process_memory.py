@@ -221,7 +221,7 @@ def test_the_launcher_converts_a_gguf_file_in_a_child(tmp_path, monkeypatch):
     only finds the converted directory. A file that does not convert is one ModelFileError."""
     from launch.model_dir import needs_conversion, resolve_model_dir_apart
     from tests.helpers.gguf_files import write_gguf
-    from tests.test_gguf_models import random_model
+    from tests.helpers.gguf_models import random_model
 
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(str(tmp_path / "tiny.gguf"), random_model("llama"))

@@ -29,7 +29,8 @@ from relay.execution.layers import (
     quantize_rows_int8,
     w8a8_weight,
 )
-from tests.test_engine import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
+from tests.helpers.block_kernels import needs_blocks
+from tests.helpers.engine_checks import DEFAULT_MODEL_TEXTS, GREEDY, NEW_TOKENS
 
 
 def test_quantize_int8_rounds_each_weight_to_its_rows_grid():
@@ -217,10 +218,6 @@ def test_default_model_w8a8_is_still_the_model(default_model_dir, monkeypatch):
 
 # ---- a float checkpoint quantized at load into the CPU block kernels' forms (quantized_blocks) ----
 
-needs_blocks = pytest.mark.skipif(
-    not cpu_gemm.gemm_blocks_available(), reason="the block kernels are not built here"
-)
-
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_quantized_blocks_round_each_block_of_32_to_its_grid(quantization):
@@ -293,7 +290,7 @@ def test_a_safetensors_model_quantized_at_load_is_served_from_blocks_alone(
     from relay.execution.layers import has_float_weight
     from relay.execution.model_loading import weight_bytes
     from relay.execution.quantized_blocks import BlockRows
-    from tests.test_engine import random_prompts
+    from tests.helpers.engine_checks import random_prompts
 
     path = tiny_model_dir(arch)
     engine = Engine(
@@ -330,7 +327,7 @@ def _quantized_step_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> 
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.layers import has_float_weight
     from relay.execution.model_runner import ModelRunner
-    from tests.test_model_runner import PS, prefill, spec
+    from tests.helpers.runner_batches import PS, prefill, spec
 
     cfg = EngineConfig(
         dtype="float32",
@@ -352,8 +349,8 @@ def test_two_tensor_parallel_ranks_quantize_their_shards_as_one_rank_does(tiny_m
     blocks of o's and down's inputs; its embedding rows come from its shard of the head's blocks
     (the others' summed in): the all-reduced logits are one rank's."""
     from relay.execution.distributed import TPGroup
-    from tests.test_engine import random_prompts
-    from tests.test_tp_shared_memory import run_ranks
+    from tests.helpers.engine_checks import random_prompts
+    from tests.helpers.ranks import run_ranks
 
     path = tiny_model_dir("llama3")
     prompt = random_prompts(1024, [20], seed=3)[0]
@@ -367,7 +364,7 @@ def test_two_tensor_parallel_ranks_quantize_their_shards_as_one_rank_does(tiny_m
 def test_the_one_call_decode_reads_quantized_blocks_as_the_layers_do(tiny_model_dir, quantization):
     """With the default block activations (int8 from AVX2 up: the dot layout) a float32 model's
     decode step runs in one C call on the quantized blocks, bit for bit what the layers compute."""
-    from tests.test_one_call_decoders import assert_decode_call_is_the_layers
+    from tests.helpers.block_checks import assert_decode_call_is_the_layers
 
     path = tiny_model_dir("llama3")
     engine = Engine(path, dtype="float32", quantization=quantization, kv_cache_gb=0.01)

@@ -23,9 +23,9 @@ from relay.config import ModelConfig
 from relay.execution.layers import has_float_weight
 from relay.execution.packed_int4 import unpack_awq, unpack_gptq
 from tests.helpers import quantized_checkpoints as qc
-from tests.test_engine import GREEDY, NEW_TOKENS, random_prompts
-from tests.test_quantization import needs_blocks
-from tests.test_startup_checks import assert_one_line_error, serve
+from tests.helpers.block_kernels import needs_blocks
+from tests.helpers.engine_checks import GREEDY, NEW_TOKENS, random_prompts
+from tests.helpers.server_utils import assert_one_line_error, serve
 
 PROMPTS = random_prompts(1024, [3, 17, 40], seed=4)
 
@@ -136,7 +136,7 @@ def test_fused_parts_in_different_act_orders_become_floats(make, monkeypatch):
 
 @needs_blocks
 def test_the_one_call_decode_takes_awq_blocks_but_not_reordered_inputs(make, tmp_path):
-    from tests.test_one_call_decoders import assert_decode_call_is_the_layers
+    from tests.helpers.block_checks import assert_decode_call_is_the_layers
 
     path, _, _ = make("awq", 64)
     runner = Engine(path, dtype="float32", kv_cache_gb=0.01).runner  # int8 activations from AVX2
@@ -152,7 +152,7 @@ def test_the_one_call_decode_takes_awq_blocks_but_not_reordered_inputs(make, tmp
 def _step_logits(rank: int, tp, model_dir: str, prompt: list[int]) -> torch.Tensor:
     from relay.config import EngineConfig
     from relay.execution.model_runner import ModelRunner
-    from tests.test_model_runner import PS, prefill, spec
+    from tests.helpers.runner_batches import PS, prefill, spec
 
     cfg = EngineConfig(
         dtype="float32", tp_size=tp.size, page_size=PS, kv_cache_gb=0.01, block_activations="float"
@@ -168,7 +168,7 @@ def test_two_tensor_parallel_ranks_place_their_shards_as_one_rank_does(make, tmp
     gate/up as blocks, o's and down's halves of the inputs (which cut act-order groups) as
     floats; the all-reduced logits are one rank's."""
     from relay.execution.distributed import TPGroup
-    from tests.test_tp_shared_memory import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     path, _, _ = make("gptq", 32, act_order=True)
     want = _step_logits(0, TPGroup(), path, PROMPTS[2])

@@ -26,13 +26,9 @@ from relay.execution.weight_blocks import (
     MIN_FLAG,
     pack,
 )
+from tests.helpers.block_checks import gguf_floats, raw_blocks, same_bits
+from tests.helpers.gguf_models import q4_k_m_file  # noqa: F401 (q4_k_m_file: a fixture)
 from tests.helpers.kernel_helpers import held_at, kernel_level, levels_here  # noqa: F401 (a fixture)
-from tests.test_kquant_blocks import (  # noqa: F401 (q4_k_m_file: a fixture)
-    gguf_floats,
-    q4_k_m_file,
-    raw_blocks,
-    same_bits,
-)
 
 KS = KSCALES_FLAG
 # the parts' types, the 6-bit kernel form with float32 scales, and its bits a weight with compact ones

@@ -1,6 +1,6 @@
 """KV pages behind every layer's sliding window go back to the pool while requests run.
 
-Scheduler tests against test_scheduler's fake runner (its rows read back only what their queries
+Scheduler tests against scheduler_harness's fake runner (its rows read back only what their queries
 attend, so a page given back too early shows up as a wrong history), then the offline Engine on a
 tiny random Mistral (every layer slides) and Gemma 3 (one global layer) against transformers'
 greedy output token for token. What a request holds is read off the allocator at every step:
@@ -18,10 +18,10 @@ from relay.execution.kernels.cpu_attention import DecodePlan
 from relay.memory.kv_allocator import FREED_PAGE
 from relay.outputs import FinishReason
 from relay.step import BatchInput
+from tests.helpers.engine_checks import random_prompts, reference
+from tests.helpers.model_families import COMMON, tiny_model_maker
+from tests.helpers.scheduler_harness import Harness, prompt
 from tests.helpers.tiny_models import TINY_VOCAB
-from tests.test_engine import random_prompts, reference
-from tests.test_models_gemma import COMMON, tiny_model_maker
-from tests.test_scheduler import Harness, prompt
 
 WINDOW, PS = 16, 4
 

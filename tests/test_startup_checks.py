@@ -8,34 +8,13 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from relay.execution import model_files
 from relay.execution.model_files import ModelFileError, resolve_model_dir
-from tests.helpers.server_utils import ROOT, wait_until
-
-
-def serve(*flags: str, cache_dir: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"RELAY_CACHE_DIR": cache_dir} if cache_dir else {})}
-    return subprocess.run(
-        [sys.executable, "-m", "launch.serve", "--load-format", "dummy-null", *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def assert_one_line_error(out: subprocess.CompletedProcess, *names: str) -> None:
-    assert out.returncode == 2, out.stderr[-2000:]
-    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
-    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert all(name in errors[0] for name in names), errors[0]
+from tests.helpers.server_utils import assert_one_line_error, serve, wait_until
 
 
 def test_a_taken_port_stops_the_server_before_any_model_loads():

@@ -16,7 +16,7 @@ from relay.api.reasoning import Reasoning
 from relay.api.tool_calls import AUTO, NAMED, REQUIRED, Tool, ToolCalling
 from relay.api.tool_output import CallStart
 from relay.api.tool_parsers import parser_for_template
-from tests.test_chat_parsers import MODEL, PARIS, read, splits
+from tests.helpers.parser_checks import MODEL, PARIS, read, splits
 
 WEATHER_PARAMS = {
     "type": "object",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relay.execution.distributed import TPGroup
-from tests.helpers.ranks import run_ranks  # (other test modules import it from here too)
+from tests.helpers.ranks import run_ranks
 
 
 def _collectives(rank: int, tp: TPGroup) -> dict:
@@ -81,7 +81,7 @@ def _prompt_and_decode_steps(rank: int, tp: TPGroup, model_dir: str) -> dict:
     from relay.config import EngineConfig, ModelConfig
     from relay.execution.model_runner import ModelRunner
     from relay.step import BatchInput
-    from tests.test_weight_blocks import step_each_way
+    from tests.helpers.block_checks import step_each_way
 
     runner = ModelRunner(
         # (float activations: bfloat16 panels stay beside the blocks)

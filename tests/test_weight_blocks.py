@@ -14,8 +14,13 @@ from relay.execution.kernels import cpu, cpu_gemm, cpu_layers, isa
 from relay.execution.layers import Linear, pack_for_cpu
 from relay.execution.model_runner import ModelRunner
 from relay.execution.weight_blocks import recover
+from tests.helpers.block_checks import (
+    blocks_or_skip,
+    gguf_q8_0,
+    int8_rounded_product,
+    step_each_way,
+)
 from tests.helpers.kernel_helpers import (  # noqa: F401 (kernel_level: a fixture)
-    cpu_kernels_or_skip,
     held_at,
     kernel_level,
     levels_here,
@@ -31,14 +36,6 @@ def gguf_q4_1(w: np.ndarray) -> np.ndarray:
     q = np.minimum(15, ((b - lo[:, None]) * inv[:, None] + 0.5).astype(np.int8)).astype(np.float32)
     d16, m16 = d.astype(np.float16).astype(np.float32), lo.astype(np.float16).astype(np.float32)
     return ((d16[:, None] * q) + m16[:, None]).reshape(w.shape)
-
-
-def gguf_q8_0(w: np.ndarray) -> np.ndarray:
-    b = w.reshape(-1, 32).astype(np.float32)
-    d = np.abs(b).max(1) / 127
-    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.round(b * inv[:, None]).astype(np.float32)
-    return (d.astype(np.float16).astype(np.float32)[:, None] * q).reshape(w.shape)
 
 
 def weight(n: int, k: int, kind: str, seed: int = 0) -> torch.Tensor:
@@ -66,11 +63,6 @@ def test_weights_that_are_not_blocks_stay_float(monkeypatch):
     assert recover(w) is None, "a bad block in a later part fails the whole weight"
     assert recover(weight(64, 48, "q4_1")[:, :40]) is None  # not whole blocks
     assert recover(weight(64, 64, "q4_1").bfloat16()) is None
-
-
-def blocks_or_skip() -> None:
-    cpu_kernels_or_skip()
-    assert cpu_gemm.gemm_blocks_available(), "the block GEMM runs at every instruction-set level"
 
 
 @pytest.fixture
@@ -152,28 +144,6 @@ def test_the_default_model_runs_on_its_gguf_blocks(default_model_dir):
         ModelConfig.from_dir(default_model_dir),
     )
     assert all(mod.blocks is None for mod in off.model.gemm_modules())
-
-
-def step_each_way(
-    runner: ModelRunner,
-    step,
-    tables: list[list[int]],
-    ways: tuple,
-    attr: str = "decode_layers",
-    rows: list[int] | None = None,
-) -> list:
-    """The same step once per entry of ways (the model's decode_layers, or whatever attr names:
-    its C call, or None for the layers one by one), each from the KV cache as it was before:
-    (logits of rows, the KV after) per way."""
-    kv = [t.clone() for t in runner.kv.k + runner.kv.v]
-    results = []
-    for way in ways:
-        for t, saved in zip(runner.kv.k + runner.kv.v, kv):
-            t.copy_(saved)
-        setattr(runner.model, attr, way)
-        logits = runner.step_logits(step, tables, rows)
-        results.append((logits, [t.clone() for t in runner.kv.k + runner.kv.v]))
-    return results
 
 
 @pytest.mark.slow
@@ -577,27 +547,6 @@ def test_int8_block_activations_at_the_largest_sums_a_block_can_make(lib, sign):
         atol=1e-4,
         rtol=1e-6,
     )
-
-
-def int8_rounded_product(x: torch.Tensor, blocks) -> torch.Tensor:
-    """What GEMMs with int8 block activations compute, in float64: x rounded to 8 bits per block of
-    32 (scale max |x| / 127, round half to even) times the exact weights, except the m term (Q4_1's,
-    and any form's with a minimum), which takes the exact x's sums over each group of d and m."""
-    k = x.shape[1]
-    xb = x.reshape(x.shape[0], k // 32, 32)  # float32 steps, as the kernel takes them
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127.0) / amax.clamp_min(
-        1e-30
-    )  # a float32 division, as the kernel does
-    rounded = torch.where(amax > 0, torch.round(xb * inv), 0.0).double()
-    xq = (rounded * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape[0], k)
-    n, w = blocks.out_features, blocks.dequantize().double()
-    if not blocks.has_m:
-        return xq @ w.T
-    g = blocks.group
-    m = blocks.float_scales()[1]  # (computed from the records where the scales are compact)
-    m = m.permute(0, 2, 1).reshape(-1, k // g)[:n].double().repeat_interleave(g, dim=1)
-    return xq @ w.T + (x.double() - xq) @ m.T
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

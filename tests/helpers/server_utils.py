@@ -126,3 +126,25 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# ---- a server that stops at start-up: its exit status and its one error line -------------------
+
+
+def serve(*flags: str, cache_dir: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"RELAY_CACHE_DIR": cache_dir} if cache_dir else {})}
+    return subprocess.run(
+        [sys.executable, "-m", "launch.serve", "--load-format", "dummy-null", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *names: str) -> None:
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert all(name in errors[0] for name in names), errors[0]
