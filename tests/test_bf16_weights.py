@@ -17,6 +17,7 @@ from relay.execution.model_runner import ModelRunner
 from scripts.runner_steps import run_greedy
 from tests.helpers.engine_checks import random_prompts, reference
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip, held_at, kernel_level  # noqa: F401 (a fixture)
+from tests.helpers.tiny_models import tiny_llama_config
 
 VOCAB = 512
 PAGE = 4
@@ -52,20 +53,8 @@ def test_widening_gemm_is_float32_gemm_on_the_widened_weights(kernel_level, m, n
 
 
 def tiny_llama(tied: bool):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=1,
-        tie_word_embeddings=tied,
+    return tiny_llama_config(
+        vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=tied
     )
 
 

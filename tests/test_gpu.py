@@ -38,6 +38,7 @@ from relay.execution.attention.torch_native import TorchNativeBackend, page_slot
 from relay.execution.cuda_graph import capture_batch_sizes, pad_decode_meta, padded_batch_size
 from relay.memory.kv_cache import num_pages_for_budget
 from tests.helpers import gpu_helpers as gh
+from tests.helpers.tiny_models import tiny_shape
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -512,18 +513,14 @@ def tiny_gpu_model(tmp_path_factory) -> str:
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        eos_token_id=TINY_VOCAB - 1,
-        bos_token_id=1,
-        tie_word_embeddings=True,
+        **tiny_shape(
+            vocab_size=TINY_VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            head_dim=64,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
     )
     return gh.save_random_model(str(tmp_path_factory.mktemp("tiny-gpu")), cfg)
 

@@ -21,23 +21,11 @@ from relay.execution.model_files import ModelFileError, resolve_model_dir
 from relay.rope import ROPE_TYPES, rope_settings
 from tests.helpers.engine_checks import random_prompts, reference
 from tests.helpers.server_utils import assert_one_line_error, serve
-from tests.helpers.tiny_models import TINY_VOCAB
+from tests.helpers.tiny_models import TINY_VOCAB, tiny_shape
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-COMMON = dict(
-    vocab_size=TINY_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.3,
-    eos_token_id=TINY_VOCAB - 1,
-    bos_token_id=1,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+COMMON = tiny_shape(pad_token_id=0)  # (each config below sets its max_position_embeddings)
 ORIGINAL = 32  # original_max_position_embeddings of the LongRoPE models
 
 
@@ -46,8 +34,7 @@ def phi3_config(partial: float = 1.0):
 
     pairs = int(64 // 4 * partial) // 2
     return Phi3Config(
-        **COMMON,
-        max_position_embeddings=128,
+        **{**COMMON, "max_position_embeddings": 128},
         original_max_position_embeddings=ORIGINAL,
         partial_rotary_factor=partial,
         rope_parameters={
@@ -65,8 +52,7 @@ def llama_config(rope: dict, max_positions: int = 128, **extra):
 
     cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(extra.pop("family", None), LlamaConfig)
     return cls(
-        **{**COMMON, **extra},
-        max_position_embeddings=max_positions,
+        **{**COMMON, **extra, "max_position_embeddings": max_positions},
         rope_parameters={"rope_theta": 10000.0, **rope},
     )
 

@@ -13,6 +13,8 @@ import shutil
 
 import torch
 
+from tests.helpers.tiny_models import tiny_llama_config
+
 AWQ_ORDER = (
     0,
     2,
@@ -29,22 +31,10 @@ GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 def tiny_llama(tokenizer_dir: str, path: str, seed: int = 0):
     """A float32 random Llama of hidden 128 and MLP 256 (so groups of 128 fit every GEMM),
     saved with the tokenizer files of tokenizer_dir; the transformers model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        eos_token_id=1023,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(hidden_size=128, intermediate_size=256)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     for name in os.listdir(tokenizer_dir):
