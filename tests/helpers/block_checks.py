@@ -32,7 +32,7 @@ def blocks_or_skip() -> None:
 
 
 def raw_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random raw blocks of qtype [rows, bytes per row] (as tests/test_gguf_blocks.q4_k_raw makes
+    """Random raw blocks of qtype [rows, bytes per row] (as tests/execution/weights/test_gguf_blocks.q4_k_raw makes
     Q4_K's): random quants, sub-block scales and mins, and small float16 scales (weights ~0.1), as
     a quantizer could write them (a Q8_0 quant is never -128)."""
     per, size, _ = DECODERS[int(qtype)]

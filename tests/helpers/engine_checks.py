@@ -61,7 +61,7 @@ def check_three_ways(
 ) -> None:
     """Greedy output equals transformers' (prompt chunks), again from the prefix cache, and in a
     small pool, which must force retraction unless `retracts` is False (requests that give back
-    pages behind a sliding window wait for room instead: tests/test_sliding_window_kv.py forces
+    pages behind a sliding window wait for room instead: tests/scheduling/test_sliding_window_kv.py forces
     it there)."""
     expected = reference(model_dir, prompts, NEW_TOKENS)
     engine = Engine(model_dir, dtype="float32", **engine_kw)

@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_gpu.py, its Triton-interpreter subprocess (run this module
+"""Helpers shared by tests/execution/test_gpu.py, its Triton-interpreter subprocess (run this module
 with TRITON_INTERPRET=1) and scripts/gpu_check.py.
 
 - random paged attention batches and a backend-vs-torch comparison at the attention level

@@ -13,8 +13,8 @@ import time
 import httpx
 
 from procs.common import terminate
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_LINE = "Relay is ready"
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from relay.execution.kernels import isa
+from tests.helpers.paths import ROOT
 
 ZEN3 = "fpu sse4_2 avx avx2 fma f16c bmi2"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni avx512_bf16"
@@ -119,6 +120,6 @@ def test_the_install_step_builds_the_library_the_server_loads():
     )
     assert done.stdout.split(": ")[1].split(" (")[0] == cpu.library_path()
     assert os.path.exists(cpu.library_path())
-    install = os.path.join(os.path.dirname(__file__), "..", "scripts", "install.sh")
+    install = os.path.join(ROOT, "scripts", "install.sh")
     with open(install) as f:
         assert "-m relay.execution.kernels" in f.read()

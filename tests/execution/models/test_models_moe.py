@@ -25,6 +25,7 @@ from relay.execution.model_runner import ModelRunner
 from relay.execution.models.moe import MoeForCausalLM, SparseMoeBlock
 from tests.helpers.engine_checks import check_three_ways, random_prompts
 from tests.helpers.model_families import LOGIT_PROMPTS, prompt_batch
+from tests.helpers.paths import ROOT
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny_models import TINY_VOCAB, tiny_config
 
@@ -304,7 +305,6 @@ def test_server_serves_a_moe_model_as_the_engine_does(tiny_model_dir):
 
 # ---- the Triton grouped-GEMM path (CUDA; checked here without a GPU) ----------------------------
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def triton_path_matches_torch_path() -> None:
@@ -332,7 +332,7 @@ def triton_path_matches_torch_path() -> None:
 def test_triton_grouped_experts_in_interpreter():
     path = [ROOT, os.path.join(ROOT, "src")] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    check = "import tests.test_models_moe as t; t.triton_path_matches_torch_path()"
+    check = "import tests.execution.models.test_models_moe as t; t.triton_path_matches_torch_path()"
     proc = subprocess.run(
         [sys.executable, "-c", check],
         env=env,

@@ -36,8 +36,7 @@ from relay.api.guard import (
 from relay.api.parsed_request import ParsedRequest
 from relay.health import Heartbeats
 from relay.sampling_params import SamplingParams
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 async def echo_app(scope, receive, send):

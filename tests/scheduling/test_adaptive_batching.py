@@ -66,7 +66,7 @@ class Sim:
     ):
         self.clock = Clock()
         # Fixed limits here mean every decode in every step: the comparison is of step limits, not
-        # of prefill-first holds (tests/test_scheduler.py), which a latency target turns off anyway.
+        # of prefill-first holds (tests/scheduling/test_scheduler.py), which a latency target turns off anyway.
         cfg = EngineConfig(
             page_size=16,
             chunked_prefill_size=budget,

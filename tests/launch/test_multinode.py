@@ -244,8 +244,8 @@ class Node1:
 
 @pytest.mark.slow
 def test_two_nodes_equal_tp1_and_a_dead_node_stops_node0(default_model_dir):
-    # The offline engine is the tp 1 reference (the server's tp 1 output equals it: tests/
-    # test_speculative_server.py): cheaper than a third server.
+    # The offline engine is the tp 1 reference (the server's tp 1 output equals it:
+    # tests/server/test_speculative_server.py): cheaper than a third server.
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     expected = [
         o.token_ids

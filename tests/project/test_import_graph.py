@@ -15,7 +15,8 @@ from __future__ import annotations
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
+
 # (directory holding the top-level package, top-level package)
 PACKAGES = (("src", "relay"), ("", "procs"), ("", "ipc"), ("", "launch"))
 

@@ -38,12 +38,12 @@ from relay.execution.attention.torch_native import TorchNativeBackend, page_slot
 from relay.execution.cuda_graph import capture_batch_sizes, pad_decode_meta, padded_batch_size
 from relay.memory.kv_cache import num_pages_for_budget
 from tests.helpers import gpu_helpers as gh
+from tests.helpers.paths import ROOT
 from tests.helpers.tiny_models import tiny_shape
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 GPU_BACKENDS = [

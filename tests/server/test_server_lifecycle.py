@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from procs.common import terminate
-from tests.helpers.server_utils import Server, alive, wait_until
+from tests.helpers.server_utils import ROOT, Server, alive, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +159,7 @@ def test_bad_model_path_fails_fast():
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     assert out.returncode != 0 and "does not exist" in out.stderr
 
@@ -170,7 +170,7 @@ def test_help_explains_flags():
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     for flag in (
         "--model-path",

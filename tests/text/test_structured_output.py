@@ -638,7 +638,7 @@ def test_schema_wider_than_the_property_limit_is_a_400_naming_the_field(engine):
 
 def test_backend_loads_its_vocabulary_on_the_first_constraint(default_model_dir, tmp_path, caplog):
     """Nothing loads until a constraint comes (xgrammar imports torch, which a server's scheduler
-    otherwise never holds: tests/test_process_memory.py). A vocabulary that cannot load fails each
+    otherwise never holds: tests/server/test_process_memory.py). A vocabulary that cannot load fails each
     constrained request alone, with a 400 naming its field, and is logged once."""
     vocab = ModelConfig.from_dir(default_model_dir).vocab_size
     backend = make_backend(default_model_dir, vocab, [2])
