@@ -1,6 +1,6 @@
 """Driving a ModelRunner step by step without a scheduler: token sequences with their own pages turned
 into BatchInputs, and greedy decoding through runner.step_logits. scripts/gpu_check.py and the GPU tests
-(tests/gpu_helpers.py) both use it, so it lives here, where scripts need not import tests."""
+(tests/helpers/gpu_helpers.py) both use it, so it lives here, where scripts need not import tests."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 UNVERIFIED ON A GPU: written on a machine without one; the tests run these kernels under Triton's
 interpreter (TRITON_INTERPRET=1) on CPU tensors against the torch grouped path
-(tests/test_models_moe.py), which checks the indexing and arithmetic, not CUDA compilation,
+(tests/execution/models/test_models_moe.py), which checks the indexing and arithmetic, not CUDA compilation,
 speed or tile sizes.
 
 A step's (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
