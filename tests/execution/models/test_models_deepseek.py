@@ -34,8 +34,8 @@ from relay.config import EngineConfig, ModelConfig
 from relay.execution.distributed import TPGroup
 from relay.execution.kernels import cpu_attention
 from relay.execution.model_runner import ModelRunner
-from relay.step import BatchInput
 from tests.helpers.kernel_helpers import cpu_kernels_or_skip
+from tests.helpers.model_families import prompt_batch
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny_models import TINY_VOCAB
 
@@ -183,22 +183,7 @@ def prompt_logits(path: str, mc: ModelConfig | None = None, tp: TPGroup | None =
         dtype="float32", page_size=PS, kv_cache_gb=0.01, tp_size=tp.size if tp else 1
     )
     runner = ModelRunner(cfg, path, mc or ModelConfig.from_dir(path), *([tp] if tp else []))
-    tables, first = [], 1
-    for p in LOGIT_PROMPTS:
-        tables.append(list(range(first, first + -(-len(p) // PS))))
-        first += len(tables[-1])
-    n = len(LOGIT_PROMPTS)
-    batch = BatchInput(
-        step=0,
-        sids=list(range(n)),
-        input_ids=[t for p in LOGIT_PROMPTS for t in p],
-        prefix_lens=[0] * n,
-        extend_lens=[len(p) for p in LOGIT_PROMPTS],
-        page_starts=[0] * n,
-        new_pages=tables,
-        sample=[True] * n,
-        output_lens=[0] * n,
-    )
+    batch, tables = prompt_batch(LOGIT_PROMPTS)
     return runner.step_logits(batch, tables), runner
 
 
